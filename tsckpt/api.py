@@ -1,0 +1,90 @@
+"""One-call save and load with tsckpt's planners chosen for you."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .errors import TsckptError
+from .planner import LoadPlanner, SavePlanner
+from .storage import PathLike, TensorStoreReader, TensorStoreWriter
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    overwrite: bool = False,
+    **writer_options: Any,
+) -> Metadata:
+    """Save ``state_dict`` (DTensors, ShardedTensors, tensors, plain values) to ``path``.
+
+    Collective when a process group is initialized: every rank calls it.
+    ``writer_options`` go to :class:`TensorStoreWriter`.
+    """
+    writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
+    with _unwrapped():
+        return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    overwrite: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Like :func:`save` but returns as soon as the state dict is staged; see ``dcp.async_save``.
+
+    Extra keyword arguments (e.g. ``async_checkpointer_type``) go to ``dcp.async_save``.
+    """
+    writer = TensorStoreWriter(path, overwrite=overwrite)
+    return dcp.async_save(
+        state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group, **kwargs
+    )
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    allow_partial_load: bool = False,
+    allow_dtype_cast: bool = False,
+    allow_pickle: bool = False,
+) -> None:
+    """Load ``path`` into ``state_dict`` in place, resharding to its current placements.
+
+    Raises :class:`~tsckpt.errors.IncompleteCheckpointError` before any
+    collective if the checkpoint was never committed.
+    """
+    reader = TensorStoreReader(path, allow_pickle=allow_pickle)
+    reader.read_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
+    planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
+    with _unwrapped():
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Iterator[None]:
+    """Re-raise a rank's tsckpt error as itself rather than DCP's CheckpointException.
+
+    DCP gathers every rank's exception into one CheckpointException (a
+    BaseException, which ``except Exception`` misses); callers of tsckpt's
+    functions get the first rank's TsckptError with its clear message.
+    """
+    try:
+        yield
+    except CheckpointException as e:
+        for _, failure in sorted(e.failures.items()):
+            if isinstance(failure, TsckptError):
+                raise failure from e
+        raise

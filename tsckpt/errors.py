@@ -1,0 +1,43 @@
+"""Exceptions raised by tsckpt.
+
+Every error a user can trigger with bad input or a broken checkpoint is a
+``TsckptError``, so callers can catch one class and show one clear line.
+"""
+
+from __future__ import annotations
+
+
+class TsckptError(Exception):
+    """Base class of every error tsckpt raises on purpose."""
+
+
+class IncompleteCheckpointError(TsckptError):
+    """The directory has no committed metadata: the save did not finish."""
+
+
+class CheckpointNotFoundError(TsckptError):
+    """Nothing exists at the given location."""
+
+
+class CheckpointExistsError(TsckptError):
+    """A complete checkpoint is already there and overwriting was not asked for."""
+
+
+class MetadataError(TsckptError):
+    """The metadata document is malformed, unsupported or inconsistent."""
+
+
+class UnsupportedDtypeError(TsckptError):
+    """A tensor's dtype has no Zarr v3 equivalent that tsckpt can store bit-exactly."""
+
+
+class PlanError(TsckptError):
+    """The regions planned for a tensor overlap, leave gaps or fall outside it."""
+
+
+class LoadMismatchError(TsckptError):
+    """The state dict being loaded does not match the checkpoint."""
+
+
+class UnsafeObjectError(TsckptError):
+    """A non-tensor value can only be restored by running code from the checkpoint."""

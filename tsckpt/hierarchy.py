@@ -1,0 +1,97 @@
+"""The commit protocol: how a save becomes a visible checkpoint, and how loads check it.
+
+Ranks write only chunk files, under array paths that hold no ``zarr.json`` yet,
+so while a save runs nothing in the directory is a Zarr node. When every rank's
+data is durable, the coordinator writes each array's ``zarr.json``, then every
+intermediate group's ``zarr.json``, and last the root ``zarr.json`` whose
+``attributes["tsckpt"]`` is the metadata document. That single write is the
+commit: a directory without it is an incomplete checkpoint and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import tensorstore as ts
+
+from . import arrays
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    MetadataError,
+)
+from .kvstore import encode_json, read_json
+from .layout import parent_groups
+from .metadata import CheckpointMetadata, TensorEntry
+
+ROOT = "zarr.json"
+ATTRIBUTE = "tsckpt"
+
+
+def tensor_attributes(key: str, entry: TensorEntry, torch_dtype: str) -> dict[str, Any]:
+    """What each array says about itself in torch terms, for zarr-python users."""
+    return {ATTRIBUTE: {
+        "kind": "tensor",
+        "key": key,
+        "torch_dtype": torch_dtype,
+        "placement": entry.placement.to_dict() if entry.placement else None,
+    }}
+
+
+def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]]) -> None:
+    """Write array and group nodes, then the root document (the commit point)."""
+    _write_all(kv, {f"{path}/{ROOT}": doc for path, doc in array_docs.items()})
+    groups = [g for g in parent_groups(list(array_docs)) if g]
+    _write_all(kv, {f"{g}/{ROOT}": arrays.group_metadata() for g in groups})
+    kv.write(ROOT, encode_json(arrays.group_metadata({ATTRIBUTE: md.to_dict()}))).result()
+
+
+def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
+    futures = [kv.write(key, encode_json(doc)) for key, doc in docs.items()]
+    for f in futures:
+        f.result()
+
+
+def is_committed(kv: ts.KvStore) -> bool:
+    doc = _read_root(kv, url="")
+    return isinstance(doc, dict) and ATTRIBUTE in (doc.get("attributes") or {})
+
+
+def prepare_target(kv: ts.KvStore, url: str, *, overwrite: bool) -> None:
+    """Refuse to clobber a complete checkpoint unless asked; when asked, un-commit first.
+
+    Removing the root document before anything else means a save that dies
+    half-way through an overwrite leaves an incomplete checkpoint, never a mix
+    of old and new arrays that loads as complete.
+    """
+    if not is_committed(kv):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{url} already holds a complete checkpoint; pass overwrite=True to replace it"
+        )
+    kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def _read_root(kv: ts.KvStore, url: str) -> Any:
+    try:
+        return read_json(kv, ROOT)
+    except json.JSONDecodeError as e:
+        raise MetadataError(f"{url}/{ROOT} is not valid JSON: {e}") from None
+
+
+def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
+    """The committed metadata, or a clear error saying why there is none."""
+    doc = _read_root(kv, url)
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
+        if doc is None and not kv.list(ts.KvStore.KeyRange()).result():
+            raise CheckpointNotFoundError(f"no checkpoint at {url}: the location is empty or missing")
+        raise IncompleteCheckpointError(
+            f"{url} is an incomplete checkpoint: the save did not finish "
+            f"(no committed metadata in {ROOT}); it cannot be loaded"
+        )
+    return CheckpointMetadata.from_dict(attrs[ATTRIBUTE])

@@ -1,0 +1,74 @@
+"""Where each state-dict entry lives inside the checkpoint's Zarr hierarchy.
+
+A state dict ``{"model": {"layers.0.w": t}}`` is flattened by DCP to the key
+``"model.layers.0.w"`` with the path ``("model", "layers.0.w")``; each path
+element becomes one Zarr node name, so the array lives at ``model/layers.0.w``.
+
+Node names are escaped so that no key can climb out of the checkpoint or
+collide with Zarr's own files: every byte outside ``[A-Za-z0-9._-]`` becomes
+``%XX`` (so ``/``, ``\\`` and ``%`` itself are encoded), and names Zarr reserves
+or that the filesystem treats specially (``.``, ``..``, ``zarr.json``, names
+starting with ``__`` or ``.``, the empty name) get their first character
+encoded too. The mapping is injective, so distinct keys never share a node.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from .errors import MetadataError
+
+KeyPath = tuple[str | int, ...]
+
+_SAFE = re.compile(r"[A-Za-z0-9._-]")
+_RESERVED = {"zarr.json"}
+
+
+def escape_name(name: str) -> str:
+    """Encode one path element as a safe Zarr node name."""
+    out = "".join(ch if _SAFE.fullmatch(ch) else _percent(ch) for ch in name)
+    if out == "":
+        return "%"
+    if out in _RESERVED or out.startswith(("__", ".")):
+        return _percent(out[0]) + out[1:]
+    return out
+
+
+def _percent(ch: str) -> str:
+    return "".join(f"%{b:02X}" for b in ch.encode("utf-8"))
+
+
+def zarr_path(key_path: Sequence[str | int]) -> str:
+    """The array or group path, relative to the checkpoint root, for a key path."""
+    if not key_path:
+        raise MetadataError("a state-dict entry needs a non-empty key path")
+    return "/".join(escape_name(str(part)) for part in key_path)
+
+
+def check_relative_path(path: str, *, what: str) -> str:
+    """Reject a stored path that could point outside the checkpoint."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or any(p in ("", ".", "..") or "\\" in p or p.startswith("__") for p in parts)
+        or any(ord(ch) < 32 for ch in path)
+    ):
+        raise MetadataError(f"{what}: path {path!r} is not a safe relative path inside the checkpoint")
+    return path
+
+
+def parent_groups(paths: Sequence[str]) -> list[str]:
+    """Every intermediate group path above ``paths`` ('' is the root), parents first."""
+    groups: set[str] = {""}
+    for path in paths:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    return sorted(groups, key=lambda p: (p.count("/") if p else -1, p))
+
+
+def flat_key(key_path: Sequence[str | int]) -> str:
+    """DCP's flattened key for a path (elements joined with '.')."""
+    return ".".join(str(p) for p in key_path)

@@ -1,0 +1,76 @@
+"""How non-tensor state-dict values (ints, lists, param_groups...) are stored.
+
+Two encodings, chosen per value:
+
+``json``
+    The value is plain data: None, bool, int, float, str, and lists, tuples and
+    dicts of those. It is stored inline in the metadata document, readable by
+    anyone. JSON has no tuples, non-string keys or NaN, so three tagged forms
+    keep the round trip exact: ``{"$tuple": [...]}``, ``{"$dict": [[k, v], ...]}``
+    (also used when a string key starts with ``$``) and ``{"$float": "nan"}``.
+``torch``
+    Anything else is serialized with ``torch.save`` into a ``uint8`` array and
+    loaded back with ``torch.load(weights_only=True)``, which cannot run code
+    from the file; arbitrary pickled objects need an explicit opt-in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+JSON = "json"
+TORCH = "torch"
+ENCODINGS = (JSON, TORCH)
+
+
+class NotJsonable(TypeError):
+    pass
+
+
+def to_json(value: Any) -> Any:
+    """Encode ``value`` as tagged JSON, or raise ``NotJsonable``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"$float": repr(value)}
+    if type(value) is list:
+        return [to_json(v) for v in value]
+    if type(value) is tuple:
+        return {"$tuple": [to_json(v) for v in value]}
+    if type(value) is dict:
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: to_json(v) for k, v in value.items()}
+        return {"$dict": [[to_json(k), to_json(v)] for k, v in value.items()]}
+    raise NotJsonable(type(value).__name__)
+
+
+def from_json(data: Any) -> Any:
+    """Inverse of :func:`to_json`."""
+    if isinstance(data, list):
+        return [from_json(v) for v in data]
+    if isinstance(data, dict):
+        if set(data) == {"$tuple"}:
+            return tuple(from_json(v) for v in data["$tuple"])
+        if set(data) == {"$dict"}:
+            return {_hashable(from_json(k)): from_json(v) for k, v in data["$dict"]}
+        if set(data) == {"$float"}:
+            return float(data["$float"])
+        return {k: from_json(v) for k, v in data.items()}
+    return data
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+def is_jsonable(value: Any) -> bool:
+    try:
+        to_json(value)
+    except NotJsonable:
+        return False
+    return True

@@ -1,0 +1,182 @@
+"""DCP planners: what each rank saves and loads, and how it is described.
+
+Planning is separate from storage (as in DCP): this module looks at DTensors,
+ShardedTensors and plain values and turns them into write items annotated with
+JSON-able placement records; :mod:`tsckpt.storage` never sees a DTensor.
+
+Save: DCP's default planning already yields one item per DTensor local shard,
+per ShardedTensor shard and per plain value, and deduplicates replicas by
+giving each duplicate to the rank with the fewest bytes so far, which spreads
+replicated writes over the replicas. On top of that tsckpt records each
+tensor's mesh and placements, and stores plain values as readable JSON.
+
+Load: DCP asks for each local shard's hyperslab in global coordinates (the
+reader reports every tensor as one whole chunk); tsckpt's load planner adds
+safe restoration of non-tensor values and refuses narrowing dtype casts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+from . import objects
+from .errors import LoadMismatchError
+
+
+class PlannerData(dict):
+    """DCP's flattening map (flat key -> key path), plus tsckpt's placement records.
+
+    It stays a dict so DCP's own global planning, which merges these maps,
+    works unchanged; ``placements`` rides along to the storage writer.
+    """
+
+    placements: dict[str, dict[str, Any]]
+
+    def __init__(self, mapping: Any = None, placements: dict[str, dict[str, Any]] | None = None):
+        super().__init__(mapping or {})
+        self.placements = placements or {}
+
+    def __reduce__(self) -> Any:
+        return (PlannerData, (dict(self), self.placements))
+
+
+class EncodedValue(io.BytesIO):
+    """Serialized non-tensor value, tagged with the encoding the writer should record."""
+
+    def __init__(self, data: bytes, encoding: str):
+        super().__init__(data)
+        self.encoding = encoding
+
+
+class DecodedValue(io.BytesIO):
+    """A value the reader already restored safely; the bytes are a torch.save of it."""
+
+    def __init__(self, value: Any):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        super().__init__(buf.getvalue())
+        self.value = value
+
+
+def _placement_record(p: Any) -> dict[str, Any]:
+    if isinstance(p, _StridedShard):
+        return {"type": "strided_shard", "dim": p.dim, "split_factor": p.split_factor}
+    if isinstance(p, Shard):
+        return {"type": "shard", "dim": p.dim}
+    if isinstance(p, Replicate):
+        return {"type": "replicate"}
+    if isinstance(p, Partial):
+        return {"type": "partial", "reduce_op": str(p.reduce_op)}
+    return {"type": "other", "repr": repr(p)}
+
+
+def describe(obj: Any) -> dict[str, Any] | None:
+    """The JSON placement record of a state-dict value (None for non-tensors)."""
+    if isinstance(obj, DTensor):
+        mesh = obj.device_mesh
+        return {
+            "kind": "dtensor",
+            "mesh": {
+                "shape": list(mesh.shape),
+                "dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+                "device_type": mesh.device_type,
+                "ranks": mesh.mesh.flatten().tolist(),
+            },
+            "placements": [_placement_record(p) for p in obj.placements],
+        }
+    if isinstance(obj, ShardedTensor):
+        return {
+            "kind": "sharded_tensor",
+            "shards": [
+                {"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes), "placement": str(s.placement)}
+                for s in obj.metadata().shards_metadata
+            ],
+        }
+    if isinstance(obj, torch.Tensor):
+        return {"kind": "replicated"}
+    return None
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planning plus placement records and JSON-readable values."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        placements = {}
+        for fqn, obj in self.state_dict.items():
+            record = describe(obj)
+            if record is not None:
+                placements[fqn] = record
+        plan = dataclasses.replace(plan, planner_data=PlannerData(plan.planner_data, placements))
+        self.plan = plan
+        return plan
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        if write_item.type != WriteItemType.BYTE_IO:
+            return object
+        try:
+            text = json.dumps(objects.to_json(object), allow_nan=False)
+            return EncodedValue(text.encode("utf-8"), objects.JSON)
+        except objects.NotJsonable:
+            buf = io.BytesIO()
+            torch.save(object, buf)
+            return EncodedValue(buf.getvalue(), objects.TORCH)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planning, with safe values and checked dtypes.
+
+    Args:
+        allow_partial_load: keys of ``state_dict`` missing from the checkpoint are skipped.
+        allow_dtype_cast: allow loading into a dtype that cannot hold every saved
+            value (e.g. float32 -> bfloat16); widening casts are always allowed.
+    """
+
+    def __init__(self, *, allow_partial_load: bool = False, allow_dtype_cast: bool = False, **kwargs: Any):
+        super().__init__(allow_partial_load=allow_partial_load, **kwargs)
+        self.allow_dtype_cast = allow_dtype_cast
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        missing = [k for k in self.state_dict if k not in self.metadata.state_dict_metadata]
+        if missing and not self.allow_partial_load:
+            raise LoadMismatchError(
+                f"{len(missing)} key(s) of the state dict are not in the checkpoint, e.g. {missing[0]!r}; "
+                "pass allow_partial_load=True to skip them"
+            )
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor):
+                self._check_tensor(fqn, md, obj)
+        return super().create_local_plan()
+
+    def _check_tensor(self, fqn: str, md: TensorStorageMetadata, obj: torch.Tensor) -> None:
+        if tuple(md.size) != tuple(obj.size()):
+            raise LoadMismatchError(
+                f"tensor {fqn!r}: checkpoint shape {list(md.size)} does not match the state dict's {list(obj.size())}"
+            )
+        saved, dest = md.properties.dtype, obj.dtype
+        if saved != dest and torch.promote_types(saved, dest) != dest and not self.allow_dtype_cast:
+            raise LoadMismatchError(
+                f"tensor {fqn!r}: loading {saved} into {dest} would lose precision; "
+                "pass allow_dtype_cast=True to allow it"
+            )
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = value.value if isinstance(value, DecodedValue) else torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
