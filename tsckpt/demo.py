@@ -1,0 +1,352 @@
+"""The main job: train a small FSDP2-sharded model on CPU ranks, save it, reload it elsewhere.
+
+``run(save_ranks, load_ranks, path)`` spawns ``save_ranks`` gloo processes that
+shard a tiny transformer with ``fully_shard``, train a few AdamW steps and save
+model, optimizer, step counter and RNG state with :func:`tsckpt.save`. Then
+``load_ranks`` fresh processes (another topology, other initial weights) load it
+with :func:`tsckpt.load` and ``set_state_dict``. Both sides gather every tensor to
+its full value; the parent compares them byte for byte, reads one array back
+with zarr-python, and prints what it did. ``python -m tsckpt.demo --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+from . import api
+from .errors import TsckptError
+from .metadata import CheckpointMetadata, TensorEntry
+
+SEED = 0
+STEPS = 3
+VOCAB = 250  # not a multiple of the rank count: FSDP2 shards the embedding unevenly
+DIM = 128
+HEADS = 4
+LAYERS = 2
+SEQ = 32
+BATCH = 4
+_PROBE = "model.embed.weight"  # the tensor shown in detail and read back with zarr-python
+
+
+class DemoError(TsckptError):
+    """A rank failed, or the reloaded state differs from the saved one."""
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What a successful run did, for callers that want the figures."""
+
+    path: str
+    save_ranks: int
+    load_ranks: int
+    tensors: int
+    tensor_bytes: int
+    disk_bytes: int
+    files: int
+    save_seconds: float
+    load_seconds: float
+
+
+# --- the model ---
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(self.ln1(x)).view(b, s, 3, HEADS, DIM // HEADS).unbind(2))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, DIM))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, a few blocks, final norm and an untied output head (about 1.8 MB of float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _build(world: int, seed: int) -> tuple[Any, Any]:
+    """The model sharded FSDP2-style over all ``world`` ranks, and its AdamW."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = TinyLM()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, list) and any(isinstance(v, (Mapping, list)) for v in value):
+        items = enumerate(value)
+    else:
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out |= _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def _full_values(state: dict[str, Any]) -> dict[str, Any]:
+    """Every leaf with DTensors gathered to full numpy arrays (collective: all ranks call it)."""
+    out = {}
+    for key, value in _flatten(state).items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor):
+            value = value.detach().contiguous().numpy().copy()
+        out[key] = value
+    return out
+
+
+# --- the two jobs, one process per rank ---
+
+def _save_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, optim = _build(world, SEED)
+    data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches; global RNG stays in step
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=data)
+        loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd, "step": STEPS, "rng": torch.get_rng_state()}
+    dist.barrier()
+    start = time.perf_counter()
+    api.save(state, path)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    full = _full_values(state)
+    return {"seconds": seconds, "losses": losses, "full": full if rank == 0 else None}
+
+
+def _load_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    # Other initial weights, so that only a real load can make the values match.
+    model, optim = _build(world, SEED + 1)
+    model_sd, optim_sd = get_state_dict(model, optim)  # also creates AdamW's state to load into
+    state = {"model": model_sd, "optim": optim_sd, "step": 0, "rng": torch.zeros_like(torch.get_rng_state())}
+    dist.barrier()
+    start = time.perf_counter()
+    api.load(state, path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    model_sd, optim_sd = get_state_dict(model, optim)
+    full = _full_values({"model": model_sd, "optim": optim_sd, "step": state["step"], "rng": state["rng"]})
+    return {"seconds": seconds, "full": full if rank == 0 else None}
+
+
+# --- spawning ---
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    warnings.simplefilter("ignore")  # torch's FSDP/DCP notices would drown the demo's output
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        queue.put((rank, True, fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo CPU ranks; results by rank."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_rank_entry, args=(world, _free_port(), fn, args, queue), nprocs=world,
+                               join=False, start_method="spawn")
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+
+    def drain() -> None:
+        while not queue.empty():
+            rank, ok, value = queue.get()
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+
+    try:
+        while not procs.join(timeout=0.2):
+            drain()
+    except Exception as e:
+        drain()
+        raise DemoError(f"{fn.__name__} failed on {world} ranks:\n" + ("\n".join(failures) or str(e))) from None
+    drain()
+    return [results[r] for r in range(world)]
+
+
+# --- checking and reporting (parent process) ---
+
+def _compare(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[str]]:
+    """Number of tensors compared, and a line per difference."""
+    problems = [f"{k}: saved but not reloaded" for k in saved.keys() - loaded.keys()]
+    problems += [f"{k}: reloaded but never saved" for k in loaded.keys() - saved.keys()]
+    tensors = 0
+    for key in sorted(saved.keys() & loaded.keys()):
+        a, b = saved[key], loaded[key]
+        if isinstance(a, np.ndarray):
+            tensors += 1
+            if not isinstance(b, np.ndarray) or (a.dtype, a.shape) != (b.dtype, b.shape):
+                problems.append(f"{key}: saved {a.dtype}{list(a.shape)}, reloaded {getattr(b, 'dtype', type(b))}"
+                                f"{list(getattr(b, 'shape', []))}")
+            elif a.tobytes() != b.tobytes():
+                problems.append(f"{key}: {int((a != b).sum())} of {a.size} elements differ")
+        elif a != b:
+            problems.append(f"{key}: saved {a!r}, reloaded {b!r}")
+    return tensors, problems
+
+
+def _disk_usage(path: str) -> tuple[int, int]:
+    files = size = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            files += 1
+            size += os.path.getsize(os.path.join(root, name))
+    return files, size
+
+
+def _zarr_tree(path: str) -> Any:
+    """The checkpoint as zarr-python sees it (no tsckpt code involved)."""
+    import zarr
+
+    return zarr.open_group(path, mode="r").tree()
+
+
+def _read_with_zarr(path: str, entry: TensorEntry, saved: np.ndarray) -> None:
+    """Read one float32 tensor with zarr-python and compare it with what was saved."""
+    import zarr
+
+    data = zarr.open_array(os.path.join(path, entry.path), mode="r")[...]
+    if data.dtype != np.float32 or data.tobytes() != saved.tobytes():
+        raise DemoError(f"zarr-python read {entry.path!r} in {path} as {data.dtype}{list(data.shape)}, "
+                        f"which is not the saved float32{list(saved.shape)}")
+
+
+def _prepare_path(path: str | None) -> str:
+    if path is None:
+        return os.path.join(tempfile.mkdtemp(prefix="tsckpt-demo-"), "ckpt")
+    path = os.path.abspath(path)
+    if os.path.isdir(path) and os.listdir(path):
+        raise DemoError(f"{path} is not empty; the demo writes a new checkpoint and needs an empty or new directory")
+    return path
+
+
+def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> DemoResult:
+    """Save on ``save_ranks`` CPU ranks, reload on ``load_ranks``, check every tensor bit-exactly.
+
+    Raises :class:`DemoError` if a rank fails or anything reloads differently.
+    """
+    if save_ranks < 1 or load_ranks < 1:
+        raise DemoError(f"need at least one rank to save and one to load, got {save_ranks} and {load_ranks}")
+    path = _prepare_path(path)
+    print(f"checkpoint: {path}")
+    print(f"save on {save_ranks} CPU ranks, reload on {load_ranks}: TinyLM (vocab {VOCAB}, dim {DIM}, "
+          f"{LAYERS} blocks) sharded with FSDP2 fully_shard, AdamW, {STEPS} steps")
+
+    started = time.perf_counter()
+    saved = _spawn(save_ranks, _save_rank, path)
+    saved_full = saved[0]["full"]
+    save_s = max(r["seconds"] for r in saved)
+    files, disk = _disk_usage(path)
+    with open(os.path.join(path, "zarr.json"), encoding="utf-8") as f:
+        md = CheckpointMetadata.from_dict(json.load(f)["attributes"]["tsckpt"])
+    tensor_bytes = sum(t.nbytes for t in md.tensors.values())
+    losses = saved[0]["losses"]
+    print(f"trained on {save_ranks} ranks, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(f"saved {len(md.tensors)} tensors ({tensor_bytes / 1e6:.2f} MB) and {len(md.objects)} other values "
+          f"in {save_s:.2f} s: {files} files, {disk / 1e6:.2f} MB on disk")
+    embed = md.tensors[_PROBE]
+    print(f"  e.g. {_PROBE}: shape {list(embed.shape)}, chunks {list(embed.chunk_shape)}, "
+          f"written by ranks {sorted({w.rank for w in embed.writes})}")
+    print(_zarr_tree(path))
+
+    loaded = _spawn(load_ranks, _load_rank, path)
+    load_s = max(r["seconds"] for r in loaded)
+    print(f"loaded on {load_ranks} ranks (tsckpt.load + set_state_dict) in {load_s:.2f} s")
+    tensors, problems = _compare(saved_full, loaded[0]["full"])
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        raise DemoError(f"{len(problems)} value(s) of {path} differ after reloading on {load_ranks} ranks:\n  {shown}")
+    _read_with_zarr(path, embed, saved_full[_PROBE])
+    print(f"zarr-python read {embed.path!r} as float32{list(embed.shape)}: identical to the saved tensor")
+    print(f"checkpoint: {path} (total {time.perf_counter() - started:.1f} s)")
+    print(f"OK: reloaded on {load_ranks} ranks, all {tensors} tensors bit-exact")
+    return DemoResult(path, save_ranks, load_ranks, tensors, tensor_bytes, disk, files, save_s, load_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tsckpt.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--save-ranks", type=int, default=4, help="CPU ranks that train and save (default 4)")
+    parser.add_argument("--load-ranks", type=int, default=2, help="CPU ranks that reload (default 2)")
+    parser.add_argument("--path", default=None, help="checkpoint directory (default: a new temporary one)")
+    args = parser.parse_args(argv)
+    try:
+        run(args.save_ranks, args.load_ranks, args.path)
+    except TsckptError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the package module so spawned ranks unpickle tsckpt.demo's functions, not __main__'s.
+    from tsckpt.demo import main as _main
+
+    sys.exit(_main())
