@@ -9,6 +9,7 @@ fails the call with that rank's traceback.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -16,6 +17,7 @@ import traceback
 import warnings
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -34,7 +36,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Tensors would travel as shared-memory handles that die with this process: send bytes.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -55,7 +60,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
         while not queue.empty():
             rank, status, value = queue.get()
             if status == "ok":
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=True)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
 

@@ -70,7 +70,7 @@ def sharded_tensor(full: torch.Tensor, rows: list[int], world: int):
     return init_from_local_shards(local, *full.shape)
 
 
-def zoo_state_dict(world: int) -> dict:
+def zoo_state_dict(world: int, without: tuple[str, ...] = ()) -> dict:
     """The 4-rank (or 2-rank) save: every placement kind and dtype, plus plain values."""
     mesh1 = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
@@ -93,14 +93,15 @@ def zoo_state_dict(world: int) -> dict:
         "scalar": e["scalar"].clone(),
     }
     dtypes = {dtype_key(d): dt(f"dtypes.{dtype_key(d)}", mesh1, [Shard(0)]) for d in DTYPES}
+    model = {k: v for k, v in model.items() if k not in without}
     extra = {"lr": 0.1, "name": "run-1", "groups": [{"lr": 0.01, "betas": (0.9, 0.99), "params": [0, 1]}]}
     return {"model": model, "dtypes": dtypes, "extra": extra}
 
 
-def empty_like_expected() -> dict:
+def empty_like_expected(without: tuple[str, ...] = ()) -> dict:
     """Plain full tensors (and value placeholders) to load the zoo into, in one process."""
     e = expected_all()
-    model = {k: torch.zeros_like(e[k]) for k in SPECS}
+    model = {k: torch.zeros_like(e[k]) for k in SPECS if k not in without}
     dtypes = {dtype_key(d): torch.zeros_like(e[f"dtypes.{dtype_key(d)}"]) for d in DTYPES}
     extra = {"lr": None, "name": None, "groups": [{"lr": None, "betas": None, "params": None}]}
     return {"model": model, "dtypes": dtypes, "extra": extra}

@@ -85,6 +85,8 @@ def _unwrapped() -> Iterator[None]:
         yield
     except CheckpointException as e:
         for _, failure in sorted(e.failures.items()):
-            if isinstance(failure, TsckptError):
-                raise failure from e
+            # Each failure is DCP's (exception, traceback summary) pair.
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, TsckptError):
+                raise exc from e
         raise

@@ -45,6 +45,12 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+def _dtype(name: str, what: str) -> str:
+    if name not in dtypes.BY_ZARR:
+        raise MetadataError(f"{what}: unknown data type {name!r}; expected one of {sorted(dtypes.BY_ZARR)}")
+    return name
+
+
 def _key_path(value: Any, what: str) -> tuple[str | int, ...]:
     if not isinstance(value, list) or not value or not all(
         isinstance(p, (str, int)) and not isinstance(p, bool) for p in value
@@ -215,7 +221,7 @@ class TensorEntry:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "chunk_shape": list(self.chunk_shape),
-            "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape else None,
+            "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape is not None else None,
             "placement": self.placement.to_dict() if self.placement else None,
             "writes": [w.to_dict() for w in self.writes],
         }
@@ -227,7 +233,7 @@ class TensorEntry:
             key_path=_key_path(_get(d, "key_path", what, list), what),
             path=check_relative_path(_get(d, "path", what, str), what=what),
             shape=_ints(_get(d, "shape", what, list), what),
-            dtype=dtypes.from_zarr(_get(d, "dtype", what, str)).zarr,
+            dtype=_dtype(_get(d, "dtype", what, str), what),
             chunk_shape=_ints(_get(d, "chunk_shape", what, list), what, minimum=1),
             inner_chunk_shape=_ints(inner, what, minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),

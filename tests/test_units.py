@@ -1,0 +1,132 @@
+"""Pure planning and metadata logic: no files, no ranks."""
+
+import math
+
+import pytest
+
+from tsckpt import errors, objects
+from tsckpt.grid import aligned_chunk_shape, check_tiling, chunks_in, inner_chunk_shape
+from tsckpt.layout import escape_name, parent_groups, zarr_path
+from tsckpt.metadata import CheckpointMetadata, Region, TensorEntry
+
+
+def rows(*sizes, cols=4):
+    out, off = [], 0
+    for s in sizes:
+        out.append(((off, 0), (s, cols)))
+        off += s
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape, boxes, chunk",
+    [
+        ((8, 4), rows(2, 2, 2, 2), (2, 4)),            # even Shard(0)
+        ((10, 4), rows(3, 3, 3, 1), (3, 4)),           # torch.chunk uneven: ceil(10/4)
+        ((3, 4), rows(1, 1, 1, 0), (1, 4)),            # zero-size shard
+        ((10, 4), rows(3, 2, 3, 2), (1, 4)),           # nested Shard(0)+Shard(0): irregular
+        ((10, 4), rows(2, 1, 3, 3, 1), (1, 4)),        # enumerable spec, arbitrary boundaries
+        ((12, 4), rows(4, 4, 2, 2), (2, 4)),           # irregular but gcd 2
+        ((6, 8), [((r, c), (3, 4)) for r in (0, 3) for c in (0, 4)], (3, 4)),  # 2-D mesh
+        ((), [((), ())], ()),                          # 0-d
+        ((0, 3), [((0, 0), (0, 3))], (1, 3)),          # empty tensor
+    ],
+)
+def test_grid_aligned_to_every_region(shape, boxes, chunk):
+    assert aligned_chunk_shape(shape, boxes) == chunk
+    check_tiling("t", shape, boxes)
+    # Each chunk lies inside exactly one non-empty region: no chunk has two writers.
+    owners = {}
+    for i, (o, s) in enumerate(boxes):
+        for idx in chunks_in(o, s, chunk):
+            assert idx not in owners, f"chunk {idx} written by regions {owners[idx]} and {i}"
+            owners[idx] = i
+            lo = [k * c for k, c in zip(idx, chunk)]
+            assert all(o_ <= l and l + c <= o_ + s_ or l + c > n for o_, s_, l, c, n in zip(o, s, lo, chunk, shape))
+    assert len(owners) == math.prod(-(-n // c) for n, c in zip(shape, chunk)) or math.prod(shape) == 0
+
+
+def test_tiling_rejects_overlap_gap_and_out_of_bounds():
+    with pytest.raises(errors.PlanError, match="'w'.*overlap|'w'.*exactly once"):
+        check_tiling("w", (4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])
+    with pytest.raises(errors.PlanError, match="exactly once"):
+        check_tiling("w", (4, 4), [((0, 0), (2, 4))])
+    with pytest.raises(errors.PlanError, match="outside"):
+        check_tiling("w", (4, 4), [((0, 0), (5, 4))])
+
+
+def test_inner_chunks_divide_and_respect_target():
+    inner = inner_chunk_shape((1024, 4096), 4, 4 << 20)
+    assert inner is not None and all(c % i == 0 for c, i in zip((1024, 4096), inner))
+    assert math.prod(inner) * 4 <= 4 << 20
+    assert inner_chunk_shape((16, 16), 4, 4 << 20) is None
+    assert inner_chunk_shape((3, 4099), 4, 1000) == (1, 4099)  # a large prime dim is never sliced
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/abs", "zarr.json", "__x", "%", "ü", "a\\b", ".hidden"])
+def test_escaped_names_are_single_safe_components(name):
+    out = escape_name(name)
+    assert out not in ("", ".", "..", "zarr.json") and "/" not in out and "\\" not in out
+    assert not out.startswith(("__", "."))
+    assert all(ch.isascii() for ch in out)
+
+
+def test_escaping_is_injective_and_paths_nest():
+    names = ["a", "A", "a%2F", "a/", "%", "%25", "..", "%2E%2E", "x y"]
+    assert len({escape_name(n) for n in names}) == len(names)
+    assert zarr_path(("model", "layers.0.w")) == "model/layers.0.w"
+    assert zarr_path(("optim", "state", 0, "exp_avg")) == "optim/state/0/exp_avg"
+    assert parent_groups(["a/b/c", "a/d", "e"]) == ["", "a", "a/b"]
+
+
+@pytest.mark.parametrize("value", [
+    None, True, 3, -2.5, "s", [1, [2, 3]], (0.9, 0.999), {"lr": 0.1, "betas": (0.9, 0.99)},
+    {1: "x", 2: [3]}, {"$x": 1}, float("inf"), [float("nan")], {(1, 2): "tuple key"},
+])
+def test_json_values_round_trip_exactly(value):
+    back = objects.from_json(objects.to_json(value))
+    if value == value and not (isinstance(value, list) and value and value[0] != value[0]):
+        assert back == value and type(back) is type(value)
+    else:
+        assert repr(back) == repr(value)
+
+
+def test_non_json_values_are_refused_by_the_json_encoding():
+    assert not objects.is_jsonable(object())
+    assert not objects.is_jsonable({"a": {1, 2}})
+
+
+def entry(**kw):
+    base = dict(key_path=("m", "w"), path="m/w", shape=(4, 2), dtype="float32", chunk_shape=(2, 2),
+                inner_chunk_shape=None, placement=None,
+                writes=(Region((0, 0), (2, 2), 0), Region((2, 0), (2, 2), 1)))
+    return TensorEntry(**(base | kw))
+
+
+def test_metadata_round_trips_through_json():
+    md = CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={})
+    assert CheckpointMetadata.from_dict(md.to_dict()) == md
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(path="../w"), "safe relative path"),
+    (dict(path="m/x"), "does not match key path"),
+    (dict(dtype="float99"), "unknown data type"),
+    (dict(chunk_shape=(2,)), "wrong rank"),
+    (dict(writes=(Region((0, 0), (2, 2), 0),)), "cover"),
+    (dict(writes=(Region((0, 0), (5, 2), 0),)), "outside"),
+    (dict(inner_chunk_shape=(3, 2)), "divide"),
+])
+def test_metadata_validation_names_the_tensor(bad, message):
+    doc = CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}).to_dict()
+    doc["tensors"]["m.w"] = entry(**bad).to_dict()
+    with pytest.raises(errors.TsckptError, match=message) as info:
+        CheckpointMetadata.from_dict(doc)
+    assert "m.w" in str(info.value) or "checkpoint metadata" in str(info.value)
+
+
+def test_metadata_refuses_newer_format_versions():
+    doc = CheckpointMetadata(world_size=1, tensors={}, objects={}).to_dict()
+    doc["version"] = 99
+    with pytest.raises(errors.MetadataError, match="version 99"):
+        CheckpointMetadata.from_dict(doc)
