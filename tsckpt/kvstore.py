@@ -1,16 +1,38 @@
 """Where a checkpoint is stored: locations, TensorStore kvstore specs and contexts.
 
-A location is a plain path, a ``file://`` URL or a full TensorStore kvstore
-spec (a dict); it always names a directory-like prefix. Each array's spec is
-the root spec with its relative path appended. Torch-free.
+A location always names a directory-like prefix. It can be given as
+
+* a plain path or ``file://`` URL (local or network filesystem),
+* ``s3://bucket/prefix`` (Amazon S3 or any S3-compatible server),
+* ``gs://bucket/prefix`` (Google Cloud Storage),
+* ``memory://name`` (TensorStore's in-process memory store, for tests),
+* a full TensorStore kvstore spec dict (``{"driver": "s3", "bucket": ...}``),
+* a dict ``{"url": "s3://bucket/prefix", **spec_members}`` that adds spec
+  members such as ``endpoint`` or ``aws_region`` to a URL.
+
+A ``"context"`` member of a spec dict holds TensorStore context resources
+(``s3_request_concurrency``, ``aws_credentials``...). They are taken out of
+the spec and put into the one context a rank shares across all its arrays, so
+a concurrency limit bounds the whole save, not each array separately.
+
+For ``s3://`` URLs without an explicit endpoint or region, the usual AWS
+environment variables are honoured (``AWS_ENDPOINT_URL_S3``,
+``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``), so ranks
+spawned with that environment need no extra arguments. Credentials come from
+the environment or the AWS credentials chain, never from the location.
+
+Each array's spec is the root spec with its relative path appended. Torch-free.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import tensorstore as ts
@@ -18,65 +40,296 @@ import tensorstore as ts
 from .errors import TsckptError
 
 DEFAULT_IO_CONCURRENCY = 64
+#: Region used with a custom S3 endpoint when none is given: S3-compatible
+#: servers accept any region in the signature, AWS itself needs the real one.
+DEFAULT_S3_REGION = "us-east-1"
+
+
+# --- bucket name rules ------------------------------------------------------
+
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_GCS_BUCKET_PART = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")
+
+
+def s3_bucket_problem(name: str) -> str | None:
+    """Why ``name`` is not a valid S3 bucket name, or None if it is."""
+    if not _S3_BUCKET.match(name):
+        return "3 to 63 characters: lowercase letters, digits, '.' and '-', starting and ending with a letter or digit"
+    if ".." in name or ".-" in name or "-." in name:
+        return "no adjacent '.', '.-' or '-.'"
+    if _is_ip_address(name):
+        return "not formatted as an IP address"
+    if name.startswith("xn--") or name.endswith("-s3alias"):
+        return "no 'xn--' prefix or '-s3alias' suffix"
+    return None
+
+
+def gcs_bucket_problem(name: str) -> str | None:
+    """Why ``name`` is not a valid Google Cloud Storage bucket name, or None if it is."""
+    parts = name.split(".")
+    limit = 222 if len(parts) > 1 else 63
+    if not 3 <= len(name) <= limit or not all(_GCS_BUCKET_PART.match(p) for p in parts):
+        return ("3 to 63 characters (222 with dots, 63 per dot-separated part): lowercase letters, digits, "
+                "'-', '_' and '.', each part starting and ending with a letter or digit")
+    if name.startswith("goog") or _is_ip_address(name):
+        return "no 'goog' prefix and not formatted as an IP address"
+    return None
+
+
+def _is_ip_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+# --- scheme registry --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one URL scheme maps onto a TensorStore kvstore driver."""
+
+    name: str
+    driver: str
+    #: Whether the first URL component is a bucket (object stores) or part of the path.
+    has_bucket: bool
+    #: Returns why a bucket name is invalid, or None.
+    bucket_problem: Callable[[str], str | None] | None = None
+    #: The context resource that bounds this driver's concurrent I/O, if any.
+    concurrency_resource: str | None = None
+    #: Spec members filled in from the environment when a URL does not give them.
+    env_defaults: Callable[[], dict[str, Any]] = dict
+
+
+def _s3_env_defaults() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if endpoint:
+        out["endpoint"] = endpoint
+    if region:
+        out["aws_region"] = region
+    return out
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("file", "file", has_bucket=False, concurrency_resource="file_io_concurrency"),
+        Scheme("s3", "s3", has_bucket=True, bucket_problem=s3_bucket_problem,
+               concurrency_resource="s3_request_concurrency", env_defaults=_s3_env_defaults),
+        Scheme("gs", "gcs", has_bucket=True, bucket_problem=gcs_bucket_problem,
+               concurrency_resource="gcs_request_concurrency"),
+        Scheme("memory", "memory", has_bucket=False),
+    )
+}
+_BY_DRIVER = {s.driver: s for s in SCHEMES.values()}
+
+
+# --- locations --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Location:
-    """The root of a checkpoint as a TensorStore kvstore spec."""
+    """The root of a checkpoint: a TensorStore kvstore spec plus context resources.
+
+    ``spec`` never holds a ``"context"`` member; those resources live in
+    ``context`` and are given to :func:`make_context`.
+    """
 
     spec: Mapping[str, Any]
+    context: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def driver(self) -> str:
+        return str(self.spec.get("driver"))
 
     @property
     def url(self) -> str:
-        if self.spec.get("driver") == "file":
-            return str(self.spec["path"]).rstrip("/")
-        return f"{self.spec.get('driver')}://{self.spec.get('bucket', '')}/{self.spec.get('path', '')}".rstrip("/")
+        """A short human-readable name for messages (``s3://bucket/prefix``, a path...)."""
+        scheme = _BY_DRIVER.get(self.driver)
+        path = str(self.spec.get("path", ""))
+        if self.driver == "file":
+            return path.rstrip("/")
+        name = scheme.name if scheme else self.driver
+        if scheme is not None and not scheme.has_bucket:
+            return f"{name}://{path}".rstrip("/")
+        return f"{name}://{self.spec.get('bucket', '')}/{path}".rstrip("/")
 
     def child(self, relpath: str) -> dict[str, Any]:
         """The kvstore spec of a sub-directory (an array or group)."""
         return {**self.spec, "path": f"{self.spec.get('path', '')}{relpath.strip('/')}/"}
 
+    def to_dict(self) -> dict[str, Any]:
+        """The full kvstore spec, context resources included (accepted by :func:`parse_location`)."""
+        return {**self.spec, "context": dict(self.context)} if self.context else dict(self.spec)
 
-def parse_location(location: str | os.PathLike[str] | Mapping[str, Any]) -> Location:
-    """Turn a path, ``file://`` URL or kvstore spec into a :class:`Location`."""
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Location:
+        return parse_location(doc)
+
+
+LocationLike = str | os.PathLike[str] | Mapping[str, Any] | Location
+
+
+def parse_location(location: LocationLike) -> Location:
+    """Turn a path, URL, kvstore spec or ``{"url": ..., **members}`` dict into a :class:`Location`.
+
+    Raises :class:`~tsckpt.errors.TsckptError` for an unknown scheme, a
+    missing or invalid bucket name, or an empty location.
+    """
+    if isinstance(location, Location):
+        return location
     if isinstance(location, Mapping):
-        spec = dict(location)
-        if "driver" not in spec:
-            raise TsckptError(f"kvstore spec {spec!r} has no 'driver'")
-        spec["path"] = _as_prefix(str(spec.get("path", "")))
-        return Location(spec)
-    text = os.fspath(location)
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif "://" in text:
-        raise TsckptError(f"unsupported checkpoint location {text!r}: expected a local path or file:// URL")
+        members = dict(location)
+        context = members.pop("context", None) or {}
+        if not isinstance(context, Mapping):
+            raise TsckptError(f"kvstore spec {location!r}: 'context' must be a dict of context resources")
+        if "url" in members:
+            url = members.pop("url")
+            if "driver" in members:
+                raise TsckptError(f"location {location!r}: give either 'url' or 'driver', not both")
+            base = parse_location(url)
+            spec = {**base.spec, **members}
+            spec["path"] = base.spec["path"]
+            return _checked(spec, {**base.context, **context}, str(url))
+        if "driver" not in members:
+            raise TsckptError(f"kvstore spec {location!r} has neither 'driver' nor 'url'")
+        members["path"] = _as_prefix(str(members.get("path", "")))
+        return _checked(members, dict(context), repr(location))
+    try:
+        text = os.fspath(location)
+    except TypeError:
+        raise TsckptError(f"checkpoint location {location!r} is not a path, URL or kvstore spec") from None
+    if not isinstance(text, str):
+        raise TsckptError(f"checkpoint location {location!r} is not a path, URL or kvstore spec")
     if not text:
         raise TsckptError("checkpoint location is empty")
-    return Location({"driver": "file", "path": _as_prefix(os.path.abspath(text))})
+    name, sep, rest = text.partition("://")
+    if not sep:
+        return Location({"driver": "file", "path": _as_prefix(os.path.abspath(text))})
+    scheme = SCHEMES.get(name.lower())
+    if scheme is None:
+        raise TsckptError(
+            f"unsupported checkpoint location {text!r}: scheme {name!r} is not one of "
+            + ", ".join(f"{s}://" for s in SCHEMES) + " (or pass a TensorStore kvstore spec dict)"
+        )
+    if scheme.driver == "file":
+        if not rest:
+            raise TsckptError(f"checkpoint location {text!r} has no path")
+        return Location({"driver": "file", "path": _as_prefix(os.path.abspath(rest))})
+    if scheme.has_bucket:
+        bucket, _, path = rest.partition("/")
+        spec: dict[str, Any] = {**scheme.env_defaults(), "driver": scheme.driver, "bucket": bucket,
+                                "path": _as_prefix(path.strip("/"))}
+    else:
+        if not rest.strip("/"):
+            raise TsckptError(f"checkpoint location {text!r} has no name: expected {name}://NAME")
+        spec = {"driver": scheme.driver, "path": _as_prefix(rest.strip("/"))}
+    return _checked(spec, {}, text)
+
+
+def _checked(spec: dict[str, Any], context: dict[str, Any], shown: str) -> Location:
+    """Validate what TensorStore would only reject at the first request, with a clearer message."""
+    scheme = _BY_DRIVER.get(str(spec.get("driver")))
+    if scheme is not None and scheme.has_bucket:
+        bucket = spec.get("bucket")
+        if not isinstance(bucket, str) or not bucket:
+            raise TsckptError(f"checkpoint location {shown}: no bucket name (expected {scheme.name}://BUCKET/PREFIX)")
+        problem = scheme.bucket_problem(bucket) if scheme.bucket_problem else None
+        if problem:
+            raise TsckptError(f"checkpoint location {shown}: {bucket!r} is not a valid {scheme.name} bucket name "
+                              f"(expected {problem})")
+    if spec.get("driver") == "s3" and spec.get("endpoint") and not spec.get("aws_region"):
+        spec["aws_region"] = DEFAULT_S3_REGION
+    endpoint = spec.get("endpoint")
+    if endpoint is not None and not re.match(r"^https?://[^/]+", str(endpoint)):
+        raise TsckptError(f"checkpoint location {shown}: endpoint {endpoint!r} must be an http:// or https:// URL")
+    return Location(spec, context)
 
 
 def _as_prefix(path: str) -> str:
     return path if path == "" or path.endswith("/") else path + "/"
 
 
-def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> ts.Context:
-    """One context per rank: shared I/O and copy pools for every array it touches."""
-    return ts.Context({
+# --- contexts ---------------------------------------------------------------
+
+_root_lock = threading.Lock()
+_root_context: ts.Context | None = None
+
+
+def _process_context() -> ts.Context:
+    """The parent of every context tsckpt makes in this process.
+
+    TensorStore's memory kvstore lives in a context resource: making each
+    rank's context a child of one process-wide context lets a ``memory://``
+    checkpoint written by one writer be read by a later reader.
+    """
+    global _root_context
+    with _root_lock:
+        if _root_context is None:
+            _root_context = ts.Context()
+        return _root_context
+
+
+def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> dict[str, Any]:
+    """The context resources for ``location``: tsckpt's defaults, then the location's own."""
+    spec: dict[str, Any] = {
         "file_io_concurrency": {"limit": io_concurrency},
         "data_copy_concurrency": {"limit": max(os.cpu_count() or 1, 1)},
-    })
+    }
+    if os.environ.get("AWS_ACCESS_KEY_ID") and (location is None or location.driver == "s3"):
+        # With keys in the environment, skip the default chain: it would also
+        # probe ~/.aws/{config,credentials} and log an error when they are absent.
+        spec["aws_credentials"] = {"type": "environment"}
+    if location is None:
+        return spec
+    scheme = _BY_DRIVER.get(location.driver)
+    if scheme is not None and scheme.concurrency_resource:
+        spec[scheme.concurrency_resource] = {"limit": io_concurrency}
+    return spec | dict(location.context)
+
+
+def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> ts.Context:
+    """One context per rank: shared I/O pools (and credentials) for every array it touches."""
+    spec = context_spec(io_concurrency, location)
+    try:
+        return ts.Context(spec, parent=_process_context())
+    except ValueError as e:
+        where = f" for {location.url}" if location is not None else ""
+        raise TsckptError(f"invalid TensorStore context resources{where}: {e}") from None
 
 
 def open_kvstore(location: Location, context: ts.Context) -> ts.KvStore:
-    return ts.KvStore.open(dict(location.spec), context=context).result()
+    try:
+        return ts.KvStore.open(dict(location.spec), context=context).result()
+    except ValueError as e:
+        raise TsckptError(f"cannot open checkpoint location {location.url}: {e}") from None
 
 
 def read_json(kv: ts.KvStore, key: str) -> Any | None:
-    """The parsed JSON at ``key``, or None when the key does not exist."""
-    result = kv.read(key).result()
+    """The parsed JSON at ``key``, or None when the key does not exist.
+
+    A storage failure (missing bucket, refused credentials, unreachable
+    endpoint) raises :class:`~tsckpt.errors.TsckptError` naming the location.
+    """
+    try:
+        result = kv.read(key).result()
+    except ValueError as e:
+        raise TsckptError(f"cannot read {key!r} at {_kv_name(kv)}: {e}") from None
     if result.state != "value":
         return None
     return json.loads(result.value)
+
+
+def _kv_name(kv: ts.KvStore) -> str:
+    try:
+        return kv.url
+    except (ValueError, AttributeError):
+        # Some drivers (s3 with a custom endpoint) have no URL form.
+        return repr(kv.spec().to_json())
 
 
 def encode_json(doc: Any) -> bytes:

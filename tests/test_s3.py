@@ -1,0 +1,193 @@
+"""Checkpoints on object storage: a real moto S3 server on 127.0.0.1, real gloo ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+import zarr
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import tsckpt
+import zoo
+from dist import run_ranks
+from s3server import MotoServer, restore_credentials, set_credentials
+from tsckpt.kvstore import make_context, open_kvstore, parse_location
+
+BUCKET = "tsckpt-test"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    # Set before any rank is spawned: ranks inherit the environment.
+    previous = set_credentials()
+    with MotoServer() as server:
+        server.create_bucket(BUCKET)
+        yield server
+    restore_credentials(previous)
+
+
+def save_zoo(rank, world, location):
+    tsckpt.save(zoo.zoo_state_dict(world), location)
+
+
+@pytest.fixture(scope="module")
+def zoo_s3(s3):
+    """The 4-rank zoo saved to s3://tsckpt-test/zoo4 by spawned gloo ranks."""
+    location = s3.location(BUCKET, "runs/zoo4")
+    run_ranks(4, save_zoo, location)
+    return location
+
+
+def bucket_keys(s3, prefix: str = "") -> list[str]:
+    """Every key in the bucket that starts with ``prefix``, as full object names."""
+    kv = open_kvstore(parse_location(s3.location(BUCKET, "")), make_context())
+    return [k.decode() for k in kv.list().result() if k.decode().startswith(prefix)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.itemsize == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def test_4_rank_save_to_s3_loads_back_bit_exactly(zoo_s3):
+    sd = zoo.empty_like_expected()
+    tsckpt.load(sd, zoo_s3)
+    expected = zoo.expected_all()
+    for name in zoo.SPECS:
+        assert same_bits(sd["model"][name], expected[name]), name
+    for dt in zoo.DTYPES:
+        key = zoo.dtype_key(dt)
+        assert same_bits(sd["dtypes"][key], expected[f"dtypes.{key}"]), key
+    assert sd["extra"]["name"] == "run-1" and sd["extra"]["groups"][0]["betas"] == (0.9, 0.99)
+
+
+def test_s3_save_stays_under_its_prefix_and_has_a_root_document(s3, zoo_s3):
+    keys = bucket_keys(s3)
+    assert keys and all(k.startswith("runs/zoo4/") for k in keys)
+    assert "runs/zoo4/zarr.json" in keys
+    assert "runs/zoo4/model/even/zarr.json" in keys
+    assert any(k.startswith("runs/zoo4/model/even/c/") for k in keys)
+
+
+def load_resharded(rank, world, location):
+    """Load the 4-rank zoo into different placements on `world` ranks; return mismatching keys."""
+    mesh = init_device_mesh("cpu", (world,))
+    e = zoo.expected_all()
+    targets = {
+        "even": [Shard(1)],      # saved row-sharded on 4 ranks
+        "uneven": [Shard(0)],
+        "mesh2d": [Shard(1)],    # saved on a (2, 2) mesh
+        "nested": [Replicate()],
+        "repl": [Shard(0)],
+        "st": [Shard(0)],        # saved as a ShardedTensor
+    }
+    model = {k: distribute_tensor(torch.zeros_like(e[k]), mesh, p, src_data_rank=None) for k, p in targets.items()}
+    sd = {"model": model, "dtypes": {"bfloat16": distribute_tensor(
+        torch.zeros(8, 3, dtype=torch.bfloat16), mesh, [Shard(1)], src_data_rank=None)}}
+    tsckpt.load(sd, location, allow_partial_load=True)
+    bad = [k for k, v in sd["model"].items() if not same_bits(v.full_tensor(), e[k])]
+    if not same_bits(sd["dtypes"]["bfloat16"].full_tensor(), e["dtypes.bfloat16"]):
+        bad.append("dtypes.bfloat16")
+    return bad
+
+
+def test_resharded_load_from_s3_on_2_ranks(zoo_s3):
+    assert run_ranks(2, load_resharded, zoo_s3) == [[], []]
+
+
+def test_zarr_python_reads_float32_over_s3(s3, zoo_s3):
+    store = zarr.storage.FsspecStore.from_url(
+        f"s3://{BUCKET}/runs/zoo4", storage_options=s3.storage_options(), read_only=True)
+    group = zarr.open_group(store, mode="r")
+    expected = zoo.expected_all()
+    for name in ("even", "mesh2d", "st"):
+        np.testing.assert_array_equal(group["model"][name][...], expected[name].numpy())
+    assert group["model"]["even"].attrs["tsckpt"]["key"] == "model.even"
+    assert group.attrs["tsckpt"]["world_size"] == 4
+
+
+def delete(kv: ts.KvStore, key: str) -> None:
+    kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+
+
+def small_state_dict() -> dict:
+    return {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6), "b": torch.ones(3, dtype=torch.bfloat16),
+            "step": 7}
+
+
+def test_prefix_with_array_data_but_no_root_metadata_is_refused(s3):
+    location = s3.location(BUCKET, "runs/crashed")
+    tsckpt.save(small_state_dict(), location)
+    # What a save that died before its commit leaves: chunk data, no zarr.json anywhere.
+    kv = open_kvstore(parse_location(location), make_context())
+    for key in kv.list().result():
+        if key.decode().endswith("zarr.json"):
+            delete(kv, key.decode())
+    left = bucket_keys(s3, "runs/crashed")
+    assert left and any(k.startswith("runs/crashed/w/c/") for k in left)
+    with pytest.raises(tsckpt.IncompleteCheckpointError, match="runs/crashed"):
+        tsckpt.load(small_state_dict(), location)
+    # The root document alone decides: array nodes without it are still incomplete.
+    tsckpt.save(small_state_dict(), location, overwrite=True)
+    delete(kv, "zarr.json")
+    assert "runs/crashed/w/zarr.json" in bucket_keys(s3, "runs/crashed")
+    with pytest.raises(tsckpt.IncompleteCheckpointError):
+        tsckpt.load(small_state_dict(), location)
+
+
+def test_empty_s3_prefix_is_not_found(s3):
+    with pytest.raises(tsckpt.CheckpointNotFoundError, match="s3://tsckpt-test/runs/never"):
+        tsckpt.load(small_state_dict(), s3.location(BUCKET, "runs/never"))
+
+
+def test_s3_overwrite_is_refused_then_replaces_everything(s3):
+    location = s3.location(BUCKET, "runs/overwrite")
+    tsckpt.save({"old": torch.ones(2, 2), "w": torch.zeros(3)}, location)
+    with pytest.raises(tsckpt.CheckpointExistsError, match="runs/overwrite"):
+        tsckpt.save({"w": torch.ones(3)}, location)
+    tsckpt.save({"w": torch.full((3,), 5.0)}, location, overwrite=True)
+    keys = bucket_keys(s3, "runs/overwrite")
+    assert not any(k.startswith("runs/overwrite/old/") for k in keys)
+    out = {"w": torch.zeros(3)}
+    tsckpt.load(out, location)
+    assert torch.equal(out["w"], torch.full((3,), 5.0))
+
+
+def test_s3_url_with_endpoint_from_environment(s3, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    tsckpt.save(small_state_dict(), f"s3://{BUCKET}/runs/env")
+    out = {"w": torch.zeros(4, 6), "b": torch.zeros(3, dtype=torch.bfloat16), "step": None}
+    tsckpt.load(out, f"s3://{BUCKET}/runs/env")
+    assert torch.equal(out["w"], small_state_dict()["w"]) and out["step"] == 7
+
+
+def test_s3_context_options_reach_tensorstore(s3):
+    location = {**s3.location(BUCKET, "runs/ctx"),
+                "context": {"s3_request_concurrency": {"limit": 2}, "s3_request_retries": {"max_retries": 3}}}
+    writer = tsckpt.TensorStoreWriter(location, io_concurrency=8)
+    spec = writer.context.spec.to_json()
+    assert spec["s3_request_concurrency"] == {"limit": 2}     # the location's own setting wins
+    assert spec["s3_request_retries"]["max_retries"] == 3
+    assert spec["aws_credentials"] == {"type": "environment"}
+    tsckpt.save(small_state_dict(), location)
+    out = {"w": torch.zeros(4, 6), "b": torch.zeros(3, dtype=torch.bfloat16), "step": None}
+    tsckpt.load(out, location)
+    assert torch.equal(out["b"], torch.ones(3, dtype=torch.bfloat16))
+
+
+def test_missing_bucket_fails_with_the_location_in_the_message(s3):
+    with pytest.raises(tsckpt.TsckptError, match="no-such-bucket"):
+        tsckpt.save(small_state_dict(), s3.location("no-such-bucket", "x"))
+
+
+def test_tensorstore_reads_a_hyperslab_straight_from_s3(zoo_s3):
+    loc = parse_location(zoo_s3)
+    arr = ts.open({"driver": "zarr3", "kvstore": loc.child("model/mesh2d")}, context=make_context(8, loc)).result()
+    np.testing.assert_array_equal(arr[1:5, 2:7].read().result(), zoo.expected_all()["mesh2d"][1:5, 2:7].numpy())
