@@ -24,6 +24,12 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+try:
+    # zarr-python reads bfloat16/float8 arrays only once these types are registered.
+    from . import zarr_dtypes as _zarr_dtypes  # noqa: F401
+except ImportError:  # zarr missing or incompatible: tsckpt itself does not need it
+    pass
+
 _LAZY = {
     "TensorStoreWriter": "storage",
     "TensorStoreReader": "storage",
@@ -32,6 +38,13 @@ _LAZY = {
     "save": "api",
     "load": "api",
     "async_save": "api",
+    "convert": "conversion",
+    "diff": "conversion",
+    "CheckpointBuilder": "builder",
+    # torch-free: reading a checkpoint into numpy never imports torch
+    "open": "reader",
+    "Checkpoint": "reader",
+    "TensorHandle": "reader",
 }
 
 __all__ = [

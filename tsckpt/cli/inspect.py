@@ -1,0 +1,163 @@
+"""``tsckpt ls``, ``tsckpt show`` and ``tsckpt info``: look inside a checkpoint without torch.distributed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import TsckptError
+from . import app
+
+out = Console()
+err = Console(stderr=True)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _clean_errors() -> Iterator[None]:
+    """A TsckptError becomes one line on stderr and exit status 1, not a traceback."""
+    try:
+        yield
+    except TsckptError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _open(path: str) -> Any:
+    from .. import reader
+
+    return reader.open(path)
+
+
+def _short(value: Any, width: int = 48) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@app.command("ls")
+def ls(path: str = typer.Argument(..., help="checkpoint directory or URL")) -> None:
+    """List tensors and values as a tree, with shape, dtype, size and placement."""
+    with _clean_errors():
+        ck = _open(path)
+        table = Table(title=ck.url, title_justify="left")
+        for name, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"),
+                              ("size", "right"), ("placement", "left")):
+            table.add_column(name, justify=justify, no_wrap=name != "placement")
+        rows = [(e.key_path, key, True) for key, e in ck.metadata.tensors.items()]
+        rows += [(e.key_path, key, False) for key, e in ck.metadata.objects.items()]
+        shown: set[tuple[Any, ...]] = set()
+        for key_path, key, is_tensor in sorted(rows, key=lambda r: [str(p) for p in r[0]]):
+            for depth in range(1, len(key_path)):
+                group = tuple(key_path[:depth])
+                if group not in shown:
+                    shown.add(group)
+                    table.add_row("  " * (depth - 1) + f"[bold]{group[-1]}/[/]", "", "", "", "")
+            label = "  " * (len(key_path) - 1) + str(key_path[-1])
+            if is_tensor:
+                h = ck.tensors[key]
+                table.add_row(label, str(list(h.shape)), h.zarr_dtype, human_bytes(h.nbytes), h.placement_text)
+            else:
+                entry = ck.metadata.objects[key]
+                shown_value = _short(ck[key]) if entry.encoding == "json" else "(torch-serialized value)"
+                table.add_row(label, "", "value", "", shown_value)
+        out.print(table)
+        out.print(f"{len(ck.metadata.tensors)} tensors, {human_bytes(ck.nbytes)}; "
+                  f"{len(ck.metadata.objects)} values; world size {ck.world_size}", highlight=False)
+
+
+def _stats(a: np.ndarray) -> dict[str, str]:
+    if a.size == 0:
+        return {"elements": "0"}
+    if a.dtype.kind == "c":
+        mags = np.abs(a.astype(np.complex128))
+        return {"elements": str(a.size), "|min|": f"{mags.min():.6g}", "|max|": f"{mags.max():.6g}",
+                "mean": f"{a.astype(np.complex128).mean():.6g}"}
+    x = a.astype(np.float64)
+    finite = x[np.isfinite(x)]
+    stats = {"elements": str(a.size)}
+    if finite.size:
+        stats |= {"min": f"{finite.min():.6g}", "max": f"{finite.max():.6g}",
+                  "mean": f"{finite.mean():.6g}", "std": f"{finite.std():.6g}"}
+    nonfinite = a.size - finite.size
+    if nonfinite:
+        stats |= {"nan": str(int(np.isnan(x).sum())), "inf": str(int(np.isinf(x).sum()))}
+    return stats
+
+
+@app.command("show")
+def show(
+    path: str = typer.Argument(..., help="checkpoint directory or URL"),
+    key: str = typer.Argument(..., help="flat key, e.g. model.layers.0.weight"),
+    index: str = typer.Argument("", metavar="[SLICE]", help='numpy-style selection, e.g. "0:4,2"'),
+    allow_pickle: bool = typer.Option(False, help="decode values that need arbitrary unpickling"),
+) -> None:
+    """Print a tensor (or a slice of it) with min/max/mean/std, or a value."""
+    from .. import reader
+
+    with _clean_errors():
+        ck = reader.open(path, allow_pickle=allow_pickle)
+        if key not in ck.tensors:
+            out.print(repr(ck[key]), highlight=False)
+            return
+        h = ck.tensors[key]
+        selection = reader.parse_index(index) if index else ()
+        a = h.numpy(selection)
+        where = f"{key}[{index}]" if index else key
+        out.print(f"[bold]{where}[/]  shape {list(a.shape)} of {list(h.shape)}  {h.zarr_dtype}  "
+                  f"{h.placement_text}", highlight=False)
+        with np.printoptions(threshold=200, edgeitems=3, linewidth=max(out.width, 80)):
+            out.print(str(a), highlight=False, markup=False)
+        stats = _stats(a)
+        table = Table(show_header=True)
+        for name in stats:
+            table.add_column(name, justify="right")
+        table.add_row(*stats.values())
+        out.print(table)
+
+
+@app.command("info")
+def info(path: str = typer.Argument(..., help="checkpoint directory or URL")) -> None:
+    """Mesh, world size, versions, file count and bytes of a checkpoint."""
+    with _clean_errors():
+        ck = _open(path)
+        md = ck.metadata
+        files, stored = ck.storage_stats()
+        table = Table(show_header=False, title=ck.url, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        rows = [
+            ("format version", str(md.version)),
+            ("written by", f"tsckpt {md.tsckpt_version or '?'}, torch {md.torch_version or '?'}"),
+            ("created", md.created or "?"),
+            ("world size", str(md.world_size)),
+        ]
+        for i, mesh in enumerate(md.meshes):
+            names = f" ({', '.join(mesh.dim_names)})" if mesh.dim_names else ""
+            rows.append((f"mesh {i}", f"{mesh.device_type} {list(mesh.shape)}{names}, ranks {list(mesh.ranks)}"))
+        if not md.meshes:
+            rows.append(("mesh", "none (no DTensors)"))
+        rows += [
+            ("tensors", f"{len(md.tensors)} ({human_bytes(ck.nbytes)} of data)"),
+            ("values", str(len(md.objects))),
+            ("files", str(files)),
+            ("bytes stored", human_bytes(stored) + (f" ({stored} B)" if stored is not None else "")),
+        ]
+        for name, value in rows:
+            table.add_row(name, value)
+        out.print(table, highlight=False)
