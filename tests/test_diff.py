@@ -1,0 +1,87 @@
+"""``tsckpt.diff`` and ``tsckpt diff``: real files of several formats compared key by key."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+import tsckpt
+import tsckpt.cli.convert  # noqa: F401  (registers the commands)
+from tsckpt.cli import app
+from tsckpt.conversion import convert, diff
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(6, 4, generator=g),
+        "bf": torch.randn(8, generator=g).bfloat16(),
+        "gone": torch.ones(3),
+        "retyped": torch.arange(4, dtype=torch.int32),
+        "reshaped": torch.zeros(2, 3),
+        "nan": torch.tensor([1.0, math.nan]),
+    }
+
+
+def test_identical_checkpoints_in_different_formats(tmp_path):
+    save_file(tensors(), tmp_path / "a.safetensors")
+    convert(tmp_path / "a.safetensors", tmp_path / "ts")
+    result = tsckpt.diff(tmp_path / "a.safetensors", tmp_path / "ts")
+    assert result.identical and len(result.entries) == 6
+    assert (result.format_a, result.format_b) == ("safetensors", "tsckpt")
+    out = CliRunner().invoke(app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "ts")])
+    assert out.exit_code == 0, out.output
+    assert "identical" in out.output
+
+
+def test_modified_checkpoint_reports_every_kind_of_change(tmp_path):
+    a = tensors()
+    b = {k: v.clone() for k, v in a.items() if k != "gone"}
+    b["w"][2, 1] += 0.5
+    b["bf"] = (b["bf"].view(torch.int16) ^ 1).view(torch.bfloat16)  # one mantissa bit of every element
+    b["retyped"] = b["retyped"].to(torch.int64)
+    b["reshaped"] = torch.zeros(3, 2)
+    b["new"] = torch.ones(1)
+    save_file(a, tmp_path / "a.safetensors")
+    torch.save(b, tmp_path / "b.pt")
+    result = diff(tmp_path / "a.safetensors", tmp_path / "b.pt")
+    by_key = {e.key: e for e in result.entries}
+    assert not result.identical
+    assert {k: e.status for k, e in by_key.items()} == {
+        "w": "values", "bf": "values", "gone": "only_a", "retyped": "dtype", "reshaped": "shape",
+        "nan": "equal", "new": "only_b"}
+    assert by_key["w"].max_abs_diff == pytest.approx(0.5, abs=1e-6)
+    assert by_key["bf"].max_abs_diff > 0
+    assert by_key["retyped"].max_abs_diff == 0  # same numbers, wider type
+    assert (by_key["reshaped"].shape_a, by_key["reshaped"].shape_b) == ((2, 3), (3, 2))
+    out = CliRunner().invoke(app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.pt")])
+    assert out.exit_code == 1, out.output
+    for key in ("gone", "retyped", "reshaped", "new"):
+        assert key in out.output
+    assert "6 of 7 entries differ" in out.output
+
+
+def test_values_and_nesting_compare_by_dotted_name(tmp_path):
+    sd = {"model": {"w": torch.ones(2)}, "step": 10}
+    torch.save(sd, tmp_path / "a.pt")
+    torch.save({"model": {"w": torch.ones(2)}, "step": 11}, tmp_path / "b.pt")
+    save_file({"model.w": torch.ones(2)}, tmp_path / "c.safetensors")
+    changed = diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert [(e.key, e.status, e.kind) for e in changed.differences] == [("step", "values", "object")]
+    flat = diff(tmp_path / "a.pt", tmp_path / "c.safetensors")
+    assert [(e.key, e.status) for e in flat.differences] == [("step", "only_a")]
+
+
+def test_dcp_directory_needs_trust_pickle(tmp_path):
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "d")))
+    save_file({"w": torch.arange(4.0)}, tmp_path / "w.safetensors")
+    runner = CliRunner()
+    refused = runner.invoke(app, ["diff", str(tmp_path / "d"), str(tmp_path / "w.safetensors")])
+    assert refused.exit_code == 2 and "--trust-pickle" in refused.output
+    trusted = runner.invoke(app, ["diff", str(tmp_path / "d"), str(tmp_path / "w.safetensors"), "--trust-pickle"])
+    assert trusted.exit_code == 0, trusted.output

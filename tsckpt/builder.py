@@ -1,0 +1,274 @@
+"""Write a tsckpt checkpoint from one process, one tensor at a time.
+
+:class:`CheckpointBuilder` produces exactly what a single-process
+``tsckpt.save`` of a state dict of plain tensors and values would: the same
+array ``zarr.json`` documents (built by :mod:`tsckpt.arrays`), the same chunk
+grid and inner chunks (:mod:`tsckpt.grid`), the same metadata entries
+(:mod:`tsckpt.metadata`) and the same commit (:func:`tsckpt.hierarchy.commit`).
+It exists for producers that never hold the whole state dict, such as format
+converters: each tensor is written as soon as it is added and only a bounded
+number of bytes (``max_inflight_bytes``) is waiting on TensorStore at any time,
+so memory stays at about that budget plus the tensor being added.
+
+Like a DCP save, nothing under the location looks like a Zarr node until
+:meth:`CheckpointBuilder.commit` writes the array, group and root documents;
+a builder abandoned half-way leaves an incomplete checkpoint that loads refuse.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import io
+import math
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorstore as ts
+
+from . import arrays, dtypes, grid, hierarchy, objects
+from .errors import PlanError, TsckptError, UnsupportedDtypeError
+from .kvstore import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore, parse_location
+from .layout import KeyPath, flat_key, parent_groups, zarr_path
+from .metadata import CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
+
+if TYPE_CHECKING:
+    import torch
+
+#: Same default as the DCP writer, so both produce the same layout.
+DEFAULT_INNER_CHUNK_BYTES = 16 << 20
+DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
+
+
+def as_key_path(key: str | Sequence[str | int]) -> KeyPath:
+    """A state-dict key (``"model.w"`` stays one element) or a key path, as a tuple."""
+    if isinstance(key, str):
+        return (key,)
+    path = tuple(key)
+    if not path or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+        raise TsckptError(f"key path {key!r} must be a non-empty sequence of strings and integers")
+    return path
+
+
+class CheckpointBuilder:
+    """Stream tensors and values into a new tsckpt checkpoint, then commit it.
+
+    Example::
+
+        with CheckpointBuilder("ckpt") as b:
+            for name, t in tensors():
+                b.add_tensor(("model", name), t)
+            b.add_object(("step",), 1000)
+        # committed on a clean exit from the block, never after an exception
+
+    Args:
+        location: checkpoint directory, ``file://`` URL or TensorStore kvstore spec.
+        overwrite: replace a complete checkpoint already there.
+        inner_chunk_bytes: tensors above this size get inner chunks of about this
+            size (Zarr sharding codec), as in :class:`tsckpt.TensorStoreWriter`.
+        max_inflight_bytes: tensor bytes that may wait on TensorStore before
+            :meth:`add_tensor` blocks; the caller must not modify a tensor it added
+            until :meth:`commit` returns.
+        extra: JSON-able values recorded in the metadata's ``extra``.
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        extra: Mapping[str, Any] | None = None,
+    ):
+        self.location = parse_location(location)
+        self.inner_chunk_bytes = inner_chunk_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.extra = dict(extra or {})
+        self.save_id = uuid.uuid4().hex
+        self._context = make_context(io_concurrency)
+        self._kv = open_kvstore(self.location, self._context)
+        hierarchy.prepare_target(self._kv, self.location.url, overwrite=overwrite)
+        self._tensors: dict[str, TensorEntry] = {}
+        self._torch_dtypes: dict[str, str] = {}
+        self._objects: dict[str, ObjectEntry] = {}
+        self._blob_sizes: dict[str, int] = {}
+        self._paths: set[str] = set()
+        self._groups: set[str] = set()
+        self._pending: collections.deque[tuple[str, Any, Any, int]] = collections.deque()
+        self._inflight = 0
+        self._committed = False
+
+    def __enter__(self) -> CheckpointBuilder:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            if not self._committed:
+                self.commit()
+            return
+        # Not committed: what was written stays an incomplete checkpoint. Still
+        # wait for started writes, so no I/O outlives the tensors they read.
+        for _, fut, _, _ in self._pending:
+            try:
+                fut.result()
+            except Exception:
+                pass
+        self._pending.clear()
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    def _claim(self, key_path: KeyPath) -> tuple[str, str]:
+        """Reserve the flat key and array path of a new entry, refusing collisions."""
+        if self._committed:
+            raise TsckptError(f"checkpoint {self.url} is already committed; nothing more can be added")
+        fqn, path = flat_key(key_path), zarr_path(key_path)
+        if fqn in self._tensors or fqn in self._objects:
+            raise PlanError(f"key {fqn!r} was added twice to {self.url}")
+        parents = [g for g in parent_groups([path]) if g]
+        if path in self._paths or path in self._groups or any(g in self._paths for g in parents):
+            raise PlanError(f"key path {list(key_path)} of {fqn!r} collides with another entry's "
+                            f"array or group {path!r} in {self.url}")
+        self._paths.add(path)
+        self._groups.update(parents)
+        return fqn, path
+
+    def _spec(self, path: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        # assume_metadata: chunks are written with no zarr.json; commit() writes it.
+        return {"driver": "zarr3", "kvstore": self.location.child(path), "metadata": metadata,
+                "assume_metadata": True}
+
+    def add_tensor(self, key: str | Sequence[str | int], tensor: torch.Tensor | np.ndarray) -> TensorEntry:
+        """Start writing one whole tensor (CPU torch tensor or numpy array) as its own array."""
+        key_path = as_key_path(key)
+        source, torch_dtype = self._as_numpy(key_path, tensor)
+        try:
+            dt = dtypes.BY_ZARR[source.dtype.name]
+        except KeyError:
+            raise UnsupportedDtypeError(f"tensor {flat_key(key_path)!r} for {self.url}: dtype "
+                                        f"{source.dtype} cannot be stored") from None
+        fqn, path = self._claim(key_path)
+        shape = tuple(int(n) for n in source.shape)
+        whole = [((0,) * len(shape), shape)]
+        chunk = grid.aligned_chunk_shape(shape, whole)
+        entry = TensorEntry(
+            key_path=key_path,
+            path=path,
+            shape=shape,
+            dtype=dt.zarr,
+            chunk_shape=chunk,
+            inner_chunk_shape=grid.inner_chunk_shape(chunk, dt.itemsize, self.inner_chunk_bytes),
+            placement=ReplicatedPlacement(),
+            # A DCP save records no write for an empty tensor; match it.
+            writes=(Region((0,) * len(shape), shape, 0),) if source.size else (),
+        )
+        self._tensors[fqn] = entry
+        self._torch_dtypes[fqn] = torch_dtype
+        if source.size:
+            md = arrays.array_metadata(shape, dt.zarr, chunk, entry.inner_chunk_shape)
+            arr = ts.open(self._spec(path, md), context=self._context).result()
+            fut = arr[tuple(slice(0, n) for n in shape)].write(
+                source, can_reference_source_data_indefinitely=True)
+            self._track(fqn, fut, (tensor, source), source.nbytes)
+        return entry
+
+    @staticmethod
+    def _as_numpy(key_path: KeyPath, tensor: Any) -> tuple[np.ndarray, str]:
+        if isinstance(tensor, np.ndarray):
+            dt = dtypes.BY_ZARR.get(tensor.dtype.name)
+            torch_dtype = f"torch.{dt.torch}" if dt else str(tensor.dtype)
+            return tensor, torch_dtype
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise TsckptError(f"{flat_key(key_path)!r}: add_tensor takes a torch.Tensor or numpy array, "
+                              f"got {type(tensor).__name__}; use add_object for other values")
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        try:
+            return dtypes.tensor_as_numpy(t), str(t.dtype)
+        except UnsupportedDtypeError as e:
+            raise UnsupportedDtypeError(f"tensor {flat_key(key_path)!r}: {e}") from None
+
+    def add_object(self, key: str | Sequence[str | int], value: Any) -> ObjectEntry:
+        """Store a non-tensor value: inline JSON when it is plain data, else a torch.save blob."""
+        key_path = as_key_path(key)
+        fqn, path = self._claim(key_path)
+        try:
+            entry = ObjectEntry(key_path, objects.JSON, value=objects.to_json(value))
+        except objects.NotJsonable:
+            import torch
+
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            blob = np.frombuffer(buf.getvalue(), dtype=np.uint8)
+            md = arrays.array_metadata([blob.size], "uint8", [max(blob.size, 1)])
+            arr = ts.open(self._spec(path, md), context=self._context).result()
+            self._track(fqn, arr.write(blob), blob, blob.size)
+            self._blob_sizes[fqn] = int(blob.size)
+            entry = ObjectEntry(key_path, objects.TORCH, path=path)
+        self._objects[fqn] = entry
+        return entry
+
+    def _track(self, fqn: str, fut: Any, keep_alive: Any, nbytes: int) -> None:
+        self._pending.append((fqn, fut, keep_alive, nbytes))
+        self._inflight += nbytes
+        while self._pending and self._inflight > self.max_inflight_bytes:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        fqn, fut, _, nbytes = self._pending.popleft()
+        self._inflight -= nbytes
+        try:
+            fut.result()
+        except Exception as e:
+            raise TsckptError(f"writing {fqn!r} to {self.url} failed: {e}") from e
+
+    def flush(self) -> None:
+        """Wait until every tensor added so far is written."""
+        while self._pending:
+            self._wait_oldest()
+
+    def commit(self) -> CheckpointMetadata:
+        """Wait for all data, then write array, group and root documents (the commit)."""
+        import torch
+
+        from . import __version__
+
+        self.flush()
+        docs: dict[str, dict[str, Any]] = {}
+        for fqn, entry in self._tensors.items():
+            entry.validate(f"tensor {fqn!r}")
+            docs[entry.path] = arrays.array_metadata(
+                entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape,
+                attributes=hierarchy.tensor_attributes(fqn, entry, self._torch_dtypes[fqn]))
+        for fqn, size in self._blob_sizes.items():
+            path = self._objects[fqn].path
+            assert path is not None
+            docs[path] = arrays.array_metadata(
+                [size], "uint8", [max(size, 1)],
+                attributes={hierarchy.ATTRIBUTE: {"kind": "object", "key": fqn, "encoding": objects.TORCH}})
+        md = CheckpointMetadata(
+            world_size=1,
+            tensors=dict(self._tensors),
+            objects=dict(self._objects),
+            torch_version=torch.__version__,
+            tsckpt_version=__version__,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            extra={"save_id": self.save_id, **self.extra},
+        )
+        hierarchy.commit(self._kv, md, docs)
+        self._committed = True
+        return md
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes added so far."""
+        return sum(math.prod(e.shape) * dtypes.from_zarr(e.dtype).itemsize for e in self._tensors.values())

@@ -1,0 +1,105 @@
+"""``tsckpt convert SRC DST`` and ``tsckpt diff A B``."""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import TsckptError
+from . import app
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"`` or a plain byte count, as bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"{text!r} is not a size; expected e.g. 5GB, 500MiB or 1000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _fail(e: TsckptError) -> typer.Exit:
+    Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+@app.command("convert")
+def convert_cmd(
+    src: str = typer.Argument(..., help="tsckpt dir, DCP dir, torch.save file, .safetensors or HF shard dir"),
+    dst: str = typer.Argument(..., help="where to write the converted checkpoint"),
+    to: str = typer.Option("", "--to", help="tsckpt, dcp, torch or safetensors (default: from DST's suffix: "
+                                          ".safetensors, .pt/.pth/.bin, else tsckpt)"),
+    max_shard_size: str = typer.Option("", help="safetensors shard limit, e.g. 5GB: writes an HF directory"),
+    trust_pickle: bool = typer.Option(False, "--trust-pickle",
+                                      help="allow unpickling SRC (needed for DCP .metadata); can run code from it"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace what is at DST"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+) -> None:
+    """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
+    from ..conversion import ConversionWarning, convert
+
+    shard = parse_size(max_shard_size) if max_shard_size else None
+    err = Console(stderr=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConversionWarning)  # printed below from the result
+            result = convert(src, dst, to=to or None, trust_pickle=trust_pickle,
+                             overwrite=overwrite, max_shard_size=shard, progress=not quiet and err.is_terminal)
+    except TsckptError as e:
+        raise _fail(e) from None
+    for note in result.warnings:
+        err.print(f"[yellow]warning:[/yellow] {note}", highlight=False, soft_wrap=True)
+    err.print(f"{result.source_format} -> {result.target_format}: {result.tensors} tensors, {result.objects} "
+              f"values, {result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s ({result.mb_per_s:.0f} MB/s)",
+              highlight=False)
+
+
+def _side(e: Any, which: str) -> str:
+    """One side of a diff row: dtype[shape], the entry kind, or '-' when absent."""
+    dtype, shape = (e.dtype_a, e.shape_a) if which == "a" else (e.dtype_b, e.shape_b)
+    if shape is not None:
+        return f"{dtype}{list(shape)}"
+    return "-" if e.status == ("only_b" if which == "a" else "only_a") else e.kind
+
+
+@app.command("diff")
+def diff_cmd(
+    a: str = typer.Argument(..., help="first checkpoint (any supported format)"),
+    b: str = typer.Argument(..., help="second checkpoint (any supported format)"),
+    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="allow unpickling (needed for DCP dirs)"),
+    show_equal: bool = typer.Option(False, "--all", help="list equal entries too"),
+) -> None:
+    """Compare two checkpoints key by key. Exit code 0 when identical, 1 when they differ."""
+    from ..conversion import diff
+
+    try:
+        result = diff(a, b, trust_pickle=trust_pickle)
+    except TsckptError as e:
+        raise _fail(e) from None
+    out = Console()
+    rows = result.entries if show_equal else result.differences
+    if rows:
+        table = Table(title=f"A = {a} ({result.format_a})\nB = {b} ({result.format_b})")
+        for col in ("key", "status", "A", "B", "max |A-B|"):
+            table.add_column(col, overflow="fold")
+        for e in rows:
+            side = [_side(e, "a"), _side(e, "b")]
+            style = "green" if e.equal else "red"
+            mad = "" if e.max_abs_diff is None else f"{e.max_abs_diff:.6g}"
+            table.add_row(e.key, f"[{style}]{e.status}[/{style}]", side[0], side[1], mad)
+        out.print(table)
+    n_diff = len(result.differences)
+    if n_diff:
+        out.print(f"[red]{n_diff} of {len(result.entries)} entries differ[/red]")
+    else:
+        out.print(f"[green]identical[/green]: {len(result.entries)} entries")
+    sys.stdout.flush()
+    raise typer.Exit(1 if n_diff else 0)

@@ -1,0 +1,272 @@
+"""Convert checkpoints between formats, and compare two checkpoints tensor by tensor.
+
+Formats (see :mod:`tsckpt.formats`): tsckpt, DCP FileSystemWriter directories,
+``torch.save`` files, safetensors files and Hugging Face sharded safetensors
+directories. Both functions stream: one tensor of each checkpoint is in memory
+at a time (plus bounded write-behind for tsckpt targets), so checkpoints larger
+than RAM convert and compare.
+
+Reading a DCP checkpoint unpickles its ``.metadata``; that, and restoring
+values that ``torch.load(weights_only=True)`` refuses, needs ``trust_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import TsckptError
+from .formats import TARGETS, Options, Sink, Source, TensorInfo, open_source
+
+#: Elements compared per step, so diffing a huge tensor needs little extra memory.
+_DIFF_BLOCK = 1 << 22
+
+
+class ConversionWarning(UserWarning):
+    """The target format cannot hold part of the source (named in the message)."""
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion did."""
+
+    source_format: str
+    target_format: str
+    tensors: int
+    objects: int
+    nbytes: int
+    seconds: float
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.nbytes / 1e6 / self.seconds if self.seconds > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source_format": self.source_format, "target_format": self.target_format,
+                "tensors": self.tensors, "objects": self.objects, "nbytes": self.nbytes,
+                "seconds": self.seconds, "warnings": list(self.warnings)}
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, description: str) -> Iterator[Any]:
+    """A rich progress bar on stderr counting bytes; a no-op callable when disabled."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(description, total=max(total, 1))
+        yield lambda n: bar.advance(task, n)
+
+
+def convert(
+    src: Any,
+    dst: Any,
+    *,
+    to: str | None = None,
+    source_format: str | None = None,
+    trust_pickle: bool = False,
+    overwrite: bool = False,
+    max_shard_size: int | None = None,
+    progress: bool = False,
+) -> ConvertResult:
+    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
+
+    Args:
+        src: a tsckpt checkpoint, DCP FileSystemWriter directory, torch.save file,
+            safetensors file or HF sharded safetensors directory (detected).
+        dst: the path to write. For ``to="safetensors"`` a path ending in
+            ``.safetensors`` is one file; anything else is an HF-style directory
+            of shards with ``model.safetensors.index.json``.
+        to: one of ``tsckpt``, ``dcp``, ``torch``, ``safetensors``; by default
+            chosen from ``dst`` (see :func:`default_target`).
+        source_format: skip detection and read ``src`` as this format.
+        trust_pickle: allow unpickling that can run code from ``src`` (required
+            for DCP sources, whose ``.metadata`` is a pickle).
+        overwrite: replace what is at ``dst``.
+        max_shard_size: safetensors shard size limit in bytes (implies a directory).
+        progress: show a progress bar on stderr.
+
+    Entries the target cannot hold (safetensors: non-tensor values, some dtypes)
+    are skipped with a :class:`ConversionWarning` naming them, and listed in
+    the result's ``warnings``.
+    """
+    to = to or default_target(dst, max_shard_size)
+    if to not in TARGETS:
+        raise TsckptError(f"unknown target format {to!r}; expected one of {sorted(TARGETS)}")
+    notes: list[str] = []
+
+    def warn(message: str) -> None:
+        notes.append(message)
+        warnings.warn(message, ConversionWarning, stacklevel=3)
+
+    start = time.perf_counter()
+    with open_source(src, format=source_format, trust_pickle=trust_pickle) as source:
+        total = sum(i.nbytes for i in source.tensors.values())
+        with _progress(progress, total, f"{source.format} -> {to}") as advance:
+            opts = Options(overwrite=overwrite, trust_pickle=trust_pickle, max_shard_size=max_shard_size)
+            TARGETS[to](source, dst, opts, Sink(advance=advance, warn=warn))
+        return ConvertResult(source.format, to, len(source.tensors), len(source.objects), total,
+                             time.perf_counter() - start, tuple(notes))
+
+
+@dataclass(frozen=True)
+class EntryDiff:
+    """How one key compares between two checkpoints.
+
+    ``status`` is one of ``equal`` (bit-identical), ``values`` (same shape and
+    dtype, different bits), ``shape``, ``dtype``, ``kind`` (tensor on one side,
+    value on the other), ``only_a`` or ``only_b``.
+    """
+
+    key: str
+    status: str
+    kind: str  # "tensor" or "object"
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    max_abs_diff: float | None = None
+
+    @property
+    def equal(self) -> bool:
+        return self.status == "equal"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "status": self.status, "kind": self.kind,
+                "shape_a": list(self.shape_a) if self.shape_a is not None else None,
+                "shape_b": list(self.shape_b) if self.shape_b is not None else None,
+                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "max_abs_diff": self.max_abs_diff}
+
+
+@dataclass(frozen=True)
+class DiffResult:
+    """Every key of two checkpoints compared; ``identical`` when all are equal."""
+
+    a: str
+    b: str
+    format_a: str
+    format_b: str
+    entries: tuple[EntryDiff, ...] = field(default_factory=tuple)
+
+    @property
+    def identical(self) -> bool:
+        return all(e.equal for e in self.entries)
+
+    @property
+    def differences(self) -> tuple[EntryDiff, ...]:
+        return tuple(e for e in self.entries if not e.equal)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
+                "identical": self.identical, "entries": [e.to_dict() for e in self.entries]}
+
+
+def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False) -> DiffResult:
+    """Compare two checkpoints of any supported formats, key by key.
+
+    Keys are matched by their flat (dotted) names, so a nested tsckpt or DCP
+    checkpoint compares against the safetensors file made from it. Tensors are
+    equal only when bit-identical (NaNs with the same bits are equal); for a
+    numeric difference the largest absolute difference is reported.
+    """
+    from .layout import flat_key
+
+    with open_source(a, trust_pickle=trust_pickle) as sa, open_source(b, trust_pickle=trust_pickle) as sb:
+        ta = {flat_key(i.key_path): k for k, i in sa.tensors.items()}
+        tb = {flat_key(i.key_path): k for k, i in sb.tensors.items()}
+        oa = {flat_key(p): v for p, v in sa.objects.values()}
+        ob = {flat_key(p): v for p, v in sb.objects.values()}
+        keys = list(dict.fromkeys([*ta, *oa, *tb, *ob]))
+        total = sum(sa.tensors[ta[k]].nbytes for k in ta if k in tb)
+        entries = []
+        with _progress(progress, total, "diff") as advance:
+            for key in keys:
+                if key in ta and key in tb:
+                    entries.append(_diff_tensor(key, sa, ta[key], sb, tb[key]))
+                    advance(sa.tensors[ta[key]].nbytes)
+                elif key in oa and key in ob:
+                    entries.append(EntryDiff(key, "equal" if _same_value(oa[key], ob[key]) else "values", "object"))
+                elif (key in ta or key in oa) and (key in tb or key in ob):
+                    entries.append(EntryDiff(key, "kind", "tensor" if key in ta else "object"))
+                else:
+                    entries.append(_one_sided(key, "only_a" if key in ta or key in oa else "only_b",
+                                              sa.tensors.get(ta.get(key, "")) or sb.tensors.get(tb.get(key, ""))))
+        return DiffResult(str(a), str(b), sa.format, sb.format, tuple(entries))
+
+
+def _one_sided(key: str, status: str, info: TensorInfo | None) -> EntryDiff:
+    if info is None:
+        return EntryDiff(key, status, "object")
+    shape, dtype = info.shape, str(info.dtype).removeprefix("torch.")
+    if status == "only_a":
+        return EntryDiff(key, status, "tensor", shape_a=shape, dtype_a=dtype)
+    return EntryDiff(key, status, "tensor", shape_b=shape, dtype_b=dtype)
+
+
+def _diff_tensor(key: str, sa: Source, ka: str, sb: Source, kb: str) -> EntryDiff:
+    ia, ib = sa.tensors[ka], sb.tensors[kb]
+    meta = dict(kind="tensor", shape_a=ia.shape, shape_b=ib.shape,
+                dtype_a=str(ia.dtype).removeprefix("torch."), dtype_b=str(ib.dtype).removeprefix("torch."))
+    if ia.shape != ib.shape:
+        return EntryDiff(key, "shape", **meta)  # type: ignore[arg-type]
+    x, y = sa.read(ka).reshape(-1), sb.read(kb).reshape(-1)
+    bits_equal = ia.dtype == ib.dtype and all(
+        torch.equal(_bits(x[i:i + _DIFF_BLOCK]), _bits(y[i:i + _DIFF_BLOCK])) for i in range(0, x.numel(), _DIFF_BLOCK))
+    status = "equal" if bits_equal else ("values" if ia.dtype == ib.dtype else "dtype")
+    return EntryDiff(key, status, max_abs_diff=0.0 if bits_equal else _max_abs_diff(x, y), **meta)  # type: ignore[arg-type]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Largest |x - y| (0 where equal, NaN where only one side is NaN)."""
+    wide = torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
+    worst = 0.0
+    for i in range(0, x.numel(), _DIFF_BLOCK):
+        u, v = x[i:i + _DIFF_BLOCK].to(wide), y[i:i + _DIFF_BLOCK].to(wide)
+        same = (u == v) | (torch.isnan(u) & torch.isnan(v))
+        d = torch.where(same, torch.zeros((), dtype=torch.float64), (u - v).abs())
+        if d.numel():
+            m = float(d.max())
+            worst = m if math.isnan(m) or math.isnan(worst) else max(worst, m)
+    return worst
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and \
+            x.shape == y.shape and torch.equal(x, y)
+    try:
+        return bool(type(x) is type(y) and x == y)
+    except Exception:
+        return False
+
+
+def default_target(dst: Any, max_shard_size: int | None = None) -> str:
+    """The target format implied by a destination: ``.safetensors`` or a shard size
+    means safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` torch.save, anything else tsckpt."""
+    if isinstance(dst, Mapping):
+        return "tsckpt"
+    text = os.fspath(dst)
+    if text.endswith(".safetensors") or max_shard_size is not None:
+        return "safetensors"
+    if text.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return "torch"
+    return "tsckpt"

@@ -1,0 +1,568 @@
+"""Checkpoint formats that tsckpt converts between: detection, sources, targets.
+
+A :class:`Source` opens a checkpoint and lists every entry up front (key path,
+shape and dtype of each tensor; non-tensor values, which are small, loaded
+eagerly) without reading tensor data; :meth:`Source.read` then returns one
+whole tensor. Targets consume a source one tensor at a time, so a conversion
+holds about one tensor in memory, never the whole checkpoint:
+
+- tsckpt: one TensorStore read of one array per tensor; written through
+  :class:`~tsckpt.builder.CheckpointBuilder` (a bounded byte budget in flight).
+- DCP FileSystemWriter: read with one ``dcp.load`` per key (the reader loads
+  only the saved chunks of that key); written by ``dcp.save`` with meta-tensor
+  placeholders whose data the planner's ``resolve_data`` reads from the source
+  when the writer asks for it (one file per tensor: FileSystemWriter keeps every
+  tensor of one file alive until that file is finished).
+- torch.save: read with ``torch.load(mmap=True)`` (file-backed pages the kernel
+  can drop); written as a skeleton by ``torch.save`` under
+  ``torch.serialization.skip_data`` with fake tensors, then filled in place
+  through a shared mmap, one tensor at a time, and the zip CRCs fixed up.
+- safetensors: read with ``safe_open``; written by a streaming writer (header
+  first, then each tensor's bytes). Sharded HF directories are read through
+  ``model.safetensors.index.json`` and written with one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import mmap
+import os
+import struct
+import warnings
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from . import dtypes, hierarchy, objects
+from .builder import CheckpointBuilder
+from .errors import CheckpointExistsError, CheckpointNotFoundError, TsckptError, UnsafeObjectError
+from .kvstore import make_context, open_kvstore, parse_location
+from .layout import KeyPath, flat_key
+
+PathLike = str | os.PathLike[str]
+
+#: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
+}
+_SAFETENSORS_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+HF_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a source knows about one tensor before reading it."""
+
+    key_path: KeyPath
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Options:
+    """Conversion options that targets and sources look at."""
+
+    overwrite: bool = False
+    trust_pickle: bool = False
+    max_shard_size: int | None = None
+
+
+class Sink:
+    """Where a target reports progress (bytes done) and what it could not hold."""
+
+    def __init__(self, advance: Callable[[int], None] = lambda n: None,
+                 warn: Callable[[str], None] = lambda m: None):
+        self.advance, self.warn = advance, warn
+
+
+class Source:
+    """An opened checkpoint: the catalog up front, tensor data one key at a time."""
+
+    format: ClassVar[str]
+
+    def __init__(self, path: Any, *, trust_pickle: bool = False):
+        self.path, self.trust_pickle = path, trust_pickle
+        self.tensors: dict[str, TensorInfo] = {}
+        self.objects: dict[str, tuple[KeyPath, Any]] = {}
+        self.header: dict[str, str] = {}  # free-form string metadata (safetensors ``__metadata__``)
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        raise NotImplementedError
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` as a contiguous CPU tensor."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def key_paths(self) -> dict[str, KeyPath]:
+        return {k: i.key_path for k, i in self.tensors.items()} | {k: p for k, (p, _) in self.objects.items()}
+
+
+class TsckptSource(Source):
+    format = "tsckpt"
+
+    def __init__(self, path: Any, *, trust_pickle: bool = False):
+        super().__init__(path, trust_pickle=trust_pickle)
+        self._location = parse_location(path)
+        self._context = make_context()
+        self.metadata = hierarchy.read_metadata(open_kvstore(self._location, self._context), self._location.url)
+        for key, e in self.metadata.tensors.items():
+            self.tensors[key] = TensorInfo(e.key_path, e.shape, dtypes.to_torch_dtype(dtypes.from_zarr(e.dtype)))
+        for key, o in self.metadata.objects.items():
+            self.objects[key] = (o.key_path, self._object(key, o))
+        header = self.metadata.extra.get("source_header")
+        if isinstance(header, dict):
+            self.header = {str(k): str(v) for k, v in header.items()}
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, hierarchy.ROOT))
+
+    def _open(self, path: str) -> ts.TensorStore:
+        return ts.open({"driver": "zarr3", "kvstore": self._location.child(path)}, context=self._context).result()
+
+    def _object(self, key: str, entry: Any) -> Any:
+        if entry.encoding == objects.JSON:
+            return objects.from_json(entry.value)
+        blob = self._open(entry.path).read().result().tobytes()
+        try:
+            return torch.load(io.BytesIO(blob), weights_only=not self.trust_pickle)
+        except Exception as e:
+            raise UnsafeObjectError(f"value {key!r} in {self._location.url} cannot be restored safely "
+                                    f"({type(e).__name__}); pass trust_pickle=True (--trust-pickle) "
+                                    "only if you trust this checkpoint") from None
+
+    def read(self, key: str) -> torch.Tensor:
+        try:
+            data = self._open(self.metadata.tensors[key].path).read().result()
+        except Exception as e:
+            raise TsckptError(f"reading tensor {key!r} from {self._location.url} failed: {e}") from e
+        # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
+        return dtypes.numpy_as_tensor(data if data.flags.c_contiguous else data.copy())
+
+
+class DcpSource(Source):
+    """A DCP FileSystemWriter directory, read one key at a time in this process."""
+
+    format = "dcp"
+
+    def __init__(self, path: Any, *, trust_pickle: bool = False):
+        super().__init__(path, trust_pickle=trust_pickle)
+        if not trust_pickle:
+            raise UnsafeObjectError(
+                f"{path} is a DCP FileSystemWriter checkpoint: reading it unpickles {path}/.metadata (and "
+                "torch.load's its non-tensor values), which can run code stored in those files; pass "
+                "trust_pickle=True (--trust-pickle) only if you trust where it came from")
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        class CachedReader(FileSystemReader):
+            # dcp.load re-reads .metadata on every call; one unpickling is enough.
+            cached: Any = None
+
+            def read_metadata(self, *a: Any, **k: Any) -> Any:
+                if self.cached is None:
+                    self.cached = super().read_metadata(*a, **k)
+                return self.cached
+
+        self._reader = CachedReader(os.fspath(path))
+        md = self._reader.read_metadata()
+        paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+        values = []
+        for fqn, m in md.state_dict_metadata.items():
+            key_path = tuple(paths.get(fqn, (fqn,)))
+            if isinstance(m, TensorStorageMetadata):
+                self.tensors[fqn] = TensorInfo(key_path, tuple(m.size), m.properties.dtype)
+            else:
+                values.append((fqn, key_path))
+        loaded = self._load({fqn: None for fqn, _ in values})
+        self.objects = {fqn: (key_path, loaded[fqn]) for fqn, key_path in values}
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, ".metadata"))
+
+    def _load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        if state_dict:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "torch.distributed is disabled": one process on purpose
+                dcp.load(state_dict, storage_reader=self._reader, planner=DefaultLoadPlanner())
+        return state_dict
+
+    def read(self, key: str) -> torch.Tensor:
+        info = self.tensors[key]
+        return self._load({key: torch.empty(info.shape, dtype=info.dtype)})[key]
+
+
+def _safetensors_header(path: str) -> dict[str, Any] | None:
+    """The JSON header of a safetensors file, or None if ``path`` is not one."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.path.getsize(path) - 8 or n > 100 << 20:
+                return None
+            doc = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class SafetensorsSource(Source):
+    format = "safetensors"
+
+    def __init__(self, path: Any, *, trust_pickle: bool = False, files: list[str] | None = None):
+        super().__init__(path, trust_pickle=trust_pickle)
+        from safetensors import safe_open
+
+        self._handles = [safe_open(f, framework="pt", device="cpu") for f in (files or [os.fspath(path)])]
+        self._where: dict[str, Any] = {}
+        for h in self._handles:
+            self.header |= {str(k): str(v) for k, v in (h.metadata() or {}).items()}
+            for key in h.keys():
+                sl = h.get_slice(key)
+                code = sl.get_dtype()
+                if code not in SAFETENSORS_DTYPES:
+                    raise TsckptError(f"tensor {key!r} in {path}: safetensors dtype {code!r} is not supported; "
+                                      f"expected one of {sorted(SAFETENSORS_DTYPES)}")
+                self.tensors[key] = TensorInfo((key,), tuple(sl.get_shape()), SAFETENSORS_DTYPES[code])
+                self._where[key] = h
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        return os.path.isfile(path) and _safetensors_header(path) is not None
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+
+class HfShardedSource(SafetensorsSource):
+    """A Hugging Face directory of safetensors shards listed by ``*.safetensors.index.json``."""
+
+    format = "hf-sharded"
+
+    def __init__(self, path: Any, *, trust_pickle: bool = False):
+        index_path = _hf_index(os.fspath(path))
+        assert index_path is not None
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise TsckptError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
+        folder = os.path.dirname(index_path)
+        files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointNotFoundError(f"{index_path} lists shard {missing[0]} which does not exist")
+        super().__init__(path, trust_pickle=trust_pickle, files=files)
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        return _hf_index(path) is not None
+
+
+def _hf_index(path: str) -> str | None:
+    if os.path.isfile(path) and path.endswith(".safetensors.index.json"):
+        return path
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, HF_INDEX)):
+        return os.path.join(path, HF_INDEX)
+    found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    return os.path.join(path, found[0]) if len(found) == 1 else None
+
+
+class TorchSaveSource(Source):
+    """A ``torch.save`` file of a (nested) state dict, memory-mapped."""
+
+    format = "torch"
+
+    def __init__(self, path: Any, *, trust_pickle: bool = False):
+        super().__init__(path, trust_pickle=trust_pickle)
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        try:
+            try:
+                sd = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                # Legacy (pre-zip) files cannot be mapped: they are read whole.
+                sd = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+        except Exception as e:
+            if trust_pickle or "weights_only" not in str(e):
+                raise TsckptError(f"torch.load({path}) failed: {e}") from e
+            raise UnsafeObjectError(f"{path} holds objects that torch.load(weights_only=True) refuses; pass "
+                                    "trust_pickle=True (--trust-pickle) only if you trust this file") from None
+        if not isinstance(sd, Mapping):
+            raise TsckptError(f"{path} holds a {type(sd).__name__}; expected a (nested) dict state dict")
+        flat, mapping = flatten_state_dict(dict(sd))
+        self._flat = flat
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                self.tensors[key] = TensorInfo(tuple(mapping[key]), tuple(value.shape), value.dtype)
+            else:
+                self.objects[key] = (tuple(mapping[key]), value)
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(4)
+        return head == b"PK\x03\x04" or head[:1] == b"\x80"  # zip (torch >= 1.6) or legacy pickle
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._flat[key].contiguous()
+
+    def close(self) -> None:
+        self._flat = {}
+
+
+#: Detection order matters: a directory is tsckpt, DCP or HF; a file safetensors before torch.
+SOURCES: dict[str, type[Source]] = {
+    cls.format: cls for cls in (TsckptSource, DcpSource, HfShardedSource, SafetensorsSource, TorchSaveSource)
+}
+
+
+def detect_format(path: Any) -> str:
+    """The source format of ``path`` (one of :data:`SOURCES`), or a clear error."""
+    if isinstance(path, Mapping):
+        return TsckptSource.format
+    text = os.fspath(path)
+    if not os.path.exists(text):
+        raise CheckpointNotFoundError(f"no checkpoint at {text}: the path does not exist")
+    for name, cls in SOURCES.items():
+        if cls.detect(text):
+            return name
+    raise TsckptError(f"cannot tell the format of {text}: expected a tsckpt checkpoint (zarr.json), a DCP "
+                      f"directory (.metadata), an HF directory ({HF_INDEX}), a safetensors file or a torch.save file")
+
+
+def open_source(path: Any, *, format: str | None = None, trust_pickle: bool = False) -> Source:
+    name = format or detect_format(path)
+    if name not in SOURCES:
+        raise TsckptError(f"unknown source format {name!r}; expected one of {sorted(SOURCES)}")
+    return SOURCES[name](path, trust_pickle=trust_pickle)
+
+
+# ----------------------------------------------------------------------------------------- targets
+
+
+def _refuse_existing(path: str, opts: Options, marker: str | None = None) -> None:
+    probe = os.path.join(path, marker) if marker else path
+    if os.path.exists(probe) and not opts.overwrite:
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True (--overwrite) to replace it")
+
+
+def _nested(source: Source, values: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    key_paths = source.key_paths()
+    flats = [flat_key(p) for p in key_paths.values()]
+    if len(set(flats)) != len(flats):
+        dup = next(f for f in flats if flats.count(f) > 1)
+        raise TsckptError(f"two entries of {source.path} flatten to the same key {dup!r}")
+    return unflatten_state_dict(values, key_paths)
+
+
+def write_tsckpt(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
+    extra = {"converted_from": {"format": source.format, "path": str(source.path)}}
+    if source.header:
+        extra["source_header"] = dict(source.header)
+    with CheckpointBuilder(dst, overwrite=opts.overwrite, extra=extra) as b:
+        for key, info in source.tensors.items():
+            b.add_tensor(info.key_path, source.read(key))
+            sink.advance(info.nbytes)
+        for key_path, value in source.objects.values():
+            b.add_object(key_path, value)
+
+
+def write_dcp(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    dst = os.fspath(dst)
+    _refuse_existing(dst, opts, ".metadata")
+    by_flat = {flat_key(i.key_path): k for k, i in source.tensors.items()}
+
+    class StreamingPlanner(DefaultSavePlanner):
+        # Placeholders are meta tensors; the data is read when the writer asks for it.
+        def resolve_data(self, write_item: Any) -> Any:
+            key = by_flat.get(write_item.index.fqn)
+            if key is None:
+                return super().resolve_data(write_item)
+            tensor = source.read(key)
+            sink.advance(source.tensors[key].nbytes)
+            return tensor
+
+    values = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in source.tensors.items()}
+    values |= {k: v for k, (_, v) in source.objects.items()}
+    writer = dcp.FileSystemWriter(dst, single_file_per_rank=False, thread_count=1, overwrite=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_nested(source, values), storage_writer=writer, planner=StreamingPlanner())
+
+
+def write_torch(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.checkpoint._traverse import get_element
+
+    dst = os.fspath(dst)
+    _refuse_existing(dst, opts)
+    with FakeTensorMode():
+        values = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in source.tensors.items()}
+    values |= {k: v for k, (_, v) in source.objects.items()}
+    tmp = dst + ".partial"
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(_nested(source, values), tmp)
+    del values
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        skeleton = torch.load(tmp, mmap=True, weights_only=not opts.trust_pickle)
+    for key, info in source.tensors.items():
+        dest = get_element(skeleton, info.key_path)
+        if dest.numel():
+            dest.copy_(source.read(key))
+        sink.advance(info.nbytes)
+        del dest
+    del skeleton  # unmaps the file; its pages are already in the page cache
+    _fix_zip_crcs(tmp)
+    os.replace(tmp, dst)
+
+
+def _fix_zip_crcs(path: str) -> None:
+    """Rewrite the CRC-32 of every stored zip record (skip_data leaves them 0)."""
+    import zipfile
+
+    with open(path, "r+b") as f, zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        start_dir = z.start_dir
+        crcs = []
+        for info in infos:
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            f.seek(info.header_offset + 30 + name_len + extra_len)
+            crc, left = 0, info.file_size
+            while left:
+                block = f.read(min(left, 64 << 20))
+                crc, left = zlib.crc32(block, crc), left - len(block)
+            crcs.append(crc)
+            f.seek(info.header_offset + 14)
+            f.write(struct.pack("<I", crc))
+        pos = start_dir
+        for crc in crcs:  # central directory entries come in the same order
+            f.seek(pos)
+            head = f.read(46)
+            if head[:4] != b"PK\x01\x02":
+                raise TsckptError(f"{path}: unexpected zip central directory layout")
+            f.seek(pos + 16)
+            f.write(struct.pack("<I", crc))
+            pos += 46 + sum(struct.unpack("<HHH", head[28:34]))
+
+
+def _safetensors_plan(source: Source, sink: Sink) -> list[tuple[str, str, TensorInfo]]:
+    """(source key, safetensors name, info) of every tensor safetensors can hold; warns about the rest."""
+    dropped = sorted(source.objects)
+    if dropped:
+        sink.warn(f"safetensors holds no non-tensor values; not written: {', '.join(dropped)}")
+    bad = sorted(k for k, i in source.tensors.items() if i.dtype not in _SAFETENSORS_CODE)
+    if bad:
+        sink.warn(f"safetensors has no dtype for these tensors; not written: {', '.join(bad)}")
+    nested = sorted(k for k, i in source.tensors.items() if len(i.key_path) > 1)
+    if nested:
+        sink.warn(f"safetensors names are flat: {len(nested)} nested keys are written as dotted names "
+                  f"(e.g. {nested[0]!r}), so their nesting is not kept")
+    return [(k, flat_key(i.key_path), i) for k, i in source.tensors.items() if k not in bad]
+
+
+def _write_safetensors_file(path: str, source: Source, items: list[tuple[str, str, TensorInfo]],
+                            header: dict[str, str], sink: Sink) -> None:
+    doc: dict[str, Any] = {"__metadata__": header} if header else {}
+    offset = 0
+    for _, name, info in items:
+        doc[name] = {"dtype": _SAFETENSORS_CODE[info.dtype], "shape": list(info.shape),
+                     "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors itself writes it
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for key, name, info in items:
+            tensor = source.read(key)
+            if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+                raise TsckptError(f"tensor {key!r} of {source.path} read as {tensor.dtype}{list(tensor.shape)}, "
+                                  f"listed as {info.dtype}{list(info.shape)}")
+            if info.nbytes:
+                f.write(memoryview(dtypes.tensor_as_numpy(tensor.contiguous()).reshape(-1).view(np.uint8)))
+            sink.advance(info.nbytes)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_safetensors(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
+    """One ``.safetensors`` file, or (a directory, or ``max_shard_size`` given) HF shards plus an index."""
+    dst = os.fspath(dst)
+    items = _safetensors_plan(source, sink)
+    header = dict(source.header)
+    if dst.endswith(".safetensors") and opts.max_shard_size is None:
+        _refuse_existing(dst, opts)
+        _write_safetensors_file(dst, source, items, header, sink)
+        return
+    _refuse_existing(dst, opts, HF_INDEX)
+    limit = opts.max_shard_size or math.inf
+    shards: list[list[tuple[str, str, TensorInfo]]] = [[]]
+    size = 0
+    for item in items:
+        if shards[-1] and size + item[2].nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[2].nbytes
+    os.makedirs(dst, exist_ok=True)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors_file(os.path.join(dst, name), source, shard, header or {"format": "pt"}, sink)
+        weight_map |= {n: name for _, n, _ in shard}
+    index = {"metadata": {"total_size": sum(i.nbytes for _, _, i in items)}, "weight_map": weight_map}
+    with open(os.path.join(dst, HF_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+TARGETS: dict[str, Callable[[Source, Any, Options, Sink], None]] = {
+    "tsckpt": write_tsckpt,
+    "dcp": write_dcp,
+    "torch": write_torch,
+    "safetensors": write_safetensors,
+}
