@@ -278,6 +278,8 @@ def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Locatio
     """The context resources for ``location``: tsckpt's defaults, then the location's own."""
     spec: dict[str, Any] = {
         "file_io_concurrency": {"limit": io_concurrency},
+        # fsync every chunk and metadata file: the commit promises durable data.
+        "file_io_sync": True,
         "data_copy_concurrency": {"limit": max(os.cpu_count() or 1, 1)},
     }
     if os.environ.get("AWS_ACCESS_KEY_ID") and (location is None or location.driver == "s3"):

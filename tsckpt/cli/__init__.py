@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
+
+from ..errors import TsckptError
 
 app = typer.Typer(
     name="tsckpt",
@@ -15,10 +18,15 @@ app = typer.Typer(
 )
 
 # Modules that register commands on ``app`` when imported.
-COMMAND_MODULES: list[str] = ["demo"]
+COMMAND_MODULES: list[str] = ["demo", "verify", "inspect", "convert"]
 
 
 def main() -> None:
+    """Entry point: a tsckpt error is one line on stderr and exit status 1, never a traceback."""
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}")
-    app()
+    try:
+        app()
+    except TsckptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
