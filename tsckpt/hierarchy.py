@@ -21,6 +21,7 @@ from .errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     MetadataError,
+    TsckptError,
 )
 from .kvstore import encode_json, read_json
 from .layout import parent_groups
@@ -55,8 +56,17 @@ def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
 
 
 def is_committed(kv: ts.KvStore) -> bool:
-    doc = _read_root(kv, url="")
-    return isinstance(doc, dict) and ATTRIBUTE in (doc.get("attributes") or {})
+    """Whether the root document carries tsckpt metadata (it may still fail validation).
+
+    An unreadable root document counts as committed: it may be a damaged
+    checkpoint, and replacing it must be asked for like any other.
+    """
+    try:
+        doc = _read_root(kv, url="")
+    except MetadataError:
+        return True
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    return isinstance(attrs, dict) and ATTRIBUTE in attrs
 
 
 def prepare_target(kv: ts.KvStore, url: str, *, overwrite: bool) -> None:
@@ -79,7 +89,9 @@ def prepare_target(kv: ts.KvStore, url: str, *, overwrite: bool) -> None:
 def _read_root(kv: ts.KvStore, url: str) -> Any:
     try:
         return read_json(kv, ROOT)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
+        # ValueError covers bad JSON and bytes that are not UTF-8; absurd nesting
+        # exhausts the parser's recursion instead.
         raise MetadataError(f"{url}/{ROOT} is not valid JSON: {e}") from None
 
 
@@ -94,4 +106,11 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
             f"{url} is an incomplete checkpoint: the save did not finish "
             f"(no committed metadata in {ROOT}); it cannot be loaded"
         )
-    return CheckpointMetadata.from_dict(attrs[ATTRIBUTE])
+    try:
+        return CheckpointMetadata.from_dict(attrs[ATTRIBUTE])
+    except TsckptError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        # from_dict validates field by field; this only guards against a hostile
+        # document reaching a case it did not foresee, which must still be a clean refusal.
+        raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None

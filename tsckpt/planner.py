@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from typing import Any
 
 import torch
@@ -109,6 +110,24 @@ def describe(obj: Any) -> dict[str, Any] | None:
     return None
 
 
+def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:
+    """Whether every value of ``saved`` is exactly representable in ``dest``.
+
+    Stricter than ``torch.promote_types``, which takes int64 -> float32 (or
+    int32 -> float32) as widening although large integers round.
+    """
+    if torch.promote_types(saved, dest) != dest:
+        return False
+    if saved.is_floating_point or saved.is_complex or saved == torch.bool:
+        return True
+    if not (dest.is_floating_point or dest.is_complex):
+        return True
+    real = dest.to_real() if dest.is_complex else dest
+    digits = round(-math.log2(torch.finfo(real).eps)) + 1  # significand bits, implicit one included
+    info = torch.iinfo(saved)
+    return info.bits - (1 if info.min < 0 else 0) <= digits
+
+
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planning plus placement records and JSON-readable values."""
 
@@ -158,7 +177,15 @@ class LoadPlanner(DefaultLoadPlanner):
             )
         for fqn, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata.get(fqn)
-            if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor):
+            if md is None:
+                continue
+            if isinstance(md, TensorStorageMetadata) != isinstance(obj, torch.Tensor):
+                # Otherwise DCP would silently replace a tensor by a stored value, or fail obscurely.
+                saved, asked = ("a tensor", "a non-tensor value") if isinstance(md, TensorStorageMetadata) \
+                    else ("a non-tensor value", "a tensor")
+                raise LoadMismatchError(f"key {fqn!r}: the checkpoint holds {saved} but the state dict has {asked} "
+                                        f"({type(obj).__name__}) there")
+            if isinstance(md, TensorStorageMetadata):
                 self._check_tensor(fqn, md, obj)
         return super().create_local_plan()
 
@@ -168,7 +195,7 @@ class LoadPlanner(DefaultLoadPlanner):
                 f"tensor {fqn!r}: checkpoint shape {list(md.size)} does not match the state dict's {list(obj.size())}"
             )
         saved, dest = md.properties.dtype, obj.dtype
-        if saved != dest and torch.promote_types(saved, dest) != dest and not self.allow_dtype_cast:
+        if saved != dest and not _lossless(saved, dest) and not self.allow_dtype_cast:
             raise LoadMismatchError(
                 f"tensor {fqn!r}: loading {saved} into {dest} would lose precision; "
                 "pass allow_dtype_cast=True to allow it"

@@ -55,6 +55,14 @@ def _region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
+@dataclasses.dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells one rank: its arrays' layout and its values' paths."""
+
+    arrays: dict[str, TensorEntry]
+    objects: dict[str, str]
+
+
 class _TensorStoreIO:
     """What the writer and reader share: a location and one lazily made context."""
 
@@ -76,7 +84,7 @@ class _TensorStoreIO:
     @property
     def context(self) -> ts.Context:
         if self._context is None:
-            self._context = make_context(self.io_concurrency)
+            self._context = make_context(self.io_concurrency, self.location)
         return self._context
 
     def _kvstore(self) -> ts.KvStore:
@@ -85,7 +93,10 @@ class _TensorStoreIO:
 
     def _array_spec(self, path: str, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         assert self.location is not None
-        spec: dict[str, Any] = {"driver": "zarr3", "kvstore": self.location.child(path)}
+        # Every chunk is stored, even all-zero ones, and a missing chunk is an
+        # error on read rather than silently read back as fill values.
+        spec: dict[str, Any] = {"driver": "zarr3", "kvstore": self.location.child(path),
+                                "store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
         if metadata is not None:
             spec |= {"metadata": metadata, "assume_metadata": True}
         return spec
@@ -176,9 +187,11 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             dup = next(p for p in paths if paths.count(p) > 1)
             raise PlanError(f"two state-dict keys map to the same array path {dup!r} in {self.checkpoint_id}")
         return [
-            dataclasses.replace(plan, storage_data={
-                i.index.fqn: self._entries[i.index.fqn] for i in plan.items if i.index.fqn in self._entries
-            })
+            dataclasses.replace(plan, storage_data=_RankPlan(
+                arrays={i.index.fqn: self._entries[i.index.fqn] for i in plan.items if i.index.fqn in self._entries},
+                objects={i.index.fqn: self._path_of(i.index.fqn)
+                         for i in plan.items if i.type == WriteItemType.BYTE_IO},
+            ))
             for plan in plans
         ]
 
@@ -205,7 +218,8 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        entries: dict[str, TensorEntry] = plan.storage_data or {}
+        rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
+        entries = rank_plan.arrays
         opened = {
             fqn: ts.open(self._array_spec(e.path, self._zarr_metadata(e)), context=self.context)
             for fqn, e in entries.items()
@@ -215,7 +229,7 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                info, fut = self._write_object(fqn, data)
+                info, fut = self._write_object(rank_plan.objects[fqn], data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=info))
                 if fut is not None:
                     pending.append((fqn, fut))
@@ -246,13 +260,13 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
     def _zarr_metadata(e: TensorEntry) -> dict[str, Any]:
         return arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape)
 
-    def _write_object(self, fqn: str, data: io.BytesIO) -> tuple[dict[str, Any], Any]:
+    def _write_object(self, path: str, data: io.BytesIO) -> tuple[dict[str, Any], Any]:
         encoding = getattr(data, "encoding", objects.TORCH)
         if encoding == objects.JSON:
             return {"encoding": objects.JSON, "value": json.loads(data.getvalue())}, None
         blob = np.frombuffer(data.getvalue(), dtype=np.uint8)
         md = arrays.array_metadata([blob.size], "uint8", [max(blob.size, 1)])
-        arr = ts.open(self._array_spec(self._path_of(fqn), md), context=self.context).result()
+        arr = ts.open(self._array_spec(path, md), context=self.context).result()
         return {"encoding": objects.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -264,7 +278,9 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             for r in rank_results:
                 fqn, info = r.index.fqn, r.storage_data
                 if "encoding" not in info:
-                    writes.setdefault(fqn, []).append(Region(tuple(info["offsets"]), tuple(info["sizes"]), info["rank"]))
+                    region = Region(tuple(info["offsets"]), tuple(info["sizes"]), info["rank"])
+                    if region.numel or not region.sizes:  # zero-size shards wrote nothing
+                        writes.setdefault(fqn, []).append(region)
                     continue
                 key_path = self._key_paths.get(fqn, (fqn,))
                 if info["encoding"] == objects.JSON:
@@ -393,7 +409,8 @@ class TensorStoreReader(_TensorStoreIO, StorageReader):
         try:
             return torch.load(io.BytesIO(blob.tobytes()), weights_only=not self.allow_pickle)
         except Exception as e:
-            found = re.search(r"Unsupported global: GLOBAL [\w.]+", str(e))
+            # torch words this "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module ...".
+            found = re.search(r"GLOBAL [\w.]+", str(e))
             raise UnsafeObjectError(
                 f"value {fqn!r} in {self.checkpoint_id} cannot be restored safely "
                 f"({found.group(0) if found else type(e).__name__}); "

@@ -1,0 +1,160 @@
+"""Mutated metadata documents are either accepted consistently or refused with a TsckptError.
+
+Starts from real documents (a saved checkpoint's, and one with every placement
+kind) and applies random structural mutations with hypothesis; nothing but a
+TsckptError may ever escape ``CheckpointMetadata.from_dict`` or
+``hierarchy.read_metadata``. Set ``TSCKPT_FUZZ_EXAMPLES`` for a longer run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import tensorstore as ts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tsckpt import hierarchy
+from tsckpt.arrays import group_metadata
+from tsckpt.errors import TsckptError
+from tsckpt.metadata import (
+    CheckpointMetadata,
+    DTensorPlacement,
+    Mesh,
+    ObjectEntry,
+    Region,
+    ReplicatedPlacement,
+    ShardedTensorPlacement,
+    TensorEntry,
+)
+
+EXAMPLES = int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "400"))
+RUNS = {"from_dict": 0, "read_metadata": 0, "accepted": 0}
+
+
+def _placed_document() -> dict:
+    mesh = Mesh(shape=(2, 2), dim_names=("dp", "tp"), device_type="cpu", ranks=(0, 1, 2, 3))
+    w = TensorEntry(("model", "w"), "model/w", (8, 6), "bfloat16", (4, 3), (2, 3),
+                    DTensorPlacement(0, ({"type": "shard", "dim": 0}, {"type": "shard", "dim": 1})),
+                    tuple(Region((r * 4, c * 3), (4, 3), 2 * r + c) for r in range(2) for c in range(2)))
+    st_ = TensorEntry(("st",), "st", (6, 2), "float32", (3, 2), None,
+                      ShardedTensorPlacement((((0, 0), (3, 2), "rank:0/cpu"), ((3, 0), (3, 2), "rank:1/cpu"))),
+                      (Region((0, 0), (3, 2), 0), Region((3, 0), (3, 2), 1)))
+    step = TensorEntry(("step",), "step", (), "int64", (), None, ReplicatedPlacement(), (Region((), (), 0),))
+    objs = {"lr": ObjectEntry(("lr",), "json", value={"$tuple": [0.9, {"$float": "nan"}]}),
+            "blob": ObjectEntry(("blob",), "torch", path="blob")}
+    md = CheckpointMetadata(world_size=4, tensors={"model.w": w, "st": st_, "step": step}, objects=objs,
+                            meshes=(mesh,), torch_version="2.13.0", tsckpt_version="0.1.0", extra={"save_id": "x"})
+    return md.to_dict()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts():
+    yield
+    print(f"\nfuzz cases run: {RUNS}")  # shown with -s
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> list[dict]:
+    import torch
+
+    import tsckpt
+
+    ckpt = tmp_path_factory.mktemp("fuzz") / "ckpt"
+    tsckpt.save({"model": {"a": torch.ones(3, 2), "b": torch.zeros(4, dtype=torch.bfloat16)},
+                 "opt": {"step": torch.tensor(1), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+                 "odd": {1, 2}}, ckpt)
+    saved = json.loads((ckpt / "zarr.json").read_text())["attributes"]["tsckpt"]
+    return [saved, _placed_document()]
+
+
+json_leaf = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+             | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)
+             | st.sampled_from(["../x", "/abs", "", "..", "float128", "zarr.json", "%2E%2E", "a\\b", "c/0"]))
+json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+HOSTILE_INTS = [-1, 0, 1, 2**31, 2**63, 10**30, -(10**30)]
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+def _mutate(data, doc):
+    path = data.draw(st.sampled_from(list(_paths(doc))))
+    if not path:
+        return data.draw(json_value)
+    parent = doc
+    for p in path[:-1]:
+        parent = parent[p]
+    key, old = path[-1], parent[path[-1]]
+    op = data.draw(st.sampled_from(["delete", "replace", "int", "retype", "duplicate", "empty"]))
+    if op == "delete":
+        del parent[key]
+    elif op == "replace":
+        parent[key] = data.draw(json_value)
+    elif op == "int":
+        parent[key] = data.draw(st.sampled_from(HOSTILE_INTS))
+    elif op == "retype":
+        parent[key] = ([old] if not isinstance(old, list) else {"0": old[0]} if old else {}) \
+            if data.draw(st.booleans()) else (str(old) if not isinstance(old, str) else 1.5)
+    elif op == "duplicate" and isinstance(old, list) and old:
+        old.append(copy.deepcopy(old[data.draw(st.integers(0, len(old) - 1))]))
+    elif op == "duplicate" and isinstance(old, dict) and old:
+        src = data.draw(st.sampled_from(sorted(old)))
+        old[src + data.draw(st.sampled_from(["_", ".", "/x"]))] = copy.deepcopy(old[src])
+    else:
+        parent[key] = type(old)() if isinstance(old, (list, dict, str)) else None
+    return doc
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(data=st.data())
+def test_from_dict_raises_only_tsckpt_errors(documents, data):
+    doc = copy.deepcopy(data.draw(st.sampled_from(documents)))
+    for _ in range(data.draw(st.integers(1, 3))):
+        doc = _mutate(data, doc)
+    RUNS["from_dict"] += 1
+    try:
+        md = CheckpointMetadata.from_dict(doc)
+    except TsckptError:
+        return
+    # Whatever is accepted must survive its own round trip unchanged.
+    RUNS["accepted"] += 1
+    assert CheckpointMetadata.from_dict(json.loads(json.dumps(md.to_dict()))) == md
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(data=st.data())
+def test_read_metadata_raises_only_tsckpt_errors(documents, data):
+    doc = copy.deepcopy(data.draw(st.sampled_from(documents)))
+    raw = bytearray(json.dumps(group_metadata({hierarchy.ATTRIBUTE: doc})).encode())
+    how = data.draw(st.sampled_from(["flip", "truncate", "insert", "mutate"]))
+    if how == "mutate":
+        raw = bytearray(json.dumps(_mutate(data, group_metadata({hierarchy.ATTRIBUTE: doc}))).encode())
+    elif how == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    else:
+        for _ in range(data.draw(st.integers(1, 4))):
+            at = data.draw(st.integers(0, len(raw) - 1))
+            byte = data.draw(st.integers(0, 255))
+            if how == "flip":
+                raw[at] = byte
+            else:
+                raw.insert(at, byte)
+    kv = ts.KvStore.open({"driver": "memory"}).result()
+    kv.write(hierarchy.ROOT, bytes(raw)).result()
+    RUNS["read_metadata"] += 1
+    try:
+        hierarchy.read_metadata(kv, "memory://fuzz")
+    except TsckptError:
+        pass

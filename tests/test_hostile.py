@@ -1,0 +1,169 @@
+"""Checkpoints cannot run code, and hostile keys or metadata cannot reach outside the directory."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shlex
+import shutil
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+import torch.distributed.checkpoint as dcp
+
+import tsckpt
+from tsckpt import arrays
+from tsckpt.errors import MetadataError, TsckptError, UnsafeObjectError
+from tsckpt.verify import verify
+
+HOSTILE_KEYS = ["../escape", "../../../tmp/x", "/abs/path", "a/b/../../c", "..", ".", "zarr.json", "c",
+                "__pycache__", ".hidden", "back\\slash", "%2E%2E", "%", "sp ace\ttab\nnl", "ключ🔑", "a\x00b"]
+
+
+class _Marker:
+    """Unpickling this object runs a shell command that creates a file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.path)}",))
+
+
+def _rewrite_blob(ckpt, rel: str, payload: bytes) -> None:
+    blob = np.frombuffer(payload, dtype=np.uint8)
+    md = arrays.array_metadata([blob.size], "uint8", [blob.size])
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{rel}/"}, "metadata": md,
+                   "create": True, "delete_existing": True}).result()
+    arr.write(blob).result()
+
+
+@pytest.fixture
+def evil_ckpt(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    tsckpt.save({"w": torch.arange(4.0), "opaque": {1, 2, 3}}, ckpt)  # a set is stored as a torch blob
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(_Marker(str(marker)), buf)
+    _rewrite_blob(ckpt, "opaque", buf.getvalue())
+    return ckpt, marker
+
+
+def test_crafted_pickle_does_not_run_on_load(evil_ckpt):
+    ckpt, marker = evil_ckpt
+    sd = {"w": torch.zeros(4), "opaque": None}
+    with pytest.raises(UnsafeObjectError, match=r"'opaque'.*GLOBAL (posix|os)\.system"):
+        tsckpt.load(sd, ckpt)
+    assert not marker.exists()
+    with pytest.raises(BaseException) as info:  # DCP wraps the rank's error in its CheckpointException
+        dcp.load(sd, storage_reader=tsckpt.TensorStoreReader(ckpt), planner=tsckpt.LoadPlanner())
+    assert "UnsafeObjectError" in str(info.value) or isinstance(info.value, UnsafeObjectError)
+    assert not marker.exists()
+    report = verify(ckpt)
+    assert report.ok and not marker.exists()  # verifying reads bytes, never unpickles
+
+
+def test_allow_pickle_does_run_it(evil_ckpt):
+    ckpt, marker = evil_ckpt
+    sd = {"w": torch.zeros(4), "opaque": None}
+    tsckpt.load(sd, ckpt, allow_pickle=True)
+    assert marker.exists()  # proves the payload is live, so the test above can fail
+
+
+def test_hostile_keys_stay_inside_and_round_trip(tmp_path):
+    ckpt = tmp_path / "inner" / "ckpt"
+    sd = {k: torch.full((2,), float(i)) for i, k in enumerate(HOSTILE_KEYS)}
+    sd["values"] = {k: i for i, k in enumerate(HOSTILE_KEYS)}
+    sd["nested"] = {"..": {"..": torch.ones(3)}, "/": {"etc": torch.zeros(1)}}
+    tsckpt.save(sd, ckpt)
+    outside = [p for p in tmp_path.rglob("*") if ckpt not in p.parents and p not in (ckpt, ckpt.parent)]
+    assert outside == []
+    for p in ckpt.rglob("*"):
+        assert p.resolve().is_relative_to(ckpt.resolve()), p
+        assert p.name not in ("..", ".") and not p.name.startswith("__")
+    back = {k: torch.zeros(2) for k in HOSTILE_KEYS}
+    back["values"] = {k: None for k in HOSTILE_KEYS}
+    back["nested"] = {"..": {"..": torch.zeros(3)}, "/": {"etc": torch.ones(1)}}
+    tsckpt.load(back, ckpt)
+    for i, k in enumerate(HOSTILE_KEYS):
+        assert torch.equal(back[k], torch.full((2,), float(i))), k
+    assert back["values"] == {k: i for i, k in enumerate(HOSTILE_KEYS)}
+    assert torch.equal(back["nested"][".."][".."], torch.ones(3))
+    assert torch.equal(back["nested"]["/"]["etc"], torch.zeros(1))
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("good") / "ckpt"
+    tsckpt.save({"model": {"w": torch.randn(4, 3)}, "blob": {1, 2}, "lr": 0.5}, ckpt)
+    return ckpt
+
+
+def _edit(ckpt, tmp_path, fn):
+    copy = tmp_path / "edited"
+    shutil.copytree(ckpt, copy)
+    root = json.loads((copy / "zarr.json").read_text())
+    out = fn(root["attributes"]["tsckpt"], copy)
+    (copy / "zarr.json").write_text(json.dumps(root) if out is None else out)
+    return copy
+
+
+def _w(md):
+    return md["tensors"]["model.w"]
+
+
+BROKEN = {
+    "dotdot tensor path": (lambda md, c: _w(md).update(path="../../outside"), "not a safe relative path"),
+    "absolute tensor path": (lambda md, c: _w(md).update(path="/etc"), "not a safe relative path"),
+    "path not from key": (lambda md, c: _w(md).update(path="model/other"), "does not match key path"),
+    "dotdot key path": (lambda md, c: _w(md).update(key_path=["..", "w"]), "does not match key path"),
+    "dotdot object path": (lambda md, c: md["objects"]["blob"].update(path="../blob"), "not a safe relative path"),
+    "negative size": (lambda md, c: _w(md).update(shape=[-4, 3]), "integers >= 0"),
+    "wrong shape": (lambda md, c: _w(md).update(shape=[2, 3]), "outside shape"),
+    "bigger shape": (lambda md, c: _w(md).update(shape=[8, 3]), "cover the tensor"),
+    "unknown dtype": (lambda md, c: _w(md).update(dtype="float128"), "unknown data type 'float128'"),
+    "zero chunk": (lambda md, c: _w(md).update(chunk_shape=[0, 3]), "integers >= 1"),
+    "chunk rank": (lambda md, c: _w(md).update(chunk_shape=[4]), "wrong rank"),
+    "write gap": (lambda md, c: _w(md)["writes"][0].update(sizes=[2, 3]), "cover the tensor"),
+    "string size": (lambda md, c: _w(md).update(shape=["4", 3]), "list of integers"),
+    "bool size": (lambda md, c: _w(md).update(shape=[True, 3]), "list of integers"),
+    "tensors list": (lambda md, c: md.update(tensors=[]), "wrong type"),
+    "future version": (lambda md, c: md.update(version=99), "not supported"),
+    "unknown placement": (lambda md, c: _w(md).update(placement={"kind": "alien"}), "unknown placement kind"),
+    "unknown encoding": (lambda md, c: md["objects"]["lr"].update(encoding="pickle"), "unknown encoding"),
+    "malformed json": (lambda md, c: '{"zarr_format": 3, "attributes": {"tsckpt": {', "not valid JSON"),
+    "not utf-8": (lambda md, c: b"\xff\xfe{}".decode("latin-1"), "not valid JSON"),
+    "deep nesting": (lambda md, c: "[" * 100_000 + "]" * 100_000, "not valid JSON"),
+    "metadata not an object": (lambda md, c: json.dumps({"attributes": {"tsckpt": [1]}}), "expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_metadata_is_refused_clearly(good_ckpt, tmp_path, case):
+    fn, message = BROKEN[case]
+    if case == "not utf-8":
+        copy = _edit(good_ckpt, tmp_path, lambda md, c: None)
+        (copy / "zarr.json").write_bytes(b"\xff\xfe{}")
+    else:
+        copy = _edit(good_ckpt, tmp_path, fn)
+    sd = {"model": {"w": torch.zeros(4, 3)}, "blob": None, "lr": None}
+    with pytest.raises(MetadataError, match=message):
+        tsckpt.load(sd, copy)
+    assert not (tmp_path / "outside").exists()
+
+
+def test_missing_array_is_refused_naming_the_tensor(good_ckpt, tmp_path):
+    copy = _edit(good_ckpt, tmp_path, lambda md, c: None)
+    shutil.rmtree(copy / "model" / "w")
+    with pytest.raises(TsckptError, match=r"'model\.w'"):
+        tsckpt.load({"model": {"w": torch.zeros(4, 3)}}, copy, allow_partial_load=True)
+
+
+def test_array_swapped_through_symlink_is_not_followed_outside(good_ckpt, tmp_path):
+    # A key path can only name escaped nodes under the root; the metadata path must equal it.
+    copy = _edit(good_ckpt, tmp_path, lambda md, c: _w(md).update(key_path=["model", "../w"], path="model/../w"))
+    with pytest.raises(MetadataError, match="not a safe relative path"):
+        tsckpt.load({"model": {"w": torch.zeros(4, 3)}}, copy)

@@ -1,0 +1,153 @@
+"""Damaged chunks are detected on load and by ``tsckpt verify``, naming tensor and chunk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tsckpt
+from tsckpt.errors import TsckptError
+from tsckpt.verify import verify
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(16, 8, generator=g), "zeros": torch.zeros(6, 5)},
+            "step": torch.tensor(3, dtype=torch.int64), "extra": {"tags": {"a", "b"}}}
+
+
+def _empty() -> dict:
+    return {"model": {"w": torch.zeros(16, 8), "zeros": torch.ones(6, 5)},
+            "step": torch.tensor(0, dtype=torch.int64), "extra": {"tags": None}}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A checkpoint whose ``model/w`` uses the sharding codec (inner chunks of 4x8)."""
+    path = tmp_path / "ckpt"
+    tsckpt.save(_state(), path, inner_chunk_bytes=128)
+    return path
+
+
+def _flip(path, offset: int = 3) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    code = "import sys; from tsckpt.cli import main; sys.argv = ['tsckpt', *sys.argv[1:]]; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_clean_checkpoint_loads_and_verifies(ckpt):
+    sd = _empty()
+    tsckpt.load(sd, ckpt, allow_pickle=False)
+    assert torch.equal(sd["model"]["w"], _state()["model"]["w"])
+    assert torch.equal(sd["model"]["zeros"], torch.zeros(6, 5))
+    report = verify(ckpt)
+    assert report.ok, report.to_dict()
+    assert {e.key for e in report.entries} == {"model.w", "model.zeros", "step", "extra.tags"}
+    result = _cli("verify", str(ckpt))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+def test_all_zero_tensor_is_stored_not_left_to_fill_value(ckpt):
+    # Without store_data_equal_to_fill_value TensorStore writes no file for an all-zero chunk.
+    assert (ckpt / "model" / "zeros" / "c" / "0" / "0").is_file()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_chunk_is_refused_on_load(ckpt, damage):
+    chunk = ckpt / "model" / "zeros" / "c" / "0" / "0"
+    if damage == "flip":
+        _flip(chunk)
+    elif damage == "truncate":
+        chunk.write_bytes(chunk.read_bytes()[:7])
+    else:
+        chunk.unlink()
+    with pytest.raises(TsckptError) as info:
+        tsckpt.load(_empty(), ckpt)
+    message = str(info.value)
+    assert "'model.zeros'" in message and "c/0/0" in message, message
+    report = verify(ckpt)
+    assert not report.ok
+    (bad,) = report.failed
+    assert bad.key == "model.zeros" and any("c/0/0" in p for p in bad.problems), bad.problems
+
+
+def test_flipped_inner_chunk_of_a_shard_is_detected(ckpt):
+    shard = ckpt / "model" / "w" / "c" / "0" / "0"
+    _flip(shard, offset=200)  # inside the data of an inner chunk, not the index at the end
+    with pytest.raises(TsckptError, match=r"'model\.w'.*(Digest mismatch|checksum)"):
+        tsckpt.load(_empty(), ckpt)
+    report = verify(ckpt)
+    assert [e.key for e in report.failed] == ["model.w"]
+    assert "shard entry" in report.failed[0].problems[0]
+
+
+def test_flipped_shard_index_is_detected(ckpt):
+    shard = ckpt / "model" / "w" / "c" / "0" / "0"
+    _flip(shard, offset=shard.stat().st_size - 6)
+    with pytest.raises(TsckptError, match=r"'model\.w'"):
+        tsckpt.load(_empty(), ckpt)
+    assert [e.key for e in verify(ckpt).failed] == ["model.w"]
+
+
+def test_damaged_value_blob_is_detected(ckpt):
+    _flip(ckpt / "extra" / "tags" / "c" / "0")
+    report = verify(ckpt)
+    assert [e.key for e in report.failed] == ["extra.tags"]
+
+
+def test_cli_reports_each_damaged_tensor_and_exits_nonzero(ckpt):
+    _flip(ckpt / "model" / "zeros" / "c" / "0" / "0")
+    (ckpt / "step" / "c").unlink()
+    result = _cli("verify", str(ckpt), "--no-progress")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "model.zeros" in result.stdout and "step" in result.stdout and "FAILED" in result.stdout
+    assert "missing" in result.stdout and "Digest mismatch" in result.stdout
+    as_json = json.loads(_cli("verify", str(ckpt), "--json").stdout)
+    assert {e["key"] for e in as_json["entries"] if e["problems"]} == {"model.zeros", "step"}
+
+
+def test_verify_catches_zarr_json_that_disagrees_with_metadata(ckpt):
+    doc_path = ckpt / "model" / "w" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["shape"] = [8, 8]
+    doc_path.write_text(json.dumps(doc))
+    report = verify(ckpt)
+    assert [e.key for e in report.failed] == ["model.w"]
+    assert "disagrees" in report.failed[0].problems[0]
+    with pytest.raises(TsckptError, match=r"'model\.w'"):
+        tsckpt.load(_empty(), ckpt)
+
+
+def test_verify_catches_missing_array_and_gaps_in_written_regions(ckpt):
+    os.remove(ckpt / "model" / "zeros" / "zarr.json")
+    root = json.loads((ckpt / "zarr.json").read_text())
+    writes = root["attributes"]["tsckpt"]["tensors"]["model.w"]["writes"]
+    # Two half-size regions at the same offset: the total is right but half the rows are never written.
+    half = {**writes[0], "sizes": [8, 8]}
+    root["attributes"]["tsckpt"]["tensors"]["model.w"]["writes"] = [half, dict(half)]
+    (ckpt / "zarr.json").write_text(json.dumps(root))
+    report = verify(ckpt)
+    failed = {e.key: e.problems for e in report.failed}
+    assert set(failed) == {"model.zeros", "model.w"}
+    assert "missing" in failed["model.zeros"][0]
+    assert "cover" in failed["model.w"][0]
+    result = _cli("verify", str(ckpt))
+    assert result.returncode == 1
+
+
+def test_cli_refuses_incomplete_checkpoint(ckpt):
+    (ckpt / "zarr.json").unlink()
+    result = _cli("verify", str(ckpt))
+    assert result.returncode == 2
+    assert "incomplete" in result.stderr

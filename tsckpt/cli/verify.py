@@ -1,0 +1,42 @@
+"""``tsckpt verify PATH``: read every chunk and check it; exit 1 with a per-tensor report on damage."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from . import app
+
+
+@app.command()
+def verify(
+    path: str = typer.Argument(..., help="checkpoint directory or file:// URL"),
+    progress: bool = typer.Option(None, "--progress/--no-progress",
+                                  help="progress bar (default: on for large checkpoints in a terminal)"),
+    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
+) -> None:
+    """Check that every tensor's chunks exist, decode and pass their crc32c checksums."""
+    from rich.console import Console
+
+    from ..errors import TsckptError
+    from ..verify import verify as run_verify
+
+    out, err = Console(), Console(stderr=True)
+    try:
+        report = run_verify(path, progress=progress)
+    except TsckptError as e:
+        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        for entry in report.failed:
+            out.print(f"[bold red]{entry.key}[/] ({entry.path}): {len(entry.problems)} problem(s)", highlight=False)
+            for problem in entry.problems:
+                out.print(f"  - {problem}", markup=False, highlight=False)
+        status = "[bold green]OK[/]" if report.ok else f"[bold red]FAILED[/] ({len(report.failed)} damaged)"
+        out.print(f"{status} {report.location}: {len(report.entries)} arrays, {report.chunks} chunks, "
+                  f"{report.nbytes} bytes checked", highlight=False)
+    if not report.ok:
+        raise typer.Exit(1)
