@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import tsckpt
 import zoo
+from zoo import same_bits
 from dist import run_ranks
 from tsckpt.grid import chunks_in
 
@@ -31,12 +32,6 @@ def zoo4(tmp_path_factory):
     return path
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.itemsize == 1:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return torch.equal(a, b)
 
 
 def test_4_rank_save_loads_into_full_tensors_without_process_group(zoo4):
@@ -187,7 +182,6 @@ def test_2d_mesh_to_1d_and_2_ranks_to_4(zoo4, tmp_path):
 
 def fsdp_train_save(rank, world, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
 
     model, optim = _fsdp_model(world)
     torch.manual_seed(1)

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import tsckpt
 import zoo
+from zoo import same_bits
 from dist import run_ranks
 from s3server import MotoServer, restore_credentials, set_credentials
 from tsckpt.kvstore import make_context, open_kvstore, parse_location
@@ -47,12 +48,6 @@ def bucket_keys(s3, prefix: str = "") -> list[str]:
     return [k.decode() for k in kv.list().result() if k.decode().startswith(prefix)]
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.itemsize == 1:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return torch.equal(a, b)
 
 
 def test_4_rank_save_to_s3_loads_back_bit_exactly(zoo_s3):

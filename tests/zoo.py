@@ -34,6 +34,15 @@ DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 ST_ROWS = [2, 1, 3, 3, 1]  # irregular ShardedTensor row boundaries, 5 shards on 4 ranks
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality, float8 and NaN payloads included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.itemsize == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
 def dtype_key(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 

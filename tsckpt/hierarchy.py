@@ -10,7 +10,6 @@ commit: a directory without it is an incomplete checkpoint and is refused.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import tensorstore as ts

@@ -16,8 +16,12 @@ Two encodings, chosen per value:
 
 from __future__ import annotations
 
+import io
 import math
+import re
 from typing import Any
+
+from .errors import UnsafeObjectError
 
 JSON = "json"
 TORCH = "torch"
@@ -74,3 +78,19 @@ def is_jsonable(value: Any) -> bool:
     except NotJsonable:
         return False
     return True
+
+
+def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool) -> Any:
+    """Restore a ``torch`` encoded value; without ``allow_pickle`` no code from the blob can run."""
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
+    except Exception as e:
+        # torch words this "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module ...".
+        found = re.search(r"GLOBAL [\w.]+", str(e))
+        raise UnsafeObjectError(
+            f"value {key!r} in {where} cannot be restored safely "
+            f"({found.group(0) if found else type(e).__name__}); "
+            "pass allow_pickle=True only if you trust this checkpoint"
+        ) from None

@@ -10,7 +10,6 @@ it overlaps. ``handle.numpy()`` never imports torch; ``handle[...]`` and
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import re
@@ -25,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import dtypes, hierarchy, objects
-from .errors import TsckptError, UnsafeObjectError
+from .errors import TsckptError
 from .kvstore import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
 from .metadata import (
     CheckpointMetadata,
@@ -380,17 +379,7 @@ class Checkpoint(Mapping[str, Any]):
             return objects.from_json(entry.value)
         assert entry.path is not None
         blob = self._open_array(key, entry.path, "uint8", None).read().result()
-        import torch
-
-        try:
-            return torch.load(io.BytesIO(blob.tobytes()), weights_only=not self.allow_pickle)
-        except Exception as e:
-            found = re.search(r"Unsupported global: GLOBAL [\w.]+", str(e))
-            raise UnsafeObjectError(
-                f"value {key!r} in {self.url} cannot be restored safely "
-                f"({found.group(0) if found else type(e).__name__}); "
-                "pass allow_pickle=True to tsckpt.open only if you trust this checkpoint"
-            ) from None
+        return objects.load_torch_value(blob.tobytes(), key=key, where=self.url, allow_pickle=self.allow_pickle)
 
 
 def _suggest(key: str, keys: list[str]) -> str:

@@ -12,7 +12,6 @@ import datetime
 import io
 import json
 import os
-import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +23,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -34,7 +32,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import __version__, arrays, dtypes, grid, hierarchy, objects
-from .errors import PlanError, TsckptError, UnsafeObjectError, UnsupportedDtypeError
+from .errors import PlanError, TsckptError, UnsupportedDtypeError
 from .kvstore import DEFAULT_IO_CONCURRENCY, Location, make_context, open_kvstore, parse_location
 from .layout import zarr_path
 from .metadata import CheckpointMetadata, ObjectEntry, Region, TensorEntry, intern_placement
@@ -406,16 +404,8 @@ class TensorStoreReader(_TensorStoreIO, StorageReader):
             return objects.from_json(entry.value)
         assert entry.path is not None
         blob = ts.open(self._array_spec(entry.path), context=self.context).result().read().result()
-        try:
-            return torch.load(io.BytesIO(blob.tobytes()), weights_only=not self.allow_pickle)
-        except Exception as e:
-            # torch words this "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module ...".
-            found = re.search(r"GLOBAL [\w.]+", str(e))
-            raise UnsafeObjectError(
-                f"value {fqn!r} in {self.checkpoint_id} cannot be restored safely "
-                f"({found.group(0) if found else type(e).__name__}); "
-                "pass allow_pickle=True only if you trust this checkpoint"
-            ) from None
+        return objects.load_torch_value(blob.tobytes(), key=fqn, where=str(self.checkpoint_id),
+                                        allow_pickle=self.allow_pickle)
 
 
 def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Any:
