@@ -38,12 +38,7 @@ def test_4_rank_save_loads_into_full_tensors_without_process_group(zoo4):
     assert not dist.is_initialized()
     sd = zoo.empty_like_expected()
     tsckpt.load(sd, zoo4)
-    expected = zoo.expected_all()
-    for name in zoo.SPECS:
-        assert same_bits(sd["model"][name], expected[name]), name
-    for dt in zoo.DTYPES:
-        key = zoo.dtype_key(dt)
-        assert same_bits(sd["dtypes"][key], expected[f"dtypes.{key}"]), key
+    zoo.assert_zoo_tensors(sd)
     assert sd["extra"] == {"lr": 0.1, "name": "run-1",
                            "groups": [{"lr": 0.01, "betas": (0.9, 0.99), "params": [0, 1]}]}
 

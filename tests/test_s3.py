@@ -53,12 +53,7 @@ def bucket_keys(s3, prefix: str = "") -> list[str]:
 def test_4_rank_save_to_s3_loads_back_bit_exactly(zoo_s3):
     sd = zoo.empty_like_expected()
     tsckpt.load(sd, zoo_s3)
-    expected = zoo.expected_all()
-    for name in zoo.SPECS:
-        assert same_bits(sd["model"][name], expected[name]), name
-    for dt in zoo.DTYPES:
-        key = zoo.dtype_key(dt)
-        assert same_bits(sd["dtypes"][key], expected[f"dtypes.{key}"]), key
+    zoo.assert_zoo_tensors(sd)
     assert sd["extra"]["name"] == "run-1" and sd["extra"]["groups"][0]["betas"] == (0.9, 0.99)
 
 

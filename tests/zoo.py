@@ -114,3 +114,13 @@ def empty_like_expected(without: tuple[str, ...] = ()) -> dict:
     dtypes = {dtype_key(d): torch.zeros_like(e[f"dtypes.{dtype_key(d)}"]) for d in DTYPES}
     extra = {"lr": None, "name": None, "groups": [{"lr": None, "betas": None, "params": None}]}
     return {"model": model, "dtypes": dtypes, "extra": extra}
+
+
+def assert_zoo_tensors(sd: dict) -> None:
+    """Every tensor of a loaded zoo state dict equals the expected global value, bit for bit."""
+    expected = expected_all()
+    for name in sd["model"]:
+        assert same_bits(sd["model"][name], expected[name]), name
+    for dt in DTYPES:
+        key = dtype_key(dt)
+        assert same_bits(sd["dtypes"][key], expected[f"dtypes.{key}"]), key

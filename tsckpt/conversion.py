@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .errors import TsckptError
-from .formats import TARGETS, Options, Sink, Source, TensorInfo, open_source
+from .formats import Options, Sink, Source, TensorInfo, open_source
+from .targets import TARGETS
 
 #: Elements compared per step, so diffing a huge tensor needs little extra memory.
 _DIFF_BLOCK = 1 << 22

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from . import api
+from . import api, reader
 from .errors import TsckptError
 from .metadata import CheckpointMetadata, TensorEntry
 
@@ -253,14 +253,6 @@ def _compare(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[s
     return tensors, problems
 
 
-def _disk_usage(path: str) -> tuple[int, int]:
-    files = size = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            files += 1
-            size += os.path.getsize(os.path.join(root, name))
-    return files, size
-
 
 def _zarr_tree(path: str) -> Any:
     """The checkpoint as zarr-python sees it (no tsckpt code involved)."""
@@ -304,7 +296,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     saved = _spawn(save_ranks, _save_rank, path)
     saved_full = saved[0]["full"]
     save_s = max(r["seconds"] for r in saved)
-    files, disk = _disk_usage(path)
+    files, disk = reader.open(path).storage_stats()
     with open(os.path.join(path, "zarr.json"), encoding="utf-8") as f:
         md = CheckpointMetadata.from_dict(json.load(f)["attributes"]["tsckpt"])
     tensor_bytes = sum(t.nbytes for t in md.tensors.values())
