@@ -117,7 +117,7 @@ class _DyingWriter(TensorStoreWriter):
         if self.die_at == "finish":
             os.kill(os.getpid(), signal.SIGKILL)
         real = hierarchy.commit
-        hierarchy.commit = lambda kv, md, docs: real(_RootKiller(kv), md, docs)
+        hierarchy.commit = lambda kv, md, docs, **kw: real(_RootKiller(kv), md, docs, **kw)
         try:
             super().finish(metadata, results)
         finally:

@@ -30,7 +30,7 @@ def _empty() -> dict:
 def ckpt(tmp_path):
     """A checkpoint whose ``model/w`` uses the sharding codec (inner chunks of 4x8)."""
     path = tmp_path / "ckpt"
-    tsckpt.save(_state(), path, inner_chunk_bytes=128)
+    tsckpt.save(_state(), path, inner_chunk_bytes=128, checksums=True)
     return path
 
 
@@ -60,12 +60,12 @@ def test_clean_checkpoint_loads_and_verifies(ckpt):
 
 def test_all_zero_tensor_is_stored_not_left_to_fill_value(ckpt):
     # Without store_data_equal_to_fill_value TensorStore writes no file for an all-zero chunk.
-    assert (ckpt / "model" / "zeros" / "c" / "0" / "0").is_file()
+    assert (ckpt / "model" / "zeros" / "c.0.0").is_file()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_chunk_is_refused_on_load(ckpt, damage):
-    chunk = ckpt / "model" / "zeros" / "c" / "0" / "0"
+    chunk = ckpt / "model" / "zeros" / "c.0.0"
     if damage == "flip":
         _flip(chunk)
     elif damage == "truncate":
@@ -75,15 +75,15 @@ def test_damaged_chunk_is_refused_on_load(ckpt, damage):
     with pytest.raises(TsckptError) as info:
         tsckpt.load(_empty(), ckpt)
     message = str(info.value)
-    assert "'model.zeros'" in message and "c/0/0" in message, message
+    assert "'model.zeros'" in message and "c.0.0" in message, message
     report = verify(ckpt)
     assert not report.ok
     (bad,) = report.failed
-    assert bad.key == "model.zeros" and any("c/0/0" in p for p in bad.problems), bad.problems
+    assert bad.key == "model.zeros" and any("c.0.0" in p for p in bad.problems), bad.problems
 
 
 def test_flipped_inner_chunk_of_a_shard_is_detected(ckpt):
-    shard = ckpt / "model" / "w" / "c" / "0" / "0"
+    shard = ckpt / "model" / "w" / "c.0.0"
     _flip(shard, offset=200)  # inside the data of an inner chunk, not the index at the end
     with pytest.raises(TsckptError, match=r"'model\.w'.*(Digest mismatch|checksum)"):
         tsckpt.load(_empty(), ckpt)
@@ -93,7 +93,7 @@ def test_flipped_inner_chunk_of_a_shard_is_detected(ckpt):
 
 
 def test_flipped_shard_index_is_detected(ckpt):
-    shard = ckpt / "model" / "w" / "c" / "0" / "0"
+    shard = ckpt / "model" / "w" / "c.0.0"
     _flip(shard, offset=shard.stat().st_size - 6)
     with pytest.raises(TsckptError, match=r"'model\.w'"):
         tsckpt.load(_empty(), ckpt)
@@ -101,13 +101,13 @@ def test_flipped_shard_index_is_detected(ckpt):
 
 
 def test_damaged_value_blob_is_detected(ckpt):
-    _flip(ckpt / "extra" / "tags" / "c" / "0")
+    _flip(ckpt / "extra" / "tags" / "c.0")
     report = verify(ckpt)
     assert [e.key for e in report.failed] == ["extra.tags"]
 
 
 def test_cli_reports_each_damaged_tensor_and_exits_nonzero(ckpt):
-    _flip(ckpt / "model" / "zeros" / "c" / "0" / "0")
+    _flip(ckpt / "model" / "zeros" / "c.0.0")
     (ckpt / "step" / "c").unlink()
     result = _cli("verify", str(ckpt), "--no-progress")
     assert result.returncode == 1, result.stdout + result.stderr

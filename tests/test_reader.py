@@ -167,7 +167,7 @@ def test_slice_reads_only_the_chunks_it_overlaps(zoo_ckpt, tmp_path):
     assert wanted == [(1, 0)]
     for index in [(i, 0) for i in range(h.chunks.grid_shape[0])]:
         if index not in wanted:
-            with open(os.path.join(path, "model", "even", "c", *map(str, index)), "wb") as f:
+            with open(os.path.join(path, "model", "even", ".".join(["c", *map(str, index)])), "wb") as f:
                 f.write(b"not a chunk")  # fails its crc32c if anyone reads it
 
     ck = tsckpt.open(path)

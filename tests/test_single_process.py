@@ -93,3 +93,15 @@ def test_load_mismatches_name_the_key(tmp_path):
     back = {"w": torch.zeros(4, dtype=torch.float64)}  # widening is fine
     tsckpt.load(back, tmp_path / "c")
     assert back["w"].tolist() == [1.0] * 4
+
+
+def test_stager_copies_tensor_bytes_keeps_ties_and_detaches_values():
+    w = torch.arange(6.0).reshape(2, 3)
+    sd = {"w": w, "tied": w, "view": w.t(), "opt": {"lr": [0.1]}, "n": 3}
+    staged = tsckpt.Stager().stage(sd)
+    w.add_(100)
+    sd["opt"]["lr"].append(0.2)
+    assert torch.equal(staged["w"], torch.arange(6.0).reshape(2, 3))
+    assert staged["tied"] is staged["w"]  # one copy for tensors that share storage
+    assert torch.equal(staged["view"], staged["w"].t())
+    assert staged["opt"] == {"lr": [0.1]} and staged["n"] == 3

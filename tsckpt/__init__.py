@@ -38,6 +38,7 @@ _LAZY = {
     "save": "api",
     "load": "api",
     "async_save": "api",
+    "Stager": "staging",
     "convert": "conversion",
     "diff": "conversion",
     "CheckpointBuilder": "builder",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import TsckptError
 from .planner import LoadPlanner, SavePlanner
+from .staging import Stager
 from .storage import PathLike, TensorStoreReader, TensorStoreWriter
 
 
@@ -30,7 +32,7 @@ def save(
     ``writer_options`` go to :class:`TensorStoreWriter`.
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
-    with _unwrapped():
+    with _unwrapped(), gc_paused():
         return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
 
 
@@ -40,16 +42,23 @@ def async_save(
     *,
     process_group: dist.ProcessGroup | None = None,
     overwrite: bool = False,
-    **kwargs: Any,
+    async_checkpointer_type: Any = None,
+    **writer_options: Any,
 ) -> Any:
     """Like :func:`save` but returns as soon as the state dict is staged; see ``dcp.async_save``.
 
-    Extra keyword arguments (e.g. ``async_checkpointer_type``) go to ``dcp.async_save``.
+    Staging is one copy of each rank's tensor data into CPU memory (:class:`Stager`).
+
+    ``async_checkpointer_type`` (thread or process) goes to ``dcp.async_save``,
+    ``writer_options`` to :class:`TensorStoreWriter`.
     """
-    writer = TensorStoreWriter(path, overwrite=overwrite)
-    return dcp.async_save(
-        state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group, **kwargs
-    )
+    writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
+    extra = {} if async_checkpointer_type is None else {"async_checkpointer_type": async_checkpointer_type}
+    with gc_paused():
+        return dcp.async_save(
+            state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
+            async_stager=Stager(), **extra
+        )
 
 
 def load(
@@ -67,10 +76,28 @@ def load(
     collective if the checkpoint was never committed.
     """
     reader = TensorStoreReader(path, allow_pickle=allow_pickle)
-    reader.read_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
+    reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
-    with _unwrapped():
+    with _unwrapped(), gc_paused():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the duration of a save or load.
+
+    Planning allocates enough objects to trigger a full collection, which in a
+    training process (hundreds of thousands of live objects) costs 0.1-0.3 s
+    and lands on the coordinator, where every rank waits for it. Nothing tsckpt
+    or DCP allocates needs the cycle collector; it is re-enabled on the way out.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ import tensorstore as ts
 
 from . import arrays, dtypes, grid, hierarchy, objects
 from .errors import PlanError, TsckptError, UnsupportedDtypeError
-from .kvstore import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore, parse_location
+from .kvstore import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore, parse_location, unsynced_nodes
 from .layout import KeyPath, flat_key, parent_groups, zarr_path
 from .metadata import CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
 
@@ -73,6 +73,7 @@ class CheckpointBuilder:
             :meth:`add_tensor` blocks; the caller must not modify a tensor it added
             until :meth:`commit` returns.
         extra: JSON-able values recorded in the metadata's ``extra``.
+        checksums: a crc32c on every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
     """
 
     def __init__(
@@ -84,7 +85,10 @@ class CheckpointBuilder:
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         extra: Mapping[str, Any] | None = None,
+        checksums: bool = False,
     ):
+        arrays.check_options(checksums, None)
+        self.checksums = checksums
         self.location = parse_location(location)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
@@ -171,7 +175,7 @@ class CheckpointBuilder:
         self._tensors[fqn] = entry
         self._torch_dtypes[fqn] = torch_dtype
         if source.size:
-            md = arrays.array_metadata(shape, dt.zarr, chunk, entry.inner_chunk_shape)
+            md = arrays.array_metadata(shape, dt.zarr, chunk, entry.inner_chunk_shape, checksums=self.checksums)
             arr = ts.open(self._spec(path, md), context=self._context).result()
             fut = arr[tuple(slice(0, n) for n in shape)].write(
                 source, can_reference_source_data_indefinitely=True)
@@ -248,7 +252,8 @@ class CheckpointBuilder:
             entry.validate(f"tensor {fqn!r}")
             docs[entry.path] = arrays.array_metadata(
                 entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape,
-                attributes=hierarchy.tensor_attributes(fqn, entry, self._torch_dtypes[fqn]))
+                attributes=hierarchy.tensor_attributes(fqn, entry, self._torch_dtypes[fqn]),
+                checksums=self.checksums)
         for fqn, size in self._blob_sizes.items():
             path = self._objects[fqn].path
             assert path is not None
@@ -264,7 +269,7 @@ class CheckpointBuilder:
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             extra={"save_id": self.save_id, **self.extra},
         )
-        hierarchy.commit(self._kv, md, docs)
+        hierarchy.commit(self._kv, md, docs, nodes=unsynced_nodes(self.location))
         self._committed = True
         return md
 

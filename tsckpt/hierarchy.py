@@ -10,6 +10,7 @@ commit: a directory without it is an incomplete checkpoint and is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import tensorstore as ts
@@ -40,11 +41,19 @@ def tensor_attributes(key: str, entry: TensorEntry, torch_dtype: str) -> dict[st
     }}
 
 
-def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]]) -> None:
-    """Write array and group nodes, then the root document (the commit point)."""
-    _write_all(kv, {f"{path}/{ROOT}": doc for path, doc in array_docs.items()})
+def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]],
+           nodes: tuple[ts.KvStore, Callable[[], None]] | None = None) -> None:
+    """Write array and group nodes, then the root document (the commit point).
+
+    ``nodes`` optionally gives a faster kvstore for the nodes and the call that
+    makes them durable, which must return before the root is written.
+    """
+    node_kv = kv if nodes is None else nodes[0]
     groups = [g for g in parent_groups(list(array_docs)) if g]
-    _write_all(kv, {f"{g}/{ROOT}": arrays.group_metadata() for g in groups})
+    _write_all(node_kv, {f"{path}/{ROOT}": doc for path, doc in array_docs.items()}
+               | {f"{g}/{ROOT}": arrays.group_metadata() for g in groups})
+    if nodes is not None:
+        nodes[1]()
     kv.write(ROOT, encode_json(arrays.group_metadata({ATTRIBUTE: md.to_dict()}))).result()
 
 

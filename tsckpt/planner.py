@@ -83,20 +83,24 @@ def _placement_record(p: Any) -> dict[str, Any]:
     return {"type": "other", "repr": repr(p)}
 
 
-def describe(obj: Any) -> dict[str, Any] | None:
-    """The JSON placement record of a state-dict value (None for non-tensors)."""
+def describe(obj: Any, meshes: dict[int, dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """The JSON placement record of a state-dict value (None for non-tensors).
+
+    ``meshes`` caches mesh records by mesh object: a state dict has hundreds of
+    DTensors on one or two meshes, and a shared record also pickles once.
+    """
     if isinstance(obj, DTensor):
         mesh = obj.device_mesh
-        return {
-            "kind": "dtensor",
-            "mesh": {
+        cache = {} if meshes is None else meshes
+        if id(mesh) not in cache:
+            cache[id(mesh)] = {
                 "shape": list(mesh.shape),
                 "dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
                 "device_type": mesh.device_type,
                 "ranks": mesh.mesh.flatten().tolist(),
-            },
-            "placements": [_placement_record(p) for p in obj.placements],
-        }
+            }
+        return {"kind": "dtensor", "mesh": cache[id(mesh)],
+                "placements": [_placement_record(p) for p in obj.placements]}
     if isinstance(obj, ShardedTensor):
         return {
             "kind": "sharded_tensor",
@@ -133,9 +137,10 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        placements = {}
+        placements: dict[str, Any] = {}
+        meshes: dict[int, dict[str, Any]] = {}
         for fqn, obj in self.state_dict.items():
-            record = describe(obj)
+            record = describe(obj, meshes)
             if record is not None:
                 placements[fqn] = record
         plan = dataclasses.replace(plan, planner_data=PlannerData(plan.planner_data, placements))

@@ -33,7 +33,14 @@ from torch.futures import Future
 
 from . import __version__, arrays, dtypes, grid, hierarchy, objects
 from .errors import PlanError, TsckptError, UnsupportedDtypeError
-from .kvstore import DEFAULT_IO_CONCURRENCY, Location, make_context, open_kvstore, parse_location
+from .kvstore import (
+    DEFAULT_IO_CONCURRENCY,
+    Location,
+    make_context,
+    open_kvstore,
+    parse_location,
+    unsynced_nodes,
+)
 from .layout import zarr_path
 from .metadata import CheckpointMetadata, ObjectEntry, Region, TensorEntry, intern_placement
 from .planner import DecodedValue
@@ -124,6 +131,13 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
         io_concurrency: TensorStore file I/O concurrency per rank.
+        checksums: store a crc32c with every tensor chunk, checked on every
+            read, so flipped bits fail the load instead of loading silently. Off
+            by default: TensorStore's crc32c runs at about 2 GB/s per core, which
+            made 1 GB saves 40-60% slower on the benchmark machine (README).
+            Missing and truncated chunks are detected either way.
+        compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
+            weights rarely compress enough to pay for it.
     """
 
     def __init__(
@@ -133,10 +147,15 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
         overwrite: bool = False,
         inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        checksums: bool = False,
+        compression: str | None = None,
     ):
         super().__init__(path, io_concurrency)
+        arrays.check_options(checksums, compression)
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
+        self.checksums = checksums
+        self.compression = compression
         self.is_coordinator = False
         self.rank = 0
         self.save_id = ""
@@ -178,6 +197,9 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
                 boxes.setdefault(fqn, []).append(Region(tuple(td.chunk.offsets), tuple(td.chunk.sizes), rank))
                 first.setdefault(fqn, td)
         self._entries = {fqn: self._plan_array(fqn, first[fqn], regions) for fqn, regions in boxes.items()}
+        # A rank needs each array's layout, not every rank's regions: leaving
+        # them out keeps the scattered plans O(tensors) instead of O(tensors x ranks).
+        layouts = {fqn: dataclasses.replace(e, writes=()) for fqn, e in self._entries.items()}
         paths = [e.path for e in self._entries.values()] + [
             self._path_of(i.index.fqn) for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO
         ]
@@ -186,7 +208,7 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             raise PlanError(f"two state-dict keys map to the same array path {dup!r} in {self.checkpoint_id}")
         return [
             dataclasses.replace(plan, storage_data=_RankPlan(
-                arrays={i.index.fqn: self._entries[i.index.fqn] for i in plan.items if i.index.fqn in self._entries},
+                arrays={i.index.fqn: layouts[i.index.fqn] for i in plan.items if i.index.fqn in layouts},
                 objects={i.index.fqn: self._path_of(i.index.fqn)
                          for i in plan.items if i.type == WriteItemType.BYTE_IO},
             ))
@@ -254,9 +276,9 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
                 raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
         return _done(results)
 
-    @staticmethod
-    def _zarr_metadata(e: TensorEntry) -> dict[str, Any]:
-        return arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape)
+    def _zarr_metadata(self, e: TensorEntry, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+        return arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape, attributes,
+                                     checksums=self.checksums, compression=self.compression)
 
     def _write_object(self, path: str, data: io.BytesIO) -> tuple[dict[str, Any], Any]:
         encoding = getattr(data, "encoding", objects.TORCH)
@@ -299,9 +321,7 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             entry.validate(f"tensor {fqn!r}")
             tensors[fqn] = entry
             torch_dtype = str(dtypes.to_torch_dtype(dtypes.from_zarr(entry.dtype)))
-            docs[entry.path] = arrays.array_metadata(
-                entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape,
-                attributes=hierarchy.tensor_attributes(fqn, entry, torch_dtype))
+            docs[entry.path] = self._zarr_metadata(entry, hierarchy.tensor_attributes(fqn, entry, torch_dtype))
         md = CheckpointMetadata(
             world_size=len(results),
             tensors=tensors,
@@ -312,7 +332,7 @@ class TensorStoreWriter(_TensorStoreIO, StorageWriter):
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             extra={"save_id": self.save_id},
         )
-        hierarchy.commit(self._kvstore(), md, docs)
+        hierarchy.commit(self._kvstore(), md, docs, nodes=unsynced_nodes(self.location))
 
 
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
@@ -348,14 +368,30 @@ class TensorStoreReader(_TensorStoreIO, StorageReader):
         super().__init__(path, io_concurrency)
         self.allow_pickle = allow_pickle
         self.metadata: CheckpointMetadata | None = None
+        self._prefetched = False
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
         self._reset(checkpoint_id)
+        if not (self._prefetched and checkpoint_id is None):
+            self.metadata = None
+        self._prefetched = False
+
+    def prefetch_metadata(self) -> CheckpointMetadata:
+        """Read the metadata now, raising tsckpt's own errors, and keep it for the next load.
+
+        ``dcp.load`` starts with ``reset()`` and then reads the metadata on every
+        rank; after this call that read costs nothing. Any later load reads afresh.
+        """
         self.metadata = None
+        self.read_metadata()
+        self._prefetched = True
+        assert self.metadata is not None
+        return self.metadata
 
     def read_metadata(self, *args: Any) -> Metadata:
         self._reset(None)
-        self.metadata = hierarchy.read_metadata(self._kvstore(), self.checkpoint_id or "")
+        if self.metadata is None:
+            self.metadata = hierarchy.read_metadata(self._kvstore(), self.checkpoint_id or "")
         return to_dcp_metadata(self.metadata)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,106 @@
+"""Writer options that change the codecs: checksums off, compression, and the GC pause."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import tsckpt
+from tsckpt.api import gc_paused
+from tsckpt.verify import verify
+
+
+def _state_dict() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w": torch.randn(64, 48, generator=g),
+        "b": torch.randn(64, 48, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "big": torch.zeros(256, 64),  # crosses inner_chunk_bytes below: sharding codec
+    }
+
+
+def _codec_names(codecs: list[dict]) -> list[str]:
+    out = []
+    for c in codecs:
+        out.append(c["name"])
+        if c["name"] == "sharding_indexed":
+            out += _codec_names(c["configuration"]["codecs"])
+    return out
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"checksums": True},
+    {"compression": "zstd"},
+    {"compression": "blosc"},
+    {"compression": "zstd", "checksums": True},
+])
+def test_options_round_trip_and_zarr_python_reads_them(tmp_path, options):
+    sd = _state_dict()
+    tsckpt.save(sd, tmp_path / "c", inner_chunk_bytes=16 << 10, **options)
+    doc = json.loads((tmp_path / "c" / "big" / "zarr.json").read_text())
+    names = _codec_names(doc["codecs"])
+    assert names[0] == "sharding_indexed"
+    assert ("crc32c" in names) == options.get("checksums", False)
+    if "compression" in options:
+        assert options["compression"] in names
+    back = {k: torch.empty_like(v) for k, v in sd.items()}
+    tsckpt.load(back, tmp_path / "c")
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "c" / "w"), mode="r")[...], sd["w"].numpy())
+    report = verify(tmp_path / "c")
+    assert report.ok, report
+
+
+def test_zeros_compress_and_the_default_stays_uncompressed(tmp_path):
+    sd = {"z": torch.zeros(512, 512)}
+    tsckpt.save(sd, tmp_path / "plain")
+    tsckpt.save(sd, tmp_path / "zstd", compression="zstd")
+    size = {name: sum(f.stat().st_size for f in (tmp_path / name / "z").glob("c*")) for name in ("plain", "zstd")}
+    assert size["plain"] >= 512 * 512 * 4 and size["zstd"] < size["plain"] // 100
+
+
+def test_without_checksums_corruption_is_not_detected_but_with_them_it_is(tmp_path):
+    sd = {"w": torch.arange(1024.0)}
+    for name, checksums in (("off", False), ("on", True)):
+        tsckpt.save(sd, tmp_path / name, checksums=checksums)
+        chunk = tmp_path / name / "w" / "c.0"
+        data = bytearray(chunk.read_bytes())
+        data[8] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    back = {"w": torch.empty(1024)}
+    tsckpt.load(back, tmp_path / "off")
+    assert not torch.equal(back["w"], sd["w"])  # the price of turning checksums off
+    with pytest.raises(tsckpt.TsckptError, match="'w'"):
+        tsckpt.load(back, tmp_path / "on")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"compression": "gzip9"}, "unknown compression 'gzip9'"),
+    ({"checksums": "yes"}, "checksums must be True or False"),
+])
+def test_bad_writer_options_are_refused_before_writing(tmp_path, bad, message):
+    with pytest.raises(tsckpt.TsckptError, match=message):
+        tsckpt.save({"w": torch.ones(2)}, tmp_path / "c", **bad)
+    assert not (tmp_path / "c").exists()
+
+
+def test_gc_is_paused_during_the_call_and_restored_after():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller who had it off keeps it off
+    finally:
+        gc.enable()
