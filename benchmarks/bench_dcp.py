@@ -149,14 +149,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=1.0, help="state dict size per dtype variant")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(dcp_ranks.DTYPES))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--reshard-world", type=int, default=2)
     ap.add_argument("--dcp-threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
                     help="FileSystemWriter thread_count values to try; the first is DCP's default")
     ap.add_argument("--variants", nargs="*", default=["checksums=True"],
                     help="extra tsckpt contenders, one writer option each (e.g. compression='zstd')")
-    ap.add_argument("--settle", type=float, default=1.0, help="seconds to wait (after sync) before each save")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait (after sync) before each save")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--update-readme", action="store_true", help="replace the README's benchmark table")

@@ -122,7 +122,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figures = [("save", "save"), ("load", "load"), ("reshard", "reshard 4->2"), ("async_total", "async save")]
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.8), squeeze=False)
     for ax, run in zip(axes[0], runs):
         names = list(dict.fromkeys(c for c, _ in _columns(run)))
         width = 0.8 / len(names)
@@ -133,7 +133,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(figures))], [f[1] for f in figures])
         ax.set_ylabel("GB/s (higher is better)")
         ax.set_title(f"{run['dtype']}, {run['bytes'] / 1e9:.2f} GB")
-        ax.legend()
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
