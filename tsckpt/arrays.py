@@ -87,9 +87,16 @@ def array_metadata(
     return doc
 
 
-def chunk_key(index: Sequence[int]) -> str:
+def chunk_key(index: Sequence[int], separator: str = CHUNK_KEY_SEPARATOR) -> str:
     """The key of one chunk relative to its array ("c" for a 0-d array's only chunk)."""
-    return CHUNK_KEY_SEPARATOR.join(["c", *map(str, index)])
+    return separator.join(["c", *map(str, index)])
+
+
+def chunk_key_separator(doc: dict[str, Any]) -> str:
+    """The separator a ``zarr.json`` declares ("/" is Zarr v3's default when it says none)."""
+    encoding = doc.get("chunk_key_encoding")
+    config = encoding.get("configuration") if isinstance(encoding, dict) else None
+    return str(config.get("separator", "/")) if isinstance(config, dict) else "/"
 
 
 def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -123,8 +123,9 @@ class _Checker:
             except PlanError as e:
                 problems.append(f"written regions: {e}")
         indices = list(_grid(shape, chunk))
-        problems += self._missing_files(target.path, indices)
-        problems += self._read_chunks(target.path, shape, chunk, indices, nbytes)
+        sep = arrays.chunk_key_separator(doc)
+        problems += self._missing_files(target.path, indices, sep)
+        problems += self._read_chunks(target.path, shape, chunk, indices, nbytes, sep)
         return EntryReport(target.key, target.path, nbytes, len(indices), tuple(problems))
 
     def _zarr_json(self, target: _Target, problems: list[str]) -> dict[str, Any] | None:
@@ -140,9 +141,11 @@ class _Checker:
         if target.expected is not None:
             got = _comparable(doc)
             # The writer's checksum and compression options are the codecs'
-            # business alone; any chain tsckpt can write is accepted.
+            # business alone; any chain tsckpt can write is accepted, with either
+            # chunk-key separator (checkpoints written before "." used "/").
             variants = [_comparable(d) for d in target.expected]
-            want = next((v for v in variants if v["codecs"] == got["codecs"]), variants[0])
+            want = next((v for v in variants if v["codecs"] == got["codecs"]
+                         and v["chunk_key_encoding"] == got["chunk_key_encoding"]), variants[0])
             diff = [f"{k}: metadata says {want[k]!r}, zarr.json says {got[k]!r}" for k in want if want[k] != got[k]]
             if diff:
                 problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
@@ -159,15 +162,15 @@ class _Checker:
             return None
         return doc
 
-    def _missing_files(self, path: str, indices: list[tuple[int, ...]]) -> list[str]:
+    def _missing_files(self, path: str, indices: list[tuple[int, ...]], sep: str) -> list[str]:
         prefix = f"{path}/c"
         present = {k.decode() if isinstance(k, bytes) else k
                    for k in self.kv.list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()}
-        return [f"chunk {arrays.chunk_key(i)}: file {path}/{arrays.chunk_key(i)} is missing"
-                for i in indices if f"{path}/{arrays.chunk_key(i)}" not in present]
+        keys = [(i, arrays.chunk_key(i, sep)) for i in indices]
+        return [f"chunk {key}: file {path}/{key} is missing" for _, key in keys if f"{path}/{key}" not in present]
 
     def _read_chunks(self, path: str, shape: list[int], chunk: list[int],
-                     indices: list[tuple[int, ...]], nbytes: int) -> list[str]:
+                     indices: list[tuple[int, ...]], nbytes: int, sep: str) -> list[str]:
         if not indices:
             return []
         try:
@@ -188,7 +191,7 @@ class _Checker:
                 try:
                     fut.result()
                 except Exception as e:
-                    problems.append(f"chunk {arrays.chunk_key(idx)}: {e}")
+                    problems.append(f"chunk {arrays.chunk_key(idx, sep)}: {e}")
             if self.progress is not None:
                 self.progress(chunk_bytes * len(part))
         return problems
@@ -199,7 +202,8 @@ def _targets(md: Any) -> list[_Target]:
         _Target(key, e.path,
                 [arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
                                        checksums=c, compression=z)
-                 for c in (True, False) for z in (None, *arrays.COMPRESSORS)],
+                 | {"chunk_key_encoding": {"name": "default", "configuration": {"separator": sep}}}
+                 for c in (True, False) for z in (None, *arrays.COMPRESSORS) for sep in (".", "/")],
                 tuple((w.offsets, w.sizes) for w in e.writes) if e.writes else None)
         for key, e in md.tensors.items()
     ]
