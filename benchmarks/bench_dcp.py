@@ -26,6 +26,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import math
 import os
 import platform
 import shutil
@@ -58,10 +59,6 @@ def _spawn(phase: Any, world: int, cfg: dict[str, Any], tmp: str) -> dict[str, A
     mp.start_processes(phase, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
     with open(out) as f:
         return json.load(f)
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def single_process(cfg: dict[str, Any], best_dcp: str) -> dict[str, dict[str, float]]:
@@ -103,7 +100,7 @@ def single_process(cfg: dict[str, Any], best_dcp: str) -> dict[str, dict[str, fl
     check = tsckpt.open(dcp_ranks.checkpoint_path(cfg["root"], "tsckpt", last))[SLICE_KEY][rows]
     if not torch.equal(check, dcp_slice(dcp_ranks.checkpoint_path(cfg["root"], best_dcp, last))):
         raise AssertionError("tsckpt and DCP slices differ")
-    return {n: {w: _median(v) for w, v in d.items()} for n, d in out.items()}
+    return {n: {w: statistics.median(v) for w, v in d.items()} for n, d in out.items()}
 
 
 def run_dtype(args: argparse.Namespace, dtype: str, root: str) -> dict[str, Any]:
@@ -114,17 +111,17 @@ def run_dtype(args: argparse.Namespace, dtype: str, root: str) -> dict[str, Any]
     print(f"[{dtype}] {shapes}, {args.world} ranks, {args.reps} reps", flush=True)
     saved = _spawn(dcp_ranks.save_phase, args.world, cfg, root)
     dcp_names = [f"dcp-t{t}" for t in args.dcp_threads]
-    best = min(dcp_names, key=lambda n: _median(saved["times"][n]["save"]))
+    best = min(dcp_names, key=lambda n: statistics.median(saved["times"][n]["save"]))
     print(f"[{dtype}] saves done; resharding {args.world} -> {args.reshard_world} ranks", flush=True)
     resharded = _spawn(dcp_ranks.reshard_phase, args.reshard_world, cfg | {"checksums": saved["checksums"]}, root)
     single = single_process(cfg, best)
-    times = {name: {what: _median(xs) for what, xs in d.items()} for name, d in saved["times"].items()}
+    times = {name: {what: statistics.median(xs) for what, xs in d.items()} for name, d in saved["times"].items()}
     for name, d in resharded["times"].items():
-        times[name]["reshard"] = _median(d["reshard"])
+        times[name]["reshard"] = statistics.median(d["reshard"])
     for name, d in single.items():
         times[name] |= d
-    total = sum(itemsize * _numel(s) * 3 for s in shapes.params().values())
-    samples = {name: d for name, d in saved["times"].items()}
+    total = sum(itemsize * math.prod(s) * 3 for s in shapes.params().values())
+    samples = dict(saved["times"])
     for name, d in resharded["times"].items():
         samples[name] = samples[name] | d
     return {"dtype": dtype, "shapes": dataclasses.asdict(shapes), "bytes": total, "times": times, "samples": samples,
@@ -136,13 +133,6 @@ def run_dtype(args: argparse.Namespace, dtype: str, root: str) -> dict[str, Any]
 def _option(text: str) -> dict[str, Any]:
     key, _, value = text.partition("=")
     return {key: ast.literal_eval(value)}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def main() -> None:

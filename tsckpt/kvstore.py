@@ -27,6 +27,7 @@ Each array's spec is the root spec with its relative path appended. Torch-free.
 from __future__ import annotations
 
 import ctypes
+import functools
 import ipaddress
 import json
 import os
@@ -332,6 +333,7 @@ def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None]] 
     return kv, flush
 
 
+@functools.cache
 def _libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None

@@ -29,6 +29,7 @@ import tensorstore as ts
 from . import arrays, grid, hierarchy
 from .errors import PlanError
 from .kvstore import DEFAULT_IO_CONCURRENCY, Location, make_context, open_kvstore, parse_location, read_json
+from .metadata import CheckpointMetadata, TensorEntry
 
 #: Bytes of chunk reads kept in flight at once.
 _IN_FLIGHT_BYTES = 256 << 20
@@ -88,8 +89,7 @@ class _Target:
 
     key: str
     path: str
-    expected: list[dict[str, Any]] | None  # the zarr.json docs the metadata allows; None for blobs
-    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None
+    entry: TensorEntry | None  # None for a blob
 
 
 def _grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:
@@ -98,8 +98,26 @@ def _grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int, ...
     return itertools.product(*(range(-(-n // c)) for n, c in zip(shape, chunk)))
 
 
-def _comparable(doc: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: doc.get(k) for k in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs")}
+def _disagreements(e: TensorEntry, doc: Mapping[str, Any]) -> list[str]:
+    """How ``doc`` differs from the ``zarr.json`` the metadata implies for ``e``.
+
+    Codecs depend only on the writer's checksum and compression options, and
+    the chunk-key separator on the tsckpt version (before "." it was "/"), so
+    any combination tsckpt writes is accepted there.
+    """
+    want = arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape)
+    diff = [f"{k}: metadata says {want[k]!r}, zarr.json says {doc.get(k)!r}"
+            for k in ("shape", "data_type", "chunk_grid") if want[k] != doc.get(k)]
+    chains = [arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
+                                    checksums=c, compression=z)["codecs"]
+              for c in (True, False) for z in (None, *arrays.COMPRESSORS)]
+    if doc.get("codecs") not in chains:
+        diff.append(f"codecs: zarr.json says {doc.get('codecs')!r}, not a chain tsckpt writes for this tensor")
+    encoding = doc.get("chunk_key_encoding")
+    if not isinstance(encoding, dict) or encoding.get("name") != "default" \
+            or arrays.chunk_key_separator(doc) not in (".", "/"):
+        diff.append(f"chunk_key_encoding: zarr.json says {encoding!r}, expected Zarr's default with '.' or '/'")
+    return diff
 
 
 class _Checker:
@@ -117,9 +135,9 @@ class _Checker:
         shape = [int(n) for n in doc["shape"]]
         chunk = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
         nbytes = math.prod(shape) * ts.dtype(doc["data_type"]).numpy_dtype.itemsize
-        if target.boxes is not None:
+        if target.entry is not None and target.entry.writes:
             try:
-                grid.check_tiling(target.key, shape, target.boxes)
+                grid.check_tiling(target.key, shape, [(w.offsets, w.sizes) for w in target.entry.writes])
             except PlanError as e:
                 problems.append(f"written regions: {e}")
         indices = list(_grid(shape, chunk))
@@ -138,15 +156,8 @@ class _Checker:
         if not isinstance(doc, dict) or doc.get("node_type") != "array":
             problems.append(f"{where} is missing or is not a Zarr array")
             return None
-        if target.expected is not None:
-            got = _comparable(doc)
-            # The writer's checksum and compression options are the codecs'
-            # business alone; any chain tsckpt can write is accepted, with either
-            # chunk-key separator (checkpoints written before "." used "/").
-            variants = [_comparable(d) for d in target.expected]
-            want = next((v for v in variants if v["codecs"] == got["codecs"]
-                         and v["chunk_key_encoding"] == got["chunk_key_encoding"]), variants[0])
-            diff = [f"{k}: metadata says {want[k]!r}, zarr.json says {got[k]!r}" for k in want if want[k] != got[k]]
+        if target.entry is not None:
+            diff = _disagreements(target.entry, doc)
             if diff:
                 problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
                 return None
@@ -166,8 +177,8 @@ class _Checker:
         prefix = f"{path}/c"
         present = {k.decode() if isinstance(k, bytes) else k
                    for k in self.kv.list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()}
-        keys = [(i, arrays.chunk_key(i, sep)) for i in indices]
-        return [f"chunk {key}: file {path}/{key} is missing" for _, key in keys if f"{path}/{key}" not in present]
+        keys = [arrays.chunk_key(i, sep) for i in indices]
+        return [f"chunk {key}: file {path}/{key} is missing" for key in keys if f"{path}/{key}" not in present]
 
     def _read_chunks(self, path: str, shape: list[int], chunk: list[int],
                      indices: list[tuple[int, ...]], nbytes: int, sep: str) -> list[str]:
@@ -197,17 +208,9 @@ class _Checker:
         return problems
 
 
-def _targets(md: Any) -> list[_Target]:
-    out = [
-        _Target(key, e.path,
-                [arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
-                                       checksums=c, compression=z)
-                 | {"chunk_key_encoding": {"name": "default", "configuration": {"separator": sep}}}
-                 for c in (True, False) for z in (None, *arrays.COMPRESSORS) for sep in (".", "/")],
-                tuple((w.offsets, w.sizes) for w in e.writes) if e.writes else None)
-        for key, e in md.tensors.items()
-    ]
-    out += [_Target(key, o.path, None, None) for key, o in md.objects.items() if o.path is not None]
+def _targets(md: CheckpointMetadata) -> list[_Target]:
+    out = [_Target(key, e.path, e) for key, e in md.tensors.items()]
+    out += [_Target(key, o.path, None) for key, o in md.objects.items() if o.path is not None]
     return out
 
 
