@@ -22,7 +22,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from tsckpt.conversion import convert, diff
+from tsckpt import convert, diff
 
 
 def raw_read_seconds(path: str) -> float:

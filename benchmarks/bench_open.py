@@ -83,7 +83,7 @@ def main() -> None:
             for h in c.tensors.values():
                 _ = (h.shape, h.zarr_dtype, h.placements, h.chunks)
 
-        from tsckpt.reader import TensorHandle
+        from tsckpt.read.checkpoint import TensorHandle
 
         def fresh_big() -> TensorHandle:
             # A new handle opens the array again (its zarr.json), like a first access after open.

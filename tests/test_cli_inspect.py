@@ -81,7 +81,7 @@ def test_errors_are_one_line_on_stderr_with_nonzero_exit(zoo_ckpt, tmp_path, arg
     # A real process: stderr separate from stdout, exit status as the shell sees it.
     res = subprocess.run([sys.executable, "-c", "from tsckpt.cli import main; main()", *argv],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
-    assert res.returncode == 1
+    assert res.returncode == 2  # ERROR, as for every command that cannot do its job
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr

@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dist
 import tsckpt
-from tsckpt import hierarchy
+from tsckpt.format import commit
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
-from tsckpt.planner import SavePlanner
-from tsckpt.storage import TensorStoreWriter
-from tsckpt.verify import verify
+from tsckpt.dcp.planner import SavePlanner
+from tsckpt.dcp.storage import TensorStoreWriter
+from tsckpt.read.verify import verify
 
 TIMEOUT = 180  # a hung rank fails the test instead of blocking the suite
 
@@ -71,7 +71,7 @@ def _assert_refused(path) -> None:
         dcp.load(_empty(), storage_reader=tsckpt.TensorStoreReader(path))
     with pytest.raises(IncompleteCheckpointError):
         verify(path)
-    if importlib.util.find_spec("tsckpt.reader") is not None:
+    if importlib.util.find_spec("tsckpt.read.checkpoint") is not None:
         with pytest.raises(IncompleteCheckpointError):
             tsckpt.open(path)
 
@@ -101,7 +101,7 @@ class _RootKiller:
         self._kv = kv
 
     def write(self, key, value):
-        if key == hierarchy.ROOT:
+        if key == commit.ROOT:
             os.kill(os.getpid(), signal.SIGKILL)
         return self._kv.write(key, value)
 
@@ -116,12 +116,12 @@ class _DyingWriter(TensorStoreWriter):
     def finish(self, metadata, results):
         if self.die_at == "finish":
             os.kill(os.getpid(), signal.SIGKILL)
-        real = hierarchy.commit
-        hierarchy.commit = lambda kv, md, docs, **kw: real(_RootKiller(kv), md, docs, **kw)
+        real = commit.commit
+        commit.commit = lambda kv, md, docs, **kw: real(_RootKiller(kv), md, docs, **kw)
         try:
             super().finish(metadata, results)
         finally:
-            hierarchy.commit = real
+            commit.commit = real
 
 
 def _save(rank, world, path, overwrite=False):

@@ -21,13 +21,13 @@ import tsckpt
 import tsckpt.cli.convert  # noqa: F401  (registers the commands)
 import zoo
 from dist import run_ranks
-from tsckpt import hierarchy
-from tsckpt.builder import CheckpointBuilder
+from tsckpt.format import commit
+from tsckpt.conversion.builder import CheckpointBuilder
 from tsckpt.cli import app
-from tsckpt.conversion import ConversionWarning, convert
+from tsckpt.conversion.convert import ConversionWarning, convert
 from tsckpt.errors import CheckpointExistsError, IncompleteCheckpointError, PlanError, UnsafeObjectError
-from tsckpt.formats import detect_format
-from tsckpt.kvstore import make_context, open_kvstore, parse_location
+from tsckpt.conversion.sources import detect_format
+from tsckpt.location import make_context, open_kvstore, parse_location
 
 DTYPES = [torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.float8_e4m3fn, torch.uint16]
 EXTRA = {"lr": 0.1, "groups": [{"betas": (0.9, 0.99), "params": [0, 1]}]}
@@ -157,7 +157,7 @@ def test_torch_save_nested_values_survive_tsckpt(tmp_path):
     assert back["model"]["empty"].shape == (0, 2)
     assert same_bits(back["optim"]["state"][0]["exp_avg"], sd["optim"]["state"][0]["exp_avg"])
     assert same_bits(back["optim"]["state"][0]["step"], sd["optim"]["state"][0]["step"])
-    md = hierarchy.read_metadata(open_kvstore(parse_location(tmp_path / "ts"), make_context()), "ts")
+    md = commit.read_metadata(open_kvstore(parse_location(tmp_path / "ts"), make_context()), "ts")
     assert md.tensors["model.layers.0.weight"].key_path == ("model", "layers.0.weight")
     assert md.extra["converted_from"]["format"] == "torch"
 
@@ -232,7 +232,7 @@ def test_builder_refuses_collisions_and_commits_only_on_success(tmp_path):
             b2.add_tensor("x", torch.ones(3))
             raise RuntimeError("producer failed")
     with pytest.raises(IncompleteCheckpointError):
-        hierarchy.read_metadata(open_kvstore(parse_location(tmp_path / "d"), make_context()), "d")
+        commit.read_metadata(open_kvstore(parse_location(tmp_path / "d"), make_context()), "d")
 
 
 def test_existing_targets_are_refused_without_overwrite(tmp_path):

@@ -1,4 +1,4 @@
-"""The main job end to end: ``python -m tsckpt.demo`` saves on 4 ranks and reloads on 2.
+"""The main job end to end: ``tsckpt demo`` saves on 4 ranks and reloads on 2.
 
 The end-to-end run is a real subprocess with real spawned gloo ranks; the
 comparison it relies on is checked separately to fail on a single flipped bit.
@@ -11,15 +11,18 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import zarr
 
 from tsckpt import demo
+from tsckpt.errors import TsckptError
 
 
 def test_demo_saves_on_4_ranks_and_reloads_bit_exact_on_2(tmp_path):
     path = tmp_path / "ckpt"
     proc = subprocess.run(
-        [sys.executable, "-m", "tsckpt.demo", "--save-ranks", "4", "--load-ranks", "2", "--path", str(path)],
+        [sys.executable, "-c", "import sys; from tsckpt.cli import main; sys.argv[0] = 'tsckpt'; main()",
+         "demo", "--save-ranks", "4", "--load-ranks", "2", "--path", str(path)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -57,8 +60,8 @@ def test_compare_catches_one_flipped_bit_and_changed_values():
     assert "groups: saved but not reloaded" in problems
 
 
-def test_demo_refuses_a_non_empty_directory(tmp_path, capsys):
+def test_demo_refuses_a_non_empty_directory(tmp_path):
     (tmp_path / "keep.txt").write_text("not a checkpoint")
-    assert demo.main(["--path", str(tmp_path)]) == 1
-    assert "is not empty" in capsys.readouterr().err
+    with pytest.raises(TsckptError, match="is not empty"):
+        demo.run(path=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]

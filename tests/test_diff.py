@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import tsckpt
 import tsckpt.cli.convert  # noqa: F401  (registers the commands)
 from tsckpt.cli import app
-from tsckpt.conversion import convert, diff
+from tsckpt import convert, diff
 
 
 def tensors() -> dict[str, torch.Tensor]:

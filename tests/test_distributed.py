@@ -17,7 +17,9 @@ import tsckpt
 import zoo
 from zoo import same_bits
 from dist import run_ranks
-from tsckpt.grid import chunks_in
+from tsckpt.format import commit
+from tsckpt.format.grid import ChunkGrid
+from tsckpt.location import make_context, open_kvstore, parse_location
 
 
 def save_zoo(rank, world, path):
@@ -62,7 +64,8 @@ def test_every_chunk_file_has_exactly_one_writing_rank(zoo4):
                    if f == "c" or f.startswith("c.")}
         writers: dict[tuple, list[int]] = {}
         for w in t["writes"]:
-            for idx in chunks_in(w["offsets"], w["sizes"], t["chunk_shape"]):
+            box = [slice(o, o + s) for o, s in zip(w["offsets"], w["sizes"])]
+            for idx in ChunkGrid(tuple(t["shape"]), tuple(t["chunk_shape"])).chunks_overlapping(box):
                 writers.setdefault(idx, []).append(w["rank"])
         if not t["shape"]:
             writers = {(): [w["rank"] for w in t["writes"]]}
@@ -73,8 +76,7 @@ def test_every_chunk_file_has_exactly_one_writing_rank(zoo4):
 
 
 def test_metadata_records_meshes_placements_and_dedups_replicas(zoo4):
-    md = tsckpt.storage.hierarchy.read_metadata(
-        tsckpt.storage.open_kvstore(tsckpt.storage.parse_location(zoo4), tsckpt.storage.make_context()), zoo4)
+    md = commit.read_metadata(open_kvstore(parse_location(zoo4), make_context()), zoo4)
     assert md.world_size == 4
     assert {(m.shape, m.dim_names) for m in md.meshes} == {((4,), None), ((2, 2), ("dp", "tp"))}
     t = md.tensors["model.mesh2d"]

@@ -3,7 +3,7 @@
 Starts from real documents (a saved checkpoint's, and one with every placement
 kind) and applies random structural mutations with hypothesis; nothing but a
 TsckptError may ever escape ``CheckpointMetadata.from_dict`` or
-``hierarchy.read_metadata``. Set ``TSCKPT_FUZZ_EXAMPLES`` for a longer run.
+``commit.read_metadata``. Set ``TSCKPT_FUZZ_EXAMPLES`` for a longer run.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import tensorstore as ts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tsckpt import hierarchy
-from tsckpt.arrays import group_metadata
+from tsckpt.format import commit
+from tsckpt.format.zarr_json import group_metadata
 from tsckpt.errors import TsckptError
-from tsckpt.metadata import (
+from tsckpt.format.metadata import (
     CheckpointMetadata,
     DTensorPlacement,
     Mesh,
@@ -137,10 +137,10 @@ def test_from_dict_raises_only_tsckpt_errors(documents, data):
 @given(data=st.data())
 def test_read_metadata_raises_only_tsckpt_errors(documents, data):
     doc = copy.deepcopy(data.draw(st.sampled_from(documents)))
-    raw = bytearray(json.dumps(group_metadata({hierarchy.ATTRIBUTE: doc})).encode())
+    raw = bytearray(json.dumps(group_metadata({commit.ATTRIBUTE: doc})).encode())
     how = data.draw(st.sampled_from(["flip", "truncate", "insert", "mutate"]))
     if how == "mutate":
-        raw = bytearray(json.dumps(_mutate(data, group_metadata({hierarchy.ATTRIBUTE: doc}))).encode())
+        raw = bytearray(json.dumps(_mutate(data, group_metadata({commit.ATTRIBUTE: doc}))).encode())
     elif how == "truncate":
         raw = raw[: data.draw(st.integers(0, len(raw)))]
     else:
@@ -152,9 +152,9 @@ def test_read_metadata_raises_only_tsckpt_errors(documents, data):
             else:
                 raw.insert(at, byte)
     kv = ts.KvStore.open({"driver": "memory"}).result()
-    kv.write(hierarchy.ROOT, bytes(raw)).result()
+    kv.write(commit.ROOT, bytes(raw)).result()
     RUNS["read_metadata"] += 1
     try:
-        hierarchy.read_metadata(kv, "memory://fuzz")
+        commit.read_metadata(kv, "memory://fuzz")
     except TsckptError:
         pass

@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
-from tsckpt import arrays
+from tsckpt.format import zarr_json as arrays
 from tsckpt.errors import MetadataError, TsckptError, UnsafeObjectError
-from tsckpt.verify import verify
+from tsckpt.read.verify import verify
 
 HOSTILE_KEYS = ["../escape", "../../../tmp/x", "/abs/path", "a/b/../../c", "..", ".", "zarr.json", "c",
                 "__pycache__", ".hidden", "back\\slash", "%2E%2E", "%", "sp ace\ttab\nnl", "ключ🔑", "a\x00b"]

@@ -12,7 +12,7 @@ import torch
 
 import tsckpt
 from tsckpt.errors import TsckptError
-from tsckpt.verify import verify
+from tsckpt.read.verify import verify
 
 
 def _state() -> dict:

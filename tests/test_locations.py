@@ -10,8 +10,8 @@ import tensorstore as ts
 import torch
 
 import tsckpt
-from tsckpt.kvstore import Location, context_spec, make_context, open_kvstore, parse_location
-from tsckpt.storage import TensorStoreReader, TensorStoreWriter
+from tsckpt.location import Location, context_spec, make_context, open_kvstore, parse_location
+from tsckpt import TensorStoreReader, TensorStoreWriter
 
 
 @pytest.fixture(autouse=True)
@@ -179,7 +179,7 @@ def test_locations_and_writers_pickle_for_process_based_async_save():
     writer = TensorStoreWriter(loc.to_dict())
     _ = writer.context
     clone = pickle.loads(pickle.dumps(writer))
-    assert clone.location == writer.location and clone._context is None
+    assert clone.location == writer.location and clone._store is None
 
 
 # --- memory:// round trips --------------------------------------------------

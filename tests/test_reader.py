@@ -18,10 +18,11 @@ import torch
 import dist
 import tsckpt
 import zoo
-from tsckpt import dtypes
+from tsckpt.format import dtypes
 from tsckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, TsckptError, UnsafeObjectError
-from tsckpt.metadata import DTensorPlacement, ReplicatedPlacement, ShardedTensorPlacement
-from tsckpt.reader import KeyNotFoundError, SelectionError, normalize_index, parse_index
+from tsckpt.format.metadata import DTensorPlacement, ReplicatedPlacement, ShardedTensorPlacement
+from tsckpt.read.checkpoint import KeyNotFoundError
+from tsckpt.read.index import SelectionError, normalize_index, parse_index
 
 
 def _save_zoo(rank: int, world: int, path: str) -> None:

@@ -15,7 +15,7 @@ import zoo
 from zoo import same_bits
 from dist import run_ranks
 from s3server import MotoServer, restore_credentials, set_credentials
-from tsckpt.kvstore import make_context, open_kvstore, parse_location
+from tsckpt.location import make_context, open_kvstore, parse_location
 
 BUCKET = "tsckpt-test"
 

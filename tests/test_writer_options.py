@@ -11,8 +11,8 @@ import torch
 import zarr
 
 import tsckpt
-from tsckpt.api import gc_paused
-from tsckpt.verify import verify
+from tsckpt.dcp.api import gc_paused
+from tsckpt.read.verify import verify
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

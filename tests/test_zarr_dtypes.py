@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import zarr
 
-import tsckpt.zarr_dtypes as zd
+import tsckpt.format.zarr_dtypes as zd
 import zoo
 from test_reader import zoo_ckpt  # noqa: F401 - the shared 4-rank checkpoint
-from tsckpt import dtypes
-from tsckpt.layout import zarr_path
+from tsckpt.format import dtypes
+from tsckpt.format.names import zarr_path
 
 
 def _array_path(name: str) -> str:
@@ -62,7 +62,7 @@ def test_dask_reads_a_bf16_array_chunk_by_chunk(zoo_ckpt):
 def test_entry_points_are_declared_and_load_in_a_fresh_process(zoo_ckpt):
     declared = {e.name: e.value for e in entry_points(group="zarr.data_type")}
     for cls in zd.DATA_TYPES:
-        assert declared.get(cls._zarr_v3_name) == f"tsckpt.zarr_dtypes:{cls.__name__}"
+        assert declared.get(cls._zarr_v3_name) == f"tsckpt.format.zarr_dtypes:{cls.__name__}"
     # The process imports only zarr; the types come from the installed entry points.
     code = textwrap.dedent(f"""
         import sys, zarr

@@ -26,26 +26,27 @@ __version__ = "0.1.0"
 
 try:
     # zarr-python reads bfloat16/float8 arrays only once these types are registered.
-    from . import zarr_dtypes as _zarr_dtypes  # noqa: F401
+    from .format import zarr_dtypes as _zarr_dtypes  # noqa: F401
 except ImportError:  # zarr missing or incompatible: tsckpt itself does not need it
     pass
 
 _LAZY = {
-    "TensorStoreWriter": "storage",
-    "TensorStoreReader": "storage",
-    "SavePlanner": "planner",
-    "LoadPlanner": "planner",
-    "save": "api",
-    "load": "api",
-    "async_save": "api",
-    "Stager": "staging",
-    "convert": "conversion",
-    "diff": "conversion",
-    "CheckpointBuilder": "builder",
+    "TensorStoreWriter": "dcp.storage",
+    "TensorStoreReader": "dcp.reader",
+    "SavePlanner": "dcp.planner",
+    "LoadPlanner": "dcp.planner",
+    "save": "dcp.api",
+    "load": "dcp.api",
+    "async_save": "dcp.api",
+    "Stager": "dcp.staging",
+    "convert": "conversion.convert",
+    "diff": "conversion.diff",
+    "CheckpointBuilder": "conversion.builder",
     # torch-free: reading a checkpoint into numpy never imports torch
-    "open": "reader",
-    "Checkpoint": "reader",
-    "TensorHandle": "reader",
+    "open": "read.checkpoint",
+    "Checkpoint": "read.checkpoint",
+    "TensorHandle": "read.checkpoint",
+    "verify": "read.verify",
 }
 
 __all__ = [

@@ -6,16 +6,14 @@ model, optimizer, step counter and RNG state with :func:`tsckpt.save`. Then
 ``load_ranks`` fresh processes (another topology, other initial weights) load it
 with :func:`tsckpt.load` and ``set_state_dict``. Both sides gather every tensor to
 its full value; the parent compares them byte for byte, reads one array back
-with zarr-python, and prints what it did. ``python -m tsckpt.demo --help``.
+with zarr-python, and prints what it did. Run it with ``tsckpt demo``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -35,9 +33,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from . import api, reader
+from .dcp import api
 from .errors import TsckptError
-from .metadata import CheckpointMetadata, TensorEntry
+from .format.metadata import CheckpointMetadata, TensorEntry
+from .read import checkpoint
 
 SEED = 0
 STEPS = 3
@@ -296,7 +295,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     saved = _spawn(save_ranks, _save_rank, path)
     saved_full = saved[0]["full"]
     save_s = max(r["seconds"] for r in saved)
-    files, disk = reader.open(path).storage_stats()
+    files, disk = checkpoint.open(path).storage_stats()
     with open(os.path.join(path, "zarr.json"), encoding="utf-8") as f:
         md = CheckpointMetadata.from_dict(json.load(f)["attributes"]["tsckpt"])
     tensor_bytes = sum(t.nbytes for t in md.tensors.values())
@@ -321,24 +320,3 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     print(f"checkpoint: {path} (total {time.perf_counter() - started:.1f} s)")
     print(f"OK: reloaded on {load_ranks} ranks, all {tensors} tensors bit-exact")
     return DemoResult(path, save_ranks, load_ranks, tensors, tensor_bytes, disk, files, save_s, load_s)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tsckpt.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--save-ranks", type=int, default=4, help="CPU ranks that train and save (default 4)")
-    parser.add_argument("--load-ranks", type=int, default=2, help="CPU ranks that reload (default 2)")
-    parser.add_argument("--path", default=None, help="checkpoint directory (default: a new temporary one)")
-    args = parser.parse_args(argv)
-    try:
-        run(args.save_ranks, args.load_ranks, args.path)
-    except TsckptError as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    # Run through the package module so spawned ranks unpickle tsckpt.demo's functions, not __main__'s.
-    from tsckpt.demo import main as _main
-
-    sys.exit(_main())

@@ -8,6 +8,7 @@ import sys
 import typer
 
 from ..errors import TsckptError
+from .exits import ERROR
 
 app = typer.Typer(
     name="tsckpt",
@@ -22,11 +23,11 @@ COMMAND_MODULES: list[str] = ["demo", "verify", "inspect", "convert"]
 
 
 def main() -> None:
-    """Entry point: a tsckpt error is one line on stderr and exit status 1, never a traceback."""
+    """Entry point: a tsckpt error is one line on stderr and exit status 2 (:mod:`.exits`), never a traceback."""
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}")
     try:
         app()
     except TsckptError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(ERROR)

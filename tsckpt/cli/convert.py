@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..errors import TsckptError
 from . import app
+from .exits import ERROR, FOUND, OK
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -28,7 +29,7 @@ def parse_size(text: str) -> int:
 
 def _fail(e: TsckptError) -> typer.Exit:
     Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-    return typer.Exit(2)
+    return typer.Exit(ERROR)
 
 
 @app.command("convert")
@@ -44,7 +45,7 @@ def convert_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
-    from ..conversion import ConversionWarning, convert
+    from ..conversion.convert import ConversionWarning, convert
 
     shard = parse_size(max_shard_size) if max_shard_size else None
     err = Console(stderr=True)
@@ -77,8 +78,8 @@ def diff_cmd(
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="allow unpickling (needed for DCP dirs)"),
     show_equal: bool = typer.Option(False, "--all", help="list equal entries too"),
 ) -> None:
-    """Compare two checkpoints key by key. Exit code 0 when identical, 1 when they differ."""
-    from ..conversion import diff
+    """Compare two checkpoints key by key. Exit code 0 when identical, 1 when they differ, 2 on errors."""
+    from ..conversion.diff import diff
 
     try:
         result = diff(a, b, trust_pickle=trust_pickle)
@@ -102,4 +103,4 @@ def diff_cmd(
     else:
         out.print(f"[green]identical[/green]: {len(result.entries)} entries")
     sys.stdout.flush()
-    raise typer.Exit(1 if n_diff else 0)
+    raise typer.Exit(FOUND if n_diff else OK)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..errors import TsckptError
 from . import app
+from .exits import ERROR
 
 out = Console()
 err = Console(stderr=True)
@@ -31,18 +32,18 @@ def human_bytes(n: int | None) -> str:
 
 @contextlib.contextmanager
 def _clean_errors() -> Iterator[None]:
-    """A TsckptError becomes one line on stderr and exit status 1, not a traceback."""
+    """A TsckptError becomes one line on stderr and exit status ERROR, not a traceback."""
     try:
         yield
     except TsckptError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(ERROR) from None
 
 
 def _open(path: str) -> Any:
-    from .. import reader
+    from ..read import checkpoint
 
-    return reader.open(path)
+    return checkpoint.open(path)
 
 
 def _short(value: Any, width: int = 48) -> str:
@@ -108,15 +109,15 @@ def show(
     allow_pickle: bool = typer.Option(False, help="decode values that need arbitrary unpickling"),
 ) -> None:
     """Print a tensor (or a slice of it) with min/max/mean/std, or a value."""
-    from .. import reader
+    from ..read import checkpoint, index as indices
 
     with _clean_errors():
-        ck = reader.open(path, allow_pickle=allow_pickle)
+        ck = checkpoint.open(path, allow_pickle=allow_pickle)
         if key not in ck.tensors:
             out.print(repr(ck[key]), highlight=False)
             return
         h = ck.tensors[key]
-        selection = reader.parse_index(index) if index else ()
+        selection = indices.parse_index(index) if index else ()
         a = h.numpy(selection)
         where = f"{key}[{index}]" if index else key
         out.print(f"[bold]{where}[/]  shape {list(a.shape)} of {list(h.shape)}  {h.zarr_dtype}  "

@@ -7,6 +7,7 @@ import json
 import typer
 
 from . import app
+from .exits import ERROR, FOUND
 
 
 @app.command()
@@ -20,14 +21,14 @@ def verify(
     from rich.console import Console
 
     from ..errors import TsckptError
-    from ..verify import verify as run_verify
+    from ..read.verify import verify as run_verify
 
     out, err = Console(), Console(stderr=True)
     try:
         report = run_verify(path, progress=progress)
     except TsckptError as e:
         err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ERROR) from None
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -39,4 +40,4 @@ def verify(
         out.print(f"{status} {report.location}: {len(report.entries)} arrays, {report.chunks} chunks, "
                   f"{report.nbytes} bytes checked", highlight=False)
     if not report.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(FOUND)

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from . import dtypes, objects
-from .errors import MetadataError
-from .layout import check_relative_path, parent_groups, zarr_path
+from . import dtypes, values
+from ..errors import MetadataError
+from .names import check_relative_path, parent_groups, zarr_path
 
 FORMAT = "tsckpt"
 FORMAT_VERSION = 1
@@ -273,7 +273,7 @@ class ObjectEntry:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key_path": list(self.key_path), "encoding": self.encoding}
-        if self.encoding == objects.JSON:
+        if self.encoding == values.JSON:
             out["value"] = self.value
         else:
             out["path"] = self.path
@@ -283,14 +283,14 @@ class ObjectEntry:
     def from_dict(cls, d: Mapping[str, Any], what: str) -> ObjectEntry:
         key_path = _key_path(_get(d, "key_path", what, list), what)
         encoding = _get(d, "encoding", what, str)
-        if encoding == objects.JSON:
+        if encoding == values.JSON:
             return cls(key_path, encoding, value=d.get("value"))
-        if encoding == objects.TORCH:
+        if encoding == values.TORCH:
             path = check_relative_path(_get(d, "path", what, str), what=what)
             if path != zarr_path(key_path):
                 raise MetadataError(f"{what}: path {path!r} does not match key path {list(key_path)}")
             return cls(key_path, encoding, path=path)
-        raise MetadataError(f"{what}: unknown encoding {encoding!r}; expected one of {list(objects.ENCODINGS)}")
+        raise MetadataError(f"{what}: unknown encoding {encoding!r}; expected one of {list(values.ENCODINGS)}")
 
 
 @dataclass(frozen=True)

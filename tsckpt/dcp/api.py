@@ -13,15 +13,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from .errors import TsckptError
+from ..errors import TsckptError
+from ..location import LocationLike
 from .planner import LoadPlanner, SavePlanner
+from .reader import TensorStoreReader
 from .staging import Stager
-from .storage import PathLike, TensorStoreReader, TensorStoreWriter
+from .storage import TensorStoreWriter
 
 
 def save(
     state_dict: dict[str, Any],
-    path: PathLike,
+    path: LocationLike,
     *,
     process_group: dist.ProcessGroup | None = None,
     overwrite: bool = False,
@@ -39,7 +41,7 @@ def save(
 
 def async_save(
     state_dict: dict[str, Any],
-    path: PathLike,
+    path: LocationLike,
     *,
     process_group: dist.ProcessGroup | None = None,
     overwrite: bool = False,
@@ -63,7 +65,7 @@ def async_save(
 
 def load(
     state_dict: dict[str, Any],
-    path: PathLike,
+    path: LocationLike,
     *,
     process_group: dist.ProcessGroup | None = None,
     allow_partial_load: bool = False,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
-from .errors import UnsupportedDtypeError
+from ..errors import UnsupportedDtypeError
 
 if TYPE_CHECKING:
     import torch

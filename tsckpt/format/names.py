@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .errors import MetadataError
+from ..errors import MetadataError
 
 KeyPath = tuple[str | int, ...]
 

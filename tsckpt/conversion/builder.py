@@ -2,9 +2,9 @@
 
 :class:`CheckpointBuilder` produces exactly what a single-process
 ``tsckpt.save`` of a state dict of plain tensors and values would: the same
-array ``zarr.json`` documents (built by :mod:`tsckpt.arrays`), the same chunk
-grid and inner chunks (:mod:`tsckpt.grid`), the same metadata entries
-(:mod:`tsckpt.metadata`) and the same commit (:func:`tsckpt.hierarchy.commit`).
+array specs (:mod:`tsckpt.format.spec`), the same chunk grid and inner chunks
+(:func:`tsckpt.format.plan.plan_tensor`), and the same metadata assembly and
+commit (:func:`tsckpt.format.commit.commit_checkpoint`).
 It exists for producers that never hold the whole state dict, such as format
 converters: each tensor is written as soon as it is added and only a bounded
 number of bytes (``max_inflight_bytes``) is waiting on TensorStore at any time,
@@ -18,28 +18,23 @@ a builder abandoned half-way leaves an incomplete checkpoint that loads refuse.
 from __future__ import annotations
 
 import collections
-import datetime
-import io
-import math
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
 
-from . import arrays, dtypes, grid, hierarchy, objects
-from .errors import PlanError, TsckptError, UnsupportedDtypeError
-from .kvstore import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore, parse_location, unsynced_nodes
-from .layout import KeyPath, flat_key, parent_groups, zarr_path
-from .metadata import CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
+from ..errors import PlanError, TsckptError, UnsupportedDtypeError
+from ..format import commit, dtypes, values, zarr_json
+from ..format.metadata import CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
+from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
+from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
+from ..format.spec import Store
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
 
 if TYPE_CHECKING:
     import torch
 
-#: Same default as the DCP writer, so both produce the same layout.
-DEFAULT_INNER_CHUNK_BYTES = 16 << 20
 DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
 
 
@@ -78,7 +73,7 @@ class CheckpointBuilder:
 
     def __init__(
         self,
-        location: str | os.PathLike[str] | Mapping[str, Any],
+        location: LocationLike,
         *,
         overwrite: bool = False,
         inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
@@ -87,18 +82,16 @@ class CheckpointBuilder:
         extra: Mapping[str, Any] | None = None,
         checksums: bool = False,
     ):
-        arrays.check_options(checksums, None)
+        zarr_json.check_options(checksums, None)
         self.checksums = checksums
-        self.location = parse_location(location)
+        self.store = Store.open(location, io_concurrency=io_concurrency)
+        self.location = self.store.location
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
         self.save_id = uuid.uuid4().hex
-        self._context = make_context(io_concurrency)
-        self._kv = open_kvstore(self.location, self._context)
-        hierarchy.prepare_target(self._kv, self.location.url, overwrite=overwrite)
+        commit.prepare_target(self.store.kvstore, self.url, overwrite=overwrite)
         self._tensors: dict[str, TensorEntry] = {}
-        self._torch_dtypes: dict[str, str] = {}
         self._objects: dict[str, ObjectEntry] = {}
         self._blob_sizes: dict[str, int] = {}
         self._paths: set[str] = set()
@@ -143,15 +136,10 @@ class CheckpointBuilder:
         self._groups.update(parents)
         return fqn, path
 
-    def _spec(self, path: str, metadata: dict[str, Any]) -> dict[str, Any]:
-        # assume_metadata: chunks are written with no zarr.json; commit() writes it.
-        return {"driver": "zarr3", "kvstore": self.location.child(path), "metadata": metadata,
-                "assume_metadata": True}
-
     def add_tensor(self, key: str | Sequence[str | int], tensor: torch.Tensor | np.ndarray) -> TensorEntry:
         """Start writing one whole tensor (CPU torch tensor or numpy array) as its own array."""
         key_path = as_key_path(key)
-        source, torch_dtype = self._as_numpy(key_path, tensor)
+        source = self._as_numpy(key_path, tensor)
         try:
             dt = dtypes.BY_ZARR[source.dtype.name]
         except KeyError:
@@ -159,35 +147,22 @@ class CheckpointBuilder:
                                         f"{source.dtype} cannot be stored") from None
         fqn, path = self._claim(key_path)
         shape = tuple(int(n) for n in source.shape)
-        whole = [((0,) * len(shape), shape)]
-        chunk = grid.aligned_chunk_shape(shape, whole)
-        entry = TensorEntry(
-            key_path=key_path,
-            path=path,
-            shape=shape,
-            dtype=dt.zarr,
-            chunk_shape=chunk,
-            inner_chunk_shape=grid.inner_chunk_shape(chunk, dt.itemsize, self.inner_chunk_bytes),
-            placement=ReplicatedPlacement(),
-            # A DCP save records no write for an empty tensor; match it.
-            writes=(Region((0,) * len(shape), shape, 0),) if source.size else (),
-        )
+        # A DCP save records no write for an empty tensor; match it.
+        whole = [Region((0,) * len(shape), shape, 0)] if source.size else []
+        entry = plan_tensor(fqn, key_path, shape, dt.zarr, whole, inner_chunk_bytes=self.inner_chunk_bytes,
+                            placement=ReplicatedPlacement())
         self._tensors[fqn] = entry
-        self._torch_dtypes[fqn] = torch_dtype
         if source.size:
-            md = arrays.array_metadata(shape, dt.zarr, chunk, entry.inner_chunk_shape, checksums=self.checksums)
-            arr = ts.open(self._spec(path, md), context=self._context).result()
+            arr = self.store.create(path, zarr_json.tensor_metadata(entry, checksums=self.checksums)).result()
             fut = arr[tuple(slice(0, n) for n in shape)].write(
                 source, can_reference_source_data_indefinitely=True)
             self._track(fqn, fut, (tensor, source), source.nbytes)
         return entry
 
     @staticmethod
-    def _as_numpy(key_path: KeyPath, tensor: Any) -> tuple[np.ndarray, str]:
+    def _as_numpy(key_path: KeyPath, tensor: Any) -> np.ndarray:
         if isinstance(tensor, np.ndarray):
-            dt = dtypes.BY_ZARR.get(tensor.dtype.name)
-            torch_dtype = f"torch.{dt.torch}" if dt else str(tensor.dtype)
-            return tensor, torch_dtype
+            return tensor
         import torch
 
         if not isinstance(tensor, torch.Tensor):
@@ -197,7 +172,7 @@ class CheckpointBuilder:
         if t.device.type != "cpu":
             t = t.cpu()
         try:
-            return dtypes.tensor_as_numpy(t), str(t.dtype)
+            return dtypes.tensor_as_numpy(t)
         except UnsupportedDtypeError as e:
             raise UnsupportedDtypeError(f"tensor {flat_key(key_path)!r}: {e}") from None
 
@@ -205,19 +180,15 @@ class CheckpointBuilder:
         """Store a non-tensor value: inline JSON when it is plain data, else a torch.save blob."""
         key_path = as_key_path(key)
         fqn, path = self._claim(key_path)
-        try:
-            entry = ObjectEntry(key_path, objects.JSON, value=objects.to_json(value))
-        except objects.NotJsonable:
-            import torch
-
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            blob = np.frombuffer(buf.getvalue(), dtype=np.uint8)
-            md = arrays.array_metadata([blob.size], "uint8", [max(blob.size, 1)])
-            arr = ts.open(self._spec(path, md), context=self._context).result()
+        encoding, payload = values.encode(value)
+        if encoding == values.JSON:
+            entry = ObjectEntry(key_path, values.JSON, value=payload)
+        else:
+            blob = np.frombuffer(payload, dtype=np.uint8)
+            arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
             self._track(fqn, arr.write(blob), blob, blob.size)
             self._blob_sizes[fqn] = int(blob.size)
-            entry = ObjectEntry(key_path, objects.TORCH, path=path)
+            entry = ObjectEntry(key_path, values.TORCH, path=path)
         self._objects[fqn] = entry
         return entry
 
@@ -242,38 +213,14 @@ class CheckpointBuilder:
 
     def commit(self) -> CheckpointMetadata:
         """Wait for all data, then write array, group and root documents (the commit)."""
-        import torch
-
-        from . import __version__
-
         self.flush()
-        docs: dict[str, dict[str, Any]] = {}
-        for fqn, entry in self._tensors.items():
-            entry.validate(f"tensor {fqn!r}")
-            docs[entry.path] = arrays.array_metadata(
-                entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape,
-                attributes=hierarchy.tensor_attributes(fqn, entry, self._torch_dtypes[fqn]),
-                checksums=self.checksums)
-        for fqn, size in self._blob_sizes.items():
-            path = self._objects[fqn].path
-            assert path is not None
-            docs[path] = arrays.array_metadata(
-                [size], "uint8", [max(size, 1)],
-                attributes={hierarchy.ATTRIBUTE: {"kind": "object", "key": fqn, "encoding": objects.TORCH}})
-        md = CheckpointMetadata(
-            world_size=1,
-            tensors=dict(self._tensors),
-            objects=dict(self._objects),
-            torch_version=torch.__version__,
-            tsckpt_version=__version__,
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            extra={"save_id": self.save_id, **self.extra},
-        )
-        hierarchy.commit(self._kv, md, docs, nodes=unsynced_nodes(self.location))
+        md = commit.commit_checkpoint(
+            self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
+            extra={"save_id": self.save_id, **self.extra}, checksums=self.checksums)
         self._committed = True
         return md
 
     @property
     def nbytes(self) -> int:
         """Tensor bytes added so far."""
-        return sum(math.prod(e.shape) * dtypes.from_zarr(e.dtype).itemsize for e in self._tensors.values())
+        return sum(e.nbytes for e in self._tensors.values())

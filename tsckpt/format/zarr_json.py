@@ -8,10 +8,13 @@ coordinator writes at commit, so the two can never disagree.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..errors import TsckptError
 from . import dtypes
-from .errors import TsckptError
+
+if TYPE_CHECKING:
+    from .metadata import TensorEntry
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 # "." keeps every chunk file directly in its array's directory ("c.0.1"),
@@ -85,6 +88,18 @@ def array_metadata(
     if attributes is not None:
         doc["attributes"] = attributes
     return doc
+
+
+def tensor_metadata(entry: TensorEntry, attributes: dict[str, Any] | None = None, *,
+                    checksums: bool = False, compression: str | None = None) -> dict[str, Any]:
+    """The ``zarr.json`` of a tensor's array, from its metadata entry and the writer's codec options."""
+    return array_metadata(entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape, attributes,
+                          checksums=checksums, compression=compression)
+
+
+def blob_metadata(nbytes: int, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``zarr.json`` of a value blob: ``nbytes`` of ``uint8`` in one chunk, with a crc32c."""
+    return array_metadata([nbytes], "uint8", [max(nbytes, 1)], attributes=attributes)
 
 
 def chunk_key(index: Sequence[int], separator: str = CHUNK_KEY_SEPARATOR) -> str:

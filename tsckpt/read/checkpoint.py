@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import itertools
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
 
-from . import dtypes, hierarchy, objects
-from .errors import TsckptError
-from .kvstore import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
-from .metadata import (
+from ..errors import TsckptError
+from ..format import commit, dtypes, values
+from ..format.grid import ChunkGrid
+from ..format.metadata import (
     CheckpointMetadata,
     DTensorPlacement,
     Mesh,
@@ -36,11 +32,12 @@ from .metadata import (
     ShardedTensorPlacement,
     TensorEntry,
 )
+from ..format.spec import Store, read_error
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
+from .index import Index, normalize_index
 
 if TYPE_CHECKING:
     import torch
-
-Index = int | slice | EllipsisType | tuple[int | slice | EllipsisType, ...]
 
 
 class KeyNotFoundError(TsckptError, KeyError):
@@ -48,52 +45,6 @@ class KeyNotFoundError(TsckptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
-
-
-class SelectionError(TsckptError, IndexError):
-    """A slice that does not fit the tensor's shape (also an ``IndexError``)."""
-
-
-@dataclass(frozen=True)
-class ChunkGrid:
-    """How a tensor's array is cut into files (chunks) and, inside them, inner chunks."""
-
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    inner_chunk_shape: tuple[int, ...] | None = None
-
-    @property
-    def grid_shape(self) -> tuple[int, ...]:
-        """Number of chunks along each dimension."""
-        return tuple(math.ceil(n / c) if n else 0 for n, c in zip(self.shape, self.chunk_shape))
-
-    @property
-    def nchunks(self) -> int:
-        return math.prod(self.grid_shape)
-
-    @property
-    def read_unit(self) -> tuple[int, ...]:
-        """The smallest box a read fetches: the inner chunk when there is one."""
-        return self.inner_chunk_shape or self.chunk_shape
-
-    def chunk_region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
-        """The box of the tensor held by chunk ``index`` (clipped at the edges)."""
-        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunk_shape, self.shape))
-
-    def chunks_overlapping(self, region: tuple[slice, ...]) -> list[tuple[int, ...]]:
-        """Indices of the chunks that a box of unit-step slices touches."""
-        ranges = [range(s.start // c, (s.stop - 1) // c + 1) if s.stop > s.start else range(0)
-                  for s, c in zip(region, self.chunk_shape)]
-        return list(itertools.product(*ranges))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "chunk_shape": list(self.chunk_shape),
-                "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape else None}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ChunkGrid:
-        inner = d.get("inner_chunk_shape")
-        return cls(tuple(d["shape"]), tuple(d["chunk_shape"]), tuple(inner) if inner else None)
 
 
 def _placement_text(p: Mapping[str, Any]) -> str:
@@ -114,7 +65,7 @@ class TensorHandle:
         self._ck = checkpoint
         self.key = key
         self.entry = entry
-        self._store: ts.TensorStore | None = None
+        self._array_store: ts.TensorStore | None = None
         self._lock = threading.Lock()
 
     # --- metadata only -----------------------------------------------------
@@ -195,22 +146,30 @@ class TensorHandle:
     # --- data --------------------------------------------------------------
     def _array(self) -> ts.TensorStore:
         with self._lock:
-            if self._store is None:
-                self._store = self._ck._open_array(self.key, self.entry.path, self.entry.dtype, self.entry.shape)
-            return self._store
+            if self._array_store is None:
+                try:
+                    self._array_store = self._ck.store.open_tensor(self.entry).result()
+                except ValueError as e:
+                    raise TsckptError(f"cannot open the array of tensor {self.key!r} at {self._ck.url}/"
+                                      f"{self.entry.path} (expected {self.entry.dtype} "
+                                      f"{list(self.entry.shape)}): {e}") from None
+            return self._array_store
 
     def numpy(self, slice: Index | None = None) -> np.ndarray:  # noqa: A002 - mirrors handle[...]
         """The whole tensor, or ``slice`` of it, as numpy; reads only the chunks it overlaps."""
-        index = normalize_index(slice if slice is not None else (), self.entry.shape, self.key)
-        try:
-            return np.asarray(self._array()[index].read().result())
-        except ValueError as e:
-            raise TsckptError(f"reading tensor {self.key!r} from {self._ck.url} failed: {e}") from None
+        return self.result(self.read_async(slice))
 
     def read_async(self, slice: Index | None = None) -> ts.Future:  # noqa: A002
-        """Start reading; the future's result is the numpy array (lets many reads overlap)."""
+        """Start reading; :meth:`result` of the future is the numpy array (lets many reads overlap)."""
         index = normalize_index(slice if slice is not None else (), self.entry.shape, self.key)
         return self._array()[index].read()
+
+    def result(self, future: ts.Future) -> np.ndarray:
+        """Wait for a :meth:`read_async` future; a missing or damaged chunk raises naming it."""
+        try:
+            return np.asarray(future.result())
+        except ValueError as e:
+            raise read_error(self.key, self._ck.url, e) from None
 
     def __getitem__(self, index: Index) -> torch.Tensor:
         return dtypes.numpy_as_tensor(self.numpy(index))
@@ -220,56 +179,6 @@ class TensorHandle:
         return dtypes.numpy_as_tensor(self.numpy())
 
 
-def normalize_index(index: Index, shape: tuple[int, ...], key: str = "") -> tuple[int | slice, ...]:
-    """numpy-style ``index`` as non-negative, in-range ints and slices for TensorStore.
-
-    TensorStore reads negative coordinates literally (its domains may start
-    below zero), so numpy's "count from the end" must be resolved here.
-    """
-    items = index if isinstance(index, tuple) else (index,)
-    if sum(i is Ellipsis for i in items) > 1:
-        raise SelectionError(f"tensor {key!r}: an index can only have one '...'")
-    if Ellipsis in items:
-        at = next(n for n, i in enumerate(items) if i is Ellipsis)
-        fill = len(shape) - (len(items) - 1)
-        items = items[:at] + (slice(None),) * max(fill, 0) + items[at + 1:]
-    if len(items) > len(shape):
-        raise SelectionError(f"tensor {key!r}: {len(items)} indices for a tensor of shape {list(shape)}")
-    out: list[int | slice] = []
-    for dim, (item, n) in enumerate(zip(items, shape)):
-        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-            i = int(item) + n if item < 0 else int(item)
-            if not 0 <= i < n:
-                raise SelectionError(f"tensor {key!r}: index {item} is out of range for dim {dim} of size {n}")
-            out.append(i)
-        elif isinstance(item, slice):
-            start, stop, step = item.indices(n)
-            if step <= 0:
-                raise SelectionError(f"tensor {key!r}: slice steps must be positive (dim {dim}), as in torch")
-            out.append(slice(start, max(start, stop), step))
-        else:
-            raise SelectionError(f"tensor {key!r}: unsupported index {item!r} (ints, slices and ... only)")
-    return tuple(out)
-
-
-def parse_index(text: str) -> tuple[int | slice, ...]:
-    """``"0:4,2"`` -> ``(slice(0, 4), 2)``; the command-line form of an index."""
-    out: list[Any] = []
-    for part in (p.strip() for p in text.split(",")):
-        if part in ("...", "…"):
-            out.append(Ellipsis)
-        elif ":" in part:
-            bits = part.split(":")
-            if len(bits) > 3 or not all(re.fullmatch(r"-?\d*", b.strip()) for b in bits):
-                raise SelectionError(f"cannot parse {part!r} in index {text!r}: expected start:stop[:step]")
-            out.append(slice(*(int(b) if b.strip() else None for b in bits)))
-        elif re.fullmatch(r"-?\d+", part):
-            out.append(int(part))
-        else:
-            raise SelectionError(f"cannot parse {part!r} in index {text!r}: expected an integer or start:stop")
-    return tuple(out)
-
-
 class Checkpoint(Mapping[str, Any]):
     """A committed checkpoint, opened for reading. Keys are DCP's flat keys.
 
@@ -277,13 +186,11 @@ class Checkpoint(Mapping[str, Any]):
     for everything else. Created by :func:`open`.
     """
 
-    def __init__(self, location: Location, metadata: CheckpointMetadata, kvstore: ts.KvStore,
-                 context: ts.Context, *, allow_pickle: bool = False):
-        self.location = location
+    def __init__(self, store: Store, metadata: CheckpointMetadata, *, allow_pickle: bool = False):
+        self.store = store
+        self.location = store.location
         self.metadata = metadata
         self.allow_pickle = allow_pickle
-        self._kv = kvstore
-        self._context = context
         self._handles = {k: TensorHandle(self, k, e) for k, e in metadata.tensors.items()}
 
     @property
@@ -339,13 +246,10 @@ class Checkpoint(Mapping[str, Any]):
         Nesting follows each entry's key path; integer path elements become
         list positions, as DCP's own unflattening does.
         """
-        pending = {k: h.read_async() for k, h in self._handles.items()}
+        pending = {k: (h, h.read_async()) for k, h in self._handles.items()}
         flat: dict[tuple[Any, ...], Any] = {}
-        for key, fut in pending.items():
-            try:
-                flat[self.metadata.tensors[key].key_path] = dtypes.numpy_as_tensor(np.asarray(fut.result()))
-            except ValueError as e:
-                raise TsckptError(f"reading tensor {key!r} from {self.url} failed: {e}") from None
+        for key, (handle, fut) in pending.items():
+            flat[self.metadata.tensors[key].key_path] = dtypes.numpy_as_tensor(handle.result(fut))
         for key, entry in self.metadata.objects.items():
             flat[entry.key_path] = self[key]
         return _nest(flat)
@@ -360,26 +264,14 @@ class Checkpoint(Mapping[str, Any]):
                     count += 1
                     size += os.path.getsize(os.path.join(dirpath, f))
             return count, size
-        return len(self._kv.list().result()), None
-
-    # --- internals ---------------------------------------------------------
-    def _open_array(self, key: str, path: str, zarr_dtype: str, shape: tuple[int, ...] | None) -> ts.TensorStore:
-        # dtype and shape are checked against the array's zarr.json as it opens.
-        spec = {"driver": "zarr3", "kvstore": self.location.child(path)}
-        try:
-            return ts.open(spec, context=self._context, open=True, read=True,
-                           dtype=dtypes.from_zarr(zarr_dtype).numpy, shape=shape).result()
-        except ValueError as e:
-            raise TsckptError(
-                f"cannot open the array of tensor {key!r} at {self.url}/{path} "
-                f"(expected {zarr_dtype} {list(shape)}): {e}") from None
+        return len(self.store.kvstore.list().result()), None
 
     def _decode(self, key: str, entry: ObjectEntry) -> Any:
-        if entry.encoding == objects.JSON:
-            return objects.from_json(entry.value)
+        if entry.encoding == values.JSON:
+            return values.from_json(entry.value)
         assert entry.path is not None
-        blob = self._open_array(key, entry.path, "uint8", None).read().result()
-        return objects.load_torch_value(blob.tobytes(), key=key, where=self.url, allow_pickle=self.allow_pickle)
+        return values.load_torch_value(self.store.read_blob(key, entry.path), key=key, where=self.url,
+                                       allow_pickle=self.allow_pickle)
 
 
 def _suggest(key: str, keys: list[str]) -> str:
@@ -427,8 +319,5 @@ def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency for all reads.
     """
-    loc = parse_location(location)
-    context = make_context(io_concurrency, loc)
-    kv = open_kvstore(loc, context)
-    md = hierarchy.read_metadata(kv, loc.url)
-    return Checkpoint(loc, md, kv, context, allow_pickle=allow_pickle)
+    store, md = commit.open_committed(location, io_concurrency=io_concurrency)
+    return Checkpoint(store, md, allow_pickle=allow_pickle)

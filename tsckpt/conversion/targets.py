@@ -1,6 +1,6 @@
-"""Conversion targets: write a :class:`~tsckpt.formats.Source` one tensor at a time.
+"""Conversion targets: write a :class:`~tsckpt.conversion.sources.Source` one tensor at a time.
 
-How each target bounds memory is described in :mod:`tsckpt.formats`.
+How each target bounds memory is described in :mod:`tsckpt.conversion.sources`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes
+from ..errors import CheckpointExistsError, TsckptError
+from ..format import dtypes
+from ..format.names import flat_key
 from .builder import CheckpointBuilder
-from .errors import CheckpointExistsError, TsckptError
-from .formats import _SAFETENSORS_CODE, HF_INDEX, Options, Sink, Source, TensorInfo
-from .layout import flat_key
+from .sources import _SAFETENSORS_CODE, HF_INDEX, Options, Sink, Source, TensorInfo
 
 
 def _refuse_existing(path: str, opts: Options, marker: str | None = None) -> None:

@@ -1,128 +1,23 @@
-"""Convert checkpoints between formats, and compare two checkpoints tensor by tensor.
+"""Compare two checkpoints of any supported formats, key by key and bit by bit.
 
-Formats (see :mod:`tsckpt.formats`): tsckpt, DCP FileSystemWriter directories,
-``torch.save`` files, safetensors files and Hugging Face sharded safetensors
-directories. Both functions stream: one tensor of each checkpoint is in memory
-at a time (plus bounded write-behind for tsckpt targets), so checkpoints larger
-than RAM convert and compare.
-
-Reading a DCP checkpoint unpickles its ``.metadata``; that, and restoring
-values that ``torch.load(weights_only=True)`` refuses, needs ``trust_pickle=True``.
+Both sides stream through :mod:`tsckpt.conversion.sources`: one tensor of each
+checkpoint is in memory at a time, so checkpoints larger than RAM compare.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import time
-import warnings
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import TsckptError
-from .formats import Options, Sink, Source, TensorInfo, open_source
-from .targets import TARGETS
+from ..format.names import flat_key
+from ..progress import progress_bar
+from .sources import Source, TensorInfo, open_source
 
 #: Elements compared per step, so diffing a huge tensor needs little extra memory.
 _DIFF_BLOCK = 1 << 22
-
-
-class ConversionWarning(UserWarning):
-    """The target format cannot hold part of the source (named in the message)."""
-
-
-@dataclass(frozen=True)
-class ConvertResult:
-    """What a conversion did."""
-
-    source_format: str
-    target_format: str
-    tensors: int
-    objects: int
-    nbytes: int
-    seconds: float
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.nbytes / 1e6 / self.seconds if self.seconds > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source_format": self.source_format, "target_format": self.target_format,
-                "tensors": self.tensors, "objects": self.objects, "nbytes": self.nbytes,
-                "seconds": self.seconds, "warnings": list(self.warnings)}
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int, description: str) -> Iterator[Any]:
-    """A rich progress bar on stderr counting bytes; a no-op callable when disabled."""
-    if not enabled:
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
-        task = bar.add_task(description, total=max(total, 1))
-        yield lambda n: bar.advance(task, n)
-
-
-def convert(
-    src: Any,
-    dst: Any,
-    *,
-    to: str | None = None,
-    source_format: str | None = None,
-    trust_pickle: bool = False,
-    overwrite: bool = False,
-    max_shard_size: int | None = None,
-    progress: bool = False,
-) -> ConvertResult:
-    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
-
-    Args:
-        src: a tsckpt checkpoint, DCP FileSystemWriter directory, torch.save file,
-            safetensors file or HF sharded safetensors directory (detected).
-        dst: the path to write. For ``to="safetensors"`` a path ending in
-            ``.safetensors`` is one file; anything else is an HF-style directory
-            of shards with ``model.safetensors.index.json``.
-        to: one of ``tsckpt``, ``dcp``, ``torch``, ``safetensors``; by default
-            chosen from ``dst`` (see :func:`default_target`).
-        source_format: skip detection and read ``src`` as this format.
-        trust_pickle: allow unpickling that can run code from ``src`` (required
-            for DCP sources, whose ``.metadata`` is a pickle).
-        overwrite: replace what is at ``dst``.
-        max_shard_size: safetensors shard size limit in bytes (implies a directory).
-        progress: show a progress bar on stderr.
-
-    Entries the target cannot hold (safetensors: non-tensor values, some dtypes)
-    are skipped with a :class:`ConversionWarning` naming them, and listed in
-    the result's ``warnings``.
-    """
-    to = to or default_target(dst, max_shard_size)
-    if to not in TARGETS:
-        raise TsckptError(f"unknown target format {to!r}; expected one of {sorted(TARGETS)}")
-    notes: list[str] = []
-
-    def warn(message: str) -> None:
-        notes.append(message)
-        warnings.warn(message, ConversionWarning, stacklevel=3)
-
-    start = time.perf_counter()
-    with open_source(src, format=source_format, trust_pickle=trust_pickle) as source:
-        total = sum(i.nbytes for i in source.tensors.values())
-        with _progress(progress, total, f"{source.format} -> {to}") as advance:
-            opts = Options(overwrite=overwrite, trust_pickle=trust_pickle, max_shard_size=max_shard_size)
-            TARGETS[to](source, dst, opts, Sink(advance=advance, warn=warn))
-        return ConvertResult(source.format, to, len(source.tensors), len(source.objects), total,
-                             time.perf_counter() - start, tuple(notes))
 
 
 @dataclass(frozen=True)
@@ -185,8 +80,6 @@ def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False) 
     equal only when bit-identical (NaNs with the same bits are equal); for a
     numeric difference the largest absolute difference is reported.
     """
-    from .layout import flat_key
-
     with open_source(a, trust_pickle=trust_pickle) as sa, open_source(b, trust_pickle=trust_pickle) as sb:
         ta = {flat_key(i.key_path): k for k, i in sa.tensors.items()}
         tb = {flat_key(i.key_path): k for k, i in sb.tensors.items()}
@@ -195,7 +88,7 @@ def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False) 
         keys = list(dict.fromkeys([*ta, *oa, *tb, *ob]))
         total = sum(sa.tensors[ta[k]].nbytes for k in ta if k in tb)
         entries = []
-        with _progress(progress, total, "diff") as advance:
+        with progress_bar(progress, total, "diff") as advance:
             for key in keys:
                 if key in ta and key in tb:
                     entries.append(_diff_tensor(key, sa, ta[key], sb, tb[key]))
@@ -258,16 +151,3 @@ def _same_value(x: Any, y: Any) -> bool:
         return bool(type(x) is type(y) and x == y)
     except Exception:
         return False
-
-
-def default_target(dst: Any, max_shard_size: int | None = None) -> str:
-    """The target format implied by a destination: ``.safetensors`` or a shard size
-    means safetensors, ``.pt``/``.pth``/``.bin``/``.ckpt`` torch.save, anything else tsckpt."""
-    if isinstance(dst, Mapping):
-        return "tsckpt"
-    text = os.fspath(dst)
-    if text.endswith(".safetensors") or max_shard_size is not None:
-        return "safetensors"
-    if text.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        return "torch"
-    return "tsckpt"

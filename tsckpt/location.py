@@ -21,7 +21,7 @@ environment variables are honoured (``AWS_ENDPOINT_URL_S3``,
 spawned with that environment need no extra arguments. Credentials come from
 the environment or the AWS credentials chain, never from the location.
 
-Each array's spec is the root spec with its relative path appended. Torch-free.
+Array specs built on a location live in :mod:`tsckpt.format.spec`. Torch-free.
 """
 
 from __future__ import annotations

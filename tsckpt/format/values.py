@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any
 
-from .errors import UnsafeObjectError
+from ..errors import UnsafeObjectError
 
 JSON = "json"
 TORCH = "torch"
@@ -72,16 +72,24 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-def is_jsonable(value: Any) -> bool:
+def encode(value: Any) -> tuple[str, Any]:
+    """``(JSON, tagged value)`` for plain data, else ``(TORCH, torch.save bytes)``."""
     try:
-        to_json(value)
+        return JSON, to_json(value)
     except NotJsonable:
-        return False
-    return True
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return TORCH, buf.getvalue()
 
 
-def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool) -> Any:
-    """Restore a ``torch`` encoded value; without ``allow_pickle`` no code from the blob can run."""
+def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool,
+                     opt_in: str = "allow_pickle=True") -> Any:
+    """Restore a ``torch`` encoded value; without ``allow_pickle`` no code from the blob can run.
+
+    ``opt_in`` is how the caller's user allows unpickling, for the error message.
+    """
     import torch
 
     try:
@@ -92,5 +100,5 @@ def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool) -
         raise UnsafeObjectError(
             f"value {key!r} in {where} cannot be restored safely "
             f"({found.group(0) if found else type(e).__name__}); "
-            "pass allow_pickle=True only if you trust this checkpoint"
+            f"pass {opt_in} only if you trust this checkpoint"
         ) from None

@@ -3,11 +3,11 @@
 A :class:`Source` opens a checkpoint and lists every entry up front (key path,
 shape and dtype of each tensor; non-tensor values, which are small, loaded
 eagerly) without reading tensor data; :meth:`Source.read` then returns one
-whole tensor. Targets (:mod:`tsckpt.targets`) consume a source one tensor at a time, so a conversion
+whole tensor. Targets (:mod:`tsckpt.conversion.targets`) consume a source one tensor at a time, so a conversion
 holds about one tensor in memory, never the whole checkpoint:
 
 - tsckpt: one TensorStore read of one array per tensor; written through
-  :class:`~tsckpt.builder.CheckpointBuilder` (a bounded byte budget in flight).
+  :class:`~tsckpt.conversion.builder.CheckpointBuilder` (a bounded byte budget in flight).
 - DCP FileSystemWriter: read with one ``dcp.load`` per key (the reader loads
   only the saved chunks of that key); written by ``dcp.save`` with meta-tensor
   placeholders whose data the planner's ``resolve_data`` reads from the source
@@ -24,7 +24,6 @@ holds about one tensor in memory, never the whole checkpoint:
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -34,15 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import tensorstore as ts
 import torch
 
-from . import dtypes, hierarchy, objects
-from .errors import CheckpointNotFoundError, TsckptError, UnsafeObjectError
-from .kvstore import make_context, open_kvstore, parse_location
-from .layout import KeyPath
-
-PathLike = str | os.PathLike[str]
+from ..errors import CheckpointNotFoundError, TsckptError, UnsafeObjectError
+from ..format import commit, dtypes, values
+from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -123,9 +118,7 @@ class TsckptSource(Source):
 
     def __init__(self, path: Any, *, trust_pickle: bool = False):
         super().__init__(path, trust_pickle=trust_pickle)
-        self._location = parse_location(path)
-        self._context = make_context()
-        self.metadata = hierarchy.read_metadata(open_kvstore(self._location, self._context), self._location.url)
+        self._store, self.metadata = commit.open_committed(path)
         for key, e in self.metadata.tensors.items():
             self.tensors[key] = TensorInfo(e.key_path, e.shape, dtypes.to_torch_dtype(dtypes.from_zarr(e.dtype)))
         for key, o in self.metadata.objects.items():
@@ -136,27 +129,16 @@ class TsckptSource(Source):
 
     @classmethod
     def detect(cls, path: str) -> bool:
-        return os.path.isfile(os.path.join(path, hierarchy.ROOT))
-
-    def _open(self, path: str) -> ts.TensorStore:
-        return ts.open({"driver": "zarr3", "kvstore": self._location.child(path)}, context=self._context).result()
+        return os.path.isfile(os.path.join(path, commit.ROOT))
 
     def _object(self, key: str, entry: Any) -> Any:
-        if entry.encoding == objects.JSON:
-            return objects.from_json(entry.value)
-        blob = self._open(entry.path).read().result().tobytes()
-        try:
-            return torch.load(io.BytesIO(blob), weights_only=not self.trust_pickle)
-        except Exception as e:
-            raise UnsafeObjectError(f"value {key!r} in {self._location.url} cannot be restored safely "
-                                    f"({type(e).__name__}); pass trust_pickle=True (--trust-pickle) "
-                                    "only if you trust this checkpoint") from None
+        if entry.encoding == values.JSON:
+            return values.from_json(entry.value)
+        return values.load_torch_value(self._store.read_blob(key, entry.path), key=key, where=self._store.url,
+                                       allow_pickle=self.trust_pickle, opt_in="trust_pickle=True (--trust-pickle)")
 
     def read(self, key: str) -> torch.Tensor:
-        try:
-            data = self._open(self.metadata.tensors[key].path).read().result()
-        except Exception as e:
-            raise TsckptError(f"reading tensor {key!r} from {self._location.url} failed: {e}") from e
+        data = self._store.read_tensor(key, self.metadata.tensors[key])
         # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
         return dtypes.numpy_as_tensor(data if data.flags.c_contiguous else data.copy())
 

@@ -12,15 +12,19 @@ and a rank writes several chunks.
 
 Inner chunks subdivide a large outer chunk so that reading a slice, e.g. a
 column block while the checkpoint was saved row-sharded, reads only what it
-needs instead of whole shards.
+needs instead of whole shards. :class:`ChunkGrid` is the one place that walks a
+grid's chunks (verification, slicing, plotting).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from .errors import PlanError
+from ..errors import PlanError
 
 Box = tuple[Sequence[int], Sequence[int]]  # (offsets, sizes)
 
@@ -86,14 +90,47 @@ def _smallest_prime_factor(n: int) -> int:
     return n
 
 
-def chunk_count(shape: Sequence[int], chunk: Sequence[int]) -> int:
-    return math.prod(-(-n // c) for n, c in zip(shape, chunk))
+@dataclass(frozen=True)
+class ChunkGrid:
+    """How a tensor's array is cut into files (chunks) and, inside them, inner chunks."""
 
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...] | None = None
 
-def chunks_in(offsets: Sequence[int], sizes: Sequence[int], chunk: Sequence[int]) -> list[tuple[int, ...]]:
-    """Grid indices of the chunks that a (chunk-aligned) box covers."""
-    ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, chunk)]
-    out: list[tuple[int, ...]] = [()]
-    for r in ranges:
-        out = [idx + (i,) for idx in out for i in r]
-    return out if math.prod(sizes) > 0 else []
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        """Number of chunks along each dimension."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def nchunks(self) -> int:
+        return math.prod(self.grid_shape)
+
+    @property
+    def read_unit(self) -> tuple[int, ...]:
+        """The smallest box a read fetches: the inner chunk when there is one."""
+        return self.inner_chunk_shape or self.chunk_shape
+
+    def indices(self) -> Iterator[tuple[int, ...]]:
+        """Every chunk's grid index, in row-major order (none for an empty tensor, ``()`` for a 0-d one)."""
+        return itertools.product(*(range(g) for g in self.grid_shape))
+
+    def chunk_region(self, index: Sequence[int]) -> tuple[slice, ...]:
+        """The box of the tensor held by chunk ``index`` (clipped at the edges)."""
+        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunk_shape, self.shape))
+
+    def chunks_overlapping(self, region: Sequence[slice]) -> list[tuple[int, ...]]:
+        """Indices of the chunks that a box of unit-step slices touches."""
+        ranges = [range(s.start // c, (s.stop - 1) // c + 1) if s.stop > s.start else range(0)
+                  for s, c in zip(region, self.chunk_shape)]
+        return list(itertools.product(*ranges))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "chunk_shape": list(self.chunk_shape),
+                "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ChunkGrid:
+        inner = d.get("inner_chunk_shape")
+        return cls(tuple(d["shape"]), tuple(d["chunk_shape"]), tuple(inner) if inner else None)

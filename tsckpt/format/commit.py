@@ -1,5 +1,8 @@
 """The commit protocol: how a save becomes a visible checkpoint, and how loads check it.
 
+:func:`commit_checkpoint` assembles the metadata document and commits it, for
+the DCP writer and :class:`~tsckpt.conversion.builder.CheckpointBuilder` alike.
+
 Ranks write only chunk files, under array paths that hold no ``zarr.json`` yet,
 so while a save runs nothing in the directory is a Zarr node. When every rank's
 data is durable, the coordinator writes each array's ``zarr.json``, then every
@@ -10,51 +13,100 @@ commit: a directory without it is an incomplete checkpoint and is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tensorstore as ts
 
-from . import arrays
-from .errors import (
+from .. import __version__
+from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     MetadataError,
     TsckptError,
 )
-from .kvstore import encode_json, read_json
-from .layout import parent_groups
-from .metadata import CheckpointMetadata, TensorEntry
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, read_json
+from . import dtypes, values, zarr_json
+from .metadata import CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
+from .names import parent_groups
+from .spec import Store
 
 ROOT = "zarr.json"
 ATTRIBUTE = "tsckpt"
 
 
-def tensor_attributes(key: str, entry: TensorEntry, torch_dtype: str) -> dict[str, Any]:
+def tensor_attributes(key: str, entry: TensorEntry) -> dict[str, Any]:
     """What each array says about itself in torch terms, for zarr-python users."""
     return {ATTRIBUTE: {
         "kind": "tensor",
         "key": key,
-        "torch_dtype": torch_dtype,
+        "torch_dtype": f"torch.{dtypes.from_zarr(entry.dtype).torch}",
         "placement": entry.placement.to_dict() if entry.placement else None,
     }}
 
 
+def blob_attributes(key: str) -> dict[str, Any]:
+    return {ATTRIBUTE: {"kind": "object", "key": key, "encoding": values.TORCH}}
+
+
+def commit_checkpoint(
+    store: Store,
+    *,
+    world_size: int,
+    tensors: Mapping[str, TensorEntry],
+    objects: Mapping[str, ObjectEntry],
+    blob_sizes: Mapping[str, int],
+    meshes: Sequence[Mesh] = (),
+    extra: Mapping[str, Any] | None = None,
+    checksums: bool = False,
+    compression: str | None = None,
+) -> CheckpointMetadata:
+    """Validate the entries, assemble the metadata document and commit it; call once all data is durable.
+
+    ``blob_sizes`` gives the byte count of every ``torch``-encoded value's blob;
+    ``checksums`` and ``compression`` are the options the tensor chunks were written with.
+    """
+    import torch  # only for its version string; every caller has it loaded already
+
+    docs: dict[str, dict[str, Any]] = {}
+    for fqn, entry in tensors.items():
+        entry.validate(f"tensor {fqn!r}")
+        docs[entry.path] = zarr_json.tensor_metadata(entry, tensor_attributes(fqn, entry),
+                                                     checksums=checksums, compression=compression)
+    for fqn, size in blob_sizes.items():
+        path = objects[fqn].path
+        assert path is not None
+        docs[path] = zarr_json.blob_metadata(size, blob_attributes(fqn))
+    md = CheckpointMetadata(
+        world_size=world_size,
+        tensors=dict(tensors),
+        objects=dict(objects),
+        meshes=tuple(meshes),
+        torch_version=torch.__version__,
+        tsckpt_version=__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        extra=dict(extra or {}),
+    )
+    commit(store.kvstore, md, docs, nodes=store.layout.nodes(store))
+    return md
+
+
 def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]],
-           nodes: tuple[ts.KvStore, Callable[[], None]] | None = None) -> None:
+           nodes: tuple[ts.KvStore, Callable[[], None] | None] | None = None) -> None:
     """Write array and group nodes, then the root document (the commit point).
 
-    ``nodes`` optionally gives a faster kvstore for the nodes and the call that
-    makes them durable, which must return before the root is written.
+    ``nodes`` optionally gives another kvstore for the nodes and a call that
+    makes them durable, which returns before the root is written.
     """
-    node_kv = kv if nodes is None else nodes[0]
+    node_kv, flush = nodes if nodes is not None else (kv, None)
     groups = [g for g in parent_groups(list(array_docs)) if g]
     _write_all(node_kv, {f"{path}/{ROOT}": doc for path, doc in array_docs.items()}
-               | {f"{g}/{ROOT}": arrays.group_metadata() for g in groups})
-    if nodes is not None:
-        nodes[1]()
-    kv.write(ROOT, encode_json(arrays.group_metadata({ATTRIBUTE: md.to_dict()}))).result()
+               | {f"{g}/{ROOT}": zarr_json.group_metadata() for g in groups})
+    if flush is not None:
+        flush()
+    kv.write(ROOT, encode_json(zarr_json.group_metadata({ATTRIBUTE: md.to_dict()}))).result()
 
 
 def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
@@ -122,3 +174,11 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
         # from_dict validates field by field; this only guards against a hostile
         # document reaching a case it did not foresee, which must still be a clean refusal.
         raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def open_committed(location: LocationLike, *,
+                   io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> tuple[Store, CheckpointMetadata]:
+    """Open a committed checkpoint for reading: its metadata, and a store using the checkpoint's layout."""
+    store = Store.open(location, io_concurrency=io_concurrency)
+    md = read_metadata(store.kvstore, store.url)
+    return store.for_checkpoint(md), md

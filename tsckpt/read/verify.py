@@ -16,25 +16,24 @@ tells which tensors and which chunks are damaged. Torch-free.
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import tensorstore as ts
 
-from . import arrays, grid, hierarchy
-from .errors import PlanError
-from .kvstore import DEFAULT_IO_CONCURRENCY, Location, make_context, open_kvstore, parse_location, read_json
-from .metadata import CheckpointMetadata, TensorEntry
+from ..errors import PlanError
+from ..format import commit, grid, zarr_json
+from ..format.grid import ChunkGrid
+from ..format.metadata import CheckpointMetadata, TensorEntry
+from ..format.spec import Store
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, read_json
+from ..progress import PROGRESS_BYTES, progress_bar, wanted
 
 #: Bytes of chunk reads kept in flight at once.
 _IN_FLIGHT_BYTES = 256 << 20
-#: Above this many bytes the progress bar is shown when stderr is a terminal.
-PROGRESS_BYTES = 1 << 30
+__all__ = ["EntryReport", "PROGRESS_BYTES", "VerifyReport", "verify"]
 
 
 @dataclass(frozen=True)
@@ -92,12 +91,6 @@ class _Target:
     entry: TensorEntry | None  # None for a blob
 
 
-def _grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    if math.prod(shape) == 0:
-        return iter(())
-    return itertools.product(*(range(-(-n // c)) for n, c in zip(shape, chunk)))
-
-
 def _disagreements(e: TensorEntry, doc: Mapping[str, Any]) -> list[str]:
     """How ``doc`` differs from the ``zarr.json`` the metadata implies for ``e``.
 
@@ -105,51 +98,50 @@ def _disagreements(e: TensorEntry, doc: Mapping[str, Any]) -> list[str]:
     the chunk-key separator on the tsckpt version (before "." it was "/"), so
     any combination tsckpt writes is accepted there.
     """
-    want = arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape)
+    want = zarr_json.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape)
     diff = [f"{k}: metadata says {want[k]!r}, zarr.json says {doc.get(k)!r}"
             for k in ("shape", "data_type", "chunk_grid") if want[k] != doc.get(k)]
-    chains = [arrays.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
+    chains = [zarr_json.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
                                     checksums=c, compression=z)["codecs"]
-              for c in (True, False) for z in (None, *arrays.COMPRESSORS)]
+              for c in (True, False) for z in (None, *zarr_json.COMPRESSORS)]
     if doc.get("codecs") not in chains:
         diff.append(f"codecs: zarr.json says {doc.get('codecs')!r}, not a chain tsckpt writes for this tensor")
     encoding = doc.get("chunk_key_encoding")
     if not isinstance(encoding, dict) or encoding.get("name") != "default" \
-            or arrays.chunk_key_separator(doc) not in (".", "/"):
+            or zarr_json.chunk_key_separator(doc) not in (".", "/"):
         diff.append(f"chunk_key_encoding: zarr.json says {encoding!r}, expected Zarr's default with '.' or '/'")
     return diff
 
 
 class _Checker:
-    def __init__(self, location: Location, context: ts.Context, progress: Any):
-        self.location = location
-        self.context = context
-        self.kv = open_kvstore(location, context)
-        self.progress = progress
+    def __init__(self, store: Store, advance: Callable[[int], None]):
+        self.store = store
+        self.advance = advance
 
     def run(self, target: _Target) -> EntryReport:
         problems: list[str] = []
-        doc = self._zarr_json(target, problems)
+        kv = ts.KvStore.open(self.store.array_kvstore(target.path), context=self.store.context).result()
+        doc = self._zarr_json(kv, target, problems)
         if doc is None:
             return EntryReport(target.key, target.path, 0, 0, tuple(problems))
-        shape = [int(n) for n in doc["shape"]]
-        chunk = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
-        nbytes = math.prod(shape) * ts.dtype(doc["data_type"]).numpy_dtype.itemsize
+        chunks = ChunkGrid(tuple(int(n) for n in doc["shape"]),
+                           tuple(int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]))
+        nbytes = math.prod(chunks.shape) * ts.dtype(doc["data_type"]).numpy_dtype.itemsize
         if target.entry is not None and target.entry.writes:
             try:
-                grid.check_tiling(target.key, shape, [(w.offsets, w.sizes) for w in target.entry.writes])
+                grid.check_tiling(target.key, chunks.shape, [(w.offsets, w.sizes) for w in target.entry.writes])
             except PlanError as e:
                 problems.append(f"written regions: {e}")
-        indices = list(_grid(shape, chunk))
-        sep = arrays.chunk_key_separator(doc)
-        problems += self._missing_files(target.path, indices, sep)
-        problems += self._read_chunks(target.path, shape, chunk, indices, nbytes, sep)
+        indices = list(chunks.indices())
+        sep = zarr_json.chunk_key_separator(doc)
+        problems += self._missing_files(kv, target.path, indices, sep)
+        problems += self._read_chunks(target, chunks, indices, nbytes, sep)
         return EntryReport(target.key, target.path, nbytes, len(indices), tuple(problems))
 
-    def _zarr_json(self, target: _Target, problems: list[str]) -> dict[str, Any] | None:
-        where = f"{target.path}/{hierarchy.ROOT}"
+    def _zarr_json(self, kv: ts.KvStore, target: _Target, problems: list[str]) -> dict[str, Any] | None:
+        where = f"{target.path}/{commit.ROOT}"
         try:
-            doc = read_json(self.kv, where)
+            doc = read_json(kv, commit.ROOT)
         except (ValueError, RecursionError) as e:
             problems.append(f"{where} is not valid JSON: {e}")
             return None
@@ -173,20 +165,20 @@ class _Checker:
             return None
         return doc
 
-    def _missing_files(self, path: str, indices: list[tuple[int, ...]], sep: str) -> list[str]:
-        prefix = f"{path}/c"
+    @staticmethod
+    def _missing_files(kv: ts.KvStore, path: str, indices: list[tuple[int, ...]], sep: str) -> list[str]:
         present = {k.decode() if isinstance(k, bytes) else k
-                   for k in self.kv.list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()}
-        keys = [arrays.chunk_key(i, sep) for i in indices]
-        return [f"chunk {key}: file {path}/{key} is missing" for key in keys if f"{path}/{key}" not in present]
+                   for k in kv.list(ts.KvStore.KeyRange("c", "c\xff")).result()}
+        keys = [zarr_json.chunk_key(i, sep) for i in indices]
+        return [f"chunk {key}: file {path}/{key} is missing" for key in keys if key not in present]
 
-    def _read_chunks(self, path: str, shape: list[int], chunk: list[int],
-                     indices: list[tuple[int, ...]], nbytes: int, sep: str) -> list[str]:
+    def _read_chunks(self, target: _Target, chunks: ChunkGrid, indices: list[tuple[int, ...]],
+                     nbytes: int, sep: str) -> list[str]:
         if not indices:
             return []
         try:
-            arr = ts.open({"driver": "zarr3", "kvstore": self.location.child(path),
-                           "fill_missing_data_reads": False}, context=self.context, read=True).result()
+            opening = self.store.open_tensor(target.entry) if target.entry else self.store.open_blob(target.path)
+            arr = opening.result()
         except Exception as e:  # TensorStore reports every failure as ValueError or its own types
             return [f"cannot open the array: {e}"]
         problems: list[str] = []
@@ -194,17 +186,13 @@ class _Checker:
         batch = max(1, _IN_FLIGHT_BYTES // chunk_bytes)
         for start in range(0, len(indices), batch):
             part = indices[start:start + batch]
-            futures = []
-            for idx in part:
-                region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunk, shape))
-                futures.append((idx, arr[region].read() if region else arr.read()))
+            futures = [(idx, arr[chunks.chunk_region(idx)].read() if idx else arr.read()) for idx in part]
             for idx, fut in futures:
                 try:
                     fut.result()
                 except Exception as e:
-                    problems.append(f"chunk {arrays.chunk_key(idx, sep)}: {e}")
-            if self.progress is not None:
-                self.progress(chunk_bytes * len(part))
+                    problems.append(f"chunk {zarr_json.chunk_key(idx, sep)}: {e}")
+            self.advance(chunk_bytes * len(part))
         return problems
 
 
@@ -215,7 +203,7 @@ def _targets(md: CheckpointMetadata) -> list[_Target]:
 
 
 def verify(
-    location: str | os.PathLike[str] | Mapping[str, Any],
+    location: LocationLike,
     *,
     progress: bool | None = None,
     io_concurrency: int = DEFAULT_IO_CONCURRENCY,
@@ -223,10 +211,10 @@ def verify(
     """Read and check every chunk of the checkpoint at ``location``.
 
     Args:
-        location: checkpoint directory, ``file://`` URL or kvstore spec.
+        location: checkpoint directory, URL or kvstore spec.
         progress: show a progress bar on stderr; by default only for
             checkpoints above :data:`PROGRESS_BYTES` when stderr is a terminal.
-        io_concurrency: TensorStore file I/O concurrency.
+        io_concurrency: TensorStore I/O concurrency.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is False if anything is damaged.
@@ -235,20 +223,8 @@ def verify(
         TsckptError: the checkpoint is missing, incomplete or its metadata is
             unreadable, so nothing else can be checked.
     """
-    loc = parse_location(location)
-    context = make_context(io_concurrency)
-    md = hierarchy.read_metadata(open_kvstore(loc, context), loc.url)
-    targets = _targets(md)
+    store, md = commit.open_committed(location, io_concurrency=io_concurrency)
     total = sum(t.nbytes for t in md.tensors.values())
-    show = progress if progress is not None else (total >= PROGRESS_BYTES and sys.stderr.isatty())
-    if not show:
-        return VerifyReport(loc.url, tuple(_Checker(loc, context, None).run(t) for t in targets))
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    with Progress(TextColumn("verify"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("verify", total=total)
-        checker = _Checker(loc, context, lambda n: bar.advance(task, n))
-        return VerifyReport(loc.url, tuple(checker.run(t) for t in targets))
-
+    with progress_bar(wanted(progress, total), total, "verify", transient=True) as advance:
+        checker = _Checker(store, advance)
+        return VerifyReport(store.url, tuple(checker.run(t) for t in _targets(md)))

@@ -2,7 +2,7 @@
 
 Planning is separate from storage (as in DCP): this module looks at DTensors,
 ShardedTensors and plain values and turns them into write items annotated with
-JSON-able placement records; :mod:`tsckpt.storage` never sees a DTensor.
+JSON-able placement records (:mod:`tsckpt.dcp.protocol`); the storage layer never sees a DTensor.
 
 Save: DCP's default planning already yields one item per DTensor local shard,
 per ShardedTensor shard and per plain value, and deduplicates replicas by
@@ -18,7 +18,6 @@ safe restoration of non-tensor values and refuses narrowing dtype casts.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 from typing import Any
@@ -32,43 +31,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from . import objects
-from .errors import LoadMismatchError
-
-
-class PlannerData(dict):
-    """DCP's flattening map (flat key -> key path), plus tsckpt's placement records.
-
-    It stays a dict so DCP's own global planning, which merges these maps,
-    works unchanged; ``placements`` rides along to the storage writer.
-    """
-
-    placements: dict[str, dict[str, Any]]
-
-    def __init__(self, mapping: Any = None, placements: dict[str, dict[str, Any]] | None = None):
-        super().__init__(mapping or {})
-        self.placements = placements or {}
-
-    def __reduce__(self) -> Any:
-        return (PlannerData, (dict(self), self.placements))
-
-
-class EncodedValue(io.BytesIO):
-    """Serialized non-tensor value, tagged with the encoding the writer should record."""
-
-    def __init__(self, data: bytes, encoding: str):
-        super().__init__(data)
-        self.encoding = encoding
-
-
-class DecodedValue(io.BytesIO):
-    """A value the reader already restored safely; the bytes are a torch.save of it."""
-
-    def __init__(self, value: Any):
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        super().__init__(buf.getvalue())
-        self.value = value
+from ..errors import LoadMismatchError
+from ..format import values
+from .protocol import DecodedValue, EncodedValue, Placements
 
 
 def _placement_record(p: Any) -> dict[str, Any]:
@@ -143,20 +108,17 @@ class SavePlanner(DefaultSavePlanner):
             record = describe(obj, meshes)
             if record is not None:
                 placements[fqn] = record
-        plan = dataclasses.replace(plan, planner_data=PlannerData(plan.planner_data, placements))
+        plan = dataclasses.replace(plan, storage_data=Placements(placements))
         self.plan = plan
         return plan
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type != WriteItemType.BYTE_IO:
             return object
-        try:
-            text = json.dumps(objects.to_json(object), allow_nan=False)
-            return EncodedValue(text.encode("utf-8"), objects.JSON)
-        except objects.NotJsonable:
-            buf = io.BytesIO()
-            torch.save(object, buf)
-            return EncodedValue(buf.getvalue(), objects.TORCH)
+        encoding, payload = values.encode(object)
+        if encoding == values.JSON:
+            payload = json.dumps(payload, allow_nan=False).encode("utf-8")
+        return EncodedValue(payload, encoding)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -206,7 +168,7 @@ class LoadPlanner(DefaultLoadPlanner):
                 "pass allow_dtype_cast=True to allow it"
             )
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         obj = value.value if isinstance(value, DecodedValue) else torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

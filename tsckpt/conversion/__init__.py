@@ -1,0 +1,1 @@
+"""Converting between checkpoint formats and comparing checkpoints: sources, targets, builder."""

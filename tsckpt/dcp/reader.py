@@ -1,0 +1,153 @@
+"""DCP storage reader: ``TensorStoreReader`` loads a tsckpt checkpoint with ``dcp.load``, in any topology.
+
+It reports every tensor to DCP as one whole chunk, so DCP asks for each local
+shard's exact hyperslab, and reads that straight into the destination tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorstore as ts
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import TsckptError
+from ..format import commit, dtypes, values
+from ..format.metadata import CheckpointMetadata
+from ..format.spec import read_error
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
+from .protocol import DecodedValue
+from .storage import TensorStoreIO, done, region
+
+
+def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
+    """DCP's view: each tensor as one whole chunk, so DCP asks for exact hyperslabs."""
+    sd_md: dict[str, Any] = {}
+    for fqn, t in md.tensors.items():
+        size = torch.Size(t.shape)
+        sd_md[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtypes.to_torch_dtype(dtypes.from_zarr(t.dtype))),
+            size=size,
+            chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
+        )
+    for fqn in md.objects:
+        sd_md[fqn] = BytesStorageMetadata()
+    key_paths = {k: tuple(e.key_path) for k, e in (*md.tensors.items(), *md.objects.items())}
+    return Metadata(state_dict_metadata=sd_md, planner_data=key_paths)
+
+
+class TensorStoreReader(TensorStoreIO, StorageReader):
+    """Read a tsckpt checkpoint with ``dcp.load``, in any topology.
+
+    Each local shard's hyperslab is read straight into the destination tensor.
+
+    Args:
+        path: checkpoint directory (or kvstore spec), or ``checkpoint_id=`` to ``dcp.load``.
+        allow_pickle: restore non-tensor values that need arbitrary unpickling
+            (code from the checkpoint may run). Off by default.
+        io_concurrency: TensorStore file I/O concurrency per rank.
+    """
+
+    def __init__(self, path: LocationLike | None = None, *, allow_pickle: bool = False,
+                 io_concurrency: int = DEFAULT_IO_CONCURRENCY):
+        super().__init__(path, io_concurrency)
+        self.allow_pickle = allow_pickle
+        self.metadata: CheckpointMetadata | None = None
+        self._prefetched = False
+
+    def reset(self, checkpoint_id: LocationLike | None = None) -> None:
+        self._reset(checkpoint_id)
+        if not (self._prefetched and checkpoint_id is None):
+            self.metadata = None
+        self._prefetched = False
+
+    def prefetch_metadata(self) -> CheckpointMetadata:
+        """Read the metadata now, raising tsckpt's own errors, and keep it for the next load.
+
+        ``dcp.load`` starts with ``reset()`` and then reads the metadata on every
+        rank; after this call that read costs nothing. Any later load reads afresh.
+        """
+        self.metadata = None
+        self.read_metadata()
+        self._prefetched = True
+        assert self.metadata is not None
+        return self.metadata
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        self._reset(None)
+        if self.metadata is None:
+            self.metadata = commit.read_metadata(self.store.kvstore, self.store.url)
+            self._store = self.store.for_checkpoint(self.metadata)
+        return to_dcp_metadata(self.metadata)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.metadata is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.metadata is not None
+        md = self.metadata
+        wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
+        opened = {fqn: self.store.open_tensor(md.tensors[fqn]) for fqn in wanted}
+        pending = []
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
+                continue
+            try:
+                arr = opened[fqn].result()
+            except Exception as e:
+                raise TsckptError(f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}: {e}") from e
+            dest = planner.resolve_tensor(item)
+            source = arr[region(item.storage_offsets, item.lengths)]
+            pending.append((item, dest, _read_into(dest, source)))
+        for item, dest, finish in pending:
+            try:
+                finish()
+            except Exception as e:
+                raise read_error(item.storage_index.fqn, str(self.checkpoint_id), e) from e
+            planner.commit_tensor(item, dest)
+        return done(None)
+
+    def _read_object(self, fqn: str) -> Any:
+        assert self.metadata is not None
+        entry = self.metadata.objects[fqn]
+        if entry.encoding == values.JSON:
+            return values.from_json(entry.value)
+        assert entry.path is not None
+        return values.load_torch_value(self.store.read_blob(fqn, entry.path), key=fqn,
+                                       where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
+
+
+def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Any:
+    """Start reading ``source`` into ``dest``; returns a function that finishes it.
+
+    A CPU destination of the stored dtype is filled in place (any strides);
+    otherwise the slab is read, then copied and cast.
+    """
+    if dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == source.dtype.numpy_dtype:
+        fut = ts.array(dtypes.tensor_as_numpy(dest), copy=False, write=True).write(source)
+        return fut.result
+    fut = source.read()
+
+    def finish() -> None:
+        dest.copy_(dtypes.numpy_as_tensor(fut.result()))
+
+    return finish

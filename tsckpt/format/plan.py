@@ -1,0 +1,59 @@
+"""Array layout of a save: each tensor's path, chunk grid and inner chunks, from the regions written.
+
+The DCP writer plans every tensor of a save at once from all ranks' regions;
+:class:`~tsckpt.conversion.builder.CheckpointBuilder` plans one whole tensor at a
+time. Both go through :func:`plan_tensor`, so a one-process save and a conversion
+lay out the same tensor the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..errors import PlanError
+from . import dtypes, grid
+from .metadata import Placement, Region, TensorEntry
+from .names import KeyPath, zarr_path
+
+#: Outer chunks larger than this are split into inner chunks (sharding codec).
+DEFAULT_INNER_CHUNK_BYTES = 16 << 20
+
+
+def plan_tensor(
+    fqn: str,
+    key_path: KeyPath,
+    shape: Sequence[int],
+    dtype: str,
+    regions: Sequence[Region],
+    *,
+    inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
+    placement: Placement | None = None,
+) -> TensorEntry:
+    """The array of one tensor written as ``regions``: checked to tile ``shape``, chunks aligned to them.
+
+    ``dtype`` is a Zarr data type name.
+    """
+    dt = dtypes.from_zarr(dtype)
+    shape = tuple(shape)
+    boxes = [(r.offsets, r.sizes) for r in regions]
+    grid.check_tiling(fqn, shape, boxes)
+    chunk = grid.aligned_chunk_shape(shape, boxes)
+    return TensorEntry(
+        key_path=tuple(key_path),
+        path=zarr_path(key_path),
+        shape=shape,
+        dtype=dt.zarr,
+        chunk_shape=chunk,
+        inner_chunk_shape=grid.inner_chunk_shape(chunk, dt.itemsize, inner_chunk_bytes),
+        placement=placement,
+        writes=tuple(regions),
+    )
+
+
+def check_unique_paths(paths: Iterable[str], where: str) -> None:
+    """Refuse two state-dict keys whose key paths escape to the same array path."""
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen:
+            raise PlanError(f"two state-dict keys map to the same array path {path!r} in {where}")
+        seen.add(path)

@@ -1,0 +1,1 @@
+"""Reading a checkpoint in any plain process: ``tsckpt.open`` and end-to-end verification."""
