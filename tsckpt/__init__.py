@@ -46,6 +46,9 @@ _LAZY = {
     "open": "reader",
     "Checkpoint": "reader",
     "TensorHandle": "reader",
+    # torch-free chores on a directory of step checkpoints
+    "latest": "steps",
+    "prune": "steps",
 }
 
 __all__ = [
