@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 
 # Modules that register commands on ``app`` when imported.
-COMMAND_MODULES: list[str] = ["demo", "verify", "inspect", "convert", "steps"]
+COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "steps"]
 
 
 def main() -> None:
