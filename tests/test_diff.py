@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -14,6 +15,8 @@ import tsckpt
 import tsckpt.cli.convert  # noqa: F401  (registers the commands)
 from tsckpt.cli import app
 from tsckpt import convert, diff
+
+runner = CliRunner()
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -85,3 +88,41 @@ def test_dcp_directory_needs_trust_pickle(tmp_path):
     assert refused.exit_code == 2 and "--trust-pickle" in refused.output
     trusted = runner.invoke(app, ["diff", str(tmp_path / "d"), str(tmp_path / "w.safetensors"), "--trust-pickle"])
     assert trusted.exit_code == 0, trusted.output
+
+
+def test_diff_shows_plain_values_and_applies_tolerances(tmp_path):
+    w = torch.linspace(-1, 1, 50)
+    a = {"w": w, "nan": torch.tensor([1.0, float("nan")]), "step": 10, "name": "[red]run", "gone": [1, 2]}
+    b = {"w": w * (1 + 1e-5), "nan": torch.tensor([1.0, float("nan")]), "step": 11, "name": "[red]run"}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    res = runner.invoke(app, ["diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--all"],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 1
+    rows = {line.split("│")[1].strip(): line for line in res.stdout.splitlines() if line.count("│") == 6}
+    assert rows["step"].split("│")[3].strip() == "10" and rows["step"].split("│")[4].strip() == "11"
+    assert "'[red]run'" in rows["name"] and "[1, 2]" in rows["gone"]
+    assert "object" not in res.stdout
+
+    def statuses(**tol) -> dict[str, str]:
+        return {e.key: e.status for e in tsckpt.diff(tmp_path / "a.pt", tmp_path / "b.pt", **tol).entries}
+
+    assert statuses()["w"] == "values"
+    assert statuses(rtol=1e-4)["w"] == "close" and statuses(rtol=1e-6)["w"] == "values"
+    assert statuses(atol=2e-5)["w"] == "close" and statuses(atol=1e-6)["w"] == "values"
+    assert statuses(atol=1.0)["nan"] == "equal"
+    result = tsckpt.diff(tmp_path / "a.pt", tmp_path / "b.pt", rtol=1e-4)
+    assert [e.key for e in result.differences] == ["step", "gone"] and not result.identical
+    with pytest.raises(tsckpt.TsckptError, match="non-negative"):
+        tsckpt.diff(tmp_path / "a.pt", tmp_path / "b.pt", rtol=-1)
+
+    torch.save({"w": w, "step": 10}, tmp_path / "c.pt")
+    torch.save({"w": w + 1e-3, "step": 10}, tmp_path / "d.pt")
+    c, d = str(tmp_path / "c.pt"), str(tmp_path / "d.pt")
+    assert runner.invoke(app, ["diff", c, d]).exit_code == 1
+    assert runner.invoke(app, ["diff", c, d, "--atol", "1e-4"]).exit_code == 1
+    close = runner.invoke(app, ["diff", c, d, "--atol", "2e-3"], env={"COLUMNS": "200"})
+    assert close.exit_code == 0, close.output
+    assert "equal within tolerance: 2 entries, 1 close" in close.stdout
+    assert runner.invoke(app, ["diff", c, d, "--rtol", "-1"]).exit_code == 2
+    assert np.isclose(tsckpt.diff(c, d).entries[0].max_abs_diff, 1e-3, rtol=1e-2)

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
+import torch
 from nbclient import NotebookClient
+
+import tsckpt
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "inspect_checkpoint.ipynb"
 
@@ -29,3 +33,29 @@ def test_committed_notebook_has_outputs():
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code)
     assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs)
+
+
+@pytest.mark.parametrize("how", ["parameter", "environment"])
+def test_notebook_inspects_a_given_checkpoint(tmp_path, monkeypatch, how):
+    ckpt = tmp_path / "run" / "step_7"
+    tsckpt.save({"net": {"proj": torch.linspace(0, 1, 60).reshape(12, 5), "b": torch.zeros(5)}, "epoch": 7}, ckpt)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    params = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    if how == "parameter":
+        # What papermill does with `-p checkpoint PATH`: a cell right after the parameters cell.
+        injected = nbformat.v4.new_code_cell(f"checkpoint = {str(ckpt)!r}")
+        injected.metadata["tags"] = ["injected-parameters"]
+        nb.cells.insert(params + 1, injected)
+        monkeypatch.setenv("TSCKPT_NOTEBOOK_CHECKPOINT", str(tmp_path / "not-this-one"))
+    else:
+        monkeypatch.setenv("TSCKPT_NOTEBOOK_CHECKPOINT", str(ckpt))
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert f"inspecting {ckpt}" in text and "demo checkpoint" not in text
+    assert "world_size=1" in text and "values: {'epoch': 7}" in text
+    assert "TensorHandle('net.proj', shape=[12, 5]" in text  # the largest 2-D tensor is the one drawn
+    assert "float32 (5,) (5,)" in text  # zarr-python read the second one
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 2
+    assert (ckpt / "zarr.json").is_file()  # the notebook removes only what it made itself

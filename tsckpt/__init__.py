@@ -47,6 +47,9 @@ _LAZY = {
     "Checkpoint": "read.checkpoint",
     "TensorHandle": "read.checkpoint",
     "verify": "read.verify",
+    # torch-free chores on a directory of step checkpoints
+    "latest": "steps",
+    "prune": "steps",
 }
 
 __all__ = [

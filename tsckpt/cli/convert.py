@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import TsckptError
@@ -64,10 +65,12 @@ def convert_cmd(
 
 
 def _side(e: Any, which: str) -> str:
-    """One side of a diff row: dtype[shape], the entry kind, or '-' when absent."""
-    dtype, shape = (e.dtype_a, e.shape_a) if which == "a" else (e.dtype_b, e.shape_b)
+    """One side of a diff row: dtype[shape], the plain value, or '-' when absent."""
+    dtype, shape, value = (e.dtype_a, e.shape_a, e.value_a) if which == "a" else (e.dtype_b, e.shape_b, e.value_b)
     if shape is not None:
         return f"{dtype}{list(shape)}"
+    if value is not None:
+        return escape(value if len(value) <= 60 else value[:59] + "…")
     return "-" if e.status == ("only_b" if which == "a" else "only_a") else e.kind
 
 
@@ -77,12 +80,18 @@ def diff_cmd(
     b: str = typer.Argument(..., help="second checkpoint (any supported format)"),
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="allow unpickling (needed for DCP dirs)"),
     show_equal: bool = typer.Option(False, "--all", help="list equal entries too"),
+    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance for tensors: |A-B| <= atol + rtol*|B|"),
+    atol: float = typer.Option(0.0, "--atol", min=0.0, help="absolute tolerance for tensors"),
 ) -> None:
-    """Compare two checkpoints key by key. Exit code 0 when identical, 1 when they differ, 2 on errors."""
+    """Compare two checkpoints key by key. Exit code 0 when identical (or within --rtol/--atol), 1 when they differ, 2 on errors.
+
+    Tensors of the same shape and dtype whose elements all lie within the
+    tolerances are reported as "close" and do not count as differences.
+    """
     from ..conversion.diff import diff
 
     try:
-        result = diff(a, b, trust_pickle=trust_pickle)
+        result = diff(a, b, trust_pickle=trust_pickle, rtol=rtol, atol=atol)
     except TsckptError as e:
         raise _fail(e) from None
     out = Console()
@@ -93,13 +102,17 @@ def diff_cmd(
             table.add_column(col, overflow="fold")
         for e in rows:
             side = [_side(e, "a"), _side(e, "b")]
-            style = "green" if e.equal else "red"
+            style = "green" if e.equal else "yellow" if e.matches else "red"
             mad = "" if e.max_abs_diff is None else f"{e.max_abs_diff:.6g}"
-            table.add_row(e.key, f"[{style}]{e.status}[/{style}]", side[0], side[1], mad)
+            table.add_row(escape(e.key), f"[{style}]{e.status}[/{style}]", side[0], side[1], mad)
         out.print(table)
     n_diff = len(result.differences)
     if n_diff:
         out.print(f"[red]{n_diff} of {len(result.entries)} entries differ[/red]")
+    elif not result.identical:
+        close = sum(e.status == "close" for e in result.entries)
+        out.print(f"[green]equal within tolerance[/green]: {len(result.entries)} entries, {close} close but not "
+                  f"bit-identical")
     else:
         out.print(f"[green]identical[/green]: {len(result.entries)} entries")
     sys.stdout.flush()

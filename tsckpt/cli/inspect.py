@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,34 +53,61 @@ def _short(value: Any, width: int = 48) -> str:
 
 
 @app.command("ls")
-def ls(path: str = typer.Argument(..., help="checkpoint directory or URL")) -> None:
+def ls(
+    path: str = typer.Argument(..., help="checkpoint directory or URL"),
+    as_json: bool = typer.Option(False, "--json", help="print the listing as JSON (keys: see tsckpt.summary)"),
+) -> None:
     """List tensors and values as a tree, with shape, dtype, size and placement."""
     with _clean_errors():
         ck = _open(path)
-        table = Table(title=ck.url, title_justify="left")
-        for name, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"),
-                              ("size", "right"), ("placement", "left")):
-            table.add_column(name, justify=justify, no_wrap=name != "placement")
-        rows = [(e.key_path, key, True) for key, e in ck.metadata.tensors.items()]
-        rows += [(e.key_path, key, False) for key, e in ck.metadata.objects.items()]
-        shown: set[tuple[Any, ...]] = set()
-        for key_path, key, is_tensor in sorted(rows, key=lambda r: [str(p) for p in r[0]]):
-            for depth in range(1, len(key_path)):
-                group = tuple(key_path[:depth])
-                if group not in shown:
-                    shown.add(group)
-                    table.add_row("  " * (depth - 1) + f"[bold]{group[-1]}/[/]", "", "", "", "")
-            label = "  " * (len(key_path) - 1) + str(key_path[-1])
-            if is_tensor:
-                h = ck.tensors[key]
-                table.add_row(label, str(list(h.shape)), h.zarr_dtype, human_bytes(h.nbytes), h.placement_text)
-            else:
-                entry = ck.metadata.objects[key]
-                shown_value = _short(ck[key]) if entry.encoding == "json" else "(torch-serialized value)"
-                table.add_row(label, "", "value", "", shown_value)
-        out.print(table)
+        if as_json:
+            from .. import summary
+
+            _print_json(summary.listing(ck))
+            return
+        _print_wide(_tree_table(ck, list(ck), title=ck.url))
         out.print(f"{len(ck.metadata.tensors)} tensors, {human_bytes(ck.nbytes)}; "
                   f"{len(ck.metadata.objects)} values; world size {ck.world_size}", highlight=False)
+
+
+def _tree_table(ck: Any, keys: list[str], title: str) -> Table:
+    """``keys`` of ``ck`` as rows of a tree, with a row for each group above them."""
+    table = Table(title=title, title_justify="left")
+    wanted = set(keys)
+    for name, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"),
+                          ("size", "right"), ("placement", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    rows = [(e.key_path, key, True) for key, e in ck.metadata.tensors.items() if key in wanted]
+    rows += [(e.key_path, key, False) for key, e in ck.metadata.objects.items() if key in wanted]
+    shown: set[tuple[Any, ...]] = set()
+    for key_path, key, is_tensor in sorted(rows, key=lambda r: [str(p) for p in r[0]]):
+        for depth in range(1, len(key_path)):
+            group = tuple(key_path[:depth])
+            if group not in shown:
+                shown.add(group)
+                table.add_row("  " * (depth - 1) + f"[bold]{group[-1]}/[/]", "", "", "", "")
+        label = "  " * (len(key_path) - 1) + str(key_path[-1])
+        if is_tensor:
+            h = ck.tensors[key]
+            table.add_row(label, str(list(h.shape)), h.zarr_dtype, human_bytes(h.nbytes), h.placement_text)
+        else:
+            entry = ck.metadata.objects[key]
+            shown_value = _short(ck[key]) if entry.encoding == "json" else "(torch-serialized value)"
+            table.add_row(label, "", "value", "", shown_value)
+    return table
+
+
+def _print_wide(table: Table) -> None:
+    """In a terminal the table fits the window; piped, it takes its natural width, so no cell is cut."""
+    if out.is_terminal:
+        out.print(table, highlight=False)
+    else:
+        width = out.measure(table, options=out.options.update_width(1 << 16)).maximum
+        Console(width=max(width, 20)).print(table, highlight=False)
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=1, allow_nan=False))
 
 
 def _stats(a: np.ndarray) -> dict[str, str]:
@@ -101,20 +129,29 @@ def _stats(a: np.ndarray) -> dict[str, str]:
     return stats
 
 
-@app.command("show")
+@app.command("show", context_settings={"ignore_unknown_options": True})
 def show(
     path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    key: str = typer.Argument(..., help="flat key, e.g. model.layers.0.weight"),
-    index: str = typer.Argument("", metavar="[SLICE]", help='numpy-style selection, e.g. "0:4,2"'),
+    key: str = typer.Argument(..., help="flat key (model.layers.0.weight) or a group (model.layers) to list"),
+    index: str = typer.Argument("", metavar="[SLICE]",
+                                help='numpy-style selection, e.g. "0:4,2" or -1; also for lists, tuples, strings'),
     allow_pickle: bool = typer.Option(False, help="decode values that need arbitrary unpickling"),
 ) -> None:
-    """Print a tensor (or a slice of it) with min/max/mean/std, or a value."""
+    """Print a tensor (or a slice of it) with min/max/mean/std, a value, or what is under a group."""
+    from .. import summary
     from ..read import checkpoint, index as indices
 
+    if index.startswith("--"):  # negative indices pass as arguments, so an unknown option lands here
+        raise typer.BadParameter(f"no such option: {index}")
     with _clean_errors():
         ck = checkpoint.open(path, allow_pickle=allow_pickle)
+        if key not in ck and (under := summary.members(ck, key)):
+            out.print(f"{key} is a group of {len(under)} entries:", highlight=False, markup=False)
+            _print_wide(_tree_table(ck, under, title=""))
+            return
         if key not in ck.tensors:
-            out.print(repr(ck[key]), highlight=False)
+            value = ck[key]
+            out.print(repr(summary.select_value(value, index, key) if index else value), highlight=False)
             return
         h = ck.tensors[key]
         selection = indices.parse_index(index) if index else ()
@@ -133,10 +170,18 @@ def show(
 
 
 @app.command("info")
-def info(path: str = typer.Argument(..., help="checkpoint directory or URL")) -> None:
+def info(
+    path: str = typer.Argument(..., help="checkpoint directory or URL"),
+    as_json: bool = typer.Option(False, "--json", help="print the facts as JSON (keys: see tsckpt.summary)"),
+) -> None:
     """Mesh, world size, versions, file count and bytes of a checkpoint."""
     with _clean_errors():
         ck = _open(path)
+        if as_json:
+            from .. import summary
+
+            _print_json(summary.information(ck))
+            return
         md = ck.metadata
         files, stored = ck.storage_stats()
         table = Table(show_header=False, title=ck.url, title_justify="left")
@@ -161,4 +206,4 @@ def info(path: str = typer.Argument(..., help="checkpoint directory or URL")) ->
         ]
         for name, value in rows:
             table.add_row(name, value)
-        out.print(table, highlight=False)
+        _print_wide(table)

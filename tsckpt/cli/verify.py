@@ -15,13 +15,14 @@ def verify(
     path: str = typer.Argument(..., help="checkpoint directory or file:// URL"),
     progress: bool = typer.Option(None, "--progress/--no-progress",
                                   help="progress bar (default: on for large checkpoints in a terminal)"),
-    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
+    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON (keys: see tsckpt.summary)"),
 ) -> None:
     """Check that every tensor's chunks exist, decode and pass their crc32c checksums."""
     from rich.console import Console
 
     from ..errors import TsckptError
     from ..read.verify import verify as run_verify
+    from ..summary import verification
 
     out, err = Console(), Console(stderr=True)
     try:
@@ -30,7 +31,7 @@ def verify(
         err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False)
         raise typer.Exit(ERROR) from None
     if as_json:
-        print(json.dumps(report.to_dict(), indent=1))
+        print(json.dumps(verification(report), indent=1))
     else:
         for entry in report.failed:
             out.print(f"[bold red]{entry.key}[/] ({entry.path}): {len(entry.problems)} problem(s)", highlight=False)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TsckptError
 from ..format.names import flat_key
 from ..progress import progress_bar
 from .sources import Source, TensorInfo, open_source
@@ -24,9 +25,11 @@ _DIFF_BLOCK = 1 << 22
 class EntryDiff:
     """How one key compares between two checkpoints.
 
-    ``status`` is one of ``equal`` (bit-identical), ``values`` (same shape and
-    dtype, different bits), ``shape``, ``dtype``, ``kind`` (tensor on one side,
-    value on the other), ``only_a`` or ``only_b``.
+    ``status`` is one of ``equal`` (bit-identical), ``close`` (same shape and
+    dtype, different bits, every element within the tolerances), ``values``
+    (same shape and dtype, different values), ``shape``, ``dtype``, ``kind``
+    (tensor on one side, value on the other), ``only_a`` or ``only_b``.
+    ``value_a`` / ``value_b`` are the ``repr`` of plain (non-tensor) values.
     """
 
     key: str
@@ -37,16 +40,24 @@ class EntryDiff:
     dtype_a: str | None = None
     dtype_b: str | None = None
     max_abs_diff: float | None = None
+    value_a: str | None = None
+    value_b: str | None = None
 
     @property
     def equal(self) -> bool:
         return self.status == "equal"
 
+    @property
+    def matches(self) -> bool:
+        """Equal, or within the tolerances the diff was asked for."""
+        return self.status in ("equal", "close")
+
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "status": self.status, "kind": self.kind,
                 "shape_a": list(self.shape_a) if self.shape_a is not None else None,
                 "shape_b": list(self.shape_b) if self.shape_b is not None else None,
-                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "max_abs_diff": self.max_abs_diff}
+                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "max_abs_diff": self.max_abs_diff,
+                "value_a": self.value_a, "value_b": self.value_b}
 
 
 @dataclass(frozen=True)
@@ -65,21 +76,28 @@ class DiffResult:
 
     @property
     def differences(self) -> tuple[EntryDiff, ...]:
-        return tuple(e for e in self.entries if not e.equal)
+        """Entries that differ beyond the tolerances (``close`` ones are not differences)."""
+        return tuple(e for e in self.entries if not e.matches)
 
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
                 "identical": self.identical, "entries": [e.to_dict() for e in self.entries]}
 
 
-def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False) -> DiffResult:
+def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False,
+         rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
     """Compare two checkpoints of any supported formats, key by key.
 
     Keys are matched by their flat (dotted) names, so a nested tsckpt or DCP
     checkpoint compares against the safetensors file made from it. Tensors are
     equal only when bit-identical (NaNs with the same bits are equal); for a
-    numeric difference the largest absolute difference is reported.
+    numeric difference the largest absolute difference is reported. With
+    ``rtol`` or ``atol``, tensors of the same shape and dtype whose every
+    element satisfies ``|a - b| <= atol + rtol * |b|`` (NaN where both are
+    NaN) are ``close``, which :attr:`DiffResult.differences` does not count.
     """
+    if not (rtol >= 0 and atol >= 0):
+        raise TsckptError(f"diff: rtol and atol must be non-negative numbers, got rtol={rtol!r}, atol={atol!r}")
     with open_source(a, trust_pickle=trust_pickle) as sa, open_source(b, trust_pickle=trust_pickle) as sb:
         ta = {flat_key(i.key_path): k for k, i in sa.tensors.items()}
         tb = {flat_key(i.key_path): k for k, i in sb.tensors.items()}
@@ -91,28 +109,37 @@ def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False) 
         with progress_bar(progress, total, "diff") as advance:
             for key in keys:
                 if key in ta and key in tb:
-                    entries.append(_diff_tensor(key, sa, ta[key], sb, tb[key]))
+                    entries.append(_diff_tensor(key, sa, ta[key], sb, tb[key], rtol, atol))
                     advance(sa.tensors[ta[key]].nbytes)
                 elif key in oa and key in ob:
-                    entries.append(EntryDiff(key, "equal" if _same_value(oa[key], ob[key]) else "values", "object"))
+                    entries.append(EntryDiff(key, "equal" if _same_value(oa[key], ob[key]) else "values", "object",
+                                             value_a=_repr(oa, key), value_b=_repr(ob, key)))
                 elif (key in ta or key in oa) and (key in tb or key in ob):
-                    entries.append(EntryDiff(key, "kind", "tensor" if key in ta else "object"))
+                    entries.append(EntryDiff(key, "kind", "tensor" if key in ta else "object",
+                                             value_a=_repr(oa, key), value_b=_repr(ob, key)))
                 else:
                     entries.append(_one_sided(key, "only_a" if key in ta or key in oa else "only_b",
-                                              sa.tensors.get(ta.get(key, "")) or sb.tensors.get(tb.get(key, ""))))
+                                              sa.tensors.get(ta.get(key, "")) or sb.tensors.get(tb.get(key, "")),
+                                              _repr(oa, key) or _repr(ob, key)))
         return DiffResult(str(a), str(b), sa.format, sb.format, tuple(entries))
 
 
-def _one_sided(key: str, status: str, info: TensorInfo | None) -> EntryDiff:
+def _one_sided(key: str, status: str, info: TensorInfo | None, value: str | None) -> EntryDiff:
     if info is None:
-        return EntryDiff(key, status, "object")
+        if status == "only_a":
+            return EntryDiff(key, status, "object", value_a=value)
+        return EntryDiff(key, status, "object", value_b=value)
     shape, dtype = info.shape, str(info.dtype).removeprefix("torch.")
     if status == "only_a":
         return EntryDiff(key, status, "tensor", shape_a=shape, dtype_a=dtype)
     return EntryDiff(key, status, "tensor", shape_b=shape, dtype_b=dtype)
 
 
-def _diff_tensor(key: str, sa: Source, ka: str, sb: Source, kb: str) -> EntryDiff:
+def _repr(values: Mapping[str, Any], key: str) -> str | None:
+    return repr(values[key]) if key in values else None
+
+
+def _diff_tensor(key: str, sa: Source, ka: str, sb: Source, kb: str, rtol: float, atol: float) -> EntryDiff:
     ia, ib = sa.tensors[ka], sb.tensors[kb]
     meta = dict(kind="tensor", shape_a=ia.shape, shape_b=ib.shape,
                 dtype_a=str(ia.dtype).removeprefix("torch."), dtype_b=str(ib.dtype).removeprefix("torch."))
@@ -122,6 +149,8 @@ def _diff_tensor(key: str, sa: Source, ka: str, sb: Source, kb: str) -> EntryDif
     bits_equal = ia.dtype == ib.dtype and all(
         torch.equal(_bits(x[i:i + _DIFF_BLOCK]), _bits(y[i:i + _DIFF_BLOCK])) for i in range(0, x.numel(), _DIFF_BLOCK))
     status = "equal" if bits_equal else ("values" if ia.dtype == ib.dtype else "dtype")
+    if status == "values" and (rtol or atol) and _within(x, y, rtol, atol):
+        status = "close"
     return EntryDiff(key, status, max_abs_diff=0.0 if bits_equal else _max_abs_diff(x, y), **meta)  # type: ignore[arg-type]
 
 
@@ -129,9 +158,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.bool else t
 
 
+def _wide(x: torch.Tensor, y: torch.Tensor) -> torch.dtype:
+    """The dtype both sides are compared in."""
+    return torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
+
+
+def _within(x: torch.Tensor, y: torch.Tensor, rtol: float, atol: float) -> bool:
+    """Whether every element satisfies |x - y| <= atol + rtol * |y| (NaN only where both are)."""
+    wide = _wide(x, y)
+    return all(bool(torch.isclose(x[i:i + _DIFF_BLOCK].to(wide), y[i:i + _DIFF_BLOCK].to(wide),
+                                  rtol=rtol, atol=atol, equal_nan=True).all())
+               for i in range(0, x.numel(), _DIFF_BLOCK))
+
+
 def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """Largest |x - y| (0 where equal, NaN where only one side is NaN)."""
-    wide = torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
+    wide = _wide(x, y)
     worst = 0.0
     for i in range(0, x.numel(), _DIFF_BLOCK):
         u, v = x[i:i + _DIFF_BLOCK].to(wide), y[i:i + _DIFF_BLOCK].to(wide)

@@ -1,0 +1,281 @@
+"""Step checkpoints under one root: find the newest committed one, prune all but the last k.
+
+Training loops save to ``ROOT/step_1000``, ``ROOT/step_2000``... This module
+reads such a root (a local directory or an object-store prefix) without
+loading anything. Each entry directly under the root whose name contains an
+integer is a candidate; its step is the last integer in its name, so
+``step_900`` sorts before ``step_1000`` (the integer, not the text, decides).
+A candidate is in one of four states:
+
+``committed``
+    its root ``zarr.json`` carries the tsckpt metadata: the commit happened,
+    the checkpoint loads.
+``incomplete``
+    a tsckpt save that has not committed: a save still running, or one that
+    died. Recognised by holding nothing but chunk files and ``zarr.json``
+    nodes below the root (an incomplete save never has a root ``zarr.json``).
+``damaged``
+    its root ``zarr.json`` exists but is not readable JSON.
+``foreign``
+    anything else: another tool's directory, a plain Zarr group, an empty
+    directory, a symbolic link. Never returned by :func:`latest`, never
+    touched by :func:`prune`.
+
+Entries without an integer in their name (``logs/``, ``config.yaml``) are not
+candidates at all. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, overload
+
+import tensorstore as ts
+
+from .errors import TsckptError
+from .format.commit import ATTRIBUTE, ROOT
+from .location import Location, LocationLike, make_context, open_kvstore, parse_location, read_json
+
+log = logging.getLogger(__name__)
+
+COMMITTED = "committed"
+INCOMPLETE = "incomplete"
+DAMAGED = "damaged"
+FOREIGN = "foreign"
+
+_STEP = re.compile(r"\d+")
+# What a tsckpt save writes below a checkpoint's root before its commit: array
+# chunk files ("c", "c.0.1", or "c/0/1" for the older separator), array and
+# group "zarr.json" nodes, and TensorStore's ".__lock" files of writes in flight.
+_SAVE_KEY = re.compile(r"(?:[^/]+/)+(?:zarr\.json|c(?:[./]\d+)*)(?:\.__lock)?")
+
+
+@dataclass(frozen=True)
+class StepCheckpoint:
+    """One candidate entry under a root of step checkpoints."""
+
+    #: The entry's name under the root, e.g. ``"step_1000"``.
+    name: str
+    #: The last integer in ``name``.
+    step: int
+    #: ``committed``, ``incomplete``, ``damaged`` or ``foreign`` (see the module docstring).
+    state: str
+    #: Where it is, in the form the root was given: a path or URL string for a
+    #: string root, a kvstore spec dict for a dict root. Accepted by
+    #: ``tsckpt.open`` / ``tsckpt.load``.
+    location: str | dict[str, Any]
+    #: The same place as text (a path or URL), for messages.
+    url: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "step": self.step, "state": self.state, "url": self.url}
+
+
+class _Root:
+    """An opened root: its kvstore and the form its children's locations take."""
+
+    def __init__(self, root: LocationLike):
+        self.given = root
+        self.location = parse_location(root)
+        self.kv = open_kvstore(self.location, make_context(location=self.location))
+        if self._committed_here():
+            raise TsckptError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
+                              "that holds the step checkpoints")
+
+    def _committed_here(self) -> bool:
+        try:
+            return _is_tsckpt_root(read_json(self.kv, ROOT))
+        except ValueError:
+            return False
+
+    def child(self, name: str) -> tuple[str | dict[str, Any], str]:
+        """(location in the root's own form, text form) of entry ``name``."""
+        spec = {**self.location.spec, "path": f"{self.location.spec.get('path', '')}{name}/"}
+        url = Location(spec).url
+        given = self.given
+        if isinstance(given, Location):
+            return {**given.to_dict(), "path": spec["path"]}, url
+        if isinstance(given, Mapping):
+            if "url" in given:
+                return {**given, "url": f"{str(given['url']).rstrip('/')}/{name}"}, url
+            return {**given, "path": spec["path"]}, url
+        text = os.fspath(given)
+        joined = f"{text.rstrip('/')}/{name}" if "://" in text else os.path.join(text, name)
+        return joined, joined
+
+    def entries(self) -> Iterator[tuple[str, Callable[[], list[str]]]]:
+        """(name, a call listing the keys below it) for each directory-like entry of the root."""
+        if self.location.driver == "file":
+            yield from _local_entries(str(self.location.spec["path"]), self.location.url)
+            return
+        below: dict[str, list[str]] = {}
+        try:
+            keys = self.kv.list().result()
+        except ValueError as e:
+            raise TsckptError(f"cannot list {self.location.url}: {e}") from None
+        for raw in keys:
+            try:
+                name, sep, rest = raw.decode("utf-8").partition("/")
+            except UnicodeDecodeError:
+                continue  # not a name tsckpt could have written
+            if sep:  # a key at the root itself is a file, never a checkpoint
+                below.setdefault(name, []).append(rest)
+        for name, rest in below.items():
+            yield name, (lambda rest=rest: rest)
+
+    def state(self, name: str, keys: Callable[[], list[str]]) -> str:
+        try:
+            doc = read_json(self.kv, f"{name}/{ROOT}")
+        except (ValueError, RecursionError):
+            return DAMAGED
+        if doc is not None:
+            return COMMITTED if _is_tsckpt_root(doc) else FOREIGN
+        below = [k for k in keys() if k]  # "" is an object store's folder marker
+        return INCOMPLETE if below and all(_SAVE_KEY.fullmatch(k) for k in below) else FOREIGN
+
+    def remove(self, entry: StepCheckpoint) -> None:
+        """Un-commit first (root document), then delete the rest: a prune that dies
+        half-way leaves an incomplete checkpoint, never one that loads with arrays missing."""
+        prefix = f"{entry.name}/"
+        try:
+            root_doc = prefix + ROOT
+            self.kv.delete_range(ts.KvStore.KeyRange(root_doc, root_doc + "\0")).result()
+            if self.location.driver == "file":
+                shutil.rmtree(os.path.join(str(self.location.spec["path"]), entry.name))
+            else:
+                # "0" is the character after "/": the range is exactly the keys under the prefix.
+                self.kv.delete_range(ts.KvStore.KeyRange(prefix, f"{entry.name}0")).result()
+        except (ValueError, OSError) as e:
+            raise TsckptError(f"removing {entry.url} failed: {e}") from None
+
+
+def _is_tsckpt_root(doc: Any) -> bool:
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    return isinstance(attrs, dict) and ATTRIBUTE in attrs
+
+
+def _local_entries(path: str, url: str) -> Iterator[tuple[str, Callable[[], list[str]]]]:
+    try:
+        with os.scandir(path) as it:
+            dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise TsckptError(f"{url} is a file, not a directory of step checkpoints") from None
+    for e in dirs:
+        yield e.name, (lambda p=e.path: _walk(p))
+
+
+def _walk(path: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, files in os.walk(path):
+        rel = os.path.relpath(dirpath, path)
+        out += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files]
+        # A link below a step directory is nothing tsckpt writes: make the entry foreign.
+        out += ["<link>" for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+    return out
+
+
+def _candidates(root: _Root) -> list[tuple[int, str, Callable[[], list[str]]]]:
+    found = []
+    for name, keys in root.entries():
+        numbers = _STEP.findall(name)
+        if numbers:
+            found.append((int(numbers[-1]), name, keys))
+    return sorted(found, key=lambda c: (c[0], c[1]))
+
+
+def _entry(root: _Root, step: int, name: str, state: str) -> StepCheckpoint:
+    location, url = root.child(name)
+    return StepCheckpoint(name, step, state, location, url)
+
+
+def scan(root: LocationLike) -> list[StepCheckpoint]:
+    """Every candidate entry directly under ``root`` with its state, oldest step first.
+
+    ``root`` is a path, URL or kvstore spec of the directory or prefix holding
+    the step checkpoints; a root that does not exist has none. On object
+    stores this lists every key under ``root`` (S3 has no directories), so
+    its cost grows with the total number of objects there.
+    """
+    r = _Root(root)
+    return [_entry(r, step, name, r.state(name, keys)) for step, name, keys in _candidates(r)]
+
+
+@overload
+def latest(root: str | os.PathLike[str]) -> str | None: ...
+@overload
+def latest(root: Mapping[str, Any] | Location) -> dict[str, Any] | None: ...
+
+
+def latest(root: LocationLike) -> str | dict[str, Any] | None:
+    """The newest committed checkpoint directly under ``root``, or None when there is none.
+
+    The newest is the one with the largest step number (the last integer in
+    its name). Incomplete saves (running or dead), damaged and foreign
+    entries are skipped. The result has the root's form: a path or URL string
+    for a string root (``"ckpt/step_2000"``, ``"s3://bucket/run/step_2000"``),
+    a kvstore spec dict for a dict root, ready for ``tsckpt.load``::
+
+        path = tsckpt.latest("ckpt")
+        if path is not None:
+            tsckpt.load(state, path)
+
+    Reads one small ``zarr.json`` per entry, newest first, until a committed
+    one is found (plus the listing of ``root``).
+    """
+    r = _Root(root)
+    for step, name, _ in reversed(_candidates(r)):
+        try:
+            doc = read_json(r.kv, f"{name}/{ROOT}")
+        except (ValueError, RecursionError):
+            continue
+        if _is_tsckpt_root(doc):
+            return _entry(r, step, name, COMMITTED).location
+    return None
+
+
+def prune(root: LocationLike, keep: int, *, dry_run: bool = False,
+          remove_incomplete: bool = False) -> list[str]:
+    """Delete all but the ``keep`` newest committed checkpoints under ``root``; return what went.
+
+    Args:
+        root: the directory or prefix holding the step checkpoints.
+        keep: how many committed checkpoints to keep, newest first; at least 1,
+            so the newest committed checkpoint is never deleted.
+        dry_run: only report what would be deleted.
+        remove_incomplete: also delete incomplete saves (no commit) whose step is
+            *below* the newest committed one: leftovers of saves that died.
+            Off by default because an older step can also be a save running
+            right now (a run restarted from an older checkpoint re-saves its
+            steps); turn it on where no such save can be running, e.g. from
+            the training job itself after its own save returned. Incomplete
+            saves at or above the newest committed step are never deleted:
+            they are the saves being written.
+
+    Damaged and foreign entries are never touched. Each checkpoint is
+    un-committed (its root ``zarr.json`` deleted) before its other files, so
+    an interrupted prune never leaves a checkpoint that loads with data
+    missing. Returns the removed (or, with ``dry_run``, the doomed) entries'
+    paths or URLs, oldest first.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise TsckptError(f"prune: keep must be an integer >= 1 (the newest checkpoint is always kept), got {keep!r}")
+    r = _Root(root)
+    entries = [_entry(r, step, name, r.state(name, keys)) for step, name, keys in _candidates(r)]
+    committed = [e for e in entries if e.state == COMMITTED]
+    doomed = committed[:-keep]
+    if remove_incomplete and committed:
+        newest = committed[-1].step
+        doomed += [e for e in entries if e.state == INCOMPLETE and e.step < newest]
+    doomed.sort(key=lambda e: (e.step, e.name))
+    for e in doomed:
+        if not dry_run:
+            r.remove(e)
+        log.info("%s %s checkpoint %s", "would remove" if dry_run else "removed", e.state, e.url)
+    return [e.url for e in doomed]
