@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsckpt.errors import PlanError
-from tsckpt.grid import check_tiling
+from tsckpt.format.grid import check_tiling
 
 
 def _exact_cover(shape, boxes):

@@ -178,6 +178,30 @@ class ChunkGrid:
                   for s, c in zip(region, self.chunk_shape)]
         return list(itertools.product(*ranges))
 
+    def flat_index(self, index: Sequence[int]) -> int:
+        """A chunk's position in row-major order of the grid."""
+        flat = 0
+        for i, g in zip(index, self.grid_shape):
+            flat = flat * g + i
+        return flat
+
+    def chunks_within(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """The chunks lying entirely inside a box, each with its slice relative to the box.
+
+        A chunk at the array's edge is entirely inside once the box reaches the
+        edge: the part of it beyond the edge holds no elements.
+        """
+        if math.prod(sizes) == 0:
+            return
+        ranges = []
+        for n, c, o, s in zip(self.shape, self.chunk_shape, offsets, sizes):
+            end = o + s
+            first, last = -(-o // c), (end // c if end < n else -(-n // c))
+            ranges.append(range(first, max(first, last)))
+        for index in itertools.product(*ranges):
+            yield index, tuple(slice(i * c - o, min((i + 1) * c, n) - o)
+                               for i, c, o, n in zip(index, self.chunk_shape, offsets, self.shape))
+
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "chunk_shape": list(self.chunk_shape),
                 "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape else None}
