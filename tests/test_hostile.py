@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
+from tsckpt.format import commit
 from tsckpt.format import zarr_json as arrays
 from tsckpt.errors import MetadataError, TsckptError, UnsafeObjectError
 from tsckpt.read.verify import verify
@@ -107,6 +108,8 @@ def _edit(ckpt, tmp_path, fn):
     shutil.copytree(ckpt, copy)
     root = json.loads((copy / "zarr.json").read_text())
     out = fn(root["attributes"]["tsckpt"], copy)
+    # A hostile writer can recompute the document's checksum: validation must hold on its own.
+    root["attributes"]["tsckpt_crc32c"] = commit.document_checksum(root["attributes"]["tsckpt"])
     (copy / "zarr.json").write_text(json.dumps(root) if out is None else out)
     return copy
 
@@ -122,12 +125,12 @@ BROKEN = {
     "dotdot key path": (lambda md, c: _w(md).update(key_path=["..", "w"]), "does not match key path"),
     "dotdot object path": (lambda md, c: md["objects"]["blob"].update(path="../blob"), "not a safe relative path"),
     "negative size": (lambda md, c: _w(md).update(shape=[-4, 3]), "integers >= 0"),
-    "wrong shape": (lambda md, c: _w(md).update(shape=[2, 3]), "outside shape"),
-    "bigger shape": (lambda md, c: _w(md).update(shape=[8, 3]), "cover the tensor"),
+    "wrong shape": (lambda md, c: _w(md).update(shape=[2, 3]), "larger than shape"),
+    "bigger shape": (lambda md, c: _w(md).update(shape=[8, 3]), "one entry per chunk"),
     "unknown dtype": (lambda md, c: _w(md).update(dtype="float128"), "unknown data type 'float128'"),
     "zero chunk": (lambda md, c: _w(md).update(chunk_shape=[0, 3]), "integers >= 1"),
     "chunk rank": (lambda md, c: _w(md).update(chunk_shape=[4]), "wrong rank"),
-    "write gap": (lambda md, c: _w(md)["writes"][0].update(sizes=[2, 3]), "cover the tensor"),
+    "short checksum table": (lambda md, c: _w(md).update(checksums=_w(md)["checksums"][:-4]), "one entry per chunk"),
     "string size": (lambda md, c: _w(md).update(shape=["4", 3]), "list of integers"),
     "bool size": (lambda md, c: _w(md).update(shape=[True, 3]), "list of integers"),
     "tensors list": (lambda md, c: md.update(tensors=[]), "wrong type"),

@@ -8,7 +8,7 @@ from tsckpt import errors
 from tsckpt.format import values
 from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling, inner_chunk_shape
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
-from tsckpt.format.metadata import CheckpointMetadata, Region, TensorEntry
+from tsckpt.format.metadata import CheckpointMetadata, TensorEntry
 
 
 def rows(*sizes, cols=4):
@@ -100,8 +100,7 @@ def test_non_json_values_are_refused_by_the_json_encoding():
 
 def entry(**kw):
     base = dict(key_path=("m", "w"), path="m/w", shape=(4, 2), dtype="float32", chunk_shape=(2, 2),
-                inner_chunk_shape=None, placement=None,
-                writes=(Region((0, 0), (2, 2), 0), Region((2, 0), (2, 2), 1)))
+                inner_chunk_shape=None, placement=None, checksums="A" * 12)
     return TensorEntry(**(base | kw))
 
 
@@ -115,8 +114,8 @@ def test_metadata_round_trips_through_json():
     (dict(path="m/x"), "does not match key path"),
     (dict(dtype="float99"), "unknown data type"),
     (dict(chunk_shape=(2,)), "wrong rank"),
-    (dict(writes=(Region((0, 0), (2, 2), 0),)), "cover"),
-    (dict(writes=(Region((0, 0), (5, 2), 0),)), "outside"),
+    (dict(checksums="A" * 8), "one entry per chunk"),
+    (dict(chunk_shape=(8, 2)), "larger than shape"),
     (dict(inner_chunk_shape=(3, 2)), "divide"),
 ])
 def test_metadata_validation_names_the_tensor(bad, message):

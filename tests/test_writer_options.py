@@ -36,10 +36,11 @@ def _codec_names(codecs: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("options", [
     {},
-    {"checksums": True},
+    {"crc32c_codec": True},
+    {"checksums": False},
     {"compression": "zstd"},
     {"compression": "blosc"},
-    {"compression": "zstd", "checksums": True},
+    {"compression": "zstd", "crc32c_codec": True},
 ])
 def test_options_round_trip_and_zarr_python_reads_them(tmp_path, options):
     sd = _state_dict()
@@ -47,7 +48,9 @@ def test_options_round_trip_and_zarr_python_reads_them(tmp_path, options):
     doc = json.loads((tmp_path / "c" / "big" / "zarr.json").read_text())
     names = _codec_names(doc["codecs"])
     assert names[0] == "sharding_indexed"
-    assert ("crc32c" in names) == options.get("checksums", False)
+    assert ("crc32c" in names) == options.get("crc32c_codec", False)
+    root = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
+    assert (root["tensors"]["big"]["checksums"] is not None) == options.get("checksums", True)
     if "compression" in options:
         assert options["compression"] in names
     back = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -107,9 +110,18 @@ def test_gc_is_paused_during_the_call_and_restored_after():
 
 
 def test_slash_separated_chunk_keys_still_load_and_verify(tmp_path):
-    """Checkpoints written with Zarr's "/" chunk keys (c/0/0) stay readable."""
+    """Version-1 checkpoints, written with Zarr's "/" chunk keys (c/0/0), stay readable."""
     sd = {"w": torch.arange(24.0).reshape(4, 6), "z": torch.tensor(3.0)}
     tsckpt.save(sd, tmp_path / "c")
+    root = json.loads((tmp_path / "c" / "zarr.json").read_text())
+    md = root["attributes"].pop("tsckpt")
+    del root["attributes"]["tsckpt_crc32c"], md["array_options"]
+    md["version"] = 1  # version 1 named no codecs and recorded no checksums: each zarr.json says how to read
+    for t in md["tensors"].values():
+        t["writes"] = []
+        del t["checksums"]
+    root["attributes"]["tsckpt"] = md
+    (tmp_path / "c" / "zarr.json").write_text(json.dumps(root))
     for name in sd:
         array = tmp_path / "c" / name
         doc = json.loads((array / "zarr.json").read_text())

@@ -11,7 +11,6 @@ with zarr-python, and prints what it did. Run it with ``tsckpt demo``.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import tempfile
@@ -35,7 +34,7 @@ from torch.nn import functional as F
 
 from .dcp import api
 from .errors import TsckptError
-from .format.metadata import CheckpointMetadata, TensorEntry
+from .format.metadata import TensorEntry
 from .read import checkpoint
 
 SEED = 0
@@ -295,9 +294,9 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     saved = _spawn(save_ranks, _save_rank, path)
     saved_full = saved[0]["full"]
     save_s = max(r["seconds"] for r in saved)
-    files, disk = checkpoint.open(path).storage_stats()
-    with open(os.path.join(path, "zarr.json"), encoding="utf-8") as f:
-        md = CheckpointMetadata.from_dict(json.load(f)["attributes"]["tsckpt"])
+    ck = checkpoint.open(path)
+    files, disk = ck.storage_stats()
+    md = ck.metadata
     tensor_bytes = sum(t.nbytes for t in md.tensors.values())
     losses = saved[0]["losses"]
     print(f"trained on {save_ranks} ranks, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
@@ -305,7 +304,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
           f"in {save_s:.2f} s: {files} files, {disk / 1e6:.2f} MB on disk")
     embed = md.tensors[_PROBE]
     print(f"  e.g. {_PROBE}: shape {list(embed.shape)}, chunks {list(embed.chunk_shape)}, "
-          f"written by ranks {sorted({w.rank for w in embed.writes})}")
+          f"written by ranks {sorted(set(ck.tensors[_PROBE].writers().values()))}")
     print(_zarr_tree(path))
 
     loaded = _spawn(load_ranks, _load_rank, path)

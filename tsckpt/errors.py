@@ -41,3 +41,7 @@ class LoadMismatchError(TsckptError):
 
 class UnsafeObjectError(TsckptError):
     """A non-tensor value can only be restored by running code from the checkpoint."""
+
+
+class ChecksumError(TsckptError):
+    """Stored data does not match the checksum recorded when it was written."""

@@ -371,4 +371,5 @@ def _kv_name(kv: ts.KvStore) -> str:
 
 
 def encode_json(doc: Any) -> bytes:
-    return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+    # Compact: the root document of a large save is megabytes, read by every rank.
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")

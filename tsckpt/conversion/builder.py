@@ -18,6 +18,7 @@ a builder abandoned half-way leaves an incomplete checkpoint that loads refuse.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import commit, dtypes, values, zarr_json
-from ..format.metadata import CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
+from ..format import checksums, commit, dtypes, values, zarr_json
+from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
 from ..format.spec import Store
@@ -68,7 +69,8 @@ class CheckpointBuilder:
             :meth:`add_tensor` blocks; the caller must not modify a tensor it added
             until :meth:`commit` returns.
         extra: JSON-able values recorded in the metadata's ``extra``.
-        checksums: a crc32c on every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
+        checksums: record a crc32c of every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
+        crc32c_codec: also store Zarr's ``crc32c`` codec with every chunk.
     """
 
     def __init__(
@@ -80,10 +82,11 @@ class CheckpointBuilder:
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         extra: Mapping[str, Any] | None = None,
-        checksums: bool = False,
+        checksums: bool = True,
+        crc32c_codec: bool = False,
     ):
-        zarr_json.check_options(checksums, None)
         self.checksums = checksums
+        self.array_options = ArrayOptions(crc32c_codec=crc32c_codec)
         self.store = Store.open(location, io_concurrency=io_concurrency)
         self.location = self.store.location
         self.inner_chunk_bytes = inner_chunk_bytes
@@ -151,12 +154,15 @@ class CheckpointBuilder:
         whole = [Region((0,) * len(shape), shape, 0)] if source.size else []
         entry = plan_tensor(fqn, key_path, shape, dt.zarr, whole, inner_chunk_bytes=self.inner_chunk_bytes,
                             placement=ReplicatedPlacement())
-        self._tensors[fqn] = entry
         if source.size:
-            arr = self.store.create(path, zarr_json.tensor_metadata(entry, checksums=self.checksums)).result()
+            arr = self.store.create(path, zarr_json.tensor_metadata(entry, self.array_options)).result()
             fut = arr[tuple(slice(0, n) for n in shape)].write(
                 source, can_reference_source_data_indefinitely=True)
             self._track(fqn, fut, (tensor, source), source.nbytes)
+        if self.checksums:
+            crcs = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else []
+            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, crcs))
+        self._tensors[fqn] = entry
         return entry
 
     @staticmethod
@@ -216,7 +222,8 @@ class CheckpointBuilder:
         self.flush()
         md = commit.commit_checkpoint(
             self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
-            extra={"save_id": self.save_id, **self.extra}, checksums=self.checksums)
+            extra={"save_id": self.save_id, **self.extra}, options=self.array_options,
+            writers={fqn: [0] * e.grid.nchunks for fqn, e in self._tensors.items()})
         self._committed = True
         return md
 

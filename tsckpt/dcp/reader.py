@@ -6,8 +6,10 @@ shard's exact hyperslab, and reads that straight into the destination tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorstore as ts
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -22,7 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import TsckptError
-from ..format import commit, dtypes, values
+from ..format import checksums, commit, dtypes, values
 from ..format.metadata import CheckpointMetadata
 from ..format.spec import read_error
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
@@ -119,10 +121,14 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             source = arr[region(item.storage_offsets, item.lengths)]
             pending.append((item, dest, _read_into(dest, source)))
         for item, dest, finish in pending:
+            fqn = item.storage_index.fqn
             try:
-                finish()
+                finish(lambda data: checksums.check_read(md.tensors[fqn], data, item.storage_offsets,
+                                                         f"tensor {fqn!r} in {self.checkpoint_id}"))
+            except TsckptError:
+                raise
             except Exception as e:
-                raise read_error(item.storage_index.fqn, str(self.checkpoint_id), e) from e
+                raise read_error(fqn, str(self.checkpoint_id), e) from e
             planner.commit_tensor(item, dest)
         return done(None)
 
@@ -136,18 +142,27 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
 
 
-def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Any:
+def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Callable[[Callable[[np.ndarray], Any]], None]:
     """Start reading ``source`` into ``dest``; returns a function that finishes it.
 
-    A CPU destination of the stored dtype is filled in place (any strides);
-    otherwise the slab is read, then copied and cast.
+    The finishing function is given a check to run on the data as read, before
+    it is cast or copied anywhere. A CPU destination of the stored dtype is
+    filled in place (any strides); otherwise the slab is read, then copied and cast.
     """
     if dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == source.dtype.numpy_dtype:
-        fut = ts.array(dtypes.tensor_as_numpy(dest), copy=False, write=True).write(source)
-        return fut.result
+        view = dtypes.tensor_as_numpy(dest)
+        fut = ts.array(view, copy=False, write=True).write(source)
+
+        def finish_in_place(check: Callable[[np.ndarray], Any]) -> None:
+            fut.result()
+            check(view)
+
+        return finish_in_place
     fut = source.read()
 
-    def finish() -> None:
-        dest.copy_(dtypes.numpy_as_tensor(fut.result()))
+    def finish(check: Callable[[np.ndarray], Any]) -> None:
+        data = fut.result()
+        check(data)
+        dest.copy_(dtypes.numpy_as_tensor(data))
 
     return finish

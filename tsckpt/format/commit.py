@@ -14,6 +14,7 @@ commit: a directory without it is an incomplete checkpoint and is refused.
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,28 +23,36 @@ import tensorstore as ts
 from .. import __version__
 from ..errors import (
     CheckpointExistsError,
+    ChecksumError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     MetadataError,
     TsckptError,
 )
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, read_json
-from . import dtypes, values, zarr_json
-from .metadata import CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
+from . import checksums, dtypes, values, zarr_json
+from .metadata import ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from .names import parent_groups
 from .spec import Store
 
 ROOT = "zarr.json"
 ATTRIBUTE = "tsckpt"
+CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
 
 
-def tensor_attributes(key: str, entry: TensorEntry) -> dict[str, Any]:
-    """What each array says about itself in torch terms, for zarr-python users."""
+def tensor_attributes(key: str, entry: TensorEntry, writers: Sequence[int] | None = None) -> dict[str, Any]:
+    """What each array says about itself in torch terms, for zarr-python users.
+
+    ``writers`` is the rank that wrote each outer chunk, in row-major grid order:
+    where a save's data came from, kept beside the array rather than in the
+    root document, whose size must not grow with ranks x tensors.
+    """
     return {ATTRIBUTE: {
         "kind": "tensor",
         "key": key,
         "torch_dtype": f"torch.{dtypes.from_zarr(entry.dtype).torch}",
         "placement": entry.placement.to_dict() if entry.placement else None,
+        "writers": list(writers) if writers is not None else None,
     }}
 
 
@@ -60,21 +69,22 @@ def commit_checkpoint(
     blob_sizes: Mapping[str, int],
     meshes: Sequence[Mesh] = (),
     extra: Mapping[str, Any] | None = None,
-    checksums: bool = False,
-    compression: str | None = None,
+    options: ArrayOptions = ArrayOptions(),
+    writers: Mapping[str, Sequence[int]] | None = None,
 ) -> CheckpointMetadata:
     """Validate the entries, assemble the metadata document and commit it; call once all data is durable.
 
     ``blob_sizes`` gives the byte count of every ``torch``-encoded value's blob;
-    ``checksums`` and ``compression`` are the options the tensor chunks were written with.
+    ``options`` are the codecs the tensor chunks were written with; ``writers``
+    the rank that wrote each chunk of a tensor (see :func:`tensor_attributes`).
     """
     import torch  # only for its version string; every caller has it loaded already
 
     docs: dict[str, dict[str, Any]] = {}
     for fqn, entry in tensors.items():
         entry.validate(f"tensor {fqn!r}")
-        docs[entry.path] = zarr_json.tensor_metadata(entry, tensor_attributes(fqn, entry),
-                                                     checksums=checksums, compression=compression)
+        docs[entry.path] = zarr_json.tensor_metadata(
+            entry, options, tensor_attributes(fqn, entry, (writers or {}).get(fqn)))
     for fqn, size in blob_sizes.items():
         path = objects[fqn].path
         assert path is not None
@@ -88,6 +98,7 @@ def commit_checkpoint(
         tsckpt_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra=dict(extra or {}),
+        array_options=options,
     )
     commit(store.kvstore, md, docs, nodes=store.layout.nodes(store))
     return md
@@ -106,7 +117,19 @@ def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[st
                | {f"{g}/{ROOT}": zarr_json.group_metadata() for g in groups})
     if flush is not None:
         flush()
-    kv.write(ROOT, encode_json(zarr_json.group_metadata({ATTRIBUTE: md.to_dict()}))).result()
+    document = md.to_dict()
+    kv.write(ROOT, encode_json(zarr_json.group_metadata(
+        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))).result()
+
+
+def document_checksum(document: Mapping[str, Any]) -> int:
+    """crc32c of the metadata document's canonical JSON (sorted keys, no spaces).
+
+    Stored beside the document, so a damaged root that still parses (a flipped
+    digit in a shape) is refused instead of being trusted.
+    """
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return checksums.crc32c(canonical.encode("utf-8"))
 
 
 def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
@@ -166,8 +189,19 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
             f"{url} is an incomplete checkpoint: the save did not finish "
             f"(no committed metadata in {ROOT}); it cannot be loaded"
         )
+    document = attrs[ATTRIBUTE]
+    stored = attrs.get(CHECKSUM_ATTRIBUTE)
+    version = document.get("version") if isinstance(document, dict) else None
+    if stored is not None or (isinstance(version, int) and version >= 2):
+        try:
+            actual = document_checksum(document)
+        except (TypeError, ValueError) as e:
+            raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({e})") from None
+        if stored != actual:
+            raise ChecksumError(f"{url}/{ROOT}: the metadata document does not match its crc32c "
+                                f"({stored!r} stored, {actual} computed): the file is damaged")
     try:
-        return CheckpointMetadata.from_dict(attrs[ATTRIBUTE])
+        return CheckpointMetadata.from_dict(document)
     except TsckptError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:

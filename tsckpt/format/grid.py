@@ -24,27 +24,79 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import PlanError
 
 Box = tuple[Sequence[int], Sequence[int]]  # (offsets, sizes)
 
+#: Above this many distinct cells the regions are too fragmented to be a real save plan.
+_MAX_TILING_CELLS = 1 << 26
+
 
 def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
-    """Raise unless the non-empty boxes lie inside ``shape`` and cover it exactly once."""
-    nonempty = [(tuple(o), tuple(s)) for o, s in boxes if math.prod(s) > 0]
-    for o, s in nonempty:
-        if len(o) != len(shape) or len(s) != len(shape) or any(
-            oi < 0 or oi + si > n for oi, si, n in zip(o, s, shape)
-        ):
-            raise PlanError(f"tensor {name!r}: region offsets={list(o)} sizes={list(s)} "
-                            f"falls outside its shape {list(shape)}")
-    if len(set(nonempty)) != len(nonempty) or sum(math.prod(s) for _, s in nonempty) != math.prod(shape):
+    """Raise unless the non-empty boxes lie inside ``shape`` and cover it exactly once.
+
+    ``boxes`` is a sequence of ``(offsets, sizes)`` pairs, or (faster for
+    thousands of ranks) an integer array of shape ``(len(boxes), 2, ndim)``.
+
+    Linear in the number of boxes: the boundaries of all boxes cut each
+    dimension into intervals, and every cell of that (coordinate-compressed)
+    grid must be covered exactly once. Coverage is counted with a
+    difference array (one +/-1 per box corner) and a cumulative sum per
+    dimension, so no pair of boxes is ever compared. For the splits DCP
+    produces the compressed grid has about as many cells as there are boxes.
+    """
+    ndim = len(shape)
+    try:
+        box_array = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, ndim)
+    except ValueError:  # ragged: some box has the wrong number of dimensions
+        bad = next((o, s) for o, s in boxes if len(o) != ndim or len(s) != ndim)
+        raise PlanError(f"tensor {name!r}: region offsets={list(bad[0])} sizes={list(bad[1])} "
+                        f"falls outside its shape {list(shape)}") from None
+    box_array = box_array[box_array[:, 1].prod(axis=1) > 0] if ndim else box_array
+    lo, hi = box_array[:, 0], box_array[:, 0] + box_array[:, 1]
+    outside = (lo < 0).any(axis=1) | (hi > np.asarray(shape, dtype=np.int64)).any(axis=1)
+    if outside.any():
+        o, s = box_array[int(np.argmax(outside))]
+        raise PlanError(f"tensor {name!r}: region offsets={o.tolist()} sizes={s.tolist()} "
+                        f"falls outside its shape {list(shape)}")
+    if math.prod(shape) == 0:
+        return
+    if not len(box_array):
         raise PlanError(f"tensor {name!r}: the saved regions do not cover shape {list(shape)} "
-                        f"exactly once ({len(nonempty)} regions, duplicates or gaps)")
-    for i, (o1, s1) in enumerate(nonempty):
-        for o2, s2 in nonempty[i + 1:]:
-            if all(a < b + sb and b < a + sa for a, sa, b, sb in zip(o1, s1, o2, s2)):
-                raise PlanError(f"tensor {name!r}: regions at {list(o1)} and {list(o2)} overlap")
+                        f"exactly once (no region holds any of it)")
+    if ndim == 0:
+        if len(box_array) > 1:
+            raise PlanError(f"tensor {name!r}: {len(box_array)} regions overlap on a 0-d tensor")
+        return
+    cuts = [np.unique(np.concatenate(([0, n], lo[:, d], hi[:, d]))) for d, n in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > _MAX_TILING_CELLS:
+        raise PlanError(f"tensor {name!r}: {len(box_array)} regions cut shape {list(shape)} into {cells} "
+                        f"distinct cells, more than the {_MAX_TILING_CELLS} tsckpt checks")
+    # Compressed index of every box corner; one extra slot per dim takes the "hi" edges.
+    ilo = np.stack([np.searchsorted(cuts[d], lo[:, d]) for d in range(ndim)], axis=1)
+    ihi = np.stack([np.searchsorted(cuts[d], hi[:, d]) for d in range(ndim)], axis=1)
+    dims = [len(c) for c in cuts]
+    diff = np.zeros(math.prod(dims), dtype=np.int64)
+    for corner in itertools.product((0, 1), repeat=ndim):
+        flat = np.ravel_multi_index(tuple(np.where(c, ihi[:, d], ilo[:, d]) for d, c in enumerate(corner)), dims)
+        diff += (-1 if sum(corner) % 2 else 1) * np.bincount(flat, minlength=diff.size)
+    cover = diff.reshape(dims)
+    for d in range(ndim):
+        cover = np.cumsum(cover, axis=d)
+    cover = cover[tuple(slice(0, len(c) - 1) for c in cuts)]
+    if (cover == 1).all():
+        return
+    cell = np.unravel_index(int(np.argmax(cover != 1)), cover.shape)
+    at = [int(cuts[d][i]) for d, i in enumerate(cell)]
+    if cover[cell] > 1:
+        holders = [o.tolist() for o, h in zip(lo, hi) if ((o <= at) & (np.asarray(at) < h)).all()]
+        raise PlanError(f"tensor {name!r}: regions at {holders[0]} and {holders[1]} overlap "
+                        f"(both hold the element at {at})")
+    raise PlanError(f"tensor {name!r}: the saved regions do not cover shape {list(shape)} "
+                    f"exactly once (no region holds the element at {at})")
 
 
 def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...]:
@@ -125,6 +177,30 @@ class ChunkGrid:
         ranges = [range(s.start // c, (s.stop - 1) // c + 1) if s.stop > s.start else range(0)
                   for s, c in zip(region, self.chunk_shape)]
         return list(itertools.product(*ranges))
+
+    def flat_index(self, index: Sequence[int]) -> int:
+        """A chunk's position in row-major order of the grid."""
+        flat = 0
+        for i, g in zip(index, self.grid_shape):
+            flat = flat * g + i
+        return flat
+
+    def chunks_within(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """The chunks lying entirely inside a box, each with its slice relative to the box.
+
+        A chunk at the array's edge is entirely inside once the box reaches the
+        edge: the part of it beyond the edge holds no elements.
+        """
+        if math.prod(sizes) == 0:
+            return
+        ranges = []
+        for n, c, o, s in zip(self.shape, self.chunk_shape, offsets, sizes):
+            end = o + s
+            first, last = -(-o // c), (end // c if end < n else -(-n // c))
+            ranges.append(range(first, max(first, last)))
+        for index in itertools.product(*ranges):
+            yield index, tuple(slice(i * c - o, min((i + 1) * c, n) - o)
+                               for i, c, o, n in zip(index, self.chunk_shape, offsets, self.shape))
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "chunk_shape": list(self.chunk_shape),

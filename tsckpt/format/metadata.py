@@ -14,12 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from . import dtypes, values
+from . import dtypes, values, zarr_json
 from ..errors import MetadataError
+from .grid import ChunkGrid
 from .names import check_relative_path, parent_groups, zarr_path
 
 FORMAT = "tsckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Checkpoints of version 1 recorded every rank's region; version 2 records one
+#: checksum table per tensor instead, so the document grows with tensors, not ranks.
 
 
 def _ints(value: Any, what: str, *, minimum: int = 0) -> tuple[int, ...]:
@@ -197,6 +200,36 @@ def placement_from_dict(d: Any, what: str) -> Placement | None:
     return PLACEMENTS[kind].from_dict(d, what)
 
 
+def _optional(d: Mapping[str, Any], key: str, what: str, kind: type) -> Any:
+    return _get(d, key, what, kind) if d.get(key) is not None else None
+
+
+@dataclass(frozen=True)
+class ArrayOptions:
+    """The codec choices shared by every tensor array of a checkpoint.
+
+    Recorded in the root document so readers can open each array from the
+    document alone, without reading (or trusting) its ``zarr.json``.
+    """
+
+    crc32c_codec: bool = False
+    compression: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.crc32c_codec, bool):
+            raise MetadataError(f"crc32c_codec must be True or False, not {self.crc32c_codec!r}")
+        if self.compression is not None and self.compression not in zarr_json.COMPRESSORS:
+            raise MetadataError(f"unknown compression {self.compression!r}: expected None or one of {sorted(zarr_json.COMPRESSORS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"crc32c_codec": self.crc32c_codec, "compression": self.compression}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "array_options") -> ArrayOptions:
+        return cls(crc32c_codec=_get(d, "crc32c_codec", what, bool),
+                   compression=_optional(d, "compression", what, str))
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One global tensor, stored as one Zarr v3 array at ``path``."""
@@ -208,11 +241,16 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None
     placement: Placement | None
-    writes: tuple[Region, ...] = ()
+    #: base64 crc32c table, one value per outer chunk (``tsckpt.format.checksums``); None in version 1.
+    checksums: str | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.from_zarr(self.dtype).itemsize
+
+    @property
+    def grid(self) -> ChunkGrid:
+        return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -223,7 +261,7 @@ class TensorEntry:
             "chunk_shape": list(self.chunk_shape),
             "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape is not None else None,
             "placement": self.placement.to_dict() if self.placement else None,
-            "writes": [w.to_dict() for w in self.writes],
+            "checksums": self.checksums,
         }
 
     @classmethod
@@ -237,7 +275,7 @@ class TensorEntry:
             chunk_shape=_ints(_get(d, "chunk_shape", what, list), what, minimum=1),
             inner_chunk_shape=_ints(inner, what, minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),
-            writes=tuple(Region.from_dict(w, what) for w in _get(d, "writes", what, list)),
+            checksums=_optional(d, "checksums", what, str),
         )
         entry.validate(what)
         return entry
@@ -253,13 +291,12 @@ class TensorEntry:
             or any(c % i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
         ):
             raise MetadataError(f"{what}: inner_chunk_shape must divide chunk_shape {list(self.chunk_shape)}")
-        for w in self.writes:
-            if len(w.offsets) != ndim or len(w.sizes) != ndim or any(
-                o + s > n for o, s, n in zip(w.offsets, w.sizes, self.shape)
-            ):
-                raise MetadataError(f"{what}: written region {w.to_dict()} lies outside shape {list(self.shape)}")
-        if self.writes and sum(w.numel for w in self.writes) != math.prod(self.shape):
-            raise MetadataError(f"{what}: written regions do not cover the tensor exactly once")
+        if any(c > max(n, 1) for c, n in zip(self.chunk_shape, self.shape)):
+            raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
+        # base64 of 4 bytes per chunk; decoding waits until a read needs it.
+        if self.checksums is not None and len(self.checksums) != 4 * -(-4 * self.grid.nchunks // 3):
+            raise MetadataError(f"{what}: the checksum table does not have one entry per chunk of "
+                                f"shape {list(self.shape)} in chunks of {list(self.chunk_shape)}")
 
 
 @dataclass(frozen=True)
@@ -306,6 +343,8 @@ class CheckpointMetadata:
     created: str = ""
     version: int = FORMAT_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: The codecs every tensor array was written with; None in version 1 (read from each zarr.json).
+    array_options: ArrayOptions | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -319,6 +358,7 @@ class CheckpointMetadata:
             "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
             "extra": dict(self.extra),
+            "array_options": self.array_options.to_dict() if self.array_options else None,
         }
 
     @classmethod
@@ -356,6 +396,7 @@ class CheckpointMetadata:
             created=str(d.get("created", "")),
             version=version,
             extra=extra if isinstance(extra, dict) else {},
+            array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
         )
 
 

@@ -46,7 +46,6 @@ def plan_tensor(
         chunk_shape=chunk,
         inner_chunk_shape=grid.inner_chunk_shape(chunk, dt.itemsize, inner_chunk_bytes),
         placement=placement,
-        writes=tuple(regions),
     )
 
 

@@ -38,7 +38,8 @@ from ..location import (
     parse_location,
     unsynced_nodes,
 )
-from .metadata import CheckpointMetadata, TensorEntry
+from . import checksums, zarr_json
+from .metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
 #: Options every tsckpt array is opened with, for writing and for reading.
 ALWAYS: Mapping[str, Any] = {"store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
@@ -102,7 +103,11 @@ class PlainLayout(KvLayout):
 
 
 def write_spec(kvstore: Mapping[str, Any], zarr_metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """Write chunks of an array whose ``zarr.json`` does not exist yet (the commit writes it)."""
+    """An array opened from the metadata given, without reading its ``zarr.json``.
+
+    Writers use it before any ``zarr.json`` exists (the commit writes them);
+    readers of a version-2 checkpoint use it with the metadata the root document implies.
+    """
     return {"driver": "zarr3", "kvstore": dict(kvstore), "metadata": dict(zarr_metadata),
             "assume_metadata": True, **ALWAYS}
 
@@ -159,6 +164,8 @@ class Store:
     context: ts.Context
     kvstore: ts.KvStore
     layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PLAIN))
+    #: The checkpoint's codecs, once its metadata is known (None: read each array's zarr.json).
+    array_options: ArrayOptions | None = None
 
     @classmethod
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
@@ -172,7 +179,7 @@ class Store:
         return self.location.url
 
     def for_checkpoint(self, metadata: CheckpointMetadata) -> Store:
-        return dataclasses.replace(self, layout=layout_for(metadata))
+        return dataclasses.replace(self, layout=layout_for(metadata), array_options=metadata.array_options)
 
     def array_kvstore(self, path: str) -> dict[str, Any]:
         return self.layout.array_kvstore(self.location, path)
@@ -182,9 +189,17 @@ class Store:
         return ts.open(write_spec(self.array_kvstore(path), zarr_metadata), context=self.context)
 
     def open_tensor(self, entry: TensorEntry) -> ts.Future:
-        """Open a tensor's array for reading, checked against its entry."""
-        return ts.open(tensor_read_spec(self.array_kvstore(entry.path), entry), context=self.context,
-                       open=True, read=True)
+        """Open a tensor's array for reading as the root document describes it.
+
+        When the document records the codecs (format version 2) the array's
+        ``zarr.json`` is not read at all: no request per array per rank, and a
+        crafted ``zarr.json`` cannot change how chunks are decoded.
+        """
+        kvstore = self.array_kvstore(entry.path)
+        if self.array_options is not None:
+            spec = write_spec(kvstore, zarr_json.tensor_metadata(entry, self.array_options))
+            return ts.open(spec, context=self.context, read=True)
+        return ts.open(tensor_read_spec(kvstore, entry), context=self.context, open=True, read=True)
 
     def open_blob(self, path: str) -> ts.Future:
         """Open a value blob for reading."""
@@ -200,9 +215,11 @@ class Store:
     def read_tensor(self, key: str, entry: TensorEntry) -> Any:
         """The whole tensor as numpy, or a clear error naming the tensor (and the chunk, when one is missing)."""
         try:
-            return self.open_tensor(entry).result().read().result()
+            data = self.open_tensor(entry).result().read().result()
         except ValueError as e:
             raise read_error(key, self.url, e) from None
+        checksums.check_read(entry, data, (0,) * len(entry.shape), f"tensor {key!r} in {self.url}")
+        return data
 
 
 def read_error(key: str, url: str, e: Exception) -> TsckptError:

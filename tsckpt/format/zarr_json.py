@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TsckptError
 from . import dtypes
 
 if TYPE_CHECKING:
-    from .metadata import TensorEntry
+    from .metadata import ArrayOptions, TensorEntry
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 # "." keeps every chunk file directly in its array's directory ("c.0.1"),
@@ -30,13 +29,6 @@ COMPRESSORS: dict[str, Callable[[dtypes.DType], dict[str, Any]]] = {
     "blosc": lambda dt: {"name": "blosc", "configuration": {
         "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": dt.itemsize, "blocksize": 0}},
 }
-
-
-def check_options(checksums: bool, compression: str | None) -> None:
-    if not isinstance(checksums, bool):
-        raise TsckptError(f"checksums must be True or False, not {checksums!r}")
-    if compression is not None and compression not in COMPRESSORS:
-        raise TsckptError(f"unknown compression {compression!r}: expected None or one of {sorted(COMPRESSORS)}")
 
 
 def _leaf_codecs(dt: dtypes.DType, checksums: bool, compression: str | None) -> list[dict[str, Any]]:
@@ -90,11 +82,11 @@ def array_metadata(
     return doc
 
 
-def tensor_metadata(entry: TensorEntry, attributes: dict[str, Any] | None = None, *,
-                    checksums: bool = False, compression: str | None = None) -> dict[str, Any]:
-    """The ``zarr.json`` of a tensor's array, from its metadata entry and the writer's codec options."""
+def tensor_metadata(entry: TensorEntry, options: ArrayOptions,
+                    attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``zarr.json`` of a tensor's array, from its metadata entry and the checkpoint's codec options."""
     return array_metadata(entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape, attributes,
-                          checksums=checksums, compression=compression)
+                          checksums=options.crc32c_codec, compression=options.compression)
 
 
 def blob_metadata(nbytes: int, attributes: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -14,13 +14,14 @@ import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
 
 from ..errors import TsckptError
-from ..format import commit, dtypes, values
+from ..format import checksums, commit, dtypes, values
 from ..format.grid import ChunkGrid
 from ..format.metadata import (
     CheckpointMetadata,
@@ -33,8 +34,8 @@ from ..format.metadata import (
     TensorEntry,
 )
 from ..format.spec import Store, read_error
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
-from .index import Index, normalize_index
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, read_json
+from .index import Index, bounding_box, normalize_index
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,15 @@ def _placement_text(p: Mapping[str, Any]) -> str:
     if kind == "partial":
         return f"Partial({p.get('reduce_op', 'sum')})"
     return "Replicate()" if kind == "replicate" else str(kind)
+
+
+@dataclass(frozen=True)
+class PendingRead:
+    """A read in flight: the box being read, from ``offsets``, and what to select from it."""
+
+    future: ts.Future
+    offsets: tuple[int, ...]
+    rest: tuple[int | slice, ...]
 
 
 class TensorHandle:
@@ -127,12 +137,19 @@ class TensorHandle:
 
     @property
     def chunks(self) -> ChunkGrid:
-        return ChunkGrid(self.entry.shape, self.entry.chunk_shape, self.entry.inner_chunk_shape)
+        return self.entry.grid
 
-    @property
-    def writes(self) -> tuple[Any, ...]:
-        """Which rank wrote which box (metadata ``writes``)."""
-        return self.entry.writes
+    def writers(self) -> dict[tuple[int, ...], int]:
+        """Which rank wrote each outer chunk, from the array's ``zarr.json`` (one small read).
+
+        Empty when the save did not record it (version-1 checkpoints and conversions).
+        """
+        doc = read_json(self._ck.store.kvstore, f"{self.entry.path}/{commit.ROOT}")
+        attrs = doc.get("attributes", {}).get(commit.ATTRIBUTE, {}) if isinstance(doc, dict) else {}
+        ranks = attrs.get("writers") if isinstance(attrs, dict) else None
+        if not isinstance(ranks, list) or len(ranks) != self.chunks.nchunks:
+            return {}
+        return dict(zip(self.chunks.indices(), ranks))
 
     def __len__(self) -> int:
         if not self.entry.shape:
@@ -159,17 +176,20 @@ class TensorHandle:
         """The whole tensor, or ``slice`` of it, as numpy; reads only the chunks it overlaps."""
         return self.result(self.read_async(slice))
 
-    def read_async(self, slice: Index | None = None) -> ts.Future:  # noqa: A002
-        """Start reading; :meth:`result` of the future is the numpy array (lets many reads overlap)."""
+    def read_async(self, slice: Index | None = None) -> PendingRead:  # noqa: A002
+        """Start reading; :meth:`result` of what it returns is the numpy array (lets many reads overlap)."""
         index = normalize_index(slice if slice is not None else (), self.entry.shape, self.key)
-        return self._array()[index].read()
+        box, rest = bounding_box(index, self.entry.shape)
+        return PendingRead(self._array()[box].read(), tuple(b.start for b in box), rest)
 
-    def result(self, future: ts.Future) -> np.ndarray:
-        """Wait for a :meth:`read_async` future; a missing or damaged chunk raises naming it."""
+    def result(self, pending: PendingRead) -> np.ndarray:
+        """Wait for a :meth:`read_async` read; a missing or damaged chunk raises naming the chunk."""
         try:
-            return np.asarray(future.result())
+            data = np.asarray(pending.future.result())
         except ValueError as e:
             raise read_error(self.key, self._ck.url, e) from None
+        checksums.check_read(self.entry, data, pending.offsets, f"tensor {self.key!r} in {self._ck.url}")
+        return np.asarray(data[pending.rest])  # a 0-d result stays an array, as TensorStore gives it
 
     def __getitem__(self, index: Index) -> torch.Tensor:
         return dtypes.numpy_as_tensor(self.numpy(index))
@@ -248,8 +268,8 @@ class Checkpoint(Mapping[str, Any]):
         """
         pending = {k: (h, h.read_async()) for k, h in self._handles.items()}
         flat: dict[tuple[Any, ...], Any] = {}
-        for key, (handle, fut) in pending.items():
-            flat[self.metadata.tensors[key].key_path] = dtypes.numpy_as_tensor(handle.result(fut))
+        for key, (handle, read) in pending.items():
+            flat[self.metadata.tensors[key].key_path] = dtypes.numpy_as_tensor(handle.result(read))
         for key, entry in self.metadata.objects.items():
             flat[entry.key_path] = self[key]
         return _nest(flat)

@@ -65,3 +65,15 @@ def parse_index(text: str) -> tuple[int | slice, ...]:
         else:
             raise SelectionError(f"cannot parse {part!r} in index {text!r}: expected an integer or start:stop")
     return tuple(out)
+
+
+def bounding_box(index: tuple[int | slice, ...], shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[int | slice, ...]]:
+    """A normalized index as the unit-step box it reads, and the selection to apply to that box.
+
+    Reading the box lets every chunk it covers whole be checked against its
+    checksum before integer indices drop dimensions and steps skip elements.
+    """
+    full = index + tuple(slice(0, n, 1) for n in shape[len(index):])
+    box = tuple(slice(i, i + 1) if isinstance(i, int) else slice(i.start, i.stop) for i in full)
+    rest = tuple(0 if isinstance(i, int) else slice(None, None, i.step) for i in full)
+    return box, rest
