@@ -99,18 +99,19 @@ def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
                     f"exactly once (no region holds the element at {at})")
 
 
-def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...]:
-    """The largest regular chunk shape whose boundaries include every box boundary."""
+def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box] | np.ndarray) -> tuple[int, ...]:
+    """The largest regular chunk shape whose boundaries include every box boundary.
+
+    ``boxes`` as for :func:`check_tiling`; empty boxes place no boundary.
+    """
+    ndim = len(shape)
+    box_array = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, ndim)
+    box_array = box_array[box_array[:, 1].prod(axis=1) > 0]
     chunk = []
     for d, n in enumerate(shape):
-        interior = {
-            edge
-            for o, s in boxes
-            if math.prod(s) > 0
-            for edge in (o[d], o[d] + s[d])
-            if 0 < edge < n
-        }
-        chunk.append(math.gcd(*interior) if interior else max(n, 1))
+        edges = np.concatenate((box_array[:, 0, d], box_array[:, 0, d] + box_array[:, 1, d]))
+        interior = edges[(edges > 0) & (edges < n)]
+        chunk.append(int(np.gcd.reduce(interior)) if interior.size else max(n, 1))
     return tuple(chunk)
 
 
