@@ -1,9 +1,12 @@
 """DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays.
 
 It knows regions, dtypes and paths, never DTensors: placements arrive as JSON
-records from the planner (:mod:`tsckpt.dcp.protocol`). Chunk grids come from
-:mod:`tsckpt.format.plan`, array specs from :mod:`tsckpt.format.spec`, and the
-commit from :func:`tsckpt.format.commit.commit_checkpoint`. See
+records from tsckpt's planner (:mod:`tsckpt.dcp.protocol`) or, with DCP's own
+planner, from :func:`tsckpt.dcp.planner.placement_records` as each rank writes.
+Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
+:mod:`tsckpt.format.spec`, and the commit from
+:func:`tsckpt.format.commit.commit_checkpoint`. The constructor takes
+``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`). See
 ``docs/format.md`` for what ends up on disk.
 """
 
@@ -11,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
+import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -28,8 +32,11 @@ from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_pla
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.spec import Store
-from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, parse_location
-from .protocol import Placements, encoding_of
+from ..location import Location, LocationLike, parse_location
+from . import compat, logs, plan_cache
+from .planner import placement_records
+from .protocol import Placements, encode_bytes
+from .staging import Stager
 
 
 def done(value: Any) -> Future:
@@ -44,10 +51,15 @@ def region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells one rank: its arrays' layout and its values' paths."""
+    """What the coordinator tells one rank: its arrays' layout and its values' paths.
+
+    ``describe``: the rank's plan carried no placement records (DCP's own
+    planner), so the rank reports them with its write results.
+    """
 
     arrays: dict[str, TensorEntry]
     objects: dict[str, str]
+    describe: bool = False
 
 
 class TensorStoreIO:
@@ -57,6 +69,7 @@ class TensorStoreIO:
         self.location: Location | None = parse_location(path) if path is not None else None
         self.io_concurrency = io_concurrency
         self._store: Store | None = None
+        self._started = time.perf_counter()
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -74,8 +87,11 @@ class TensorStoreIO:
     def store(self) -> Store:
         if self._store is None:
             assert self.location is not None
-            self._store = Store.open(self.location, io_concurrency=self.io_concurrency)
+            self._store = self._open_store(self.location)
         return self._store
+
+    def _open_store(self, location: Location) -> Store:
+        return Store.open(location, io_concurrency=self.io_concurrency)
 
     @property
     def context(self) -> ts.Context:
@@ -94,14 +110,44 @@ class TensorStoreIO:
         return True
 
 
-class TensorStoreWriter(TensorStoreIO, StorageWriter):
+class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     """Write a DCP checkpoint as a Zarr v3 hierarchy, one array per global tensor.
+
+    A drop-in for DCP's ``FileSystemWriter``: it takes the same arguments in
+    the same positions (torch 2.13-2.15), each with a meaning here, and like
+    ``FileSystemWriter`` it is an ``AsyncStager`` (:class:`~tsckpt.dcp.staging.Stager`),
+    so ``dcp.async_save(..., storage_writer=TensorStoreWriter(path))`` stages with it.
 
     Args:
         path: checkpoint directory (or a kvstore spec); may instead be given as
             ``checkpoint_id=`` to ``dcp.save``.
-        overwrite: replace a complete checkpoint already at ``path``; otherwise
-            saving there raises :class:`~tsckpt.errors.CheckpointExistsError`.
+        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (few
+            files per rank, like DCP's default); ``False`` or ``None`` (the
+            default here) for one file per chunk, the plain Zarr layout. A
+            version without a packed layout refuses ``True`` with an error.
+        sync_files: ``False`` skips every fsync (chunks, nodes, root document,
+            and the filesystem sync before the commit) and records
+            ``"synced": false`` in the metadata's ``extra``: faster, but a power
+            loss may leave a committed checkpoint whose files are not on disk.
+        thread_count: concurrent file operations per rank (TensorStore's I/O
+            concurrency); the same as ``io_concurrency``.
+        per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to
+            host memory ahead of their writes; it waits for older writes before
+            copying more, bounding host memory. 0 copies one tensor at a time;
+            ``None`` (the default here; DCP's is 10 MB) issues every write
+            before waiting for any, the fastest. CPU tensors are written in place.
+        cache_staged_state_dict: with ``dcp.async_save``, keep the staged CPU
+            copies and refill them on the next save instead of allocating new
+            ones (:class:`~tsckpt.dcp.staging.Stager`).
+        overwrite: replace a checkpoint already at ``path`` (the default, as in
+            DCP); ``False`` refuses with :class:`~tsckpt.errors.CheckpointExistsError`
+            ("Checkpoint already exists ...").
+        _extensions: ``[ZStandard()]`` (``torch.distributed.checkpoint._extension``)
+            compresses chunks with Zarr's ``zstd`` codec, like ``compression="zstd"``;
+            other extensions are refused.
+        serialization_format: DCP's default (``TORCH_SAVE``) is accepted, since
+            tensors are never pickled here anyway; ``SAFETENSORS`` is refused.
+        layout: tsckpt's name for the storage layout (``"plain"``).
         inner_chunk_bytes: outer chunks above this size are stored with Zarr's
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
@@ -116,42 +162,74 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
             reads included (TensorStore's software crc32c, about 2 GB/s per core).
         compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
             weights rarely compress enough to pay for it.
+
+    ``dcp.save(..., use_collectives=False)`` is refused on more than one rank:
+    a checkpoint is committed once, after every rank's data is written, which
+    needs the ranks to coordinate.
     """
 
     def __init__(
         self,
         path: LocationLike | None = None,
+        single_file_per_rank: bool | None = None,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int | None = None,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
         *,
-        overwrite: bool = False,
+        layout: str | None = None,
         inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-        io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        io_concurrency: int | None = None,
         checksums: bool = True,
         crc32c_codec: bool = False,
         compression: str | None = None,
     ):
-        super().__init__(path, io_concurrency)
+        super().__init__(path, compat.resolve_io_concurrency(thread_count, io_concurrency))
+        Stager.__init__(self, cache_staged_state_dict)
+        compat.check_serialization_format(serialization_format)
+        compression = compat.resolve_compression(_extensions, compression)
         if not isinstance(checksums, bool):
             raise TsckptError(f"checksums must be True or False, not {checksums!r}")
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec, compression=compression)
+        self.layout = compat.resolve_layout(single_file_per_rank, layout)
+        self.sync_files = bool(sync_files)
+        self.per_thread_copy_ahead = compat.check_per_thread_copy_ahead(per_thread_copy_ahead)
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
         self.checksums = checksums
         self.is_coordinator = False
         self.rank = 0
-        self.save_id = ""
+        self.save_id = uuid.uuid4().hex
         self._entries: dict[str, TensorEntry] = {}
         self._placements: dict[str, Any] = {}
         self._key_paths: dict[str, tuple[Any, ...]] = {}
+        self._full_plans: list[SavePlan] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**TensorStoreIO.__getstate__(self), "_staged": None}  # never the staged copies
+
+    def _open_store(self, location: Location) -> Store:
+        if not self.sync_files:
+            # One context for every file of the save, so chunks, nodes and root all skip fsync
+            # (and the filesystem flush before the commit, see location.unsynced_nodes).
+            location = dataclasses.replace(location, context={**location.context, "file_io_sync": False})
+        return Store.open(location, io_concurrency=self.io_concurrency, layout=self.layout)
 
     def reset(self, checkpoint_id: LocationLike | None = None) -> None:
+        # DCP asks for storage_meta() before set_up_storage_writer: the id must exist by then.
         self._reset(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._reset(None)
-        self.save_id = uuid.uuid4().hex
+        compat.refuse_rank_local_saves(kwargs.get("use_collectives", True), str(self.checkpoint_id))
+        self._started = time.perf_counter()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
         if is_coordinator:
@@ -162,6 +240,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Choose every array's path and chunk grid from all ranks' regions."""
+        plans = self._full_plans = plan_cache.expand(plans, str(self.checkpoint_id))
         self._placements, self._key_paths = {}, {}
         for p in plans:
             self._placements |= Placements.of(p)
@@ -188,25 +267,32 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                 dtype = dtypes.from_torch(td.properties.dtype).zarr
             except UnsupportedDtypeError as e:
                 raise UnsupportedDtypeError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
-            ndim = len(td.size)
             self._entries[fqn] = plan_tensor(fqn, self._key_path(fqn), td.size, dtype,
-                                             np.array(flat, dtype=np.int64).reshape(count, 2, ndim),
+                                             np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
                                              inner_chunk_bytes=self.inner_chunk_bytes)
         check_unique_paths([e.path for e in self._entries.values()] + list(blobs.values()),
                            str(self.checkpoint_id))
         # Every rank gets the same layouts (O(tensors), one object): a rank of
         # an FSDP job writes part of nearly every tensor anyway.
-        rank_plan = _RankPlan(arrays=self._entries, objects=blobs)
-        return [dataclasses.replace(p, storage_data=rank_plan) for p in plans]
+        told = {describe: _RankPlan(arrays=self._entries, objects=blobs, describe=describe)
+                for describe in (False, True)}
+        return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
 
     def _key_path(self, fqn: str) -> tuple[Any, ...]:
         return self._key_paths.get(fqn, (fqn,))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.is_coordinator:
+            plan_cache.remember(self._full_plans, planner)
+            self._full_plans = None
         rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
-        opened = {fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
-                  for fqn, e in rank_plan.arrays.items()}
-        pending, results, written = [], [], []
+        records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
+        opened = {
+            fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
+            for fqn, e in rank_plan.arrays.items()
+        }
+        pending, results, keep_alive, written = [], [], [], []
+        copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
@@ -218,19 +304,27 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                 continue
             chunk = item.tensor_data.chunk
             tensor = data.detach()
-            if tensor.device.type != "cpu":
+            nbytes = tensor.numel() * tensor.element_size()
+            on_device = tensor.device.type != "cpu"
+            if on_device:
+                copies.admit(nbytes)
                 tensor = tensor.cpu()
             source = dtypes.tensor_as_numpy(tensor) if tensor.numel() else None
             if source is not None:
                 arr = opened[fqn].result()
-                pending.append((fqn, arr[region(chunk.offsets, chunk.sizes)].write(
-                    source, can_reference_source_data_indefinitely=True)))
+                fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
+                pending.append((fqn, fut))
+                if on_device:
+                    copies.add(nbytes, fqn, fut, tensor)
+                else:
+                    keep_alive.append(tensor)
             info: dict[str, Any] = {"rank": self.rank, "chunks": [], "crcs": []}
-            written.append((rank_plan.arrays[fqn], chunk, source, tensor, info))
-            results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
-                                       storage_data=info))
+            if fqn in records:
+                info["placement"] = records.pop(fqn)  # once per tensor and rank
+            written.append((rank_plan.arrays[fqn], chunk, source, info))
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=info))
         # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for entry, chunk, source, _, info in written:
+        for entry, chunk, source, info in written:
             if source is None:
                 continue
             if self.checksums:
@@ -239,17 +333,20 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                 info["chunks"] = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(
                     chunk.offsets, chunk.sizes)]
         for fqn, fut in pending:
-            try:
-                fut.result()
-            except Exception as e:
-                raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
+            self._wait(fqn, fut)
         return done(results)
 
+    def _wait(self, fqn: str, fut: Any) -> None:
+        try:
+            fut.result()
+        except Exception as e:
+            raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
+
     def _write_object(self, path: str, data: Any) -> tuple[dict[str, Any], Any]:
-        encoding = encoding_of(data)
+        encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
-            return {"encoding": values.JSON, "value": json.loads(data.getvalue())}, None
-        blob = np.frombuffer(data.getvalue(), dtype=np.uint8)
+            return {"encoding": values.JSON, "value": payload}, None
+        blob = np.frombuffer(payload, dtype=np.uint8)
         arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
@@ -258,6 +355,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
         written: dict[str, list[dict[str, Any]]] = {}
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
+        placements = dict(self._placements)
         for rank_results in results:
             for r in rank_results:
                 fqn, info = r.index.fqn, r.storage_data
@@ -266,11 +364,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                     if found is None:
                         written[fqn] = found = []
                     found.append(info)
+                    if "placement" in info:
+                        placements.setdefault(fqn, info["placement"])
                 elif info["encoding"] == values.JSON:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.JSON, value=info["value"])
                 else:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
                     blob_sizes[fqn] = info["nbytes"]
+        self._check_against(metadata, written)
         meshes: list = []
         tensors, writers = {}, {}
         for fqn, planned in self._entries.items():
@@ -287,8 +388,23 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                 except TsckptError as e:
                     raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
             tensors[fqn] = dataclasses.replace(
-                planned, placement=intern_placement(self._placements.get(fqn), meshes, f"tensor {fqn!r}"),
+                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
                 checksums=table)
+        extra: dict[str, Any] = {"save_id": self.save_id}
+        if not self.sync_files:
+            extra["synced"] = False
         commit.commit_checkpoint(
             self.store, world_size=len(results), tensors=tensors, objects=objs, blob_sizes=blob_sizes,
-            meshes=meshes, extra={"save_id": self.save_id}, options=self.array_options, writers=writers)
+            meshes=meshes, extra=extra, options=self.array_options, writers=writers)
+        if logs.enabled():
+            logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
+                          seconds=time.perf_counter() - self._started, ranks=len(results))
+
+    def _check_against(self, metadata: Metadata, writes: dict[str, Any]) -> None:
+        """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""
+        planned = set(self._entries)
+        expected = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        odd = sorted((planned ^ expected) | (set(writes) - planned))
+        if odd:
+            raise PlanError(f"saving {self.checkpoint_id}: tensor {odd[0]!r} is not in both DCP's plan and the "
+                            f"planned arrays ({len(odd)} such keys); nothing was committed")
