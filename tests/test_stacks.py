@@ -140,3 +140,11 @@ def test_readme_names_zarr_error_and_its_fix():
     assert quoted and UNKNOWN_DTYPE.match(quoted.group(0)), "README should quote zarr's error as zarr words it"
     assert "import tsckpt" in section and "3.4.1" in section
 
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"```bash\n(pip install torch==[^\n]*\[test\][^\n]*)\n```", readme).group(1)
+    install, run = (part.strip() for part in command.split("&&"))
+    ci = (REPO / ".ci" / "run").read_text()
+    assert f"quietly readme-install {install};" in ci
+    assert f"tests readme {run} " in ci
