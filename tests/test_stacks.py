@@ -55,7 +55,7 @@ with warnings.catch_warnings(record=True) as caught:
                                    "dask": da.from_zarr(arr).compute().tobytes().hex()}}
     except ValueError as e:
         out["error"] = str(e)
-out["tsckpt_loaded"] = "tsckpt.zarr_dtypes" in sys.modules
+out["tsckpt_loaded"] = "tsckpt" in sys.modules  # imported by zarr, through the entry points
 here = os.sep + "tsckpt" + os.sep
 out["tsckpt_warnings"] = [f"{{w.category.__name__}}: {{w.message}}" for w in caught if here in w.filename]
 print(json.dumps(out))
