@@ -13,7 +13,6 @@ Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 import uuid
 from collections.abc import Sequence
@@ -60,6 +59,52 @@ class _RankPlan:
     arrays: dict[str, TensorEntry]
     objects: dict[str, str]
     describe: bool = False
+
+
+class _RankSummary:
+    """What one rank wrote, as the coordinator's ``finish`` needs it: columns, not per-item records.
+
+    Tensors are numbered in the order of the layouts the coordinator sent, so
+    a rank reports integers and the coordinator groups a whole job's chunks
+    with one sort instead of a Python loop over ranks x tensors.
+    """
+
+    def __init__(self, rank: int, names: list[str], placements: dict[str, Any]):
+        self.rank = rank
+        self.ids = {fqn: i for i, fqn in enumerate(names)}
+        self.placements = placements
+        self.objects: dict[str, Any] = {}
+        self.tensor: list[int] = []
+        self.chunk: list[int] = []
+        self.crc: list[int] = []
+
+    def add(self, fqn: str, entry: TensorEntry, offsets: Any, source: np.ndarray, with_checksums: bool) -> None:
+        if with_checksums:
+            indices, crcs = checksums.region_checksums(source, entry.grid, offsets)
+            self.crc += crcs
+        else:
+            indices = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(offsets, source.shape)]
+        self.chunk += indices
+        self.tensor += [self.ids[fqn]] * len(indices)
+
+    def packed(self) -> dict[str, Any]:
+        return {"rank": self.rank, "placements": self.placements, "objects": self.objects,
+                "tensor": np.asarray(self.tensor, dtype=np.int32), "chunk": np.asarray(self.chunk, dtype=np.int64),
+                "crc": np.asarray(self.crc, dtype=np.uint32)}
+
+    @staticmethod
+    def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, tuple[np.ndarray, ...]]:
+        """Each tensor's (chunk indices, crc32c values, writing ranks), from every rank's summary."""
+        tensor = np.concatenate([s["tensor"] for s in summaries] or [np.zeros(0, np.int32)])
+        chunk = np.concatenate([s["chunk"] for s in summaries] or [np.zeros(0, np.int64)])
+        crcs = [s["crc"] for s in summaries]
+        crc = np.concatenate(crcs) if crcs and all(len(c) == len(t["tensor"]) for c, t in zip(crcs, summaries)) \
+            else np.zeros(len(chunk), np.uint32)
+        rank = np.repeat([s["rank"] for s in summaries], [len(s["tensor"]) for s in summaries]).astype(np.int64)
+        order = np.argsort(tensor, kind="stable")
+        bounds = np.searchsorted(tensor[order], np.arange(len(names) + 1))
+        return {fqn: (chunk[order[a:b]], crc[order[a:b]], rank[order[a:b]])
+                for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}
 
 
 class TensorStoreIO:
@@ -291,14 +336,16 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
             for fqn, e in rank_plan.arrays.items()
         }
-        pending, results, keep_alive, written = [], [], [], []
+        pending, results, keep_alive = [], [], []
+        summary = _RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
+        later = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                info, fut = self._write_object(rank_plan.objects[fqn], data)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=info))
+                summary.objects[fqn], fut = self._write_object(rank_plan.objects[fqn], data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 if fut is not None:
                     pending.append((fqn, fut))
                 continue
@@ -309,31 +356,29 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             if on_device:
                 copies.admit(nbytes)
                 tensor = tensor.cpu()
-            source = dtypes.tensor_as_numpy(tensor) if tensor.numel() else None
-            if source is not None:
-                arr = opened[fqn].result()
-                fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
-                pending.append((fqn, fut))
-                if on_device:
-                    copies.add(nbytes, fqn, fut, tensor)
-                else:
-                    keep_alive.append(tensor)
-            info: dict[str, Any] = {"rank": self.rank, "chunks": [], "crcs": []}
-            if fqn in records:
-                info["placement"] = records.pop(fqn)  # once per tensor and rank
-            written.append((rank_plan.arrays[fqn], chunk, source, info))
-            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=info))
-        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for entry, chunk, source, info in written:
-            if source is None:
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+            if not tensor.numel():
                 continue
-            if self.checksums:
-                info["chunks"], info["crcs"] = checksums.region_checksums(source, entry.grid, chunk.offsets)
+            source = dtypes.tensor_as_numpy(tensor)
+            arr = opened[fqn].result()
+            fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
+            pending.append((fqn, fut))
+            if on_device:
+                # Checksum the host copy now: the copy window may release it once written.
+                summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
+                copies.add(nbytes, fqn, fut, tensor)
             else:
-                info["chunks"] = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(
-                    chunk.offsets, chunk.sizes)]
+                keep_alive.append(tensor)
+                later.append((fqn, chunk.offsets, source))
+        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
+        for fqn, offsets, source in later:
+            summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
         for fqn, fut in pending:
             self._wait(fqn, fut)
+        if results:
+            # One record per rank rather than per item: the coordinator's finish then
+            # handles ranks, not ranks x tensors.
+            results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
         return done(results)
 
     def _wait(self, fqn: str, fut: Any) -> None:
@@ -352,39 +397,32 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after all data is durable: gather each tensor's checksums, then commit."""
-        written: dict[str, list[dict[str, Any]]] = {}
+        summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
         placements = dict(self._placements)
-        for rank_results in results:
-            for r in rank_results:
-                fqn, info = r.index.fqn, r.storage_data
-                if "encoding" not in info:
-                    found = written.get(fqn)
-                    if found is None:
-                        written[fqn] = found = []
-                    found.append(info)
-                    if "placement" in info:
-                        placements.setdefault(fqn, info["placement"])
-                elif info["encoding"] == values.JSON:
+        for summary in summaries:
+            for fqn, record in summary["placements"].items():
+                placements.setdefault(fqn, record)
+            for fqn, info in summary["objects"].items():
+                if info["encoding"] == values.JSON:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.JSON, value=info["value"])
                 else:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
                     blob_sizes[fqn] = info["nbytes"]
-        self._check_against(metadata, written)
+        chunks = _RankSummary.merge(summaries, list(self._entries))
+        self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c[0])})
         meshes: list = []
         tensors, writers = {}, {}
         for fqn, planned in self._entries.items():
-            infos = written.get(fqn, [])
-            chunks = np.fromiter(itertools.chain.from_iterable(i["chunks"] for i in infos), dtype=np.int64)
-            ranks = np.full(planned.grid.nchunks, -1, dtype=np.int64)
-            ranks[chunks] = np.repeat([i["rank"] for i in infos], [len(i["chunks"]) for i in infos])
-            writers[fqn] = ranks.tolist()
+            indices, crcs, ranks = chunks[fqn]
+            by_chunk = np.full(planned.grid.nchunks, -1, dtype=np.int64)
+            by_chunk[indices] = ranks
+            writers[fqn] = by_chunk.tolist()
             table = None
             if self.checksums:
-                crcs = np.fromiter(itertools.chain.from_iterable(i["crcs"] for i in infos), dtype=np.int64)
                 try:
-                    table = checksums.encode_table(planned.grid, chunks, crcs)
+                    table = checksums.encode_table(planned.grid, indices, crcs)
                 except TsckptError as e:
                     raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
             tensors[fqn] = dataclasses.replace(
