@@ -13,6 +13,8 @@ from typing import Any
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConcurrentSaveError,
+    ForeignContentError,
     IncompleteCheckpointError,
     LoadMismatchError,
     MetadataError,
@@ -47,11 +49,14 @@ _LAZY = {
     "Checkpoint": "read.checkpoint",
     "TensorHandle": "read.checkpoint",
     "verify": "read.verify",
+    "clean": "format.target",
+    "leftovers": "format.target",
 }
 
 __all__ = [
     *_LAZY,
     "TsckptError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
+    "ForeignContentError", "ConcurrentSaveError",
     "MetadataError", "PlanError", "LoadMismatchError", "UnsafeObjectError", "UnsupportedDtypeError",
 ]
 

@@ -27,6 +27,7 @@ from ..format.metadata import ObjectEntry, Region, TensorEntry, intern_placement
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.spec import Store
+from ..format.target import SaveTarget, begin_save
 from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, parse_location
 from .protocol import Placements, encoding_of
 
@@ -43,10 +44,11 @@ def region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells one rank: its arrays' layout and its values' paths."""
+    """What the coordinator tells one rank: where this save writes, its arrays' layout and its values' paths."""
 
     arrays: dict[str, TensorEntry]
     objects: dict[str, str]
+    location: Location | None = None
 
 
 class TensorStoreIO:
@@ -82,7 +84,7 @@ class TensorStoreIO:
 
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle; async_save's process mode pickles the writer.
-        return {**self.__dict__, "_store": None}
+        return {**self.__dict__, "_store": None, "_target": None, "_data_store": None}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: LocationLike) -> bool:
@@ -99,8 +101,15 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
     Args:
         path: checkpoint directory (or a kvstore spec); may instead be given as
             ``checkpoint_id=`` to ``dcp.save``.
-        overwrite: replace a complete checkpoint already at ``path``; otherwise
-            saving there raises :class:`~tsckpt.errors.CheckpointExistsError`.
+        overwrite: replace a complete checkpoint, or data tsckpt did not write,
+            already at ``path``; otherwise saving there raises
+            :class:`~tsckpt.errors.CheckpointExistsError` ("Checkpoint already
+            exists ...") or :class:`~tsckpt.errors.ForeignContentError`, before
+            any data is written. On a local filesystem the old checkpoint stays
+            loadable until the new one is complete, and is swapped out in one
+            atomic step. On object stores and ``memory://`` the old checkpoint
+            is un-committed before the new data is written: a save that dies
+            there leaves no loadable checkpoint (docs/format.md, section 8).
         inner_chunk_bytes: outer chunks above this size are stored with Zarr's
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
@@ -134,6 +143,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self.save_id = ""
+        self._target: SaveTarget | None = None
+        self._data_store: Store | None = None
         self._entries: dict[str, TensorEntry] = {}
         self._placements: dict[str, Any] = {}
         self._key_paths: dict[str, tuple[Any, ...]] = {}
@@ -149,8 +160,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
+        self._target, self._data_store = None, None
         if is_coordinator:
-            commit.prepare_target(self.store.kvstore, self.store.url, overwrite=self.overwrite)
+            # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
+            assert self.location is not None
+            self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -186,10 +200,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                  for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO}
         check_unique_paths([e.path for e in self._entries.values()] + list(blobs.values()),
                            str(self.checkpoint_id))
+        if self._target is None:
+            raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
+                              f"the coordinator (use_collectives=False is not supported)")
         return [
             dataclasses.replace(p, storage_data=_RankPlan(
                 arrays={i.index.fqn: layouts[i.index.fqn] for i in p.items if i.index.fqn in layouts},
                 objects={i.index.fqn: blobs[i.index.fqn] for i in p.items if i.index.fqn in blobs},
+                location=self._target.data_location,
             ))
             for p in plans
         ]
@@ -197,10 +215,19 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
     def _key_path(self, fqn: str) -> tuple[Any, ...]:
         return self._key_paths.get(fqn, (fqn,))
 
+    def data_store(self, location: Location | None) -> Store:
+        """This save's store: where the coordinator said to write (its staging directory, or in place)."""
+        if location is None or location == self.location:
+            return self.store
+        if self._data_store is None or self._data_store.location != location:
+            self._data_store = Store.open(location, io_concurrency=self.io_concurrency)
+        return self._data_store
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
+        store = self.data_store(rank_plan.location)
         opened = {
-            fqn: self.store.create(e.path, zarr_json.tensor_metadata(
+            fqn: store.create(e.path, zarr_json.tensor_metadata(
                 e, checksums=self.checksums, compression=self.compression))
             for fqn, e in rank_plan.arrays.items()
         }
@@ -209,7 +236,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                info, fut = self._write_object(rank_plan.objects[fqn], data)
+                info, fut = self._write_object(store, rank_plan.objects[fqn], data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=info))
                 if fut is not None:
                     pending.append((fqn, fut))
@@ -236,16 +263,16 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
                 raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
         return done(results)
 
-    def _write_object(self, path: str, data: Any) -> tuple[dict[str, Any], Any]:
+    def _write_object(self, store: Store, path: str, data: Any) -> tuple[dict[str, Any], Any]:
         encoding = encoding_of(data)
         if encoding == values.JSON:
             return {"encoding": values.JSON, "value": json.loads(data.getvalue())}, None
         blob = np.frombuffer(data.getvalue(), dtype=np.uint8)
-        arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
+        arr = store.create(path, zarr_json.blob_metadata(blob.size)).result()
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after all data is durable: record who wrote what, then commit."""
+        """Coordinator, after all data is durable: record who wrote what, then commit and publish."""
         writes: dict[str, list[Region]] = {}
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
@@ -270,6 +297,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
             )
             for fqn, planned in self._entries.items()
         }
+        assert self._target is not None, "finish runs on the coordinator, after set-up"
         commit.commit_checkpoint(
-            self.store, world_size=len(results), tensors=tensors, objects=objs, blob_sizes=blob_sizes,
-            meshes=meshes, extra={"save_id": self.save_id}, checksums=self.checksums, compression=self.compression)
+            self.data_store(self._target.data_location), world_size=len(results), tensors=tensors,
+            objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra={"save_id": self.save_id},
+            checksums=self.checksums, compression=self.compression, target=self._target)
