@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 # Modules that register commands on ``app`` when imported.
-COMMAND_MODULES: list[str] = ["demo", "verify", "inspect", "convert"]
+COMMAND_MODULES: list[str] = ["demo", "verify", "inspect", "convert", "clean"]
 
 
 def main() -> None:

@@ -159,6 +159,11 @@ def info(path: str = typer.Argument(..., help="checkpoint directory or URL")) ->
             ("files", str(files)),
             ("bytes stored", human_bytes(stored) + (f" ({stored} B)" if stored is not None else "")),
         ]
+        from .clean import leftover_line
+
+        left = leftover_line(path)
+        if left:
+            rows.append(("leftovers", left))
         for name, value in rows:
             table.add_row(name, value)
         out.print(table, highlight=False)
