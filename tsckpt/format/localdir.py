@@ -28,6 +28,7 @@ import fcntl
 import os
 import re
 import shutil
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -221,14 +222,24 @@ def find_leftovers(loc: Location) -> list[Leftover]:
     return out
 
 
-def remove_leftovers(loc: Location, *, force: bool = False) -> list[Leftover]:
-    """Finish an interrupted publication, then remove dead saves' directories (``force``: unknown ones too)."""
+def remove_leftovers(loc: Location, *, force: bool = False, older_than: float | None = None) -> list[Leftover]:
+    """Finish an interrupted publication, then remove dead saves' directories (``force``: unknown ones too).
+
+    ``older_than`` (a ``time.time()``) spares directories modified since: a save
+    starting at this moment has created its directory but may not hold its lock yet.
+    """
     recover(_target_path(loc))
     removed = []
     for item in find_leftovers(loc):
-        if item.live is False or (force and item.live is None):
-            remove_tree(item.path)
-            removed.append(item)
+        if not (item.live is False or (force and item.live is None)):
+            continue
+        try:
+            if older_than is not None and os.stat(item.path).st_mtime >= older_than:
+                continue
+        except FileNotFoundError:
+            continue
+        remove_tree(item.path)
+        removed.append(item)
     return removed
 
 
@@ -274,6 +285,7 @@ class StagedTarget(SaveTarget):
         return classify(kv)
 
     def begin(self) -> None:
+        started = time.time()
         parent = os.path.dirname(self.path)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -281,16 +293,19 @@ class StagedTarget(SaveTarget):
             raise TsckptError(f"cannot create checkpoint {self.url}: {e.strerror} ({e.filename})") from None
         recover(self.path)
         refuse(self._found(), self.url, overwrite=self.overwrite, save_id=self.save_id)
-        remove_leftovers(self.location)
+        remove_leftovers(self.location, older_than=started)
         self._make_staging()
 
     def _make_staging(self) -> None:
-        for _ in range(3):
+        for _ in range(5):
             try:
                 os.mkdir(self.staging)
                 lock = DirLock.try_acquire(self.staging)
             except FileNotFoundError:
                 continue  # another save's cleaning took it in the instant before it was locked
+            except FileExistsError:
+                time.sleep(0.1)  # that cleaning is still removing it
+                continue
             except OSError as e:
                 raise TsckptError(f"cannot create staging directory {self.staging} for {self.url}: "
                                   f"{e.strerror}") from None
