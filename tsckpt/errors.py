@@ -20,7 +20,18 @@ class CheckpointNotFoundError(TsckptError):
 
 
 class CheckpointExistsError(TsckptError):
-    """A complete checkpoint is already there and overwriting was not asked for."""
+    """A complete checkpoint is already there and overwriting was not asked for.
+
+    The message starts with "Checkpoint already exists", as DCP's does.
+    """
+
+
+class ForeignContentError(TsckptError):
+    """The location holds data tsckpt did not write (a plain Zarr group, other files) and overwriting was not asked for."""
+
+
+class ConcurrentSaveError(TsckptError):
+    """Another save into the same location is running, died without finishing, or overtook this one."""
 
 
 class MetadataError(TsckptError):
