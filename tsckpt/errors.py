@@ -41,3 +41,15 @@ class LoadMismatchError(TsckptError):
 
 class UnsafeObjectError(TsckptError):
     """A non-tensor value can only be restored by running code from the checkpoint."""
+
+
+class DamagedValueError(TsckptError):
+    """A stored non-tensor value is corrupt: its bytes are not an intact ``torch.save`` archive."""
+
+
+class NotACheckpointError(TsckptError):
+    """The location holds something other than a tsckpt checkpoint (a file, a DCP checkpoint)."""
+
+
+class StorageError(TsckptError):
+    """The storage behind a location failed: a missing bucket, an unreachable endpoint, a refusal."""

@@ -27,7 +27,7 @@ def verify(
     try:
         report = run_verify(path, progress=progress)
     except TsckptError as e:
-        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False)
+        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(ERROR) from None
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))
