@@ -117,7 +117,7 @@ def test_metadata_round_trips_through_json():
     (dict(chunk_shape=(2,)), "wrong rank"),
     (dict(writes=(Region((0, 0), (2, 2), 0),)), "cover"),
     (dict(writes=(Region((0, 0), (5, 2), 0),)), "outside"),
-    (dict(inner_chunk_shape=(3, 2)), "divide"),
+    (dict(inner_chunk_shape=(3, 2)), "larger than chunk_shape"),
 ])
 def test_metadata_validation_names_the_tensor(bad, message):
     doc = CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}).to_dict()
