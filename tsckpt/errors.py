@@ -56,3 +56,15 @@ class UnsafeObjectError(TsckptError):
 
 class ChecksumError(TsckptError):
     """Stored data does not match the checksum recorded when it was written."""
+
+
+class DamagedValueError(TsckptError):
+    """A stored non-tensor value is corrupt: its bytes are not an intact ``torch.save`` archive."""
+
+
+class NotACheckpointError(TsckptError):
+    """The location holds something other than a tsckpt checkpoint (a file, a DCP checkpoint)."""
+
+
+class StorageError(TsckptError):
+    """The storage behind a location failed: a missing bucket, an unreachable endpoint, a refusal."""

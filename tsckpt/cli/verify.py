@@ -31,7 +31,7 @@ def verify(
         report = run_verify(path, progress=progress)
         items = leftovers(path)
     except TsckptError as e:
-        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False)
+        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(ERROR) from None
     if as_json:
         print(json.dumps(verification(report) | {"leftovers": [i.to_dict() for i in items]}, indent=1))

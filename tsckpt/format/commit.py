@@ -29,11 +29,11 @@ from ..errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     MetadataError,
-    TsckptError,
+    NotACheckpointError,
 )
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, read_json
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, list_keys, read_json
 from . import checksums, dtypes, values, zarr_json
-from .metadata import ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
+from .metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from .names import parent_groups
 from .spec import Store
 from .target import ATTRIBUTE, ROOT, SaveTarget
@@ -156,11 +156,15 @@ def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
 
 def _read_root(kv: ts.KvStore, url: str) -> Any:
     try:
-        return read_json(kv, ROOT)
+        return read_json(kv, ROOT, where=url, max_bytes=MAX_DOCUMENT_BYTES)
     except (ValueError, RecursionError) as e:
         # ValueError covers bad JSON and bytes that are not UTF-8; absurd nesting
         # exhausts the parser's recursion instead.
         raise MetadataError(f"{url}/{ROOT} is not valid JSON: {e}") from None
+
+
+#: What a DCP ``FileSystemWriter`` checkpoint holds: a pickled ``.metadata`` and ``*.distcp`` files.
+DCP_METADATA, DCP_SUFFIX = b".metadata", b".distcp"
 
 
 def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
@@ -168,9 +172,14 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     doc = _read_root(kv, url)
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
     if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
-        if doc is None and not kv.list(ts.KvStore.KeyRange()).result():
+        keys = list_keys(kv, url) if doc is None else [ROOT.encode()]
+        if not keys:
             raise CheckpointNotFoundError(f"no checkpoint at {url}: the location is empty or missing"
                                           + _leftover_hint(kv))
+        if DCP_METADATA in keys and any(k.endswith(DCP_SUFFIX) for k in keys):
+            raise NotACheckpointError(
+                f"{url} is a DCP FileSystemWriter checkpoint, not a tsckpt one; convert it with "
+                f"`tsckpt convert --trust-pickle {url} DST` (its .metadata is a pickle: trust it first)")
         raise IncompleteCheckpointError(
             f"{url} is an incomplete checkpoint: the save did not finish "
             f"(no committed metadata in {ROOT}); it cannot be loaded"
@@ -181,15 +190,15 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     if stored is not None or (isinstance(version, int) and version >= 2):
         try:
             actual = document_checksum(document)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({e})") from None
         if stored != actual:
             raise ChecksumError(f"{url}/{ROOT}: the metadata document does not match its crc32c "
                                 f"({stored!r} stored, {actual} computed): the file is damaged")
     try:
         return CheckpointMetadata.from_dict(document)
-    except TsckptError:
-        raise
+    except MetadataError as e:
+        raise MetadataError(f"{url}/{ROOT}: {e}") from None
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
         # from_dict validates field by field; this only guards against a hostile
         # document reaching a case it did not foresee, which must still be a clean refusal.

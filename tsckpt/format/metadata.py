@@ -24,6 +24,14 @@ FORMAT_VERSION = 2
 #: Checkpoints of version 1 recorded every rank's region; version 2 records one
 #: checksum table per tensor instead, so the document grows with tensors, not ranks.
 
+# Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
+#: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
+MAX_DOCUMENT_BYTES = 256 << 20
+#: Most dimensions of a tensor or a mesh (TensorStore's own maximum rank).
+MAX_NDIM = 32
+#: Largest byte size of one tensor: its byte count must fit a signed 64-bit integer.
+MAX_TENSOR_BYTES = 2**63 - 1
+
 
 def _ints(value: Any, what: str, *, minimum: int = 0) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
@@ -59,7 +67,24 @@ def _key_path(value: Any, what: str) -> tuple[str | int, ...]:
         isinstance(p, (str, int)) and not isinstance(p, bool) for p in value
     ):
         raise MetadataError(f"{what}: key_path must be a non-empty list of strings and integers")
+    if not all(_utf8(p) for p in value if isinstance(p, str)):
+        raise MetadataError(f"{what}: key_path holds a string that is not valid Unicode")
     return tuple(value)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, which JSON escapes can produce
+        return False
+    return True
+
+
+def _shape(value: Any, what: str, field: str, *, minimum: int = 0) -> tuple[int, ...]:
+    dims = _ints(value, f"{what}: {field}", minimum=minimum)
+    if len(dims) > MAX_NDIM:
+        raise MetadataError(f"{what}: {field} has {len(dims)} dimensions; at most {MAX_NDIM} are supported")
+    return dims
 
 
 @dataclass(frozen=True)
@@ -109,7 +134,7 @@ class Mesh:
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise MetadataError(f"{what}: dim_names must be a list of strings or null")
         mesh = cls(
-            shape=_ints(_get(d, "shape", what, list), what, minimum=1),
+            shape=_shape(_get(d, "shape", what, list), what, "shape", minimum=1),
             dim_names=tuple(names) if names is not None else None,
             device_type=_get(d, "device_type", what, str),
             ranks=_ints(_get(d, "ranks", what, list), what),
@@ -118,6 +143,8 @@ class Mesh:
             mesh.dim_names is not None and len(mesh.dim_names) != len(mesh.shape)
         ):
             raise MetadataError(f"{what}: ranks or dim_names do not match shape {list(mesh.shape)}")
+        if len(set(mesh.ranks)) != len(mesh.ranks):
+            raise MetadataError(f"{what}: ranks {list(mesh.ranks)} name one rank twice")
         return mesh
 
 
@@ -270,10 +297,10 @@ class TensorEntry:
         entry = cls(
             key_path=_key_path(_get(d, "key_path", what, list), what),
             path=check_relative_path(_get(d, "path", what, str), what=what),
-            shape=_ints(_get(d, "shape", what, list), what),
+            shape=_shape(_get(d, "shape", what, list), what, "shape"),
             dtype=_dtype(_get(d, "dtype", what, str), what),
-            chunk_shape=_ints(_get(d, "chunk_shape", what, list), what, minimum=1),
-            inner_chunk_shape=_ints(inner, what, minimum=1) if inner is not None else None,
+            chunk_shape=_shape(_get(d, "chunk_shape", what, list), what, "chunk_shape", minimum=1),
+            inner_chunk_shape=_shape(inner, what, "inner_chunk_shape", minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),
             checksums=_optional(d, "checksums", what, str),
         )
@@ -284,15 +311,30 @@ class TensorEntry:
         if self.path != zarr_path(self.key_path):
             raise MetadataError(f"{what}: path {self.path!r} does not match key path {list(self.key_path)}")
         ndim = len(self.shape)
+        if ndim > MAX_NDIM:
+            raise MetadataError(f"{what}: shape has {ndim} dimensions; at most {MAX_NDIM} are supported")
+        if math.prod(self.shape) * dtypes.from_zarr(self.dtype).itemsize > MAX_TENSOR_BYTES:
+            raise MetadataError(f"{what}: shape {list(self.shape)} holds more than 2**63 bytes")
         if len(self.chunk_shape) != ndim:
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} has the wrong rank for shape {list(self.shape)}")
-        if self.inner_chunk_shape is not None and (
-            len(self.inner_chunk_shape) != ndim
-            or any(c % i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
-        ):
-            raise MetadataError(f"{what}: inner_chunk_shape must divide chunk_shape {list(self.chunk_shape)}")
+        # Writers make each chunk at most the tensor (1 along empty dimensions); a larger
+        # one only makes readers allocate for elements that do not exist.
         if any(c > max(n, 1) for c, n in zip(self.chunk_shape, self.shape)):
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
+        inner = self.inner_chunk_shape
+        if inner is not None:
+            if len(inner) != ndim:
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {list(self.shape)}")
+            if any(i > c for c, i in zip(self.chunk_shape, inner)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {list(self.chunk_shape)}")
+            if any(c % i for c, i in zip(self.chunk_shape, inner)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {list(self.chunk_shape)}")
+        if isinstance(self.placement, ShardedTensorPlacement):
+            for offsets, sizes, _ in self.placement.shards:
+                if len(offsets) != ndim or len(sizes) != ndim or any(
+                    o + s > n for o, s, n in zip(offsets, sizes, self.shape)
+                ):
+                    raise MetadataError(f"{what}: shard at {list(offsets)} of size {list(sizes)} lies outside shape {list(self.shape)}")
         # base64 of 4 bytes per chunk; decoding waits until a read needs it.
         if self.checksums is not None and len(self.checksums) != 4 * -(-4 * self.grid.nchunks // 3):
             raise MetadataError(f"{what}: the checksum table does not have one entry per chunk of "
@@ -321,7 +363,15 @@ class ObjectEntry:
         key_path = _key_path(_get(d, "key_path", what, list), what)
         encoding = _get(d, "encoding", what, str)
         if encoding == values.JSON:
-            return cls(key_path, encoding, value=d.get("value"))
+            if "value" not in d:
+                raise MetadataError(f"{what}: missing field 'value'")
+            try:
+                values.from_json(d["value"])
+            except MetadataError as e:
+                raise MetadataError(f"{what}: value is not valid tagged JSON: {e}") from None
+            except RecursionError:
+                raise MetadataError(f"{what}: value is nested too deeply") from None
+            return cls(key_path, encoding, value=d["value"])
         if encoding == values.TORCH:
             path = check_relative_path(_get(d, "path", what, str), what=what)
             if path != zarr_path(key_path):
@@ -377,8 +427,12 @@ class CheckpointMetadata:
         }
         objs = {k: ObjectEntry.from_dict(v, f"object {k!r}") for k, v in _get(d, "objects", what, dict).items()}
         for key, t in tensors.items():
-            if isinstance(t.placement, DTensorPlacement) and not 0 <= t.placement.mesh < len(meshes):
-                raise MetadataError(f"tensor {key!r}: mesh index {t.placement.mesh} out of range")
+            if isinstance(t.placement, DTensorPlacement):
+                if not 0 <= t.placement.mesh < len(meshes):
+                    raise MetadataError(f"tensor {key!r}: mesh index {t.placement.mesh} out of range")
+                if len(t.placement.placements) != len(meshes[t.placement.mesh].shape):
+                    raise MetadataError(f"tensor {key!r}: {len(t.placement.placements)} placements for a "
+                                        f"{len(meshes[t.placement.mesh].shape)}-d mesh")
         paths = [t.path for t in tensors.values()] + [o.path for o in objs.values() if o.path]
         if len(set(paths)) != len(paths):
             raise MetadataError(f"{what}: two entries share one array path")
@@ -386,8 +440,11 @@ class CheckpointMetadata:
         if clash:
             raise MetadataError(f"{what}: {sorted(clash)[0]!r} is both an array and a group")
         extra = d.get("extra") or {}
+        world_size = _get(d, "world_size", what, int)
+        if world_size < 1:
+            raise MetadataError(f"{what}: world_size {world_size} is not a positive number of ranks")
         return cls(
-            world_size=_get(d, "world_size", what, int),
+            world_size=world_size,
             tensors=tensors,
             objects=objs,
             meshes=meshes,
