@@ -50,7 +50,7 @@ def read_json(kv: ts.KvStore, key: str, *, where: str | None = None, max_bytes: 
     endpoint) raises :class:`~tsckpt.errors.StorageError`; bytes that are not
     strict JSON (NaN and Infinity included) raise ``ValueError``.
     """
-    where = where if where is not None else _kv_name(kv)
+    where = where if where is not None else kv_name(kv)
     try:
         if max_bytes is not None and _longer_than(kv, key, max_bytes):
             raise MetadataError(f"{where}/{key} is larger than {max_bytes} bytes, the most a reader accepts")
@@ -84,7 +84,7 @@ def list_keys(kv: ts.KvStore, where: str) -> list[bytes]:
         raise storage_error(e, f"cannot list {where}") from None
 
 
-def _kv_name(kv: ts.KvStore) -> str:
+def kv_name(kv: ts.KvStore) -> str:
     try:
         return kv.url
     except Exception:  # noqa: BLE001 - some drivers (s3 with a custom endpoint) have no URL form

@@ -32,7 +32,8 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, TsckptError
-from ..location import Location, LocationLike, _kv_name, make_context, open_kvstore, parse_location
+from ..kvio import kv_name
+from ..location import Location, LocationLike, make_context, open_kvstore, parse_location
 
 ROOT = "zarr.json"
 ATTRIBUTE = "tsckpt"
@@ -70,7 +71,7 @@ def _read(kv: ts.KvStore, key: str) -> ts.KvStore.ReadResult:
     try:
         return kv.read(key).result()
     except ValueError as e:
-        raise TsckptError(f"cannot read {key!r} at {_kv_name(kv)}: {e}") from None
+        raise TsckptError(f"cannot read {key!r} at {kv_name(kv)}: {e}") from None
 
 
 def read_root(kv: ts.KvStore) -> tuple[Any, bytes]:
@@ -109,7 +110,7 @@ def classify(kv: ts.KvStore) -> Found:
     try:
         keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
     except ValueError as e:
-        raise TsckptError(f"cannot list {_kv_name(kv)}: {e}") from None
+        raise TsckptError(f"cannot list {kv_name(kv)}: {e}") from None
     if not keys:
         return Found(ABSENT)
     foreign = [k for k in keys if not is_own_key(k)]
