@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -32,129 +31,13 @@ from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
-from ..location import Location, LocationLike, parse_location
+from ..location import Location, LocationLike
 from . import compat, logs, plan_cache
 from .planner import placement_records
+from .exchange import RankPlan, RankSummary
+from .io import TensorStoreIO, done, region
 from .protocol import Placements, encode_bytes
 from .staging import Stager
-
-
-def done(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
-
-
-def region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankPlan:
-    """What the coordinator tells one rank: where this save writes, its arrays' layout and its values' paths.
-
-    ``describe``: the rank's plan carried no placement records (DCP's own
-    planner), so the rank reports them with its write results.
-    """
-
-    arrays: dict[str, TensorEntry]
-    objects: dict[str, str]
-    describe: bool = False
-    location: Location | None = None
-
-
-class _RankSummary:
-    """What one rank wrote, as the coordinator's ``finish`` needs it: columns, not per-item records.
-
-    Tensors are numbered in the order of the layouts the coordinator sent, so
-    a rank reports integers and the coordinator groups a whole job's chunks
-    with one sort instead of a Python loop over ranks x tensors.
-    """
-
-    def __init__(self, rank: int, names: list[str], placements: dict[str, Any]):
-        self.rank = rank
-        self.ids = {fqn: i for i, fqn in enumerate(names)}
-        self.placements = placements
-        self.objects: dict[str, Any] = {}
-        self.tensor: list[int] = []
-        self.chunk: list[int] = []
-        self.crc: list[int] = []
-
-    def add(self, fqn: str, entry: TensorEntry, offsets: Any, source: np.ndarray, with_checksums: bool) -> None:
-        if with_checksums:
-            indices, crcs = checksums.region_checksums(source, entry.grid, offsets)
-            self.crc += crcs
-        else:
-            indices = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(offsets, source.shape)]
-        self.chunk += indices
-        self.tensor += [self.ids[fqn]] * len(indices)
-
-    def packed(self) -> dict[str, Any]:
-        return {"rank": self.rank, "placements": self.placements, "objects": self.objects,
-                "tensor": np.asarray(self.tensor, dtype=np.int32), "chunk": np.asarray(self.chunk, dtype=np.int64),
-                "crc": np.asarray(self.crc, dtype=np.uint32)}
-
-    @staticmethod
-    def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, tuple[np.ndarray, ...]]:
-        """Each tensor's (chunk indices, crc32c values, writing ranks), from every rank's summary."""
-        tensor = np.concatenate([s["tensor"] for s in summaries] or [np.zeros(0, np.int32)])
-        chunk = np.concatenate([s["chunk"] for s in summaries] or [np.zeros(0, np.int64)])
-        crcs = [s["crc"] for s in summaries]
-        crc = np.concatenate(crcs) if crcs and all(len(c) == len(t["tensor"]) for c, t in zip(crcs, summaries)) \
-            else np.zeros(len(chunk), np.uint32)
-        rank = np.repeat([s["rank"] for s in summaries], [len(s["tensor"]) for s in summaries]).astype(np.int64)
-        order = np.argsort(tensor, kind="stable")
-        bounds = np.searchsorted(tensor[order], np.arange(len(names) + 1))
-        return {fqn: (chunk[order[a:b]], crc[order[a:b]], rank[order[a:b]])
-                for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}
-
-
-class TensorStoreIO:
-    """What the writer and reader share: a location and, made on first use, its :class:`Store`."""
-
-    def __init__(self, path: LocationLike | None, io_concurrency: int):
-        self.location: Location | None = parse_location(path) if path is not None else None
-        self.io_concurrency = io_concurrency
-        self._store: Store | None = None
-        self._started = time.perf_counter()
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        return self.location.url if self.location else None
-
-    def _reset(self, checkpoint_id: LocationLike | None) -> None:
-        if checkpoint_id is not None:
-            location = parse_location(checkpoint_id)
-            if location != self.location:
-                self.location, self._store = location, None
-        if self.location is None:
-            raise TsckptError("no checkpoint location: pass a path to the constructor or checkpoint_id=")
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            assert self.location is not None
-            self._store = self._open_store(self.location)
-        return self._store
-
-    def _open_store(self, location: Location) -> Store:
-        return Store.open(location, io_concurrency=self.io_concurrency)
-
-    @property
-    def context(self) -> ts.Context:
-        return self.store.context
-
-    def __getstate__(self) -> dict[str, Any]:
-        # TensorStore handles do not pickle; async_save's process mode pickles the writer.
-        return {**self.__dict__, "_store": None, "_target": None, "_data_store": None}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: LocationLike) -> bool:
-        try:
-            parse_location(checkpoint_id)
-        except TsckptError:
-            return False
-        return True
 
 
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
@@ -335,7 +218,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if self._target is None:
             raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
-        told = {describe: _RankPlan(arrays=self._entries, objects=blobs, describe=describe,
+        told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
                                     location=self._target.data_location)
                 for describe in (False, True)}
         return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
@@ -355,7 +238,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if self.is_coordinator:
             plan_cache.remember(self._full_plans, planner)
             self._full_plans = None
-        rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
+        rank_plan: RankPlan = plan.storage_data or RankPlan({}, {})
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
         store = self.data_store(rank_plan.location)
         opened = {
@@ -363,7 +246,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             for fqn, e in rank_plan.arrays.items()
         }
         pending, results, keep_alive = [], [], []
-        summary = _RankSummary(self.rank, list(rank_plan.arrays), placements=records)
+        summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
         later = []
         for item in plan.items:
@@ -436,7 +319,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 else:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
                     blob_sizes[fqn] = info["nbytes"]
-        chunks = _RankSummary.merge(summaries, list(self._entries))
+        chunks = RankSummary.merge(summaries, list(self._entries))
         self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c[0])})
         meshes: list = []
         tensors, writers = {}, {}
