@@ -112,9 +112,24 @@ def _edit(ckpt, tmp_path, fn):
     root = json.loads((copy / "zarr.json").read_text())
     out = fn(root["attributes"]["tsckpt"], copy)
     # A hostile writer can recompute the document's checksum: validation must hold on its own.
-    root["attributes"]["tsckpt_crc32c"] = commit.document_checksum(root["attributes"]["tsckpt"])
-    (copy / "zarr.json").write_text(json.dumps(root) if out is None else out)
+    edited = root if out is None else _parsed(out)
+    if edited is not None:
+        try:
+            edited["attributes"]["tsckpt_crc32c"] = commit.document_checksum(edited["attributes"]["tsckpt"])
+            out = json.dumps(edited)
+        except (ValueError, TypeError, RecursionError):  # NaN and the like: refused before any checksum
+            pass
+    (copy / "zarr.json").write_text(out)
     return copy
+
+
+def _parsed(text):
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    return doc if isinstance(attrs, dict) and isinstance(attrs.get("tsckpt"), dict) else None
 
 
 def _w(md):
