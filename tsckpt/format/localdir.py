@@ -282,7 +282,7 @@ class StagedTarget(SaveTarget):
         if os.path.lexists(self.path) and not os.path.isdir(self.path):
             return Found(FOREIGN, "a file, not a directory")
         kv = open_kvstore(self.location, make_context(location=self.location))
-        return classify(kv)
+        return classify(kv, self.url)
 
     def begin(self) -> None:
         started = time.time()

@@ -32,7 +32,6 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, TsckptError
-from ..kvio import kv_name
 from ..location import Location, LocationLike, make_context, open_kvstore, parse_location
 
 ROOT = "zarr.json"
@@ -67,16 +66,16 @@ class Found:
     save_id: str | None = None
 
 
-def _read(kv: ts.KvStore, key: str) -> ts.KvStore.ReadResult:
+def _read(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
     try:
         return kv.read(key).result()
     except ValueError as e:
-        raise TsckptError(f"cannot read {key!r} at {kv_name(kv)}: {e}") from None
+        raise TsckptError(f"cannot read {key!r} at {url}: {e}") from None
 
 
-def read_root(kv: ts.KvStore) -> tuple[Any, bytes]:
+def read_root(kv: ts.KvStore, url: str) -> tuple[Any, bytes]:
     """The root document's bytes (None when absent) and its storage generation."""
-    result = _read(kv, ROOT)
+    result = _read(kv, ROOT, url)
     return (result.value if result.state == "value" else None), result.stamp.generation
 
 
@@ -102,15 +101,15 @@ def describe_root(raw: bytes) -> Found:
     return Found(FOREIGN, f"a {ROOT} that is not a Zarr document")
 
 
-def classify(kv: ts.KvStore) -> Found:
-    """Whether the kvstore holds nothing, a committed checkpoint, a dead save's leftovers, or other data."""
-    raw, _ = read_root(kv)
+def classify(kv: ts.KvStore, url: str) -> Found:
+    """Whether the kvstore at ``url`` holds nothing, a committed checkpoint, a dead save's leftovers, or other data."""
+    raw, _ = read_root(kv, url)
     if raw is not None:
         return describe_root(raw)
     try:
         keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
     except ValueError as e:
-        raise TsckptError(f"cannot list {kv_name(kv)}: {e}") from None
+        raise TsckptError(f"cannot list {url}: {e}") from None
     if not keys:
         return Found(ABSENT)
     foreign = [k for k in keys if not is_own_key(k)]
@@ -217,40 +216,43 @@ class InPlaceTarget(SaveTarget):
 
     def begin(self) -> None:
         kv = self.kv
-        claim = _read(kv, CLAIM)
+        claim = _read(kv, CLAIM, self.url)
         if claim.state == "value" and not self.overwrite:
             raise ConcurrentSaveError(
                 f"{self.url}: {describe_claim(claim.value)} has not finished: it is still running, or it "
                 f"died; if no save is running there, pass overwrite=True or run `tsckpt clean --force "
                 f"{self.url}`")
-        found = classify(kv)
+        found = classify(kv, self.url)
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
-        written = kv.write(CLAIM, self._claim_document(), if_equal=claim.stamp.generation).result()
-        if not written.generation:
-            raise ConcurrentSaveError(f"{self.url}: another save claimed this location at the same time as "
-                                      f"save {self.save_id}; nothing was written")
-        self._claim_generation = written.generation
-        if found.state != ABSENT:
-            # Un-commit first: from here on the location is incomplete, never a mix.
-            kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
-            kv.delete_range(ts.KvStore.KeyRange("", CLAIM)).result()
-            kv.delete_range(ts.KvStore.KeyRange(CLAIM + "\0", "")).result()
+        try:
+            written = kv.write(CLAIM, self._claim_document(), if_equal=claim.stamp.generation).result()
+            if not written.generation:
+                raise ConcurrentSaveError(f"{self.url}: another save claimed this location at the same time as "
+                                          f"save {self.save_id}; nothing was written")
+            self._claim_generation = written.generation
+            if found.state != ABSENT:
+                # Un-commit first: from here on the location is incomplete, never a mix.
+                kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
+                kv.delete_range(ts.KvStore.KeyRange("", CLAIM)).result()
+                kv.delete_range(ts.KvStore.KeyRange(CLAIM + "\0", "")).result()
+        except ValueError as e:
+            raise TsckptError(f"cannot prepare {self.url} for save {self.save_id}: {e}") from None
 
     def _claim_document(self) -> bytes:
         return json.dumps({"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(),
                            "started": _now()}).encode()
 
     def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
-        claim = _read(self.kv, CLAIM)
+        claim = _read(self.kv, CLAIM, self.url)
         if claim.state != "value" or claim.stamp.generation != self._claim_generation:
             holder = describe_claim(claim.value) if claim.state == "value" else "no save"
             raise ConcurrentSaveError(f"{self.url}: {holder} holds this location now; save {self.save_id} "
                                       f"was overtaken (another save passed overwrite=True) and was not committed")
-        raw, generation = read_root(kv)
+        raw, generation = read_root(kv, self.url)
         if raw is not None:
             refuse(describe_root(raw), self.url, overwrite=False, save_id=self.save_id, at_commit=True)
         if not kv.write(ROOT, root, if_equal=generation).result().generation:
-            raw, _ = read_root(kv)
+            raw, _ = read_root(kv, self.url)
             found = describe_root(raw) if raw is not None else Found(COMMITTED, "another save's commit")
             refuse(found, self.url, overwrite=False, save_id=self.save_id, at_commit=True)
             raise ConcurrentSaveError(f"{self.url}: the root document changed while save {self.save_id} "
@@ -270,7 +272,7 @@ class InPlaceTarget(SaveTarget):
 
     @classmethod
     def leftovers(cls, location: Location) -> list[Leftover]:
-        claim = _read(open_kvstore(location, make_context(location=location)), CLAIM)
+        claim = _read(open_kvstore(location, make_context(location=location)), CLAIM, location.url)
         if claim.state != "value":
             return []
         return [Leftover(f"{location.url}/{CLAIM}", len(claim.value), None,
@@ -282,7 +284,7 @@ class InPlaceTarget(SaveTarget):
         if not force or not found:
             return []
         kv = open_kvstore(location, make_context(location=location))
-        if classify(kv).state == INCOMPLETE:
+        if classify(kv, location.url).state == INCOMPLETE:
             kv.delete_range(ts.KvStore.KeyRange()).result()  # the dead save's data, and its claim
         else:
             kv.write(CLAIM, None).result()
