@@ -36,7 +36,7 @@ import tensorstore as ts
 
 from ..errors import TsckptError
 from ..location import Location, _libc, make_context, open_kvstore
-from .target import ABSENT, COMMITTED, FOREIGN, ROOT, Found, Leftover, SaveTarget, classify, describe_root, refuse
+from .target import ABSENT, COMMITTED, FILE, ROOT, Found, Leftover, SaveTarget, classify, describe_root, refuse
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -280,7 +280,7 @@ class StagedTarget(SaveTarget):
 
     def _found(self) -> Found:
         if os.path.lexists(self.path) and not os.path.isdir(self.path):
-            return Found(FOREIGN, "a file, not a directory")
+            return Found(FILE, "a file, not a directory")
         kv = open_kvstore(self.location, make_context(location=self.location))
         return classify(kv, self.url)
 

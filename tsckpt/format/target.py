@@ -31,7 +31,8 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, TsckptError
+from ..errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, NotACheckpointError, TsckptError
+from ..kvio import storage_error
 from ..location import Location, LocationLike, make_context, open_kvstore, parse_location
 
 ROOT = "zarr.json"
@@ -40,7 +41,7 @@ ATTRIBUTE = "tsckpt"
 #: array path can take (escaped node names never start with ".").
 CLAIM = ".tsckpt-claim.json"
 
-ABSENT, INCOMPLETE, COMMITTED, FOREIGN = "absent", "incomplete", "committed", "foreign"
+ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE = "absent", "incomplete", "committed", "foreign", "file"
 
 #: Keys a tsckpt save writes: node documents and chunk keys of either separator,
 #: plus the claim. A location holding only these and no root is a dead save's leftovers.
@@ -70,7 +71,7 @@ def _read(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
     try:
         return kv.read(key).result()
     except ValueError as e:
-        raise TsckptError(f"cannot read {key!r} at {url}: {e}") from None
+        raise storage_error(e, f"{url}: cannot read {key!r}") from None
 
 
 def read_root(kv: ts.KvStore, url: str) -> tuple[Any, bytes]:
@@ -109,7 +110,7 @@ def classify(kv: ts.KvStore, url: str) -> Found:
     try:
         keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
     except ValueError as e:
-        raise TsckptError(f"cannot list {url}: {e}") from None
+        raise storage_error(e, f"{url}: cannot list it") from None
     if not keys:
         return Found(ABSENT)
     foreign = [k for k in keys if not is_own_key(k)]
@@ -129,6 +130,9 @@ def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: 
                 f"{save_id} was running; save {save_id} was not published (pass overwrite=True to replace)")
         raise CheckpointExistsError(
             f"Checkpoint already exists at {url}: {found.what}; pass overwrite=True to replace it")
+    if found.state == FILE:
+        raise NotACheckpointError(f"{url} is a file, not a checkpoint directory; refusing to replace it: "
+                                  f"pass overwrite=True to replace it, or choose another location")
     if found.state == FOREIGN:
         raise ForeignContentError(
             f"{url} holds {found.what}; refusing to replace it: pass overwrite=True to replace "
