@@ -46,6 +46,7 @@ _LAZY = {
     "open": "reader",
     "Checkpoint": "reader",
     "TensorHandle": "reader",
+    "zarr_store": "zarr_kvstore",
 }
 
 __all__ = [
