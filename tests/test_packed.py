@@ -172,6 +172,20 @@ def test_prepare_clears_what_a_dead_packed_save_left(tmp_path):
     assert [k for k in _list_keys(zarr_store(stale)) if k.startswith("old/")] == ["old/c.0.0", "old/c.1.0"]
 
 
+def test_damaged_root_database_fails_cleanly_naming_the_checksum(tmp_path):
+    tensors = zoo()
+    path = str(tmp_path / "ck")
+    pb.save(path, tensors, WORLD, layout="packed")
+    manifest = tmp_path / "ck" / "manifest.ocdbt"
+    damaged = bytearray(manifest.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    manifest.write_bytes(bytes(damaged))
+    with pytest.raises(TsckptError, match="checksum"):
+        zarr.open_group(zarr_store(path), mode="r")["model/embed.weight"][...]
+    with pytest.raises(ValueError, match="checksum"):
+        read_all_through_tensorstore(path, tensors)
+
+
 def _list_keys(store) -> list[str]:
     return zarr.core.sync.sync(_collect(store.list()))
 

@@ -62,8 +62,11 @@ class PackedOptions:
         target_data_file_size: a rank starts a new data file once the current
             one reaches this many bytes (a file ends at the first value that
             crosses it, so one can be larger by up to one chunk). It is also how
-            much encoded data a rank buffers in memory before writing it out.
-            0 means one file per commit.
+            much encoded data a rank may hold in memory before writing it out,
+            and several files of one rank are written in parallel. 0 means one
+            file per commit. 256 MiB: a rank's files stay few (1 + bytes / 256
+            MiB) while a large rank still writes several files at once, which
+            was faster on local disks than one file per rank.
         max_inline_value_bytes: values up to this size (``zarr.json`` documents,
             0-d tensors, tiny chunks) are stored inside B+tree nodes instead of
             data files.
@@ -73,7 +76,7 @@ class PackedOptions:
             recompressed: that is the arrays' codecs' job).
     """
 
-    target_data_file_size: int = 1 << 30
+    target_data_file_size: int = 256 << 20
     max_inline_value_bytes: int = 1024
     max_decoded_node_bytes: int = 8 << 20
     compress_nodes: bool = True
