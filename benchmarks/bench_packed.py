@@ -1,25 +1,26 @@
 """Plain vs packed layout: save and cold-read speed, files per checkpoint, and join time.
 
-Each run is a fresh subprocess (so peak memory is per run) that writes a
-synthetic row-sharded checkpoint the way the writer does: every rank (a
-thread with its own TensorStore context, all running at once) writes its rows
-of every tensor, then the coordinator commits (packed: joins the ranks'
-databases by reference first). The page cache is dropped before the read,
-which opens every array and reads it whole, all arrays at once.
+Each run is a fresh subprocess that writes a synthetic row-sharded bf16
+checkpoint the way the writer does: every rank, a process of its own with its
+own TensorStore context, writes its rows of every tensor (all ranks start
+together at a barrier; the data sits in shared memory), then the coordinator
+commits (packed: joins the ranks' databases by reference first). The page
+cache is dropped before the read, which opens every array in one process and
+reads it whole, all arrays at once. CPU seconds (all ranks plus the commit)
+are reported beside wall time: on a shared machine they vary far less.
 
 Layouts: ``plain`` (one file per chunk), ``packed`` (each rank's OCDBT
 database, writes as the writer issues them today) and ``packed-txn`` (each
 rank's writes in one atomic transaction: one OCDBT commit per rank); a suffix
 ``@MiB`` (``packed-txn@64``) sets that run's target data file size.
 
-    python benchmarks/bench_packed.py                      # all cases, 3 repetitions
+    python benchmarks/bench_packed.py                      # large and small, 3 repetitions
     python benchmarks/bench_packed.py --cases small --reps 1
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import resource
@@ -41,21 +42,41 @@ from tsckpt.packed import PackedOptions  # noqa: E402
 CASES = {
     "large": (32, 2048, 4096),  # 512 MiB, 4 MiB chunks at 4 ranks
     "small": (300, 128, 256),   # 300 x 64 KiB, 16 KiB chunks at 4 ranks
+    "1gib": (64, 2048, 4096),   # 1 GiB: 256 MiB per rank at 4 ranks, the default target file size
 }
+DEFAULT_CASES = ("large", "small")
 LAYOUTS = ("plain", "packed", "packed-txn")
 
 
-def _tensors(case: str) -> list[Any]:
+def _tensors(case: str, shm: str) -> list[Any]:
+    """The case's tensors, viewed from one shared-memory file so every rank process maps the same bytes."""
     import ml_dtypes
     import numpy as np
 
     import packed_build as pb
 
     count, rows, cols = CASES[case]
-    rng = np.random.default_rng(0)
-    return [pb.Tensor(("model", f"layers.{i}.weight"),
-                      rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16).view(ml_dtypes.bfloat16),
-                      "bfloat16") for i in range(count)]
+    if not os.path.exists(shm):
+        rng = np.random.default_rng(0)
+        np.save(shm, rng.integers(0, 1 << 16, size=(count, rows, cols), dtype=np.uint16))
+    data = np.load(shm, mmap_mode="r").view(ml_dtypes.bfloat16)
+    return [pb.Tensor(("model", f"layers.{i}.weight"), data[i], "bfloat16") for i in range(count)]
+
+
+def _rank(rank: int, ranks: int, where: str, case: str, shm: str, layout: str, target_mib: int,
+          barrier: Any, results: Any) -> None:
+    """One rank's save, in its own process: its rows of every tensor, timed from a common start."""
+    import packed_build as pb
+    from tsckpt.kvstore import make_context, parse_location
+
+    tensors = _tensors(case, shm)
+    context = make_context(location=parse_location(where))
+    barrier.wait()
+    c0, t0 = _cpu(), time.monotonic()
+    pb.write_rank(where, tensors, rank, ranks, layout="packed" if layout.startswith("packed") else "plain",
+                  context=context, transaction=layout == "packed-txn",
+                  options=PackedOptions(target_data_file_size=target_mib << 20))
+    results.put((rank, t0, time.monotonic(), _cpu() - c0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 
 
 def _cpu() -> float:
@@ -77,28 +98,32 @@ def one_run(case: str, layout: str, ranks: int, where: str, target_mib: int) -> 
     from tsckpt.kvstore import make_context, parse_location
     from tsckpt.packed import PackedLayout, reader_context
 
+    import multiprocessing
+
     layout, _, size = layout.partition("@")  # "packed-txn@64": a target file size for this run only
     target_mib = int(size) if size else target_mib
     options = PackedOptions(target_data_file_size=target_mib << 20)
-    tensors = _tensors(case)
+    shm = f"/dev/shm/bench_packed_{os.getpid()}.npy"
+    tensors = _tensors(case, shm)
     nbytes = sum(t.data.nbytes for t in tensors)
     base_layout = "packed" if layout.startswith("packed") else "plain"
     loc = parse_location(where)
     pb.prepare(where, layout=base_layout)
-    contexts = [make_context(location=loc) for _ in range(ranks)]
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
-    c0 = _cpu()
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(ranks) as pool:
-        list(pool.map(lambda r: pb.write_rank(where, tensors, r, ranks, layout=base_layout, context=contexts[r],
-                                              transaction=layout == "packed-txn", options=options),
-                          range(ranks)))
-    t1 = time.perf_counter()
+    mp = multiprocessing.get_context("spawn")
+    barrier, queue = mp.Barrier(ranks), mp.Queue()
+    procs = [mp.Process(target=_rank, args=(r, ranks, where, case, shm, layout, target_mib, barrier, queue))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    done = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    os.unlink(shm)
+    c1, t1 = _cpu(), time.monotonic()
     pb.commit(where, tensors, ranks, layout=base_layout, options=options)
-    t2 = time.perf_counter()
-    c2 = _cpu()
-    rss_write = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t2, c2 = time.monotonic(), _cpu()
+    write_s = max(d[2] for d in done) - min(d[1] for d in done)
     files = pb.files(where)
 
     cold = drop_caches()
@@ -118,12 +143,12 @@ def one_run(case: str, layout: str, ranks: int, where: str, target_mib: int) -> 
     assert all(o.tobytes() == t.data.tobytes() for o, t in zip(out, tensors)), "read back differs"
 
     result = {"case": case, "layout": layout + (f"@{size}" if size else ""), "ranks": ranks, "target_data_file_mib": target_mib, "bytes": nbytes, "tensors": len(tensors),
-              "write_s": t1 - t0, "commit_s": t2 - t1, "save_s": t2 - t0, "read_s": t4 - t3,
-              "save_cpu_s": c2 - c0, "read_cpu_s": c4 - c3,
+              "write_s": write_s, "commit_s": t2 - t1, "save_s": write_s + t2 - t1, "read_s": t4 - t3,
+              "save_cpu_s": sum(d[3] for d in done) + c2 - c1, "read_cpu_s": c4 - c3,
               "cold_read": cold, "files": len(files),
               "stored_bytes": sum(os.path.getsize(os.path.join(dp, f))
                                   for dp, _, fs in os.walk(where) for f in fs),
-              "peak_rss_mb_during_save": (rss_write - rss_before) / 1024}
+              "rank_peak_rss_mb": max(d[4] for d in done) / 1024}
     if case == "small":
         import zarr
 
@@ -179,7 +204,7 @@ def _child(args: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
@@ -227,7 +252,7 @@ def main() -> None:
             rs = [r for r in runs if r["case"] == case and r["layout"] == layout]
             med = {k: statistics.median(r[k] for r in rs) for k in
                    ("save_s", "commit_s", "read_s", "save_cpu_s", "read_cpu_s", "files",
-                    "peak_rss_mb_during_save")
+                    "rank_peak_rss_mb")
                    + (("zarr_python_read_s",) if case == "small" else ())}
             mb = rs[0]["bytes"] / 1e6
             summary.append({"case": case, "layout": layout, "MB": mb, **med,
@@ -235,12 +260,12 @@ def main() -> None:
                             "cold_read": all(r["cold_read"] for r in rs)})
     print(f"\nmedians of {args.reps} ({args.ranks} ranks, packed target_data_file_size {args.target_mib} MiB):")
     print(f"{'case':6}{'layout':12}{'MB':>8}{'save s':>9}{'MB/s':>8}{'commit s':>10}{'read s':>9}{'MB/s':>8}"
-          f"{'save cpu':>10}{'read cpu':>10}{'files':>7}{'save RSS MB':>13}{'zarr-py s':>11}")
+          f"{'save cpu':>10}{'read cpu':>10}{'files':>7}{'rank RSS MB':>13}{'zarr-py s':>11}")
     for s in summary:
         print(f"{s['case']:6}{s['layout']:12}{s['MB']:8.0f}{s['save_s']:9.3f}{s['save_MBps']:8.0f}"
               f"{s['commit_s']:10.3f}{s['read_s']:9.3f}{s['read_MBps']:8.0f}"
               f"{s['save_cpu_s']:10.3f}{s['read_cpu_s']:10.3f}{s['files']:7.0f}"
-              f"{s['peak_rss_mb_during_save']:13.0f}{s.get('zarr_python_read_s', float('nan')):11.3f}")
+              f"{s['rank_peak_rss_mb']:13.0f}{s.get('zarr_python_read_s', float('nan')):11.3f}")
     if joins:
         print(f"join {joins[0]['ranks']} x {joins[0]['keys_per_rank']}: median "
               f"{statistics.median(j['join_s'] for j in joins):.3f}s, root files {joins[0]['root_files']}, "

@@ -7,7 +7,7 @@ where its keys live changes. A packed checkpoint at ``BASE`` holds::
     manifest.ocdbt, d/<32 hex>        the joined OCDBT database: every array's and group's zarr.json,
                                       and a B+tree mapping each chunk key to bytes in the ranks' data files
     ocdbt.process_<r>/manifest.ocdbt  rank r's own OCDBT database ...
-    ocdbt.process_<r>/d/<32 hex>      ... and its data files, each about ``target_data_file_size`` or less
+    ocdbt.process_<r>/d/<32 hex>      ... and its data files, each about ``target_data_file_size`` at most
 
 Saving: every rank writes its chunks into its own database, so no two
 processes ever write one database and no locking or coordination service is
@@ -21,7 +21,7 @@ inside an atomic transaction, so the join itself cannot be the commit), and a
 location without it is an incomplete checkpoint exactly as in the plain layout.
 
 Reading: an array is the ``zarr3`` driver over ``{"driver": "ocdbt", "base": BASE}``
-with the array's path; :mod:`tsckpt.zarr_store` serves the same keys to zarr-python.
+with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/zarr_kvstore.py``) serves the same keys to zarr-python.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ ordinary Zarr v3 hierarchy either way.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -94,6 +96,7 @@ class TensorStoreZarrStore(Store):
         self.layout = layout
         self.io_concurrency = io_concurrency
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
+        self._opened_at = 0.0
 
     # --- plumbing ----------------------------------------------------------
 
@@ -111,6 +114,7 @@ class TensorStoreZarrStore(Store):
             else:
                 keys = plain
             self._stores = (plain, keys)
+            self._opened_at = time.time()
         return self._stores
 
     def _route(self, key: str) -> ts.KvStore:
@@ -140,43 +144,42 @@ class TensorStoreZarrStore(Store):
 
     # --- reads -------------------------------------------------------------
 
+    def _read(self, key: str, byte_range: ByteRequest | None) -> ts.Future:
+        # A committed checkpoint never changes: what was current when the store
+        # opened is current, so TensorStore need not revalidate its cached
+        # manifest and B+tree nodes on every read.
+        kv = self._route(key)
+        return kv.read(key, byte_range=_as_slice(byte_range), staleness_bound=self._opened_at)
+
+    def _only_out_of_range(self, key: str, error: ValueError) -> None:
+        """Let a range past the end through (zarr returns what exists; TensorStore refuses); raise the rest."""
+        if "OUT_OF_RANGE" not in str(error):
+            raise self._error(key, error) from None
+
     async def get(self, key: str, prototype: BufferPrototype | None = None,
                   byte_range: ByteRequest | None = None) -> Buffer | None:
-        kv = self._route(key)
         try:
-            result = await kv.read(key, byte_range=_as_slice(byte_range))
+            return self._buffer(prototype, await self._read(key, byte_range))
         except ValueError as e:
-            if "OUT_OF_RANGE" not in str(e):
-                raise self._error(key, e) from None
-            # zarr returns what exists of a range past the end; TensorStore refuses it.
-            result = await kv.read(key)
-            return self._buffer(prototype, _clip(result.value, byte_range)) if result.state == "value" else None
-        return self._buffer(prototype, result.value) if result.state == "value" else None
+            self._only_out_of_range(key, e)
+        return self._buffer(prototype, await self._read(key, None), byte_range)
 
     def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
                  byte_range: ByteRequest | None = None) -> Buffer | None:
         """Synchronous read (zarr's ``SupportsGetSync`` protocol)."""
-        kv = self._route(key)
         try:
-            result = kv.read(key, byte_range=_as_slice(byte_range)).result()
+            return self._buffer(prototype, self._read(key, byte_range).result())
         except ValueError as e:
-            if "OUT_OF_RANGE" not in str(e):
-                raise self._error(key, e) from None
-            result = kv.read(key).result()
-            return self._buffer(prototype, _clip(result.value, byte_range)) if result.state == "value" else None
-        return self._buffer(prototype, result.value) if result.state == "value" else None
+            self._only_out_of_range(key, e)
+        return self._buffer(prototype, self._read(key, None).result(), byte_range)
 
     async def get_partial_values(self, prototype: BufferPrototype,
                                  key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
-        # Issue every read before awaiting any: TensorStore runs them concurrently.
-        pending = []
-        for key, byte_range in key_ranges:
-            pending.append(self.get(key, prototype, byte_range))
-        return [await p for p in pending]
+        return list(await asyncio.gather(*(self.get(key, prototype, r) for key, r in key_ranges)))
 
     async def exists(self, key: str) -> bool:
         try:
-            result = await self._route(key).read(key, byte_range=slice(0, 0))
+            result = await self._read(key, RangeByteRequest(0, 0))
         except ValueError as e:
             raise self._error(key, e) from None
         return result.state == "value"
@@ -211,7 +214,7 @@ class TensorStoreZarrStore(Store):
             found = {k.decode("utf-8", "surrogateescape") for k in await keys.list(rng)}
             if keys is not plain and hierarchy.ROOT.startswith(prefix):
                 found.discard(hierarchy.ROOT)  # the root document outside the database is the only one
-                if (await plain.read(hierarchy.ROOT, byte_range=slice(0, 0))).state == "value":
+                if (await self._read(hierarchy.ROOT, RangeByteRequest(0, 0))).state == "value":
                     found.add(hierarchy.ROOT)
         except ValueError as e:
             raise self._error(prefix or "(all keys)", e) from None
@@ -236,7 +239,12 @@ class TensorStoreZarrStore(Store):
         return TsckptError(f"reading {key!r} from {self.location.url} failed: {e}")
 
     @staticmethod
-    def _buffer(prototype: BufferPrototype | None, value: bytes) -> Buffer:
+    def _buffer(prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
+                clip: ByteRequest | None = None) -> Buffer | None:
+        """The value read, or None for a missing key; ``clip`` cuts a whole value to a range."""
+        if result.state != "value":
+            return None
+        value = result.value if clip is None else _clip(result.value, clip)
         return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
 
 
