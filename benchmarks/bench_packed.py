@@ -142,7 +142,8 @@ def one_run(case: str, layout: str, ranks: int, where: str, target_mib: int) -> 
     c4 = _cpu()
     assert all(o.tobytes() == t.data.tobytes() for o, t in zip(out, tensors)), "read back differs"
 
-    result = {"case": case, "layout": layout + (f"@{size}" if size else ""), "ranks": ranks, "target_data_file_mib": target_mib, "bytes": nbytes, "tensors": len(tensors),
+    result = {"case": case, "layout": layout + (f"@{size}" if size else ""), "ranks": ranks,
+              "target_data_file_mib": target_mib, "bytes": nbytes, "tensors": len(tensors),
               "write_s": write_s, "commit_s": t2 - t1, "save_s": write_s + t2 - t1, "read_s": t4 - t3,
               "save_cpu_s": sum(d[3] for d in done) + c2 - c1, "read_cpu_s": c4 - c3,
               "cold_read": cold, "files": len(files),

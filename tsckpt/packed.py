@@ -21,7 +21,8 @@ inside an atomic transaction, so the join itself cannot be the commit), and a
 location without it is an incomplete checkpoint exactly as in the plain layout.
 
 Reading: an array is the ``zarr3`` driver over ``{"driver": "ocdbt", "base": BASE}``
-with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/zarr_kvstore.py``) serves the same keys to zarr-python.
+with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/zarr_kvstore.py``)
+serves the same keys to zarr-python.
 """
 
 from __future__ import annotations
