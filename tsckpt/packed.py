@@ -6,8 +6,8 @@ where its keys live changes. A packed checkpoint at ``BASE`` holds::
     zarr.json                         root group and metadata document, a plain file written last (the commit)
     manifest.ocdbt, d/<32 hex>        the joined OCDBT database: every array's and group's zarr.json,
                                       and a B+tree mapping each chunk key to bytes in the ranks' data files
-    ocdbt.process_<r>/manifest.ocdbt  rank r's own OCDBT database ...
-    ocdbt.process_<r>/d/<32 hex>      ... and its data files, each about ``target_data_file_size`` at most
+    ocdbt.process_<r>/d/<32 hex>      the data files of rank r's own OCDBT database (its manifest
+                                      is deleted once joined), each about ``target_data_file_size``
 
 Saving: every rank writes its chunks into its own database, so no two
 processes ever write one database and no locking or coordination service is
@@ -220,7 +220,7 @@ class PackedLayout:
         database would resurrect them at the join, so both go. Call only after
         the location is known to hold no committed checkpoint.
         """
-        pending = [kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")),
+        pending = [kv.delete_range(_single_key(MANIFEST)),
                    kv.delete_range(prefix_range(DATA_PREFIX)), kv.delete_range(prefix_range(PROCESS_PREFIX))]
         for f in pending:
             f.result()
@@ -233,8 +233,9 @@ class PackedLayout:
         :func:`tsckpt.hierarchy.commit`: write every array's and group's
         ``zarr.json`` into ``nodes``, then call ``flush``, which commits the
         copies and the documents to the root database in one batch (one
-        manifest, about one data file of B+tree nodes) and returns once they
-        are durable. Only after it may the root ``zarr.json`` be written.
+        manifest, about one data file of B+tree nodes), returns once they are
+        durable, and deletes the ranks' manifests, which nothing reads any
+        more. Only after it may the root ``zarr.json`` be written.
 
         The copies and documents go through one non-atomic transaction so
         TensorStore commits them together; the commit of the checkpoint is
@@ -260,6 +261,13 @@ class PackedLayout:
         def flush() -> None:
             try:
                 txn.commit_async().result()
+                # The joined database refers to the ranks' data files, never to
+                # their manifests: dropping those leaves one file per rank and
+                # target size. A coordinator dying here only leaves them behind.
+                plain = ts.KvStore.open(_under(base, ""), context=context).result()
+                for f in [plain.delete_range(_single_key(f"{PROCESS_PREFIX}{r}/{MANIFEST}"))
+                          for r in range(world_size)]:
+                    f.result()
             except ValueError as e:
                 raise TsckptError(f"committing the joined database of {where} failed: {e}") from None
 
@@ -293,6 +301,10 @@ def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
         return ts.KvStore.KeyRange()
     # UTF-8 keeps code point order, so bumping the last character bounds every key under the prefix.
     return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def _single_key(key: str) -> ts.KvStore.KeyRange:
+    return ts.KvStore.KeyRange(key, key + "\0")
 
 
 def _describe(base: Mapping[str, Any]) -> str:
