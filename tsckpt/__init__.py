@@ -50,6 +50,7 @@ _LAZY = {
     # torch-free chores on a directory of step checkpoints
     "latest": "steps",
     "prune": "steps",
+    "zarr_store": "zarr_kvstore",
 }
 
 __all__ = [

@@ -30,7 +30,7 @@ from ..format import checksums, commit, dtypes, values, zarr_json
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
-from ..format.spec import Store
+from ..format.spec import PLAIN, Store
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ class CheckpointBuilder:
         extra: JSON-able values recorded in the metadata's ``extra``.
         checksums: record a crc32c of every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
         crc32c_codec: also store Zarr's ``crc32c`` codec with every chunk.
+        layout: ``"plain"`` (one file per chunk) or ``"packed"`` (an OCDBT
+            database of a few large files), as in :class:`tsckpt.TensorStoreWriter`.
     """
 
     def __init__(
@@ -84,16 +86,18 @@ class CheckpointBuilder:
         extra: Mapping[str, Any] | None = None,
         checksums: bool = True,
         crc32c_codec: bool = False,
+        layout: str = PLAIN,
     ):
         self.checksums = checksums
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec)
-        self.store = Store.open(location, io_concurrency=io_concurrency)
+        self.store = Store.open(location, io_concurrency=io_concurrency, layout=layout)
         self.location = self.store.location
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
         self.save_id = uuid.uuid4().hex
         commit.prepare_target(self.store.kvstore, self.url, overwrite=overwrite)
+        self.store.layout.prepare(self.store)
         self._tensors: dict[str, TensorEntry] = {}
         self._objects: dict[str, ObjectEntry] = {}
         self._blob_sizes: dict[str, int] = {}

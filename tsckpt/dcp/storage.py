@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import tensorstore as ts
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -168,8 +169,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             ``checkpoint_id=`` to ``dcp.save``.
         single_file_per_rank: ``True`` asks for the ``"packed"`` layout (few
             files per rank, like DCP's default); ``False`` or ``None`` (the
-            default here) for one file per chunk, the plain Zarr layout. A
-            version without a packed layout refuses ``True`` with an error.
+            default here) for one file per chunk, the plain Zarr layout.
         sync_files: ``False`` skips every fsync (chunks, nodes, root document,
             and the filesystem sync before the commit) and records
             ``"synced": false`` in the metadata's ``extra``: faster, but a power
@@ -192,7 +192,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             other extensions are refused.
         serialization_format: DCP's default (``TORCH_SAVE``) is accepted, since
             tensors are never pickled here anyway; ``SAFETENSORS`` is refused.
-        layout: tsckpt's name for the storage layout (``"plain"``).
+        layout: tsckpt's name for the storage layout: ``"plain"`` (the
+            default, one file per chunk) or ``"packed"`` (each rank's chunks in
+            a few large files of an OCDBT database, joined at commit; see
+            docs/format.md).
         inner_chunk_bytes: outer chunks above this size are stored with Zarr's
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
@@ -276,9 +279,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         compat.refuse_rank_local_saves(kwargs.get("use_collectives", True), str(self.checkpoint_id))
         self._started = time.perf_counter()
         self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", 0))
+        # The packed layout gives each rank its own database: the rank must be right.
+        self.rank = int(kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0))
         if is_coordinator:
             commit.prepare_target(self.store.kvstore, self.store.url, overwrite=self.overwrite)
+            self.store.layout.prepare(self.store)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -333,7 +338,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
         opened = {
-            fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
+            fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options), self.rank)
             for fqn, e in rank_plan.arrays.items()
         }
         pending, results, keep_alive = [], [], []
@@ -392,7 +397,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if encoding == values.JSON:
             return {"encoding": values.JSON, "value": payload}, None
         blob = np.frombuffer(payload, dtype=np.uint8)
-        arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
+        arr = self.store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result()
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -99,8 +99,9 @@ def commit_checkpoint(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra=dict(extra or {}),
         array_options=options,
+        layout=store.layout.name,
     )
-    commit(store.kvstore, md, docs, nodes=store.layout.nodes(store))
+    commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size))
     return md
 
 

@@ -345,8 +345,12 @@ class CheckpointMetadata:
     extra: Mapping[str, Any] = field(default_factory=dict)
     #: The codecs every tensor array was written with; None in version 1 (read from each zarr.json).
     array_options: ArrayOptions | None = None
+    #: How the arrays' keys are stored (``tsckpt.format.spec.LAYOUTS``): "plain" or "packed".
+    layout: str = "plain"
 
     def to_dict(self) -> dict[str, Any]:
+        # A plain checkpoint's document stays as before the packed layout existed.
+        layout = {} if self.layout == "plain" else {"layout": self.layout}
         return {
             "format": FORMAT,
             "version": self.version,
@@ -359,6 +363,7 @@ class CheckpointMetadata:
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
             "extra": dict(self.extra),
             "array_options": self.array_options.to_dict() if self.array_options else None,
+            **layout,
         }
 
     @classmethod
@@ -386,6 +391,9 @@ class CheckpointMetadata:
         if clash:
             raise MetadataError(f"{what}: {sorted(clash)[0]!r} is both an array and a group")
         extra = d.get("extra") or {}
+        layout = d.get("layout", "plain")
+        if not isinstance(layout, str):
+            raise MetadataError(f"{what}: 'layout' must be a string, not {type(layout).__name__}")
         return cls(
             world_size=_get(d, "world_size", what, int),
             tensors=tensors,
@@ -397,6 +405,7 @@ class CheckpointMetadata:
             version=version,
             extra=extra if isinstance(extra, dict) else {},
             array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
+            layout=layout,
         )
 
 

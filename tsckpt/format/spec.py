@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import tensorstore as ts
 
-from ..errors import TsckptError
+from ..errors import MetadataError, TsckptError
 from ..location import (
     DEFAULT_IO_CONCURRENCY,
     Location,
@@ -38,12 +38,14 @@ from ..location import (
     parse_location,
     unsynced_nodes,
 )
+from ..packed import PackedLayout, reader_context
 from . import checksums, zarr_json
 from .metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
 #: Options every tsckpt array is opened with, for writing and for reading.
 ALWAYS: Mapping[str, Any] = {"store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
 PLAIN = "plain"
+PACKED = PackedLayout.name
 
 
 class KvLayout(ABC):
@@ -53,12 +55,24 @@ class KvLayout(ABC):
 
     @abstractmethod
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
-        """The kvstore spec that holds the array at ``path`` (its ``zarr.json`` and chunks)."""
+        """The kvstore spec that holds the array at ``path`` (its ``zarr.json`` and chunks) for readers."""
 
-    def nodes(self, store: Store) -> tuple[ts.KvStore, Callable[[], None] | None]:
+    def write_kvstore(self, location: Location, rank: int, path: str) -> dict[str, Any]:
+        """The kvstore spec rank ``rank`` writes the chunks of the array at ``path`` into."""
+        return self.array_kvstore(location, path)
+
+    def context(self, parent: ts.Context) -> ts.Context:
+        """The context every array of a location is opened with (a layout may add resources)."""
+        return parent
+
+    def prepare(self, store: Store) -> None:
+        """Coordinator, before any rank writes to an uncommitted location: clear what a dead save left."""
+
+    def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
         """Where the commit writes ``<path>/zarr.json`` documents, and a call that makes them durable.
 
-        The flush (if any) runs before the root document is written.
+        ``world_size`` ranks wrote the arrays. The flush (if any) runs before
+        the root document is written.
         """
         return store.kvstore, None
 
@@ -81,7 +95,11 @@ def get_layout(name: str) -> KvLayout:
 
 def layout_for(metadata: CheckpointMetadata) -> KvLayout:
     """The layout a committed checkpoint was written with (every version-1 checkpoint is plain)."""
-    return get_layout(PLAIN)
+    try:
+        return LAYOUTS[metadata.layout]
+    except KeyError:
+        raise MetadataError(f"checkpoint metadata: unknown storage layout {metadata.layout!r}; "
+                            f"expected one of {sorted(LAYOUTS)}") from None
 
 
 @register_layout
@@ -93,10 +111,35 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def nodes(self, store: Store) -> tuple[ts.KvStore, Callable[[], None] | None]:
+    def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
         # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
         fast = unsynced_nodes(store.location)
         return fast if fast is not None else (store.kvstore, None)
+
+
+@register_layout
+class PackedKvLayout(KvLayout):
+    """Every chunk in a few large files: per-rank OCDBT databases joined at commit (:mod:`tsckpt.packed`)."""
+
+    name = PACKED
+
+    def __init__(self, packed: PackedLayout = PackedLayout()) -> None:
+        self.packed = packed
+
+    def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
+        return self.packed.read_kvstore(dict(location.spec), path)
+
+    def write_kvstore(self, location: Location, rank: int, path: str) -> dict[str, Any]:
+        return self.packed.write_kvstore(dict(location.spec), rank, path)
+
+    def context(self, parent: ts.Context) -> ts.Context:
+        return reader_context(parent)
+
+    def prepare(self, store: Store) -> None:
+        self.packed.prepare(store.kvstore)
+
+    def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
+        return self.packed.join(dict(store.location.spec), world_size, store.context)
 
 
 # --- specs --------------------------------------------------------------------
@@ -171,22 +214,26 @@ class Store:
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
              layout: str = PLAIN) -> Store:
         loc = parse_location(location)
-        context = make_context(io_concurrency, loc)
-        return cls(loc, context, open_kvstore(loc, context), get_layout(layout))
+        kv_layout = get_layout(layout)
+        context = kv_layout.context(make_context(io_concurrency, loc))
+        return cls(loc, context, open_kvstore(loc, context), kv_layout)
 
     @property
     def url(self) -> str:
         return self.location.url
 
     def for_checkpoint(self, metadata: CheckpointMetadata) -> Store:
-        return dataclasses.replace(self, layout=layout_for(metadata), array_options=metadata.array_options)
+        layout = layout_for(metadata)
+        context = self.context if layout is self.layout else layout.context(self.context)
+        return dataclasses.replace(self, layout=layout, context=context, array_options=metadata.array_options)
 
     def array_kvstore(self, path: str) -> dict[str, Any]:
         return self.layout.array_kvstore(self.location, path)
 
-    def create(self, path: str, zarr_metadata: Mapping[str, Any]) -> ts.Future:
-        """Open the array at ``path`` for writing chunks before its ``zarr.json`` exists."""
-        return ts.open(write_spec(self.array_kvstore(path), zarr_metadata), context=self.context)
+    def create(self, path: str, zarr_metadata: Mapping[str, Any], rank: int = 0) -> ts.Future:
+        """Open the array at ``path`` for rank ``rank`` to write chunks, before its ``zarr.json`` exists."""
+        kvstore = self.layout.write_kvstore(self.location, rank, path)
+        return ts.open(write_spec(kvstore, zarr_metadata), context=self.context)
 
     def open_tensor(self, entry: TensorEntry) -> ts.Future:
         """Open a tensor's array for reading as the root document describes it.
