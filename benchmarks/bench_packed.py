@@ -67,7 +67,7 @@ def _rank(rank: int, ranks: int, where: str, case: str, shm: str, layout: str, t
           barrier: Any, results: Any) -> None:
     """One rank's save, in its own process: its rows of every tensor, timed from a common start."""
     import packed_build as pb
-    from tsckpt.kvstore import make_context, parse_location
+    from tsckpt.location import make_context, parse_location
 
     tensors = _tensors(case, shm)
     context = make_context(location=parse_location(where))
@@ -95,7 +95,7 @@ def one_run(case: str, layout: str, ranks: int, where: str, target_mib: int) -> 
     import tensorstore as ts
 
     import packed_build as pb
-    from tsckpt.kvstore import make_context, parse_location
+    from tsckpt.location import make_context, parse_location
     from tsckpt.packed import PackedLayout, reader_context
 
     import multiprocessing
@@ -153,7 +153,7 @@ def one_run(case: str, layout: str, ranks: int, where: str, target_mib: int) -> 
     if case == "small":
         import zarr
 
-        import tsckpt.zarr_dtypes  # noqa: F401  (bfloat16 for zarr-python)
+        import tsckpt.format.zarr_dtypes  # noqa: F401  (bfloat16 for zarr-python)
         from tsckpt.zarr_kvstore import zarr_store
 
         drop_caches()
@@ -169,7 +169,7 @@ def join_run(ranks: int, keys: int, where: str) -> dict[str, Any]:
     """Time the coordinator's join of ``ranks`` small databases of ``keys`` chunks each."""
     import tensorstore as ts
 
-    from tsckpt.kvstore import make_context, parse_location
+    from tsckpt.location import make_context, parse_location
     from tsckpt.packed import PackedLayout
 
     loc = parse_location(where)

@@ -255,6 +255,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self._placements: dict[str, Any] = {}
         self._key_paths: dict[str, tuple[Any, ...]] = {}
         self._full_plans: list[SavePlan] | None = None
+        self._txn: ts.Transaction | None = None  # the packed layout's per-rank transaction, during write_data
 
     def __getstate__(self) -> dict[str, Any]:
         return {**TensorStoreIO.__getstate__(self), "_staged": None}  # never the staged copies
@@ -342,6 +343,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             for fqn, e in rank_plan.arrays.items()
         }
         pending, results, keep_alive = [], [], []
+        self._txn = self.store.layout.rank_transaction()
         summary = _RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
         later = []
@@ -365,7 +367,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             if not tensor.numel():
                 continue
             source = dtypes.tensor_as_numpy(tensor)
-            arr = opened[fqn].result()
+            arr = self._in_txn(opened[fqn].result())
             fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
             pending.append((fqn, fut))
             if on_device:
@@ -380,11 +382,21 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
         for fqn, fut in pending:
             self._wait(fqn, fut)
+        if self._txn is not None:
+            try:
+                self._txn.commit_async().result()
+            except Exception as e:
+                raise TsckptError(f"committing rank {self.rank}'s writes to {self.checkpoint_id} failed: {e}") from e
+            finally:
+                self._txn = None
         if results:
             # One record per rank rather than per item: the coordinator's finish then
             # handles ranks, not ranks x tensors.
             results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
         return done(results)
+
+    def _in_txn(self, arr: ts.TensorStore) -> ts.TensorStore:
+        return arr if self._txn is None else arr.with_transaction(self._txn)
 
     def _wait(self, fqn: str, fut: Any) -> None:
         try:
@@ -397,7 +409,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if encoding == values.JSON:
             return {"encoding": values.JSON, "value": payload}, None
         blob = np.frombuffer(payload, dtype=np.uint8)
-        arr = self.store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result()
+        arr = self._in_txn(self.store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -65,6 +65,10 @@ class KvLayout(ABC):
         """The context every array of a location is opened with (a layout may add resources)."""
         return parent
 
+    def rank_transaction(self) -> ts.Transaction | None:
+        """A transaction all of one rank's writes go through, committed after the last (None: none)."""
+        return None
+
     def prepare(self, store: Store) -> None:
         """Coordinator, before any rank writes to an uncommitted location: clear what a dead save left."""
 
@@ -134,6 +138,10 @@ class PackedKvLayout(KvLayout):
 
     def context(self, parent: ts.Context) -> ts.Context:
         return reader_context(parent)
+
+    def rank_transaction(self) -> ts.Transaction | None:
+        # One OCDBT commit per rank: data files of the target size, not one per flush.
+        return self.packed.rank_transaction()
 
     def prepare(self, store: Store) -> None:
         self.packed.prepare(store.kvstore)
