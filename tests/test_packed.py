@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace as dataclasses_replace
 import re
 
 import dask.array as da
@@ -239,3 +240,18 @@ def test_spawned_gloo_ranks_write_their_own_databases_and_the_coordinator_joins_
     read_all_through_zarr(zarr_store(path), tensors)
     assert same(np.asarray(da.from_zarr(zarr_store(path), component="model/embed.weight").compute()),
                 tensors[0].data)
+
+
+def test_root_document_names_its_layout_and_an_unknown_one_is_refused():
+    from tsckpt.errors import MetadataError
+    from tsckpt.format.metadata import CheckpointMetadata
+    from tsckpt.format.spec import layout_for
+
+    md = CheckpointMetadata(world_size=1, tensors={}, objects={}, layout="packed")
+    assert md.to_dict()["layout"] == "packed"
+    assert layout_for(CheckpointMetadata.from_dict(md.to_dict())).name == "packed"
+    assert "layout" not in dataclasses_replace(md, layout="plain").to_dict()  # plain documents are unchanged
+    with pytest.raises(MetadataError, match="unknown storage layout 'flat'"):
+        layout_for(CheckpointMetadata.from_dict(md.to_dict() | {"layout": "flat"}))
+    with pytest.raises(MetadataError, match="'layout' must be a string"):
+        CheckpointMetadata.from_dict(md.to_dict() | {"layout": 3})
