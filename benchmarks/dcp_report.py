@@ -99,8 +99,8 @@ def run_tables(run: dict[str, Any]) -> list[str]:
         if any(key in s.get(c, {}) for c in cols):
             lines.append(f"| {text.format(**fill)} | " + " | ".join(_seconds(s.get(c, {}).get(key)) for c in cols) + " |")
     if "staging copy" in s:
-        lines.append(f"| one staging copy of a rank's state dict (clone) | {_seconds(s['staging copy']['copy'])} |"
-                     + " |" * (len(cols) - 1))
+        lines.append(f"| one staging copy of a rank's state dict (clone): {_seconds(s['staging copy']['copy'])} |"
+                     + " - |" * len(cols))
     mem = run.get("memory", {})
     lines.append(f"| peak extra memory per rank during save (local state dict {run['local_bytes'] / 1e6:.0f} MB) | "
                  + " | ".join(f"{mem[c] / 1e6:.0f} MB" if c in mem else "-" for c in cols) + " |")
