@@ -25,8 +25,16 @@ import math
 import time
 import tracemalloc
 
+import numpy as np
+
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -57,18 +65,32 @@ def synthetic_plans(ranks: int, tensors: int, rows: int, cols: int) -> tuple[lis
 
 
 def synthetic_results(plans: list[SavePlan], writer: TensorStoreWriter) -> list[list[WriteResult]]:
-    """What each rank's write_data would return: its chunks and their crc32c values."""
+    """What each rank's write_data would return: per item results and one summary of its chunks and crc32c values."""
+    ids = {fqn: i for i, fqn in enumerate(writer._entries)}
     out = []
     for r, plan in enumerate(plans):
-        rank_results = []
+        tensor, chunk = [], []
         for item in plan.items:
             entry = writer._entries[item.index.fqn]
             c = item.tensor_data.chunk
-            chunks = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
-            rank_results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={
-                "rank": r, "chunks": chunks, "crcs": [(r * 7919 + f) & 0xFFFFFFFF for f in chunks]}))
-        out.append(rank_results)
+            found = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
+            chunk += found
+            tensor += [ids[item.index.fqn]] * len(found)
+        summary = {"rank": r, "placements": {}, "objects": {}, "tensor": np.asarray(tensor, dtype=np.int32),
+                   "chunk": np.asarray(chunk, dtype=np.int64),
+                   "crc": (np.arange(len(chunk), dtype=np.uint32) * 2654435761 + r).astype(np.uint32)}
+        results = [WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items]
+        results[0] = WriteResult(index=results[0].index, size_in_bytes=0, storage_data=summary)
+        out.append(results)
     return out
+
+
+def dcp_metadata(writer: TensorStoreWriter) -> Metadata:
+    """The global metadata DCP hands ``finish`` (chunk lists left out: the writer does not use them)."""
+    props = TensorProperties(dtype=torch.bfloat16)
+    return Metadata(state_dict_metadata={
+        fqn: TensorStorageMetadata(properties=props, size=torch.Size(e.shape), chunks=[])
+        for fqn, e in writer._entries.items()})
 
 
 def main() -> None:
@@ -99,7 +121,7 @@ def main() -> None:
     gc.collect()
     gc.disable()
     t = time.perf_counter()
-    writer.finish(None, results)  # type: ignore[arg-type]
+    writer.finish(dcp_metadata(writer), results)
     finish_s = time.perf_counter() - t
     gc.enable()
     del results

@@ -307,19 +307,22 @@ def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Locatio
         raise TsckptError(f"invalid TensorStore context resources{where}: {e}") from None
 
 
-def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None]] | None:
+def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] | None] | None:
     """A kvstore that skips per-file fsync, and the one call that makes its writes durable.
 
     Only for local paths on Linux, where ``syncfs`` flushes the whole filesystem
     in one journal commit: writing hundreds of small ``zarr.json`` files with an
     fsync each costs more than the commit's data. None elsewhere (object stores
-    are durable per PUT; other systems keep per-file fsync).
+    are durable per PUT; other systems keep per-file fsync). When the location's
+    own context sets ``file_io_sync: false``, there is no flush call either.
     """
     syncfs = getattr(_libc(), "syncfs", None)
     if location.driver != "file" or syncfs is None:
         return None
     spec = {**context_spec(location=location), "file_io_sync": False}
     kv = open_kvstore(location, ts.Context(spec, parent=_process_context()))
+    if location.context.get("file_io_sync") is False:
+        return kv, None  # the location turned syncing off altogether: no flush either
     root = str(location.spec.get("path", "."))
 
     def flush() -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
 from ..format import checksums, commit, dtypes, values, zarr_json
-from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, Region, ReplicatedPlacement, TensorEntry
+from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
 from ..format.spec import Store
@@ -151,7 +151,7 @@ class CheckpointBuilder:
         fqn, path = self._claim(key_path)
         shape = tuple(int(n) for n in source.shape)
         # A DCP save records no write for an empty tensor; match it.
-        whole = [Region((0,) * len(shape), shape, 0)] if source.size else []
+        whole = [((0,) * len(shape), shape)] if source.size else []
         entry = plan_tensor(fqn, key_path, shape, dt.zarr, whole, inner_chunk_bytes=self.inner_chunk_bytes,
                             placement=ReplicatedPlacement())
         if source.size:
@@ -160,8 +160,8 @@ class CheckpointBuilder:
                 source, can_reference_source_data_indefinitely=True)
             self._track(fqn, fut, (tensor, source), source.nbytes)
         if self.checksums:
-            crcs = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else []
-            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, crcs))
+            written = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else ([], [])
+            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, *written))
         self._tensors[fqn] = entry
         return entry
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,9 +34,14 @@ def save(
 
     Collective when a process group is initialized: every rank calls it.
     ``writer_options`` go to :class:`TensorStoreWriter`.
+
+    Unlike ``TensorStoreWriter`` (whose default follows DCP's ``FileSystemWriter``),
+    this refuses to replace a complete checkpoint unless ``overwrite=True``:
+    a save to the wrong step's path would otherwise destroy a good checkpoint
+    without a word, and code written against tsckpt's own API can say what it means.
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
-    with _unwrapped(), gc_paused():
+    with _unwrapped(), gc_paused(), _single_process_quiet():
         return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
 
 
@@ -80,7 +86,7 @@ def load(
     reader = TensorStoreReader(path, allow_pickle=allow_pickle)
     reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
-    with _unwrapped(), gc_paused():
+    with _unwrapped(), gc_paused(), _single_process_quiet():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
 
 
@@ -100,6 +106,18 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning, and only it.
+
+    Saving and loading without a process group is what tsckpt's functions are
+    for in one process; the warning would tell such users nothing.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 @contextlib.contextmanager

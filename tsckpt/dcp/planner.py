@@ -9,6 +9,8 @@ per ShardedTensor shard and per plain value, and deduplicates replicas by
 giving each duplicate to the rank with the fewest bytes so far, which spreads
 replicated writes over the replicas. On top of that tsckpt records each
 tensor's mesh and placements, and stores plain values as readable JSON.
+With DCP's own planner the writer gets the same records from
+:func:`placement_records` while it writes, and decodes plain values itself.
 
 Load: DCP asks for each local shard's hyperslab in global coordinates (the
 reader reports every tensor as one whole chunk); tsckpt's load planner adds
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -95,6 +98,21 @@ def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:
     digits = round(-math.log2(torch.finfo(real).eps)) + 1  # significand bits, implicit one included
     info = torch.iinfo(saved)
     return info.bits - (1 if info.min < 0 else 0) <= digits
+
+
+def placement_records(planner: Any, fqns: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The placement records of ``fqns``, read from the state dict a planner writes from.
+
+    For plans that carry none (DCP's default planner): that planner keeps the
+    flattened state dict as ``planner.state_dict``. A planner without one
+    yields no records, and those tensors are saved without a placement.
+    """
+    state = getattr(planner, "state_dict", None)
+    if not isinstance(state, Mapping):
+        return {}
+    meshes: dict[int, dict[str, Any]] = {}
+    records = {fqn: describe(state.get(fqn), meshes) for fqn in fqns}
+    return {fqn: r for fqn, r in records.items() if r is not None}
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -4,18 +4,21 @@ Three things travel between :mod:`tsckpt.dcp.planner` and :mod:`tsckpt.dcp.stora
 
 * :class:`EncodedValue`: a non-tensor value the save planner serialized, tagged
   with the encoding the writer records (DCP's default planner passes a plain
-  ``io.BytesIO`` of ``torch.save`` bytes instead, stored as ``torch``);
+  ``io.BytesIO`` of ``torch.save`` bytes instead, which :func:`encode_bytes`
+  decodes safely so that plain data is stored as JSON all the same);
 * :class:`DecodedValue`: a value the reader already restored safely, so the load
   planner does not unpickle it again;
 * :class:`Placements`: the placement record of each tensor of one rank, carried
   in the local plan's ``storage_data`` to the writer's global planning. DCP's
   ``planner_data`` stays DCP's own key-path map, which its global planning
-  merges. With DCP's default planner there are no records at all.
+  merges. With DCP's default planner there are none in the plans; the writer
+  asks each rank for them while it writes (:func:`tsckpt.dcp.planner.placement_records`).
 """
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +37,23 @@ class EncodedValue(io.BytesIO):
         self.encoding = encoding
 
 
-def encoding_of(data: io.BytesIO) -> str:
-    """How the writer stores a value's bytes: as tagged, or ``torch`` for DCP's plain BytesIO."""
-    return data.encoding if isinstance(data, EncodedValue) else values.TORCH
+def encode_bytes(data: io.BytesIO) -> tuple[str, Any]:
+    """How the writer stores a value: ``(JSON, tagged value)`` or ``(TORCH, torch.save bytes)``.
+
+    A tagged :class:`EncodedValue` is taken as it is. DCP's default planner
+    sends the ``torch.save`` bytes of every value; they are loaded with
+    ``weights_only=True`` (which runs no code from them), and values that are
+    plain data are stored as JSON, as tsckpt's planner would have. Anything
+    else keeps its original bytes.
+    """
+    raw = data.getvalue()
+    if isinstance(data, EncodedValue):
+        return data.encoding, json.loads(raw) if data.encoding == values.JSON else raw
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+        return values.JSON, values.to_json(value)
+    except Exception:  # not loadable without unpickling code, or not plain data
+        return values.TORCH, raw
 
 
 class DecodedValue(io.BytesIO):

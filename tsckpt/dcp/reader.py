@@ -2,10 +2,12 @@
 
 It reports every tensor to DCP as one whole chunk, so DCP asks for each local
 shard's exact hyperslab, and reads that straight into the destination tensor.
+Its constructor also takes ``FileSystemReader``'s arguments.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..format import checksums, commit, dtypes, values
 from ..format.metadata import CheckpointMetadata
 from ..format.spec import read_error
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
+from . import logs
 from .protocol import DecodedValue
 from .storage import TensorStoreIO, done, region
 
@@ -51,23 +54,33 @@ def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
 class TensorStoreReader(TensorStoreIO, StorageReader):
     """Read a tsckpt checkpoint with ``dcp.load``, in any topology.
 
-    Each local shard's hyperslab is read straight into the destination tensor.
+    Each local shard's hyperslab is read straight into the destination tensor
+    (detached first, as DCP does, so tensors that require grad load too).
+    A drop-in for DCP's ``FileSystemReader``.
 
     Args:
         path: checkpoint directory (or kvstore spec), or ``checkpoint_id=`` to ``dcp.load``.
+        _extension_registry: ``FileSystemReader``'s registry of stream
+            extensions, accepted in the same position. It has nothing to do
+            here: each array's ``zarr.json`` names its codecs (``zstd``
+            included), and TensorStore decodes them.
         allow_pickle: restore non-tensor values that need arbitrary unpickling
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
     """
 
-    def __init__(self, path: LocationLike | None = None, *, allow_pickle: bool = False,
-                 io_concurrency: int = DEFAULT_IO_CONCURRENCY):
+    def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
+                 allow_pickle: bool = False, io_concurrency: int = DEFAULT_IO_CONCURRENCY):
         super().__init__(path, io_concurrency)
         self.allow_pickle = allow_pickle
         self.metadata: CheckpointMetadata | None = None
+        self.is_coordinator = False
         self._prefetched = False
+        self._totals: tuple[int, int, int] | None = None
 
     def reset(self, checkpoint_id: LocationLike | None = None) -> None:
+        self._started = time.perf_counter()
+        self._totals = None
         self._reset(checkpoint_id)
         if not (self._prefetched and checkpoint_id is None):
             self.metadata = None
@@ -93,6 +106,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return to_dcp_metadata(self.metadata)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
         if self.metadata is None:
             self.read_metadata()
 
@@ -100,6 +114,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if logs.enabled() and self.metadata is not None:
+            self._totals = (*logs.load_totals(self.metadata, plans), len(plans))
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -117,7 +133,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 arr = opened[fqn].result()
             except Exception as e:
                 raise TsckptError(f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}: {e}") from e
-            dest = planner.resolve_tensor(item)
+            # Detached like DCP's own reader: a destination that requires grad is still filled in place.
+            dest = planner.resolve_tensor(item).detach()
             source = arr[region(item.storage_offsets, item.lengths)]
             pending.append((item, dest, _read_into(dest, source)))
         for item, dest, finish in pending:
@@ -130,6 +147,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             except Exception as e:
                 raise read_error(fqn, str(self.checkpoint_id), e) from e
             planner.commit_tensor(item, dest)
+        if self.is_coordinator and self._totals is not None:
+            nbytes, files, ranks = self._totals
+            logs.log_transfer("loaded", str(self.checkpoint_id), nbytes=nbytes, files=files, ranks=ranks,
+                              seconds=time.perf_counter() - self._started)
         return done(None)
 
     def _read_object(self, fqn: str) -> Any:

@@ -6,6 +6,11 @@ graph (meshes, placements, storages) on the way; this one copies only tensor
 bytes into fresh CPU memory and rebuilds the thin DTensor / ShardedTensor
 wrappers around them, so the wait is about one ``memcpy`` of the local data.
 Non-tensor values are deep-copied (they are small, and training mutates them).
+
+With ``cache_staged_state_dict=True`` the CPU copies are kept and refilled by
+the next ``stage`` call when the state dict still has the same structure,
+shapes and dtypes, so a training loop that saves every N steps allocates its
+staging memory once.
 """
 
 from __future__ import annotations
@@ -24,20 +29,45 @@ class Stager(AsyncStager):
     """An ``AsyncStager`` that copies tensors to CPU memory synchronously.
 
     Pass it as ``dcp.async_save(..., async_stager=tsckpt.Stager())``;
-    :func:`tsckpt.async_save` does so itself. Tensors that share storage in the
-    source (tied weights) share one copy in the staged state dict.
+    :func:`tsckpt.async_save` does so itself, and ``TensorStoreWriter`` is one,
+    so ``dcp.async_save(..., storage_writer=TensorStoreWriter(...))`` stages
+    with it too. Tensors that share storage in the source (tied weights) share
+    one copy in the staged state dict.
+
+    Args:
+        cache_staged_state_dict: keep the staged copies and refill them on the
+            next call (DCP's option of the same name). The staged tensors then
+            change on every ``stage``: wait for the previous save to finish
+            before staging the next one.
     """
 
     _synchronize_after_execute: bool = False
 
+    def __init__(self, cache_staged_state_dict: bool = False):
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self._staged: dict[str, Any] | None = None
+
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        return _copy(state_dict, {})
+        if self.cache_staged_state_dict and self._staged is not None:
+            try:
+                return _refill(state_dict, self._staged)
+            except _Changed:
+                pass  # the state dict changed shape: stage into fresh memory
+        staged = _copy(state_dict, {})
+        if self.cache_staged_state_dict:
+            self._staged = staged
+        return staged
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies before it returns."""
 
     def close(self) -> None:
-        """No threads or pinned buffers to release."""
+        """Release the cached copies, if any."""
+        self._staged = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A process-based async_save pickles the storage writer (a Stager): never the staged copies.
+        return {**self.__dict__, "_staged": None}
 
 
 def _copy(obj: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
@@ -68,3 +98,45 @@ def _copy_tensor(t: torch.Tensor, memo: dict[tuple[Any, ...], torch.Tensor]) -> 
     out.copy_(t)
     memo[key] = out
     return out
+
+
+class _Changed(Exception):
+    """The state dict no longer matches the cached copies."""
+
+
+def _refill(obj: Any, cached: Any) -> Any:
+    """Copy ``obj``'s tensor data into the matching tensors of ``cached``; raise ``_Changed`` if none match."""
+    if isinstance(obj, DTensor):
+        if not (isinstance(cached, DTensor) and cached.device_mesh == obj.device_mesh
+                and cached.placements == obj.placements and cached.shape == obj.shape):
+            raise _Changed
+        _refill_tensor(obj.to_local(), cached.to_local())
+        return cached
+    if isinstance(obj, ShardedTensor):
+        if not (isinstance(cached, ShardedTensor) and cached.metadata() == obj.metadata()
+                and len(cached.local_shards()) == len(obj.local_shards())):
+            raise _Changed
+        for src, dst in zip(obj.local_shards(), cached.local_shards()):
+            _refill_tensor(src.tensor, dst.tensor)
+        return cached
+    if isinstance(obj, torch.Tensor):
+        if isinstance(cached, (DTensor, ShardedTensor)) or not isinstance(cached, torch.Tensor):
+            raise _Changed
+        _refill_tensor(obj, cached)
+        return cached
+    if isinstance(obj, dict):
+        if not isinstance(cached, dict) or cached.keys() != obj.keys():
+            raise _Changed
+        return {k: _refill(v, cached[k]) for k, v in obj.items()}
+    if isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        kind = list if isinstance(obj, list) else tuple  # as _copy makes them
+        if not isinstance(cached, kind) or len(cached) != len(obj):
+            raise _Changed
+        return kind(_refill(v, c) for v, c in zip(obj, cached))
+    return copy.deepcopy(obj)
+
+
+def _refill_tensor(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise _Changed
+    dst.copy_(src.detach())

@@ -1,34 +1,41 @@
 """DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays.
 
 It knows regions, dtypes and paths, never DTensors: placements arrive as JSON
-records from the planner (:mod:`tsckpt.dcp.protocol`). Chunk grids come from
-:mod:`tsckpt.format.plan`, array specs from :mod:`tsckpt.format.spec`, and the
-commit from :func:`tsckpt.format.commit.commit_checkpoint`. See
+records from tsckpt's planner (:mod:`tsckpt.dcp.protocol`) or, with DCP's own
+planner, from :func:`tsckpt.dcp.planner.placement_records` as each rank writes.
+Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
+:mod:`tsckpt.format.spec`, and the commit from
+:func:`tsckpt.format.commit.commit_checkpoint`. The constructor takes
+``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`). See
 ``docs/format.md`` for what ends up on disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
 from ..format import checksums, commit, dtypes, values, zarr_json
-from ..format.metadata import ArrayOptions, ObjectEntry, Region, TensorEntry, intern_placement
+from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.spec import Store
-from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, parse_location
-from .protocol import Placements, encoding_of
+from ..location import Location, LocationLike, parse_location
+from . import compat, logs, plan_cache
+from .planner import placement_records
+from .protocol import Placements, encode_bytes
+from .staging import Stager
 
 
 def done(value: Any) -> Future:
@@ -43,10 +50,61 @@ def region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells one rank: its arrays' layout and its values' paths."""
+    """What the coordinator tells one rank: its arrays' layout and its values' paths.
+
+    ``describe``: the rank's plan carried no placement records (DCP's own
+    planner), so the rank reports them with its write results.
+    """
 
     arrays: dict[str, TensorEntry]
     objects: dict[str, str]
+    describe: bool = False
+
+
+class _RankSummary:
+    """What one rank wrote, as the coordinator's ``finish`` needs it: columns, not per-item records.
+
+    Tensors are numbered in the order of the layouts the coordinator sent, so
+    a rank reports integers and the coordinator groups a whole job's chunks
+    with one sort instead of a Python loop over ranks x tensors.
+    """
+
+    def __init__(self, rank: int, names: list[str], placements: dict[str, Any]):
+        self.rank = rank
+        self.ids = {fqn: i for i, fqn in enumerate(names)}
+        self.placements = placements
+        self.objects: dict[str, Any] = {}
+        self.tensor: list[int] = []
+        self.chunk: list[int] = []
+        self.crc: list[int] = []
+
+    def add(self, fqn: str, entry: TensorEntry, offsets: Any, source: np.ndarray, with_checksums: bool) -> None:
+        if with_checksums:
+            indices, crcs = checksums.region_checksums(source, entry.grid, offsets)
+            self.crc += crcs
+        else:
+            indices = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(offsets, source.shape)]
+        self.chunk += indices
+        self.tensor += [self.ids[fqn]] * len(indices)
+
+    def packed(self) -> dict[str, Any]:
+        return {"rank": self.rank, "placements": self.placements, "objects": self.objects,
+                "tensor": np.asarray(self.tensor, dtype=np.int32), "chunk": np.asarray(self.chunk, dtype=np.int64),
+                "crc": np.asarray(self.crc, dtype=np.uint32)}
+
+    @staticmethod
+    def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, tuple[np.ndarray, ...]]:
+        """Each tensor's (chunk indices, crc32c values, writing ranks), from every rank's summary."""
+        tensor = np.concatenate([s["tensor"] for s in summaries] or [np.zeros(0, np.int32)])
+        chunk = np.concatenate([s["chunk"] for s in summaries] or [np.zeros(0, np.int64)])
+        crcs = [s["crc"] for s in summaries]
+        crc = np.concatenate(crcs) if crcs and all(len(c) == len(t["tensor"]) for c, t in zip(crcs, summaries)) \
+            else np.zeros(len(chunk), np.uint32)
+        rank = np.repeat([s["rank"] for s in summaries], [len(s["tensor"]) for s in summaries]).astype(np.int64)
+        order = np.argsort(tensor, kind="stable")
+        bounds = np.searchsorted(tensor[order], np.arange(len(names) + 1))
+        return {fqn: (chunk[order[a:b]], crc[order[a:b]], rank[order[a:b]])
+                for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}
 
 
 class TensorStoreIO:
@@ -56,6 +114,7 @@ class TensorStoreIO:
         self.location: Location | None = parse_location(path) if path is not None else None
         self.io_concurrency = io_concurrency
         self._store: Store | None = None
+        self._started = time.perf_counter()
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -73,8 +132,11 @@ class TensorStoreIO:
     def store(self) -> Store:
         if self._store is None:
             assert self.location is not None
-            self._store = Store.open(self.location, io_concurrency=self.io_concurrency)
+            self._store = self._open_store(self.location)
         return self._store
+
+    def _open_store(self, location: Location) -> Store:
+        return Store.open(location, io_concurrency=self.io_concurrency)
 
     @property
     def context(self) -> ts.Context:
@@ -93,14 +155,44 @@ class TensorStoreIO:
         return True
 
 
-class TensorStoreWriter(TensorStoreIO, StorageWriter):
+class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     """Write a DCP checkpoint as a Zarr v3 hierarchy, one array per global tensor.
+
+    A drop-in for DCP's ``FileSystemWriter``: it takes the same arguments in
+    the same positions (torch 2.13-2.15), each with a meaning here, and like
+    ``FileSystemWriter`` it is an ``AsyncStager`` (:class:`~tsckpt.dcp.staging.Stager`),
+    so ``dcp.async_save(..., storage_writer=TensorStoreWriter(path))`` stages with it.
 
     Args:
         path: checkpoint directory (or a kvstore spec); may instead be given as
             ``checkpoint_id=`` to ``dcp.save``.
-        overwrite: replace a complete checkpoint already at ``path``; otherwise
-            saving there raises :class:`~tsckpt.errors.CheckpointExistsError`.
+        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (few
+            files per rank, like DCP's default); ``False`` or ``None`` (the
+            default here) for one file per chunk, the plain Zarr layout. A
+            version without a packed layout refuses ``True`` with an error.
+        sync_files: ``False`` skips every fsync (chunks, nodes, root document,
+            and the filesystem sync before the commit) and records
+            ``"synced": false`` in the metadata's ``extra``: faster, but a power
+            loss may leave a committed checkpoint whose files are not on disk.
+        thread_count: concurrent file operations per rank (TensorStore's I/O
+            concurrency); the same as ``io_concurrency``.
+        per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to
+            host memory ahead of their writes; it waits for older writes before
+            copying more, bounding host memory. 0 copies one tensor at a time;
+            ``None`` (the default here; DCP's is 10 MB) issues every write
+            before waiting for any, the fastest. CPU tensors are written in place.
+        cache_staged_state_dict: with ``dcp.async_save``, keep the staged CPU
+            copies and refill them on the next save instead of allocating new
+            ones (:class:`~tsckpt.dcp.staging.Stager`).
+        overwrite: replace a checkpoint already at ``path`` (the default, as in
+            DCP); ``False`` refuses with :class:`~tsckpt.errors.CheckpointExistsError`
+            ("Checkpoint already exists ...").
+        _extensions: ``[ZStandard()]`` (``torch.distributed.checkpoint._extension``)
+            compresses chunks with Zarr's ``zstd`` codec, like ``compression="zstd"``;
+            other extensions are refused.
+        serialization_format: DCP's default (``TORCH_SAVE``) is accepted, since
+            tensors are never pickled here anyway; ``SAFETENSORS`` is refused.
+        layout: tsckpt's name for the storage layout (``"plain"``).
         inner_chunk_bytes: outer chunks above this size are stored with Zarr's
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
@@ -115,42 +207,74 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
             reads included (TensorStore's software crc32c, about 2 GB/s per core).
         compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
             weights rarely compress enough to pay for it.
+
+    ``dcp.save(..., use_collectives=False)`` is refused on more than one rank:
+    a checkpoint is committed once, after every rank's data is written, which
+    needs the ranks to coordinate.
     """
 
     def __init__(
         self,
         path: LocationLike | None = None,
+        single_file_per_rank: bool | None = None,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int | None = None,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
         *,
-        overwrite: bool = False,
+        layout: str | None = None,
         inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-        io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        io_concurrency: int | None = None,
         checksums: bool = True,
         crc32c_codec: bool = False,
         compression: str | None = None,
     ):
-        super().__init__(path, io_concurrency)
+        super().__init__(path, compat.resolve_io_concurrency(thread_count, io_concurrency))
+        Stager.__init__(self, cache_staged_state_dict)
+        compat.check_serialization_format(serialization_format)
+        compression = compat.resolve_compression(_extensions, compression)
         if not isinstance(checksums, bool):
             raise TsckptError(f"checksums must be True or False, not {checksums!r}")
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec, compression=compression)
+        self.layout = compat.resolve_layout(single_file_per_rank, layout)
+        self.sync_files = bool(sync_files)
+        self.per_thread_copy_ahead = compat.check_per_thread_copy_ahead(per_thread_copy_ahead)
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
         self.checksums = checksums
         self.is_coordinator = False
         self.rank = 0
-        self.save_id = ""
+        self.save_id = uuid.uuid4().hex
         self._entries: dict[str, TensorEntry] = {}
         self._placements: dict[str, Any] = {}
         self._key_paths: dict[str, tuple[Any, ...]] = {}
+        self._full_plans: list[SavePlan] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**TensorStoreIO.__getstate__(self), "_staged": None}  # never the staged copies
+
+    def _open_store(self, location: Location) -> Store:
+        if not self.sync_files:
+            # One context for every file of the save, so chunks, nodes and root all skip fsync
+            # (and the filesystem flush before the commit, see location.unsynced_nodes).
+            location = dataclasses.replace(location, context={**location.context, "file_io_sync": False})
+        return Store.open(location, io_concurrency=self.io_concurrency, layout=self.layout)
 
     def reset(self, checkpoint_id: LocationLike | None = None) -> None:
+        # DCP asks for storage_meta() before set_up_storage_writer: the id must exist by then.
         self._reset(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._reset(None)
-        self.save_id = uuid.uuid4().hex
+        compat.refuse_rank_local_saves(kwargs.get("use_collectives", True), str(self.checkpoint_id))
+        self._started = time.perf_counter()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
         if is_coordinator:
@@ -161,127 +285,164 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Choose every array's path and chunk grid from all ranks' regions."""
+        plans = self._full_plans = plan_cache.expand(plans, str(self.checkpoint_id))
         self._placements, self._key_paths = {}, {}
         for p in plans:
             self._placements |= Placements.of(p)
             self._key_paths |= {k: tuple(v) for k, v in (p.planner_data or {}).items()}
-        regions: dict[str, list[Region]] = {}
-        first: dict[str, Any] = {}
-        for rank, p in enumerate(plans):
+        # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
+        # 2000 tensors this loop is most of the coordinator's planning time.
+        boxes: dict[str, list[Any]] = {}  # fqn -> [tensor write data, flat offsets+sizes, item count]
+        blobs: dict[str, str] = {}
+        for p in plans:
             for item in p.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    continue
                 td = item.tensor_data
-                regions.setdefault(item.index.fqn, []).append(
-                    Region(tuple(td.chunk.offsets), tuple(td.chunk.sizes), rank))
-                first.setdefault(item.index.fqn, td)
+                fqn = item.index.fqn
+                if td is None:  # BYTE_IO
+                    blobs[fqn] = zarr_path(self._key_path(fqn))
+                    continue
+                found = boxes.get(fqn)
+                if found is None:
+                    boxes[fqn] = found = [td, [], 0]
+                found[1].extend((*td.chunk.offsets, *td.chunk.sizes))
+                found[2] += 1
         self._entries = {}
-        for fqn, rs in regions.items():
+        for fqn, (td, flat, count) in boxes.items():
             try:
-                dtype = dtypes.from_torch(first[fqn].properties.dtype).zarr
+                dtype = dtypes.from_torch(td.properties.dtype).zarr
             except UnsupportedDtypeError as e:
                 raise UnsupportedDtypeError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
-            self._entries[fqn] = plan_tensor(fqn, self._key_path(fqn), first[fqn].size, dtype, rs,
+            self._entries[fqn] = plan_tensor(fqn, self._key_path(fqn), td.size, dtype,
+                                             np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
                                              inner_chunk_bytes=self.inner_chunk_bytes)
-        layouts = self._entries
-        blobs = {i.index.fqn: zarr_path(self._key_path(i.index.fqn))
-                 for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO}
         check_unique_paths([e.path for e in self._entries.values()] + list(blobs.values()),
                            str(self.checkpoint_id))
-        return [
-            dataclasses.replace(p, storage_data=_RankPlan(
-                arrays={i.index.fqn: layouts[i.index.fqn] for i in p.items if i.index.fqn in layouts},
-                objects={i.index.fqn: blobs[i.index.fqn] for i in p.items if i.index.fqn in blobs},
-            ))
-            for p in plans
-        ]
+        # Every rank gets the same layouts (O(tensors), one object): a rank of
+        # an FSDP job writes part of nearly every tensor anyway.
+        told = {describe: _RankPlan(arrays=self._entries, objects=blobs, describe=describe)
+                for describe in (False, True)}
+        return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
 
     def _key_path(self, fqn: str) -> tuple[Any, ...]:
         return self._key_paths.get(fqn, (fqn,))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.is_coordinator:
+            plan_cache.remember(self._full_plans, planner)
+            self._full_plans = None
         rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
-        opened = {fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
-                  for fqn, e in rank_plan.arrays.items()}
-        pending, results, written = [], [], []
+        records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
+        opened = {
+            fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
+            for fqn, e in rank_plan.arrays.items()
+        }
+        pending, results, keep_alive = [], [], []
+        summary = _RankSummary(self.rank, list(rank_plan.arrays), placements=records)
+        copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
+        later = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                info, fut = self._write_object(rank_plan.objects[fqn], data)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=info))
+                summary.objects[fqn], fut = self._write_object(rank_plan.objects[fqn], data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 if fut is not None:
                     pending.append((fqn, fut))
                 continue
             chunk = item.tensor_data.chunk
             tensor = data.detach()
-            if tensor.device.type != "cpu":
+            nbytes = tensor.numel() * tensor.element_size()
+            on_device = tensor.device.type != "cpu"
+            if on_device:
+                copies.admit(nbytes)
                 tensor = tensor.cpu()
-            source = dtypes.tensor_as_numpy(tensor) if tensor.numel() else None
-            if source is not None:
-                arr = opened[fqn].result()
-                pending.append((fqn, arr[region(chunk.offsets, chunk.sizes)].write(
-                    source, can_reference_source_data_indefinitely=True)))
-            info: dict[str, Any] = {"rank": self.rank, "chunks": [], "crcs": None}
-            written.append((rank_plan.arrays[fqn], chunk, source, tensor, info))
-            results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
-                                       storage_data=info))
-        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for entry, chunk, source, _, info in written:
-            if source is None:
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+            if not tensor.numel():
                 continue
-            if self.checksums:
-                info["chunks"], info["crcs"] = map(list, zip(*checksums.region_checksums(
-                    source, entry.grid, chunk.offsets)))
+            source = dtypes.tensor_as_numpy(tensor)
+            arr = opened[fqn].result()
+            fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
+            pending.append((fqn, fut))
+            if on_device:
+                # Checksum the host copy now: the copy window may release it once written.
+                summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
+                copies.add(nbytes, fqn, fut, tensor)
             else:
-                info["chunks"] = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(
-                    chunk.offsets, chunk.sizes)]
+                keep_alive.append(tensor)
+                later.append((fqn, chunk.offsets, source))
+        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
+        for fqn, offsets, source in later:
+            summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
         for fqn, fut in pending:
-            try:
-                fut.result()
-            except Exception as e:
-                raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
+            self._wait(fqn, fut)
+        if results:
+            # One record per rank rather than per item: the coordinator's finish then
+            # handles ranks, not ranks x tensors.
+            results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
         return done(results)
 
+    def _wait(self, fqn: str, fut: Any) -> None:
+        try:
+            fut.result()
+        except Exception as e:
+            raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
+
     def _write_object(self, path: str, data: Any) -> tuple[dict[str, Any], Any]:
-        encoding = encoding_of(data)
+        encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
-            return {"encoding": values.JSON, "value": json.loads(data.getvalue())}, None
-        blob = np.frombuffer(data.getvalue(), dtype=np.uint8)
+            return {"encoding": values.JSON, "value": payload}, None
+        blob = np.frombuffer(payload, dtype=np.uint8)
         arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after all data is durable: gather each tensor's checksums, then commit."""
-        crcs: dict[str, list[tuple[int, int]]] = {}
-        writers: dict[str, dict[int, int]] = {}
+        summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
-        for rank_results in results:
-            for r in rank_results:
-                fqn, info = r.index.fqn, r.storage_data
-                if "encoding" not in info:
-                    if info["crcs"] is not None:
-                        crcs.setdefault(fqn, []).extend(zip(info["chunks"], info["crcs"]))
-                    writers.setdefault(fqn, {}).update((flat, info["rank"]) for flat in info["chunks"])
-                elif info["encoding"] == values.JSON:
+        placements = dict(self._placements)
+        for summary in summaries:
+            for fqn, record in summary["placements"].items():
+                placements.setdefault(fqn, record)
+            for fqn, info in summary["objects"].items():
+                if info["encoding"] == values.JSON:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.JSON, value=info["value"])
                 else:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
                     blob_sizes[fqn] = info["nbytes"]
+        chunks = _RankSummary.merge(summaries, list(self._entries))
+        self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c[0])})
         meshes: list = []
-        tensors = {}
+        tensors, writers = {}, {}
         for fqn, planned in self._entries.items():
+            indices, crcs, ranks = chunks[fqn]
+            by_chunk = np.full(planned.grid.nchunks, -1, dtype=np.int64)
+            by_chunk[indices] = ranks
+            writers[fqn] = by_chunk.tolist()
             table = None
             if self.checksums:
                 try:
-                    table = checksums.encode_table(planned.grid, crcs.get(fqn, ()))
+                    table = checksums.encode_table(planned.grid, indices, crcs)
                 except TsckptError as e:
                     raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
             tensors[fqn] = dataclasses.replace(
-                planned, placement=intern_placement(self._placements.get(fqn), meshes, f"tensor {fqn!r}"),
+                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
                 checksums=table)
+        extra: dict[str, Any] = {"save_id": self.save_id}
+        if not self.sync_files:
+            extra["synced"] = False
         commit.commit_checkpoint(
             self.store, world_size=len(results), tensors=tensors, objects=objs, blob_sizes=blob_sizes,
-            meshes=meshes, extra={"save_id": self.save_id}, options=self.array_options,
-            writers={fqn: [w[i] for i in sorted(w)] for fqn, w in writers.items()})
+            meshes=meshes, extra=extra, options=self.array_options, writers=writers)
+        if logs.enabled():
+            logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
+                          seconds=time.perf_counter() - self._started, ranks=len(results))
+
+    def _check_against(self, metadata: Metadata, writes: dict[str, Any]) -> None:
+        """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""
+        planned = set(self._entries)
+        expected = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        odd = sorted((planned ^ expected) | (set(writes) - planned))
+        if odd:
+            raise PlanError(f"saving {self.checkpoint_id}: tensor {odd[0]!r} is not in both DCP's plan and the "
+                            f"planned arrays ({len(odd)} such keys); nothing was committed")

@@ -17,7 +17,7 @@ checks the chunks it covers whole (``docs/format.md``).
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import crc32c as _crc32c
 import numpy as np
@@ -36,25 +36,28 @@ def crc32c(data: np.ndarray | bytes) -> int:
     return _crc32c.crc32c(data)
 
 
-def region_checksums(data: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> list[tuple[int, int]]:
-    """``(flat chunk index, crc32c)`` of every chunk of a region written at ``offsets``.
+def region_checksums(data: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The flat grid index and the crc32c of every chunk of a region written at ``offsets``.
 
     Regions are aligned to the grid, so every chunk they touch lies wholly inside them.
     """
-    return [(grid.flat_index(index), crc32c(data[view]))
-            for index, view in grid.chunks_within(offsets, data.shape)]
+    indices, crcs = [], []
+    for index, view in grid.chunks_within(offsets, data.shape):
+        indices.append(grid.flat_index(index))
+        crcs.append(crc32c(data[view]))
+    return indices, crcs
 
 
-def encode_table(grid: ChunkGrid, crcs: Iterable[tuple[int, int]]) -> str:
+def encode_table(grid: ChunkGrid, indices: Sequence[int] | np.ndarray, crcs: Sequence[int] | np.ndarray) -> str:
     """The stored table: base64 of little-endian uint32 values, one per chunk in row-major order.
 
     Raises when a chunk has no checksum: every chunk must have been written.
     """
     table = np.zeros(grid.nchunks, dtype="<u4")
     seen = np.zeros(grid.nchunks, dtype=bool)
-    pairs = np.asarray(list(crcs), dtype=np.int64).reshape(-1, 2)
-    table[pairs[:, 0]] = pairs[:, 1]
-    seen[pairs[:, 0]] = True
+    indices = np.asarray(indices, dtype=np.int64)
+    table[indices] = np.asarray(crcs, dtype=np.uint32)
+    seen[indices] = True
     if not seen.all():
         missing = np.unravel_index(int(np.argmin(seen)), grid.grid_shape)
         raise ChecksumError(f"chunk {[int(i) for i in missing]} was never written")

@@ -162,8 +162,8 @@ def prepare_target(kv: ts.KvStore, url: str, *, overwrite: bool) -> None:
     if not is_committed(kv):
         return
     if not overwrite:
-        raise CheckpointExistsError(
-            f"{url} already holds a complete checkpoint; pass overwrite=True to replace it"
+        raise CheckpointExistsError(  # worded like DCP's FileSystemWriter, whose users match on it
+            f"Checkpoint already exists at {url}; pass overwrite=True to replace it"
         )
     kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()

@@ -70,6 +70,8 @@ def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
         if len(box_array) > 1:
             raise PlanError(f"tensor {name!r}: {len(box_array)} regions overlap on a 0-d tensor")
         return
+    if _one_dimensional_cover(lo, hi, shape):
+        return
     cuts = [np.unique(np.concatenate(([0, n], lo[:, d], hi[:, d]))) for d, n in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)
     if cells > _MAX_TILING_CELLS:
@@ -99,18 +101,39 @@ def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
                     f"exactly once (no region holds the element at {at})")
 
 
-def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...]:
-    """The largest regular chunk shape whose boundaries include every box boundary."""
+def _one_dimensional_cover(lo: np.ndarray, hi: np.ndarray, shape: Sequence[int]) -> bool:
+    """Whether the boxes are slabs of one dimension that tile it end to end (FSDP's and Shard(d)'s case).
+
+    A cheap sort instead of the general count; False means "not this simple
+    case", which the general check then decides.
+    """
+    full = (lo == 0) & (hi == np.asarray(shape, dtype=np.int64))
+    split = np.flatnonzero(~full.all(axis=0))
+    if len(split) > 1:
+        return False
+    if len(split) == 0:
+        return len(lo) == 1
+    d = int(split[0])
+    if not np.delete(full, d, axis=1).all():
+        return False
+    order = np.argsort(lo[:, d], kind="stable")
+    starts, ends = lo[order, d], hi[order, d]
+    return bool(starts[0] == 0 and ends[-1] == shape[d] and (starts[1:] == ends[:-1]).all())
+
+
+def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box] | np.ndarray) -> tuple[int, ...]:
+    """The largest regular chunk shape whose boundaries include every box boundary.
+
+    ``boxes`` as for :func:`check_tiling`; empty boxes place no boundary.
+    """
+    ndim = len(shape)
+    box_array = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, ndim)
+    box_array = box_array[box_array[:, 1].prod(axis=1) > 0]
     chunk = []
     for d, n in enumerate(shape):
-        interior = {
-            edge
-            for o, s in boxes
-            if math.prod(s) > 0
-            for edge in (o[d], o[d] + s[d])
-            if 0 < edge < n
-        }
-        chunk.append(math.gcd(*interior) if interior else max(n, 1))
+        edges = np.concatenate((box_array[:, 0, d], box_array[:, 0, d] + box_array[:, 1, d]))
+        interior = edges[(edges > 0) & (edges < n)]
+        chunk.append(int(np.gcd.reduce(interior)) if interior.size else max(n, 1))
     return tuple(chunk)
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from ..errors import PlanError
 from . import dtypes, grid
-from .metadata import Placement, Region, TensorEntry
+from .metadata import Placement, TensorEntry
 from .names import KeyPath, zarr_path
 
 #: Outer chunks larger than this are split into inner chunks (sharding codec).
@@ -24,18 +26,19 @@ def plan_tensor(
     key_path: KeyPath,
     shape: Sequence[int],
     dtype: str,
-    regions: Sequence[Region],
+    boxes: Sequence[grid.Box] | np.ndarray,
     *,
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
     placement: Placement | None = None,
 ) -> TensorEntry:
-    """The array of one tensor written as ``regions``: checked to tile ``shape``, chunks aligned to them.
+    """The array of one tensor written as ``boxes``: checked to tile ``shape``, chunks aligned to them.
 
-    ``dtype`` is a Zarr data type name.
+    ``boxes`` are the ``(offsets, sizes)`` the ranks write, or an int array of
+    shape ``(len(boxes), 2, ndim)``; ``dtype`` is a Zarr data type name.
     """
     dt = dtypes.from_zarr(dtype)
     shape = tuple(shape)
-    boxes = [(r.offsets, r.sizes) for r in regions]
+    boxes = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, len(shape))
     grid.check_tiling(fqn, shape, boxes)
     chunk = grid.aligned_chunk_shape(shape, boxes)
     return TensorEntry(

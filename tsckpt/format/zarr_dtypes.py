@@ -5,9 +5,11 @@ but zarr-python ships no data type for them and refuses such arrays. The
 classes here fill that gap; they are registered through the ``zarr.data_type``
 entry-point group, so installing tsckpt is enough for ``zarr.open_group`` to
 read a checkpoint's bf16 and float8 arrays as ml_dtypes arrays once zarr loads
-its entry points. zarr-python 3.1 lists them but does not load them on its own,
-so importing this module also registers the types: ``import tsckpt.zarr_dtypes``
-before ``zarr.open_group`` works with any zarr 3 release.
+its entry points, which zarr-python does from 3.4.1 on. Releases 3.1 to 3.4.0
+list them but never load them and fail with "No Zarr data type found that
+matches 'bfloat16'", so importing this module also registers the types:
+``import tsckpt`` (or this module) before ``zarr.open_group`` works with every
+supported zarr release.
 
 Two-byte types carry an endianness like zarr's own floats; one-byte types
 carry none, because the ``bytes`` codec must not declare one for them.
@@ -20,7 +22,7 @@ from typing import Any, ClassVar, Literal, Self, TypeGuard
 
 import ml_dtypes
 import numpy as np
-from zarr.core.dtype.common import DataTypeValidationError, DTypeJSON, HasEndianness, HasItemSize
+from zarr.core.dtype.common import DTypeJSON, HasEndianness, HasItemSize
 from zarr.core.dtype.npy.common import (
     check_json_float_v3,
     check_json_floatish_str,
@@ -30,6 +32,11 @@ from zarr.core.dtype.npy.common import (
     get_endianness_from_numpy_dtype,
 )
 from zarr.core.dtype.wrapper import ZDType
+
+try:  # zarr >= 3.3; the old home still works in 3.4 but warns
+    from zarr.errors import DataTypeValidationError
+except ImportError:  # zarr 3.1 and 3.2
+    from zarr.core.dtype.common import DataTypeValidationError
 
 ZarrFormat = Literal[2, 3]
 
@@ -203,7 +210,7 @@ def register() -> None:
 __all__ = [cls.__name__ for cls in DATA_TYPES] + ["DATA_TYPES", "register"]
 
 
-# zarr-python 3.1.x collects the ``zarr.data_type`` entry points but only
+# zarr-python before 3.4.1 collects the ``zarr.data_type`` entry points but only
 # registers them when ``data_type_registry._lazy_load()`` is called, which its
 # own read path never does; importing this module is the dependable way.
 register()

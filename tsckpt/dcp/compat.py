@@ -1,0 +1,149 @@
+"""DCP's ``FileSystemWriter``/``FileSystemReader`` arguments, turned into tsckpt's own options.
+
+``TensorStoreWriter`` and ``TensorStoreReader`` take every argument that DCP's
+file-system classes take (torch 2.13 to 2.15), in the same positions, so that
+swapping one class for the other changes nothing else in a training script.
+This module gives each argument its meaning here, or refuses it with a message
+that says why; nothing is accepted and then ignored without being documented.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TsckptError
+from ..format.spec import LAYOUTS, PLAIN
+from ..location import DEFAULT_IO_CONCURRENCY
+
+#: DCP stream extensions tsckpt honours, by registry name: the Zarr codec that does the same job.
+EXTENSION_CODECS: Mapping[str, str] = {"stream.zstd": "zstd"}
+
+#: The layout ``single_file_per_rank=True`` asks for: few files per rank instead of one per chunk.
+PACKED = "packed"
+
+
+def resolve_io_concurrency(thread_count: int | None, io_concurrency: int | None) -> int:
+    """The per-rank I/O concurrency from DCP's ``thread_count`` or tsckpt's ``io_concurrency``."""
+    for name, value in (("thread_count", thread_count), ("io_concurrency", io_concurrency)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TsckptError(f"{name}={value!r}: expected a whole number >= 1")
+    if thread_count is not None and io_concurrency is not None and thread_count != io_concurrency:
+        raise TsckptError(f"thread_count={thread_count} and io_concurrency={io_concurrency} both set the "
+                          "number of concurrent file operations; give one of them")
+    return thread_count or io_concurrency or DEFAULT_IO_CONCURRENCY
+
+
+def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str:
+    """The storage layout from DCP's ``single_file_per_rank`` or tsckpt's ``layout``."""
+    wanted = layout
+    if single_file_per_rank is not None:
+        implied = PACKED if single_file_per_rank else PLAIN
+        if layout is not None and layout != implied:
+            raise TsckptError(f"single_file_per_rank={single_file_per_rank} means layout={implied!r}, "
+                              f"but layout={layout!r} was given; give one of them")
+        wanted = implied
+    wanted = wanted or PLAIN
+    if wanted not in LAYOUTS:
+        if single_file_per_rank:
+            raise TsckptError(f"single_file_per_rank=True asks for the {PACKED!r} layout (one file per rank), "
+                              f"which this version of tsckpt does not have (layouts: {sorted(LAYOUTS)}); "
+                              "pass single_file_per_rank=False to write one file per chunk")
+        raise TsckptError(f"unknown storage layout {wanted!r}; expected one of {sorted(LAYOUTS)}")
+    return wanted
+
+
+def resolve_compression(extensions: Sequence[Any] | None, compression: str | None) -> str | None:
+    """The compression codec from DCP's ``_extensions`` or tsckpt's ``compression``.
+
+    ``ZStandard()`` becomes the Zarr ``zstd`` codec (TensorStore compresses, so
+    the ``zstandard`` package DCP needs is not used). Any other extension is
+    refused: tsckpt cannot apply arbitrary stream transforms and still write
+    arrays every Zarr reader can decode.
+    """
+    codecs = []
+    for ext in extensions or ():
+        name = _registry_name(ext)
+        if name not in EXTENSION_CODECS:
+            raise TsckptError(
+                f"_extensions: tsckpt cannot honour {type(ext).__name__} (registry name {name!r}); "
+                f"it supports {', '.join(sorted(EXTENSION_CODECS))} (torch's ZStandard()), "
+                "which it stores as the Zarr codec of the same name")
+        codecs.append(EXTENSION_CODECS[name])
+    if len(set(codecs)) > 1:
+        raise TsckptError(f"_extensions: only one compression codec can be used, got {codecs}")
+    implied = codecs[0] if codecs else None
+    if implied and compression is not None and compression != implied:
+        raise TsckptError(f"_extensions={[type(e).__name__ for e in extensions or ()]} means compression={implied!r}, "
+                          f"but compression={compression!r} was given; give one of them")
+    return implied or compression
+
+
+def _registry_name(ext: Any) -> str | None:
+    try:
+        return str(ext.registry_name())
+    except Exception:
+        return None
+
+
+def check_serialization_format(serialization_format: Any) -> None:
+    """Accept DCP's default ``torch_save`` format; refuse ``safetensors``.
+
+    The format only chooses how ``FileSystemWriter`` lays out its own files.
+    tsckpt always writes raw tensor bytes into Zarr arrays (never pickles
+    tensors), so the default is satisfied as is; asking for safetensors files
+    and silently getting Zarr arrays would be a surprise, hence the error.
+    """
+    if serialization_format is None:
+        return
+    value = getattr(serialization_format, "value", serialization_format)
+    if value != "torch_save":
+        raise TsckptError(f"serialization_format={serialization_format!r}: tsckpt writes Zarr v3 arrays, not "
+                          "safetensors files; leave serialization_format at its default")
+
+
+def check_per_thread_copy_ahead(per_thread_copy_ahead: int | None) -> int | None:
+    if per_thread_copy_ahead is not None and (
+            isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int)
+            or per_thread_copy_ahead < 0):
+        raise TsckptError(f"per_thread_copy_ahead={per_thread_copy_ahead!r}: expected a byte count >= 0 or None")
+    return per_thread_copy_ahead
+
+
+def refuse_rank_local_saves(use_collectives: bool, where: str) -> None:
+    """``dcp.save(..., use_collectives=False)`` works in one process; on several ranks it cannot commit."""
+    if use_collectives or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return
+    raise TsckptError(
+        f"saving {where}: TensorStoreWriter cannot save with use_collectives=False on "
+        f"{dist.get_world_size()} ranks: a tsckpt checkpoint is committed once, by the coordinator, after "
+        "every rank's data is written, which needs the ranks to coordinate. Save with use_collectives=True "
+        "(the default), or save each rank's state to its own path with no_dist=True")
+
+
+class CopyWindow:
+    """``per_thread_copy_ahead``: host copies of device tensors whose writes still run, at most ``limit`` bytes.
+
+    ``limit`` None never waits; 0 copies one tensor at a time. ``wait(fqn, future)``
+    finishes one write.
+    """
+
+    def __init__(self, limit: int | None, wait: Callable[[str, Any], None]):
+        self.limit, self.wait = limit, wait
+        self.bytes = 0
+        self.inflight: collections.deque[tuple[int, str, Any, torch.Tensor]] = collections.deque()
+
+    def admit(self, nbytes: int) -> None:
+        """Wait for the oldest writes until ``nbytes`` more fit."""
+        while self.limit is not None and self.inflight and self.bytes + nbytes > self.limit:
+            size, fqn, fut, _ = self.inflight.popleft()
+            self.wait(fqn, fut)
+            self.bytes -= size
+
+    def add(self, nbytes: int, fqn: str, fut: Any, copy: torch.Tensor) -> None:
+        self.inflight.append((nbytes, fqn, fut, copy))  # the copy lives until its write is done
+        self.bytes += nbytes
