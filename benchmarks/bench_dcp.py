@@ -25,6 +25,7 @@ samples in ``results.json`` and the tables report medians. Writes
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import platform
 import shlex
@@ -98,7 +99,8 @@ def run_workload(args: argparse.Namespace, name: str, dtype: str, root: str, lay
     w = wl.WORKLOADS[name].for_size(args.size_gb * 1e9, itemsize)
     extras = "extras" in args.phases and name == "tuned"
     cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.reps, "root": root, "layouts": layouts,
-           "dcp_threads": args.dcp_threads, "settle": args.settle, "raw": True, "extras": extras}
+           "dcp_threads": args.dcp_threads, "settle": args.settle, "raw": True, "extras": extras,
+           "variants": args.variants}
     print(f"[{name} {dtype}] {w.describe()}: {wl.total_bytes(w, itemsize) / 1e9:.3f} GB, "
           f"{args.world} ranks, {args.reps} reps", flush=True)
     saved = dcp_ranks.spawn(dcp_ranks.save_phase, args.world, cfg, root)
@@ -133,6 +135,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _option(text: str) -> dict[str, Any]:
+    key, _, value = text.partition("=")
+    return {key: ast.literal_eval(value)}
+
+
 def _names(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
@@ -148,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reshard-world", type=int, default=2)
     ap.add_argument("--dcp-threads", type=_ints, default=[1],
                     help="FileSystemWriter thread_count values (e.g. 1,2,4); the first should be 1, DCP's default")
+    ap.add_argument("--variants", nargs="*", type=_option, default=[],
+                    help="extra tsckpt.save contenders, one writer option each (e.g. compression='zstd')")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait (after sync) before each save")
     ap.add_argument("--phases", type=_names, default=list(PHASES), help=f"comma-separated subset of {PHASES}")
     ap.add_argument("--fetch-gb", type=float, default=0.25, help="state dict size for bytes fetched on local disk")

@@ -110,11 +110,12 @@ def tsckpt_via_dcp(layout: str) -> Contender:
     return Contender(f"tsckpt-dcp/{layout}", save, load)
 
 
-def tsckpt_api(layout: str) -> Contender:
-    """``tsckpt.save`` / ``tsckpt.load`` / ``tsckpt.async_save``."""
+def tsckpt_api(layout: str, **writer_options: Any) -> Contender:
+    """``tsckpt.save`` / ``tsckpt.load`` / ``tsckpt.async_save``, with extra ``writer_options`` if given."""
     import tsckpt
 
-    options = layout_options(layout) or {}
+    options = (layout_options(layout) or {}) | writer_options
+    extra = f"[{','.join(f'{k}={v!r}' for k, v in writer_options.items())}]" if writer_options else ""
 
     def save(sd: dict[str, Any], path: str) -> None:
         tsckpt.save(sd, path, **options)
@@ -125,7 +126,7 @@ def tsckpt_api(layout: str) -> Contender:
     def async_save(sd: dict[str, Any], path: str) -> Any:
         return tsckpt.async_save(sd, path, **options)
 
-    return Contender(f"tsckpt/{layout}", save, load, async_save)
+    return Contender(f"tsckpt/{layout}{extra}", save, load, async_save)
 
 
 def _raw_save(sd: dict[str, Any], path: str) -> None:
@@ -152,13 +153,14 @@ def _raw_load(sd: dict[str, Any], path: str) -> None:
 RAW = Contender("raw", _raw_save, _raw_load)
 
 
-def tsckpt_contenders(layouts: list[str]) -> list[Contender]:
-    """Both call paths for each layout, interleaved so neither path always runs right after the other."""
-    return [c for lay in layouts for c in (tsckpt_via_dcp(lay), tsckpt_api(lay))]
+def tsckpt_contenders(layouts: list[str], variants: list[dict[str, Any]] = ()) -> list[Contender]:
+    """Both call paths for each layout, then ``tsckpt.save`` with each variant's extra writer options."""
+    out = [c for lay in layouts for c in (tsckpt_via_dcp(lay), tsckpt_api(lay))]
+    return out + [tsckpt_api(layouts[0], **v) for v in variants]
 
 
 def contenders(cfg: dict[str, Any], *, raw: bool, s3: bool = False) -> list[Contender]:
     """Everyone taking part in a phase described by ``cfg`` (``dcp_threads``, ``layouts``)."""
     out = [RAW] if raw else []
     out += [dcp_contender(t, s3) for t in cfg["dcp_threads"]]
-    return out + tsckpt_contenders(cfg["layouts"])
+    return out + tsckpt_contenders(cfg["layouts"], cfg.get("variants", []))
