@@ -5,6 +5,10 @@ which joins a gloo process group on loopback and calls ``fn(rank, world_size,
 *args)``. ``fn`` must be a module-level function (it is pickled by reference).
 Return values come back as a list indexed by rank; an exception in any rank
 fails the call with that rank's traceback.
+
+``start_method="forkserver"`` forks ranks from a server process that imported
+torch and tsckpt once, so a test that starts many groups pays that import once
+rather than per rank. The server keeps the environment it started with.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300) -> list[Any]:
-    ctx = mp.get_context("spawn")
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300,
+              start_method: str = "spawn") -> list[Any]:
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tsckpt.dcp.api", "dist"])
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args, queue), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(world_size, free_port(), fn, args, queue), nprocs=world_size, join=False,
+        start_method=start_method,
     )
     results: dict[int, Any] = {}
     errors: list[str] = []

@@ -2,9 +2,10 @@
 
 Each death is real: a rank SIGKILLs itself while writing, raises, the
 coordinator dies before or exactly at the commit write, or the disk fills up.
-Afterwards the dead save's directory is refused by every reader with
-IncompleteCheckpointError and a checkpoint in another directory reloads
-bit-exactly.
+Afterwards nothing of the dead save is at its location (it wrote into a staging
+directory beside it), every reader refuses the location, an overwritten
+checkpoint still loads bit-exactly, and the next save removes the dead save's
+staging directory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dist
 import tsckpt
 from tsckpt.format import commit
+from tsckpt.format.localdir import staging_dirs
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
@@ -61,19 +63,23 @@ def _assert_bit_exact(path) -> None:
     assert sd["lr"] == 0.25
 
 
-def _assert_refused(path) -> None:
-    """Every way in says the checkpoint is incomplete."""
-    with pytest.raises(IncompleteCheckpointError, match="incomplete"):
+def _assert_refused(path, error=CheckpointNotFoundError, text="no checkpoint at") -> None:
+    """Every way in refuses the location: by default, nothing was published there."""
+    with pytest.raises(error, match=text):
         tsckpt.load(_empty(), path)
     # Raw dcp.load catches read_metadata's exception and re-raises only its text
     # (inside a CheckpointException), so the class is lost there but the reason is not.
-    with pytest.raises(CheckpointException, match="is an incomplete checkpoint"):
+    with pytest.raises(CheckpointException, match=text):
         dcp.load(_empty(), storage_reader=tsckpt.TensorStoreReader(path))
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(error):
         verify(path)
     if importlib.util.find_spec("tsckpt.read.checkpoint") is not None:
-        with pytest.raises(IncompleteCheckpointError):
+        with pytest.raises(error):
             tsckpt.open(path)
+
+
+def _dead_staging(path) -> list:
+    return [d for d in staging_dirs(str(path)) if not d.old]
 
 
 # --- fault injection, run inside spawned ranks ------------------------------------------------
@@ -151,8 +157,10 @@ def test_rank_killed_mid_write_leaves_nothing_loadable(tmp_path, previous):
     new = tmp_path / "new"
     with pytest.raises(AssertionError):
         dist.run_ranks(2, _save_killed, new, 1, "kill", timeout=TIMEOUT)
-    assert new.exists()  # the save did get as far as writing data
-    _assert_refused(new)
+    assert not new.exists()
+    [staged] = _dead_staging(new)  # the save did get as far as writing data, beside the target
+    assert any(f.startswith("c") for _, _, files in os.walk(staged.path) for f in files)
+    _assert_refused(new, text="leftover staging")
     _assert_bit_exact(previous)
 
 
@@ -171,19 +179,24 @@ def test_coordinator_dying_before_commit(tmp_path, previous, die_at):
     new = tmp_path / "new"
     with pytest.raises(AssertionError):
         dist.run_ranks(1, _save_coordinator_dies, new, die_at, timeout=TIMEOUT)
+    [staged] = _dead_staging(new)
     if die_at == "root":
         # Everything but the commit made it to disk: array nodes exist, the root does not.
-        assert (new / "model" / "w" / "zarr.json").is_file() and not (new / "zarr.json").exists()
+        assert os.path.isfile(os.path.join(staged.path, "model", "w", "zarr.json"))
+        assert not os.path.exists(os.path.join(staged.path, "zarr.json"))
+    assert not new.exists()
     _assert_refused(new)
     _assert_bit_exact(previous)
-    # The dead save's directory takes a fresh save (no overwrite needed: nothing was committed).
+    # The location takes a fresh save (no overwrite needed: nothing was committed),
+    # which removes the dead save's staging directory.
     tsckpt.save(_state(1), new)
     _assert_bit_exact(new)
     assert verify(new).ok
+    assert not staging_dirs(str(new))
 
 
 def test_saving_over_a_complete_checkpoint_needs_overwrite(previous):
-    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+    with pytest.raises(CheckpointExistsError, match="Checkpoint already exists.*overwrite=True"):
         tsckpt.save(_state(1), previous)
     _assert_bit_exact(previous)
     changed = _state(1)
@@ -195,22 +208,17 @@ def test_saving_over_a_complete_checkpoint_needs_overwrite(previous):
 
 
 @pytest.mark.parametrize("death", ["write", "root"])
-def test_dying_overwrite_never_loads_as_complete(previous, death):
+def test_dying_overwrite_keeps_the_old_checkpoint(previous, death):
     if death == "write":
         run = (_save_killed, previous, 0, "kill", True)
     else:
         run = (_save_coordinator_dies, previous, "root", True)
     with pytest.raises(AssertionError):
         dist.run_ranks(1, *run, timeout=TIMEOUT)
-    if death == "root":
-        _assert_refused(previous)
-    else:
-        # The overwrite cleared the old checkpoint before writing; if it died before any
-        # new chunk reached disk the location may now be empty, which is refused as such.
-        with pytest.raises((IncompleteCheckpointError, CheckpointNotFoundError)):
-            tsckpt.load(_empty(), previous)
-        with pytest.raises((IncompleteCheckpointError, CheckpointNotFoundError)):
-            verify(previous)
+    # The new save wrote only into its staging directory: the old checkpoint is untouched.
+    _assert_bit_exact(previous)
+    assert verify(previous).ok
+    assert len(_dead_staging(previous)) == 1
 
 
 # --- faults from the filesystem ---------------------------------------------------------------

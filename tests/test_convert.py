@@ -25,7 +25,7 @@ from tsckpt.format import commit
 from tsckpt.conversion.builder import CheckpointBuilder
 from tsckpt.cli import app
 from tsckpt.conversion.convert import ConversionWarning, convert
-from tsckpt.errors import CheckpointExistsError, IncompleteCheckpointError, PlanError, UnsafeObjectError
+from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, PlanError, UnsafeObjectError
 from tsckpt.conversion.sources import detect_format
 from tsckpt.location import make_context, open_kvstore, parse_location
 
@@ -231,8 +231,10 @@ def test_builder_refuses_collisions_and_commits_only_on_success(tmp_path):
         with CheckpointBuilder(tmp_path / "d") as b2:
             b2.add_tensor("x", torch.ones(3))
             raise RuntimeError("producer failed")
-    with pytest.raises(IncompleteCheckpointError):
+    # The failed builder's staging directory is gone and the target was never created.
+    with pytest.raises(CheckpointNotFoundError):
         commit.read_metadata(open_kvstore(parse_location(tmp_path / "d"), make_context()), "d")
+    assert [n for n in os.listdir(tmp_path) if n == "d" or n.startswith(".d.")] == []
 
 
 def test_existing_targets_are_refused_without_overwrite(tmp_path):

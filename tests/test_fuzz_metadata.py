@@ -3,14 +3,21 @@
 Starts from real documents (a saved checkpoint's, and one with every placement
 kind) and applies random structural mutations with hypothesis; nothing but a
 TsckptError may ever escape ``CheckpointMetadata.from_dict`` or
-``commit.read_metadata``. Set ``TSCKPT_FUZZ_EXAMPLES`` for a longer run.
+``commit.read_metadata``. End to end, the root ``zarr.json`` of a real saved
+checkpoint is mutated (field values and types, truncation, byte flips) and the
+checkpoint read through ``tsckpt.open`` and a one-process ``tsckpt.load``:
+every outcome is a correct read or a TsckptError. Set ``TSCKPT_FUZZ_EXAMPLES``
+for a longer run; the number of cases run is printed in the test summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import tensorstore as ts
@@ -25,25 +32,23 @@ from tsckpt.format.metadata import (
     DTensorPlacement,
     Mesh,
     ObjectEntry,
-    Region,
     ReplicatedPlacement,
     ShardedTensorPlacement,
     TensorEntry,
 )
 
 EXAMPLES = int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "400"))
-RUNS = {"from_dict": 0, "read_metadata": 0, "accepted": 0}
+RUNS = {"from_dict": 0, "read_metadata": 0, "accepted": 0,
+        "end_to_end": 0, "end_to_end_refused": 0, "end_to_end_read": 0, "end_to_end_loaded": 0}
 
 
 def _placed_document() -> dict:
     mesh = Mesh(shape=(2, 2), dim_names=("dp", "tp"), device_type="cpu", ranks=(0, 1, 2, 3))
     w = TensorEntry(("model", "w"), "model/w", (8, 6), "bfloat16", (4, 3), (2, 3),
-                    DTensorPlacement(0, ({"type": "shard", "dim": 0}, {"type": "shard", "dim": 1})),
-                    tuple(Region((r * 4, c * 3), (4, 3), 2 * r + c) for r in range(2) for c in range(2)))
+                    DTensorPlacement(0, ({"type": "shard", "dim": 0}, {"type": "shard", "dim": 1})))
     st_ = TensorEntry(("st",), "st", (6, 2), "float32", (3, 2), None,
-                      ShardedTensorPlacement((((0, 0), (3, 2), "rank:0/cpu"), ((3, 0), (3, 2), "rank:1/cpu"))),
-                      (Region((0, 0), (3, 2), 0), Region((3, 0), (3, 2), 1)))
-    step = TensorEntry(("step",), "step", (), "int64", (), None, ReplicatedPlacement(), (Region((), (), 0),))
+                      ShardedTensorPlacement((((0, 0), (3, 2), "rank:0/cpu"), ((3, 0), (3, 2), "rank:1/cpu"))))
+    step = TensorEntry(("step",), "step", (), "int64", (), None, ReplicatedPlacement())
     objs = {"lr": ObjectEntry(("lr",), "json", value={"$tuple": [0.9, {"$float": "nan"}]}),
             "blob": ObjectEntry(("blob",), "torch", path="blob")}
     md = CheckpointMetadata(world_size=4, tensors={"model.w": w, "st": st_, "step": step}, objects=objs,
@@ -52,9 +57,11 @@ def _placed_document() -> dict:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _report_counts():
+def _report_counts(request):
     yield
-    print(f"\nfuzz cases run: {RUNS}")  # shown with -s
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print("\nfuzz cases run: " + ", ".join(f"{k} {v}" for k, v in RUNS.items()))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +147,7 @@ def test_read_metadata_raises_only_tsckpt_errors(documents, data):
     raw = bytearray(json.dumps(group_metadata({commit.ATTRIBUTE: doc})).encode())
     how = data.draw(st.sampled_from(["flip", "truncate", "insert", "mutate"]))
     if how == "mutate":
-        raw = bytearray(json.dumps(_mutate(data, group_metadata({commit.ATTRIBUTE: doc}))).encode())
+        raw = bytearray(json.dumps(_stamped(_mutate(data, group_metadata({commit.ATTRIBUTE: doc})))).encode())
     elif how == "truncate":
         raw = raw[: data.draw(st.integers(0, len(raw)))]
     else:
@@ -158,3 +165,119 @@ def test_read_metadata_raises_only_tsckpt_errors(documents, data):
         commit.read_metadata(kv, "memory://fuzz")
     except TsckptError:
         pass
+
+
+def _stamped(root):
+    """The root with its document's checksum recomputed, as a hostile writer would: validation must hold alone."""
+    attrs = root.get("attributes") if isinstance(root, dict) else None
+    if isinstance(attrs, dict) and isinstance(attrs.get(commit.ATTRIBUTE), dict):
+        try:
+            attrs[commit.CHECKSUM_ATTRIBUTE] = commit.document_checksum(attrs[commit.ATTRIBUTE])
+        except (TypeError, ValueError, RecursionError):
+            pass
+    return root
+
+
+# --- end to end: a real checkpoint whose root document is mutated ----------------------------
+
+
+def _state_dict():
+    import torch
+
+    return {"model": {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(6, dtype=torch.bfloat16),
+                      "big": torch.arange(256, dtype=torch.int32).reshape(16, 16)},
+            "opt": {"step": torch.tensor(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+            "odd": {1, 2}}
+
+
+class Saved(NamedTuple):
+    """A real checkpoint (with inner chunks for ``model.big``), its root bytes and its data by array path."""
+
+    ckpt: Path
+    root: bytes
+    by_path: dict
+
+    def __repr__(self) -> str:  # hypothesis prints it with every falsifying example
+        return f"Saved({self.ckpt})"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Saved:
+    import shutil
+
+    import tsckpt
+
+    ckpt = tmp_path_factory.mktemp("fuzz-e2e") / "ckpt"
+    tsckpt.save(_state_dict(), ckpt, inner_chunk_bytes=256)
+    root = (ckpt / "zarr.json").read_bytes()
+    md = CheckpointMetadata.from_dict(json.loads(root)["attributes"]["tsckpt"])
+    ck = tsckpt.open(ckpt)
+    by_path = {e.path: ck[k].numpy() for k, e in md.tensors.items()}
+    work = tmp_path_factory.mktemp("fuzz-e2e-work") / "ckpt"
+    shutil.copytree(ckpt, work)
+    return Saved(work, root, by_path)
+
+
+def _mutated_root(data, root: bytes) -> bytes:
+    how = data.draw(st.sampled_from(["mutate", "mutate", "mutate", "flip", "truncate", "insert"]))
+    if how == "mutate":
+        doc = json.loads(root)
+        for _ in range(data.draw(st.integers(1, 3))):
+            doc["attributes"]["tsckpt"] = _mutate(data, doc["attributes"]["tsckpt"])
+        return json.dumps(_stamped(doc)).encode()
+    raw = bytearray(root)
+    if how == "truncate":
+        return bytes(raw[: data.draw(st.integers(0, len(raw)))])
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        if how == "flip":
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+        else:
+            raw.insert(at, data.draw(st.integers(0, 255)))
+    return bytes(raw)
+
+
+def _read_everything(ckpt, by_path) -> None:
+    """Open and read every entry; whatever reads must be the saved data of the array it names."""
+    import tsckpt
+
+    ck = tsckpt.open(ckpt)
+    for key in ck:
+        value = ck[key]
+        if key in ck.tensors:
+            got = value.numpy()
+            want = by_path[ck.metadata.tensors[key].path]
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), key
+    RUNS["end_to_end_read"] += 1
+
+
+def _load_everything(ckpt, by_path) -> None:
+    import torch
+
+    import tsckpt
+    from tsckpt.format import dtypes
+
+    sd = _state_dict()
+    tensors = [(("model", "a"), sd["model"]), (("model", "b"), sd["model"]), (("model", "big"), sd["model"])]
+    for _, parent in tensors:
+        for k, t in parent.items():
+            parent[k] = torch.zeros_like(t)
+    tsckpt.load(sd, ckpt)
+    for (group, name), parent in tensors:
+        got = dtypes.tensor_as_numpy(parent[name])
+        assert got.tobytes() == by_path[f"{group}/{name}"].tobytes(), name
+    RUNS["end_to_end_loaded"] += 1
+
+
+@settings(max_examples=max(EXAMPLES // 4, 20), deadline=None, suppress_health_check=list(HealthCheck),
+          database=None)
+@given(data=st.data())
+def test_open_and_load_of_a_mutated_root_document_raise_only_tsckpt_errors(saved, data):
+    ckpt, root, by_path = saved
+    (ckpt / commit.ROOT).write_bytes(_mutated_root(data, root))
+    RUNS["end_to_end"] += 1
+    for step in (_read_everything, _load_everything):
+        try:
+            step(ckpt, by_path)
+        except TsckptError:
+            RUNS["end_to_end_refused"] += 1

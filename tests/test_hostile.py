@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 
@@ -15,9 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
+from cli_run import one_line_error, run_cli
 from tsckpt.format import commit
 from tsckpt.format import zarr_json as arrays
 from tsckpt.errors import MetadataError, TsckptError, UnsafeObjectError
+from tsckpt.format.metadata import MAX_DOCUMENT_BYTES
 from tsckpt.read.verify import verify
 
 HOSTILE_KEYS = ["../escape", "../../../tmp/x", "/abs/path", "a/b/../../c", "..", ".", "zarr.json", "c",
@@ -141,6 +144,20 @@ BROKEN = {
     "not utf-8": (lambda md, c: b"\xff\xfe{}".decode("latin-1"), "not valid JSON"),
     "deep nesting": (lambda md, c: "[" * 100_000 + "]" * 100_000, "not valid JSON"),
     "metadata not an object": (lambda md, c: json.dumps({"attributes": {"tsckpt": [1]}}), "expected a JSON object"),
+    "chunk larger than shape": (lambda md, c: _w(md).update(chunk_shape=[8, 3]), "larger than shape"),
+    "inner chunk larger than chunk": (lambda md, c: _w(md).update(inner_chunk_shape=[8, 3]),
+                                      "inner_chunk_shape \\[8, 3\\] is larger than chunk_shape"),
+    "inner chunk does not divide": (lambda md, c: _w(md).update(inner_chunk_shape=[3, 3]), "does not divide"),
+    "33 dimensions": (lambda md, c: _w(md).update(shape=[1] * 33, chunk_shape=[1] * 33), "at most 32"),
+    "2**63 bytes": (lambda md, c: _w(md).update(shape=[2**61, 3]), "more than 2\\*\\*63 bytes"),
+    "no ranks": (lambda md, c: md.update(world_size=0), "world_size 0"),
+    "json value missing": (lambda md, c: md["objects"]["lr"].pop("value") and None, "missing field 'value'"),
+    "NaN literal": (lambda md, c: json.dumps({"attributes": {"tsckpt": md}}).replace("0.5", "NaN"),
+                    "NaN is not valid JSON"),
+    "shard outside shape": (lambda md, c: _w(md).update(placement={"kind": "sharded_tensor", "shards": [
+        {"offsets": [2, 0], "sizes": [4, 3], "placement": "rank:0/cpu"}]}), "shard at \\[2, 0\\]"),
+    "lone surrogate in key": (lambda md, c: json.dumps({"attributes": {"tsckpt": md}}).replace(
+        '"key_path": ["model", "w"]', '"key_path": ["model", "\\ud800"]'), "not valid Unicode"),
 }
 
 
@@ -170,3 +187,43 @@ def test_array_swapped_through_symlink_is_not_followed_outside(good_ckpt, tmp_pa
     copy = _edit(good_ckpt, tmp_path, lambda md, c: _w(md).update(key_path=["model", "../w"], path="model/../w"))
     with pytest.raises(MetadataError, match="not a safe relative path"):
         tsckpt.load({"model": {"w": torch.zeros(4, 3)}}, copy)
+
+
+TAGGED = {
+    "$dict holding a number": {"$dict": 5},
+    "$float holding a word": {"$float": "abc"},
+    "$float holding a finite number": {"$float": "1.5"},
+    "$tuple holding a number": {"$tuple": 3},
+    "$dict pair of three": {"$dict": [[1, 2, 3]]},
+    "$dict with an object key": {"$dict": [[{"a": 1}, 2]]},
+    "nested deep inside a list": [1, {"k": {"$tuple": [{"$dict": "x"}]}}],
+}
+
+
+@pytest.mark.parametrize("case", list(TAGGED))
+def test_malformed_tagged_value_is_refused_naming_the_value_and_the_checkpoint(good_ckpt, tmp_path, case):
+    copy = _edit(good_ckpt, tmp_path, lambda md, c: md["objects"]["lr"].update(value=TAGGED[case]))
+    message = rf"{re.escape(str(copy))}/zarr\.json: object 'lr': value is not valid tagged JSON"
+    with pytest.raises(MetadataError, match=message):
+        tsckpt.open(copy)
+    with pytest.raises(MetadataError, match=message):
+        tsckpt.load({"model": {"w": torch.zeros(4, 3)}, "lr": None}, copy)
+    with pytest.raises(BaseException) as info:  # DCP re-raises the reader's error inside its own exception
+        dcp.load({"lr": None}, storage_reader=tsckpt.TensorStoreReader(copy), planner=tsckpt.LoadPlanner())
+    assert "not valid tagged JSON" in str(info.value) and "'lr'" in str(info.value)
+
+
+def test_malformed_tagged_value_is_one_line_from_the_cli(good_ckpt, tmp_path):
+    copy = _edit(good_ckpt, tmp_path, lambda md, c: md["objects"]["lr"].update(value={"$dict": 5}))
+    for args in (["show", str(copy), "lr"], ["info", str(copy)], ["ls", str(copy)]):
+        assert f"{copy}/zarr.json: object 'lr': value is not valid tagged JSON" in one_line_error(run_cli(*args))
+
+
+def test_root_document_over_the_size_cap_is_refused_before_it_is_read(good_ckpt, tmp_path):
+    copy = _edit(good_ckpt, tmp_path, lambda md, c: None)
+    # A sparse file: 300 MiB long, no disk used; a reader that read it whole would hold it all in memory.
+    os.truncate(copy / "zarr.json", MAX_DOCUMENT_BYTES + (44 << 20))
+    with pytest.raises(MetadataError, match=rf"zarr\.json is larger than {MAX_DOCUMENT_BYTES} bytes"):
+        tsckpt.open(copy)
+    with pytest.raises(MetadataError, match="larger than"):
+        tsckpt.load({"model": {"w": torch.zeros(4, 3)}}, copy, allow_partial_load=True)

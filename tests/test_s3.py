@@ -12,9 +12,12 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import tsckpt
 import zoo
+from cli_run import one_line_error, run_cli
 from zoo import same_bits
 from dist import run_ranks
 from s3server import MotoServer, restore_credentials, set_credentials
+from tsckpt.errors import MetadataError, StorageError
+from tsckpt.format import commit
 from tsckpt.location import make_context, open_kvstore, parse_location
 
 BUCKET = "tsckpt-test"
@@ -175,6 +178,31 @@ def test_s3_context_options_reach_tensorstore(s3):
 def test_missing_bucket_fails_with_the_location_in_the_message(s3):
     with pytest.raises(tsckpt.TsckptError, match="no-such-bucket"):
         tsckpt.save(small_state_dict(), s3.location("no-such-bucket", "x"))
+
+
+def test_missing_bucket_is_one_clear_line_on_every_read_path(s3):
+    location = s3.location("no-such-bucket", "x")
+    message = "s3://no-such-bucket/x: the bucket does not exist"
+    with pytest.raises(StorageError, match=message):
+        tsckpt.open(location)
+    with pytest.raises(StorageError, match=message):
+        tsckpt.load(small_state_dict(), location)
+    for command in ("ls", "verify"):
+        assert message in one_line_error(run_cli(command, "s3://no-such-bucket/x",
+                                                 env={"AWS_ENDPOINT_URL": s3.endpoint}))
+
+
+def test_root_document_size_cap_is_exact_on_s3(s3, monkeypatch):
+    location = s3.location(BUCKET, "runs/capped")
+    tsckpt.save(small_state_dict(), location)
+    kv = open_kvstore(parse_location(location), make_context())
+    size = len(kv.read("zarr.json").result().value)
+    # The cap is probed with a one-byte ranged read: a document of exactly the cap reads, one byte more does not.
+    monkeypatch.setattr(commit, "MAX_DOCUMENT_BYTES", size)
+    assert tsckpt.open(location).metadata.world_size == 1
+    monkeypatch.setattr(commit, "MAX_DOCUMENT_BYTES", size - 1)
+    with pytest.raises(MetadataError, match=f"zarr.json is larger than {size - 1} bytes"):
+        tsckpt.open(location)
 
 
 def test_tensorstore_reads_a_hyperslab_straight_from_s3(zoo_s3):

@@ -116,7 +116,7 @@ def test_metadata_round_trips_through_json():
     (dict(chunk_shape=(2,)), "wrong rank"),
     (dict(checksums="A" * 8), "one entry per chunk"),
     (dict(chunk_shape=(8, 2)), "larger than shape"),
-    (dict(inner_chunk_shape=(3, 2)), "divide"),
+    (dict(inner_chunk_shape=(3, 2)), "larger than chunk_shape"),
 ])
 def test_metadata_validation_names_the_tensor(bad, message):
     doc = CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}).to_dict()

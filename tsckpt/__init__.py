@@ -13,6 +13,8 @@ from typing import Any
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConcurrentSaveError,
+    ForeignContentError,
     IncompleteCheckpointError,
     LoadMismatchError,
     MetadataError,
@@ -50,11 +52,14 @@ _LAZY = {
     # torch-free chores on a directory of step checkpoints
     "latest": "steps",
     "prune": "steps",
+    "clean": "format.target",
+    "leftovers": "format.target",
 }
 
 __all__ = [
     *_LAZY,
     "TsckptError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
+    "ForeignContentError", "ConcurrentSaveError",
     "MetadataError", "PlanError", "LoadMismatchError", "UnsafeObjectError", "UnsupportedDtypeError",
 ]
 

@@ -20,7 +20,18 @@ class CheckpointNotFoundError(TsckptError):
 
 
 class CheckpointExistsError(TsckptError):
-    """A complete checkpoint is already there and overwriting was not asked for."""
+    """A complete checkpoint is already there and overwriting was not asked for.
+
+    The message starts with "Checkpoint already exists", as DCP's does.
+    """
+
+
+class ForeignContentError(TsckptError):
+    """The location holds data tsckpt did not write (a plain Zarr group, other files) and overwriting was not asked for."""
+
+
+class ConcurrentSaveError(TsckptError):
+    """Another save into the same location is running, died without finishing, or overtook this one."""
 
 
 class MetadataError(TsckptError):
@@ -45,3 +56,15 @@ class UnsafeObjectError(TsckptError):
 
 class ChecksumError(TsckptError):
     """Stored data does not match the checksum recorded when it was written."""
+
+
+class DamagedValueError(TsckptError):
+    """A stored non-tensor value is corrupt: its bytes are not an intact ``torch.save`` archive."""
+
+
+class NotACheckpointError(TsckptError):
+    """The location holds something other than a tsckpt checkpoint (a file, a DCP checkpoint)."""
+
+
+class StorageError(TsckptError):
+    """The storage behind a location failed: a missing bucket, an unreachable endpoint, a refusal."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import ipaddress
-import json
 import os
 import re
 import sys
@@ -40,12 +39,20 @@ from typing import Any
 
 import tensorstore as ts
 
-from .errors import TsckptError
+from .errors import NotACheckpointError, TsckptError
+# read_json, list_keys and encode_json live in kvio; callers keep importing them from here.
+from .kvio import S3_RETRIES_ENV, encode_json, list_keys, one_line, read_json  # noqa: F401
 
 DEFAULT_IO_CONCURRENCY = 64
 #: Region used with a custom S3 endpoint when none is given: S3-compatible
 #: servers accept any region in the signature, AWS itself needs the real one.
 DEFAULT_S3_REGION = "us-east-1"
+#: How often a failed S3 request is retried (TensorStore's ``s3_request_retries``).
+#: TensorStore's own default (32, with delays up to 32 s) keeps an unreachable
+#: endpoint hanging for about 15 minutes; 6 retries with delays of 1, 2, 4, 8, 16
+#: and 16 s give up after about a minute while still riding out throttling.
+#: ``TSCKPT_S3_RETRIES`` or a location's ``context`` member changes it.
+DEFAULT_S3_RETRIES = 6
 
 
 # --- bucket name rules ------------------------------------------------------
@@ -289,12 +296,25 @@ def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Locatio
         # With keys in the environment, skip the default chain: it would also
         # probe ~/.aws/{config,credentials} and log an error when they are absent.
         spec["aws_credentials"] = {"type": "environment"}
+    if location is None or location.driver == "s3":
+        spec["s3_request_retries"] = s3_retries()
     if location is None:
         return spec
     scheme = _BY_DRIVER.get(location.driver)
     if scheme is not None and scheme.concurrency_resource:
         spec[scheme.concurrency_resource] = {"limit": io_concurrency}
     return spec | dict(location.context)
+
+
+def s3_retries() -> dict[str, Any]:
+    """The ``s3_request_retries`` resource: :data:`DEFAULT_S3_RETRIES`, or ``$TSCKPT_S3_RETRIES``."""
+    text = os.environ.get(S3_RETRIES_ENV, "").strip()
+    retries = DEFAULT_S3_RETRIES
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise TsckptError(f"{S3_RETRIES_ENV}={text!r}: expected a whole number of retries >= 1")
+        retries = int(text)
+    return {"max_retries": retries, "initial_delay": "1s", "max_delay": "16s"}
 
 
 def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> ts.Context:
@@ -344,35 +364,11 @@ def _libc() -> Any:
 
 
 def open_kvstore(location: Location, context: ts.Context) -> ts.KvStore:
+    if location.driver == "file":
+        path = str(location.spec.get("path", "")).rstrip("/")
+        if os.path.isfile(path):
+            raise NotACheckpointError(f"{path} is a file, not a checkpoint directory")
     try:
         return ts.KvStore.open(dict(location.spec), context=context).result()
     except ValueError as e:
-        raise TsckptError(f"cannot open checkpoint location {location.url}: {e}") from None
-
-
-def read_json(kv: ts.KvStore, key: str) -> Any | None:
-    """The parsed JSON at ``key``, or None when the key does not exist.
-
-    A storage failure (missing bucket, refused credentials, unreachable
-    endpoint) raises :class:`~tsckpt.errors.TsckptError` naming the location.
-    """
-    try:
-        result = kv.read(key).result()
-    except ValueError as e:
-        raise TsckptError(f"cannot read {key!r} at {_kv_name(kv)}: {e}") from None
-    if result.state != "value":
-        return None
-    return json.loads(result.value)
-
-
-def _kv_name(kv: ts.KvStore) -> str:
-    try:
-        return kv.url
-    except (ValueError, AttributeError):
-        # Some drivers (s3 with a custom endpoint) have no URL form.
-        return repr(kv.spec().to_json())
-
-
-def encode_json(doc: Any) -> bytes:
-    # Compact: the root document of a large save is megabytes, read by every rank.
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        raise TsckptError(f"cannot open checkpoint location {location.url}: {one_line(e)}") from None

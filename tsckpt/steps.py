@@ -184,6 +184,8 @@ def _walk(path: str) -> list[str]:
 def _candidates(root: _Root) -> list[tuple[int, str, Callable[[], list[str]]]]:
     found = []
     for name, keys in root.entries():
+        if name.startswith("."):
+            continue  # hidden: a save's staging directory (docs/format.md, section 8), or not ours
         numbers = _STEP.findall(name)
         if numbers:
             found.append((int(numbers[-1]), name, keys))

@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 # Modules that register commands on ``app`` when imported.
-COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "steps"]
+COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "steps", "clean"]
 
 
 def main() -> None:

@@ -204,6 +204,11 @@ def info(
             ("files", str(files)),
             ("bytes stored", human_bytes(stored) + (f" ({stored} B)" if stored is not None else "")),
         ]
+        from .clean import leftover_line
+
+        left = leftover_line(path)
+        if left:
+            rows.append(("leftovers", left))
         for name, value in rows:
             table.add_row(name, value)
         _print_wide(table)

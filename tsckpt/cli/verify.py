@@ -21,17 +21,20 @@ def verify(
     from rich.console import Console
 
     from ..errors import TsckptError
+    from ..format.target import leftovers
     from ..read.verify import verify as run_verify
     from ..summary import verification
+    from .clean import leftover_line
 
     out, err = Console(), Console(stderr=True)
     try:
         report = run_verify(path, progress=progress)
+        items = leftovers(path)
     except TsckptError as e:
-        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False)
+        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(ERROR) from None
     if as_json:
-        print(json.dumps(verification(report), indent=1))
+        print(json.dumps(verification(report) | {"leftovers": [i.to_dict() for i in items]}, indent=1))
     else:
         for entry in report.failed:
             out.print(f"[bold red]{entry.key}[/] ({entry.path}): {len(entry.problems)} problem(s)", highlight=False)
@@ -40,5 +43,8 @@ def verify(
         status = "[bold green]OK[/]" if report.ok else f"[bold red]FAILED[/] ({len(report.failed)} damaged)"
         out.print(f"{status} {report.location}: {len(report.entries)} arrays, {report.chunks} chunks, "
                   f"{report.nbytes} bytes checked", highlight=False)
+        left = leftover_line(path, items)
+        if left:
+            out.print(f"[bold yellow]note[/] {left}", highlight=False)
     if not report.ok:
         raise typer.Exit(FOUND)

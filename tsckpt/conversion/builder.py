@@ -10,9 +10,11 @@ converters: each tensor is written as soon as it is added and only a bounded
 number of bytes (``max_inflight_bytes``) is waiting on TensorStore at any time,
 so memory stays at about that budget plus the tensor being added.
 
-Like a DCP save, nothing under the location looks like a Zarr node until
-:meth:`CheckpointBuilder.commit` writes the array, group and root documents;
-a builder abandoned half-way leaves an incomplete checkpoint that loads refuse.
+Like a DCP save, nothing at the location changes until :meth:`CheckpointBuilder.commit`
+writes the array, group and root documents and publishes them
+(:mod:`tsckpt.format.target`): on a local filesystem the builder writes into
+a staging directory beside the target and renames it into place, so a
+builder abandoned half-way leaves the location as it was.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, Rep
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
 from ..format.spec import Store
+from ..format.target import begin_save
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
 
 if TYPE_CHECKING:
@@ -62,7 +65,9 @@ class CheckpointBuilder:
 
     Args:
         location: checkpoint directory, ``file://`` URL or TensorStore kvstore spec.
-        overwrite: replace a complete checkpoint already there.
+        overwrite: replace a complete checkpoint (or data tsckpt did not write) already
+            there; as in :class:`tsckpt.TensorStoreWriter`, the old one stays loadable
+            until the new one is published on local filesystems.
         inner_chunk_bytes: tensors above this size get inner chunks of about this
             size (Zarr sharding codec), as in :class:`tsckpt.TensorStoreWriter`.
         max_inflight_bytes: tensor bytes that may wait on TensorStore before
@@ -87,13 +92,13 @@ class CheckpointBuilder:
     ):
         self.checksums = checksums
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec)
-        self.store = Store.open(location, io_concurrency=io_concurrency)
-        self.location = self.store.location
+        self.save_id = uuid.uuid4().hex
+        self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
+        self.location = self.target.location
+        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
-        self.save_id = uuid.uuid4().hex
-        commit.prepare_target(self.store.kvstore, self.url, overwrite=overwrite)
         self._tensors: dict[str, TensorEntry] = {}
         self._objects: dict[str, ObjectEntry] = {}
         self._blob_sizes: dict[str, int] = {}
@@ -111,14 +116,16 @@ class CheckpointBuilder:
             if not self._committed:
                 self.commit()
             return
-        # Not committed: what was written stays an incomplete checkpoint. Still
-        # wait for started writes, so no I/O outlives the tensors they read.
+        # Not committed: wait for started writes, so no I/O outlives the tensors
+        # they read, then drop the staged data (in place: only the claim goes).
         for _, fut, _, _ in self._pending:
             try:
                 fut.result()
             except Exception:
                 pass
         self._pending.clear()
+        if not self._committed:
+            self.target.abort()
 
     @property
     def url(self) -> str:
@@ -222,7 +229,7 @@ class CheckpointBuilder:
         self.flush()
         md = commit.commit_checkpoint(
             self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
-            extra={"save_id": self.save_id, **self.extra}, options=self.array_options,
+            extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,
             writers={fqn: [0] * e.grid.nchunks for fqn, e in self._tensors.items()})
         self._committed = True
         return md

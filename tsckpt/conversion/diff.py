@@ -7,6 +7,7 @@ checkpoint is in memory at a time, so checkpoints larger than RAM compare.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -32,7 +32,7 @@ from ..format.spec import read_error
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
 from . import logs
 from .protocol import DecodedValue
-from .storage import TensorStoreIO, done, region
+from .io import TensorStoreIO, done, region
 
 
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:

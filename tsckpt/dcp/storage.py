@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -31,128 +30,14 @@ from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_pla
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.spec import Store
-from ..location import Location, LocationLike, parse_location
+from ..format.target import SaveTarget, begin_save
+from ..location import Location, LocationLike
 from . import compat, logs, plan_cache
 from .planner import placement_records
+from .exchange import RankPlan, RankSummary
+from .io import TensorStoreIO, done, region
 from .protocol import Placements, encode_bytes
 from .staging import Stager
-
-
-def done(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
-
-
-def region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankPlan:
-    """What the coordinator tells one rank: its arrays' layout and its values' paths.
-
-    ``describe``: the rank's plan carried no placement records (DCP's own
-    planner), so the rank reports them with its write results.
-    """
-
-    arrays: dict[str, TensorEntry]
-    objects: dict[str, str]
-    describe: bool = False
-
-
-class _RankSummary:
-    """What one rank wrote, as the coordinator's ``finish`` needs it: columns, not per-item records.
-
-    Tensors are numbered in the order of the layouts the coordinator sent, so
-    a rank reports integers and the coordinator groups a whole job's chunks
-    with one sort instead of a Python loop over ranks x tensors.
-    """
-
-    def __init__(self, rank: int, names: list[str], placements: dict[str, Any]):
-        self.rank = rank
-        self.ids = {fqn: i for i, fqn in enumerate(names)}
-        self.placements = placements
-        self.objects: dict[str, Any] = {}
-        self.tensor: list[int] = []
-        self.chunk: list[int] = []
-        self.crc: list[int] = []
-
-    def add(self, fqn: str, entry: TensorEntry, offsets: Any, source: np.ndarray, with_checksums: bool) -> None:
-        if with_checksums:
-            indices, crcs = checksums.region_checksums(source, entry.grid, offsets)
-            self.crc += crcs
-        else:
-            indices = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(offsets, source.shape)]
-        self.chunk += indices
-        self.tensor += [self.ids[fqn]] * len(indices)
-
-    def packed(self) -> dict[str, Any]:
-        return {"rank": self.rank, "placements": self.placements, "objects": self.objects,
-                "tensor": np.asarray(self.tensor, dtype=np.int32), "chunk": np.asarray(self.chunk, dtype=np.int64),
-                "crc": np.asarray(self.crc, dtype=np.uint32)}
-
-    @staticmethod
-    def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, tuple[np.ndarray, ...]]:
-        """Each tensor's (chunk indices, crc32c values, writing ranks), from every rank's summary."""
-        tensor = np.concatenate([s["tensor"] for s in summaries] or [np.zeros(0, np.int32)])
-        chunk = np.concatenate([s["chunk"] for s in summaries] or [np.zeros(0, np.int64)])
-        crcs = [s["crc"] for s in summaries]
-        crc = np.concatenate(crcs) if crcs and all(len(c) == len(t["tensor"]) for c, t in zip(crcs, summaries)) \
-            else np.zeros(len(chunk), np.uint32)
-        rank = np.repeat([s["rank"] for s in summaries], [len(s["tensor"]) for s in summaries]).astype(np.int64)
-        order = np.argsort(tensor, kind="stable")
-        bounds = np.searchsorted(tensor[order], np.arange(len(names) + 1))
-        return {fqn: (chunk[order[a:b]], crc[order[a:b]], rank[order[a:b]])
-                for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}
-
-
-class TensorStoreIO:
-    """What the writer and reader share: a location and, made on first use, its :class:`Store`."""
-
-    def __init__(self, path: LocationLike | None, io_concurrency: int):
-        self.location: Location | None = parse_location(path) if path is not None else None
-        self.io_concurrency = io_concurrency
-        self._store: Store | None = None
-        self._started = time.perf_counter()
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        return self.location.url if self.location else None
-
-    def _reset(self, checkpoint_id: LocationLike | None) -> None:
-        if checkpoint_id is not None:
-            location = parse_location(checkpoint_id)
-            if location != self.location:
-                self.location, self._store = location, None
-        if self.location is None:
-            raise TsckptError("no checkpoint location: pass a path to the constructor or checkpoint_id=")
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            assert self.location is not None
-            self._store = self._open_store(self.location)
-        return self._store
-
-    def _open_store(self, location: Location) -> Store:
-        return Store.open(location, io_concurrency=self.io_concurrency)
-
-    @property
-    def context(self) -> ts.Context:
-        return self.store.context
-
-    def __getstate__(self) -> dict[str, Any]:
-        # TensorStore handles do not pickle; async_save's process mode pickles the writer.
-        return {**self.__dict__, "_store": None}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: LocationLike) -> bool:
-        try:
-            parse_location(checkpoint_id)
-        except TsckptError:
-            return False
-        return True
 
 
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
@@ -184,9 +69,15 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         cache_staged_state_dict: with ``dcp.async_save``, keep the staged CPU
             copies and refill them on the next save instead of allocating new
             ones (:class:`~tsckpt.dcp.staging.Stager`).
-        overwrite: replace a checkpoint already at ``path`` (the default, as in
-            DCP); ``False`` refuses with :class:`~tsckpt.errors.CheckpointExistsError`
-            ("Checkpoint already exists ...").
+        overwrite: replace a checkpoint, or data tsckpt did not write, already
+            at ``path`` (the default, as in DCP); ``False`` refuses with
+            :class:`~tsckpt.errors.CheckpointExistsError` ("Checkpoint already
+            exists ...") or :class:`~tsckpt.errors.ForeignContentError`, before
+            any data is written. On a local filesystem the old checkpoint stays
+            loadable until the new one is complete, and is swapped out in one
+            atomic step. On object stores and ``memory://`` the old checkpoint
+            is un-committed before the new data is written: a save that dies
+            there leaves no loadable checkpoint (docs/format.md, section 8).
         _extensions: ``[ZStandard()]`` (``torch.distributed.checkpoint._extension``)
             compresses chunks with Zarr's ``zstd`` codec, like ``compression="zstd"``;
             other extensions are refused.
@@ -248,6 +139,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.is_coordinator = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex
+        self._target: SaveTarget | None = None
+        self._data_store: Store | None = None
         self._entries: dict[str, TensorEntry] = {}
         self._placements: dict[str, Any] = {}
         self._key_paths: dict[str, tuple[Any, ...]] = {}
@@ -277,8 +170,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self._started = time.perf_counter()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
+        self._target, self._data_store = None, None
         if is_coordinator:
-            commit.prepare_target(self.store.kvstore, self.store.url, overwrite=self.overwrite)
+            # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
+            assert self.location is not None
+            self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -319,32 +215,45 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                            str(self.checkpoint_id))
         # Every rank gets the same layouts (O(tensors), one object): a rank of
         # an FSDP job writes part of nearly every tensor anyway.
-        told = {describe: _RankPlan(arrays=self._entries, objects=blobs, describe=describe)
+        if self._target is None:
+            raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
+                              f"the coordinator (use_collectives=False is not supported)")
+        told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
+                                    location=self._target.data_location)
                 for describe in (False, True)}
         return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
 
     def _key_path(self, fqn: str) -> tuple[Any, ...]:
         return self._key_paths.get(fqn, (fqn,))
 
+    def data_store(self, location: Location | None) -> Store:
+        """This save's store: where the coordinator said to write (its staging directory, or in place)."""
+        if location is None or location == self.location:
+            return self.store
+        if self._data_store is None or self._data_store.location.spec != location.spec:
+            self._data_store = self._open_store(location)
+        return self._data_store
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.is_coordinator:
             plan_cache.remember(self._full_plans, planner)
             self._full_plans = None
-        rank_plan: _RankPlan = plan.storage_data or _RankPlan({}, {})
+        rank_plan: RankPlan = plan.storage_data or RankPlan({}, {})
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
+        store = self.data_store(rank_plan.location)
         opened = {
-            fqn: self.store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
+            fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
             for fqn, e in rank_plan.arrays.items()
         }
         pending, results, keep_alive = [], [], []
-        summary = _RankSummary(self.rank, list(rank_plan.arrays), placements=records)
+        summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
         later = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                summary.objects[fqn], fut = self._write_object(rank_plan.objects[fqn], data)
+                summary.objects[fqn], fut = self._write_object(store, rank_plan.objects[fqn], data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 if fut is not None:
                     pending.append((fqn, fut))
@@ -387,16 +296,16 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         except Exception as e:
             raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
 
-    def _write_object(self, path: str, data: Any) -> tuple[dict[str, Any], Any]:
+    def _write_object(self, store: Store, path: str, data: Any) -> tuple[dict[str, Any], Any]:
         encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
             return {"encoding": values.JSON, "value": payload}, None
         blob = np.frombuffer(payload, dtype=np.uint8)
-        arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
+        arr = store.create(path, zarr_json.blob_metadata(blob.size)).result()
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after all data is durable: gather each tensor's checksums, then commit."""
+        """Coordinator, after all data is durable: gather each tensor's checksums, then commit and publish."""
         summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
@@ -410,7 +319,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 else:
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
                     blob_sizes[fqn] = info["nbytes"]
-        chunks = _RankSummary.merge(summaries, list(self._entries))
+        chunks = RankSummary.merge(summaries, list(self._entries))
         self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c[0])})
         meshes: list = []
         tensors, writers = {}, {}
@@ -431,9 +340,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         extra: dict[str, Any] = {"save_id": self.save_id}
         if not self.sync_files:
             extra["synced"] = False
+        assert self._target is not None, "finish runs on the coordinator, after set-up"
         commit.commit_checkpoint(
-            self.store, world_size=len(results), tensors=tensors, objects=objs, blob_sizes=blob_sizes,
-            meshes=meshes, extra=extra, options=self.array_options, writers=writers)
+            self.data_store(self._target.data_location), world_size=len(results), tensors=tensors,
+            objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
+            writers=writers, target=self._target)
         if logs.enabled():
             logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
                           seconds=time.perf_counter() - self._started, ranks=len(results))

@@ -4,11 +4,14 @@
 the DCP writer and :class:`~tsckpt.conversion.builder.CheckpointBuilder` alike.
 
 Ranks write only chunk files, under array paths that hold no ``zarr.json`` yet,
-so while a save runs nothing in the directory is a Zarr node. When every rank's
-data is durable, the coordinator writes each array's ``zarr.json``, then every
+so while a save runs nothing it wrote is a Zarr node. When every rank's data is
+durable, the coordinator writes each array's ``zarr.json``, then every
 intermediate group's ``zarr.json``, and last the root ``zarr.json`` whose
 ``attributes["tsckpt"]`` is the metadata document. That single write is the
 commit: a directory without it is an incomplete checkpoint and is refused.
+Where the save writes, and how the committed root becomes visible at the
+checkpoint's location (a rename of a staging directory, or a conditional
+write), is the save's :class:`~tsckpt.format.target.SaveTarget`.
 """
 
 from __future__ import annotations
@@ -22,21 +25,19 @@ import tensorstore as ts
 
 from .. import __version__
 from ..errors import (
-    CheckpointExistsError,
     ChecksumError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     MetadataError,
-    TsckptError,
+    NotACheckpointError,
 )
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, read_json
+from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, list_keys, read_json
 from . import checksums, dtypes, values, zarr_json
-from .metadata import ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
+from .metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from .names import parent_groups
 from .spec import Store
+from .target import ATTRIBUTE, ROOT, SaveTarget
 
-ROOT = "zarr.json"
-ATTRIBUTE = "tsckpt"
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
 
 
@@ -71,12 +72,16 @@ def commit_checkpoint(
     extra: Mapping[str, Any] | None = None,
     options: ArrayOptions = ArrayOptions(),
     writers: Mapping[str, Sequence[int]] | None = None,
+    target: SaveTarget | None = None,
 ) -> CheckpointMetadata:
     """Validate the entries, assemble the metadata document and commit it; call once all data is durable.
 
     ``blob_sizes`` gives the byte count of every ``torch``-encoded value's blob;
     ``options`` are the codecs the tensor chunks were written with; ``writers``
     the rank that wrote each chunk of a tensor (see :func:`tensor_attributes`).
+    ``target`` (from :func:`~tsckpt.format.target.begin_save`) writes and publishes
+    the root document; without one it is written to ``store`` directly. If the
+    commit fails, the target drops the save's staged data.
     """
     import torch  # only for its version string; every caller has it loaded already
 
@@ -100,16 +105,23 @@ def commit_checkpoint(
         extra=dict(extra or {}),
         array_options=options,
     )
-    commit(store.kvstore, md, docs, nodes=store.layout.nodes(store))
+    try:
+        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store), target=target)
+    except BaseException:
+        if target is not None:
+            target.abort()
+        raise
     return md
 
 
 def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]],
-           nodes: tuple[ts.KvStore, Callable[[], None] | None] | None = None) -> None:
+           nodes: tuple[ts.KvStore, Callable[[], None] | None] | None = None,
+           target: SaveTarget | None = None) -> None:
     """Write array and group nodes, then the root document (the commit point).
 
     ``nodes`` optionally gives another kvstore for the nodes and a call that
-    makes them durable, which returns before the root is written.
+    makes them durable, which returns before the root is written. ``target``
+    writes the root and publishes it; without one the root is written to ``kv``.
     """
     node_kv, flush = nodes if nodes is not None else (kv, None)
     groups = [g for g in parent_groups(list(array_docs)) if g]
@@ -118,8 +130,12 @@ def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[st
     if flush is not None:
         flush()
     document = md.to_dict()
-    kv.write(ROOT, encode_json(zarr_json.group_metadata(
-        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))).result()
+    root = encode_json(zarr_json.group_metadata(
+        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
+    if target is None:
+        kv.write(ROOT, root).result()
+    else:
+        target.commit_root(kv, root)
 
 
 def document_checksum(document: Mapping[str, Any]) -> int:
@@ -138,44 +154,17 @@ def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
         f.result()
 
 
-def is_committed(kv: ts.KvStore) -> bool:
-    """Whether the root document carries tsckpt metadata (it may still fail validation).
-
-    An unreadable root document counts as committed: it may be a damaged
-    checkpoint, and replacing it must be asked for like any other.
-    """
-    try:
-        doc = _read_root(kv, url="")
-    except MetadataError:
-        return True
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
-    return isinstance(attrs, dict) and ATTRIBUTE in attrs
-
-
-def prepare_target(kv: ts.KvStore, url: str, *, overwrite: bool) -> None:
-    """Refuse to clobber a complete checkpoint unless asked; when asked, un-commit first.
-
-    Removing the root document before anything else means a save that dies
-    half-way through an overwrite leaves an incomplete checkpoint, never a mix
-    of old and new arrays that loads as complete.
-    """
-    if not is_committed(kv):
-        return
-    if not overwrite:
-        raise CheckpointExistsError(  # worded like DCP's FileSystemWriter, whose users match on it
-            f"Checkpoint already exists at {url}; pass overwrite=True to replace it"
-        )
-    kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
-
-
 def _read_root(kv: ts.KvStore, url: str) -> Any:
     try:
-        return read_json(kv, ROOT)
+        return read_json(kv, ROOT, where=url, max_bytes=MAX_DOCUMENT_BYTES)
     except (ValueError, RecursionError) as e:
         # ValueError covers bad JSON and bytes that are not UTF-8; absurd nesting
         # exhausts the parser's recursion instead.
         raise MetadataError(f"{url}/{ROOT} is not valid JSON: {e}") from None
+
+
+#: What a DCP ``FileSystemWriter`` checkpoint holds: a pickled ``.metadata`` and ``*.distcp`` files.
+DCP_METADATA, DCP_SUFFIX = b".metadata", b".distcp"
 
 
 def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
@@ -183,8 +172,14 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     doc = _read_root(kv, url)
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
     if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
-        if doc is None and not kv.list(ts.KvStore.KeyRange()).result():
-            raise CheckpointNotFoundError(f"no checkpoint at {url}: the location is empty or missing")
+        keys = list_keys(kv, url) if doc is None else [ROOT.encode()]
+        if not keys:
+            raise CheckpointNotFoundError(f"no checkpoint at {url}: the location is empty or missing"
+                                          + _leftover_hint(kv))
+        if DCP_METADATA in keys and any(k.endswith(DCP_SUFFIX) for k in keys):
+            raise NotACheckpointError(
+                f"{url} is a DCP FileSystemWriter checkpoint, not a tsckpt one; convert it with "
+                f"`tsckpt convert --trust-pickle {url} DST` (its .metadata is a pickle: trust it first)")
         raise IncompleteCheckpointError(
             f"{url} is an incomplete checkpoint: the save did not finish "
             f"(no committed metadata in {ROOT}); it cannot be loaded"
@@ -195,19 +190,29 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     if stored is not None or (isinstance(version, int) and version >= 2):
         try:
             actual = document_checksum(document)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({e})") from None
         if stored != actual:
             raise ChecksumError(f"{url}/{ROOT}: the metadata document does not match its crc32c "
                                 f"({stored!r} stored, {actual} computed): the file is damaged")
     try:
         return CheckpointMetadata.from_dict(document)
-    except TsckptError:
-        raise
+    except MetadataError as e:
+        raise MetadataError(f"{url}/{ROOT}: {e}") from None
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
         # from_dict validates field by field; this only guards against a hostile
         # document reaching a case it did not foresee, which must still be a clean refusal.
         raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def _leftover_hint(kv: ts.KvStore) -> str:
+    """For a missing local checkpoint: staging directories of saves into it that did not finish."""
+    spec = kv.spec().to_json()
+    if spec.get("driver") != "file":
+        return ""
+    from .localdir import hint  # local filesystems only
+
+    return hint(str(spec.get("path", "")).rstrip("/"))
 
 
 def open_committed(location: LocationLike, *,

@@ -12,11 +12,23 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from . import dtypes, values, zarr_json
 from ..errors import MetadataError
+from . import dtypes, values, zarr_json
+from .fields import MAX_NDIM, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
+# Placements are part of the document; re-exported so callers import the whole document from here.
+from .placements import (  # noqa: F401
+    PLACEMENTS,
+    DTensorPlacement,
+    Mesh,
+    Placement,
+    ReplicatedPlacement,
+    ShardedTensorPlacement,
+    intern_placement,
+    placement_from_dict,
+)
 from .names import check_relative_path, parent_groups, zarr_path
 
 FORMAT = "tsckpt"
@@ -24,28 +36,11 @@ FORMAT_VERSION = 2
 #: Checkpoints of version 1 recorded every rank's region; version 2 records one
 #: checksum table per tensor instead, so the document grows with tensors, not ranks.
 
-
-def _ints(value: Any, what: str, *, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
-    ):
-        raise MetadataError(f"{what}: expected a list of integers >= {minimum}, got {value!r}")
-    return tuple(value)
-
-
-def _get(d: Mapping[str, Any], key: str, what: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(d, Mapping):
-        raise MetadataError(f"{what}: expected a JSON object, got {type(d).__name__}")
-    if key not in d:
-        raise MetadataError(f"{what}: missing field {key!r}")
-    value = d[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise MetadataError(f"{what}: field {key!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
+# Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
+#: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
+MAX_DOCUMENT_BYTES = 256 << 20
+#: Largest byte size of one tensor: its byte count must fit a signed 64-bit integer.
+MAX_TENSOR_BYTES = 2**63 - 1
 
 
 def _dtype(name: str, what: str) -> str:
@@ -59,149 +54,17 @@ def _key_path(value: Any, what: str) -> tuple[str | int, ...]:
         isinstance(p, (str, int)) and not isinstance(p, bool) for p in value
     ):
         raise MetadataError(f"{what}: key_path must be a non-empty list of strings and integers")
+    if not all(_utf8(p) for p in value if isinstance(p, str)):
+        raise MetadataError(f"{what}: key_path holds a string that is not valid Unicode")
     return tuple(value)
 
 
-@dataclass(frozen=True)
-class Region:
-    """A box of the global tensor, and the rank that wrote it."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    rank: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "offsets": list(self.offsets), "sizes": list(self.sizes)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str = "region") -> Region:
-        return cls(
-            offsets=_ints(_get(d, "offsets", what, list), what),
-            sizes=_ints(_get(d, "sizes", what, list), what),
-            rank=_get(d, "rank", what, int),
-        )
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """A DeviceMesh as it was at save time."""
-
-    shape: tuple[int, ...]
-    dim_names: tuple[str, ...] | None
-    device_type: str
-    ranks: tuple[int, ...]  # mesh.mesh flattened in row-major order
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "dim_names": list(self.dim_names) if self.dim_names is not None else None,
-            "device_type": self.device_type,
-            "ranks": list(self.ranks),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str = "mesh") -> Mesh:
-        names = d.get("dim_names") if isinstance(d, Mapping) else None
-        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-            raise MetadataError(f"{what}: dim_names must be a list of strings or null")
-        mesh = cls(
-            shape=_ints(_get(d, "shape", what, list), what, minimum=1),
-            dim_names=tuple(names) if names is not None else None,
-            device_type=_get(d, "device_type", what, str),
-            ranks=_ints(_get(d, "ranks", what, list), what),
-        )
-        if len(mesh.ranks) != math.prod(mesh.shape) or (
-            mesh.dim_names is not None and len(mesh.dim_names) != len(mesh.shape)
-        ):
-            raise MetadataError(f"{what}: ranks or dim_names do not match shape {list(mesh.shape)}")
-        return mesh
-
-
-@dataclass(frozen=True)
-class DTensorPlacement:
-    """A DTensor's mesh (an index into ``CheckpointMetadata.meshes``) and placements.
-
-    Each placement is a small JSON object: ``{"type": "shard", "dim": 0}``,
-    ``{"type": "replicate"}``, ``{"type": "strided_shard", "dim": 0, "split_factor": 2}``
-    or ``{"type": "partial", "reduce_op": "sum"}``.
-    """
-
-    kind: ClassVar[str] = "dtensor"
-    mesh: int
-    placements: tuple[Mapping[str, Any], ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "mesh": self.mesh, "placements": [dict(p) for p in self.placements]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str) -> DTensorPlacement:
-        placements = _get(d, "placements", what, list)
-        if not all(isinstance(p, Mapping) and isinstance(p.get("type"), str) for p in placements):
-            raise MetadataError(f"{what}: each placement must be an object with a 'type'")
-        return cls(mesh=_get(d, "mesh", what, int), placements=tuple(placements))
-
-
-@dataclass(frozen=True)
-class ShardedTensorPlacement:
-    """A ShardedTensor's shards: where each one sits and on which rank/device."""
-
-    kind: ClassVar[str] = "sharded_tensor"
-    shards: tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "shards": [{"offsets": list(o), "sizes": list(s), "placement": p} for o, s, p in self.shards],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str) -> ShardedTensorPlacement:
-        shards = tuple(
-            (
-                _ints(_get(s, "offsets", what, list), what),
-                _ints(_get(s, "sizes", what, list), what),
-                _get(s, "placement", what, str),
-            )
-            for s in _get(d, "shards", what, list)
-        )
-        return cls(shards=shards)
-
-
-@dataclass(frozen=True)
-class ReplicatedPlacement:
-    """A plain tensor: every rank held all of it (written once, by one of them)."""
-
-    kind: ClassVar[str] = "replicated"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str) -> ReplicatedPlacement:
-        return cls()
-
-
-Placement = DTensorPlacement | ShardedTensorPlacement | ReplicatedPlacement
-PLACEMENTS: dict[str, type[DTensorPlacement] | type[ShardedTensorPlacement] | type[ReplicatedPlacement]] = {
-    cls.kind: cls for cls in (DTensorPlacement, ShardedTensorPlacement, ReplicatedPlacement)
-}
-
-
-def placement_from_dict(d: Any, what: str) -> Placement | None:
-    if d is None:
-        return None
-    kind = _get(d, "kind", what, str)
-    if kind not in PLACEMENTS:
-        raise MetadataError(f"{what}: unknown placement kind {kind!r}; expected one of {sorted(PLACEMENTS)}")
-    return PLACEMENTS[kind].from_dict(d, what)
-
-
-def _optional(d: Mapping[str, Any], key: str, what: str, kind: type) -> Any:
-    return _get(d, key, what, kind) if d.get(key) is not None else None
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, which JSON escapes can produce
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -226,8 +89,8 @@ class ArrayOptions:
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "array_options") -> ArrayOptions:
-        return cls(crc32c_codec=_get(d, "crc32c_codec", what, bool),
-                   compression=_optional(d, "compression", what, str))
+        return cls(crc32c_codec=get_field(d, "crc32c_codec", what, bool),
+                   compression=optional_field(d, "compression", what, str))
 
 
 @dataclass(frozen=True)
@@ -268,14 +131,14 @@ class TensorEntry:
     def from_dict(cls, d: Mapping[str, Any], what: str) -> TensorEntry:
         inner = d.get("inner_chunk_shape") if isinstance(d, Mapping) else None
         entry = cls(
-            key_path=_key_path(_get(d, "key_path", what, list), what),
-            path=check_relative_path(_get(d, "path", what, str), what=what),
-            shape=_ints(_get(d, "shape", what, list), what),
-            dtype=_dtype(_get(d, "dtype", what, str), what),
-            chunk_shape=_ints(_get(d, "chunk_shape", what, list), what, minimum=1),
-            inner_chunk_shape=_ints(inner, what, minimum=1) if inner is not None else None,
+            key_path=_key_path(get_field(d, "key_path", what, list), what),
+            path=check_relative_path(get_field(d, "path", what, str), what=what),
+            shape=parse_shape(get_field(d, "shape", what, list), what, "shape"),
+            dtype=_dtype(get_field(d, "dtype", what, str), what),
+            chunk_shape=parse_shape(get_field(d, "chunk_shape", what, list), what, "chunk_shape", minimum=1),
+            inner_chunk_shape=parse_shape(inner, what, "inner_chunk_shape", minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),
-            checksums=_optional(d, "checksums", what, str),
+            checksums=optional_field(d, "checksums", what, str),
         )
         entry.validate(what)
         return entry
@@ -284,15 +147,30 @@ class TensorEntry:
         if self.path != zarr_path(self.key_path):
             raise MetadataError(f"{what}: path {self.path!r} does not match key path {list(self.key_path)}")
         ndim = len(self.shape)
+        if ndim > MAX_NDIM:
+            raise MetadataError(f"{what}: shape has {ndim} dimensions; at most {MAX_NDIM} are supported")
+        if math.prod(self.shape) * dtypes.from_zarr(self.dtype).itemsize > MAX_TENSOR_BYTES:
+            raise MetadataError(f"{what}: shape {list(self.shape)} holds more than 2**63 bytes")
         if len(self.chunk_shape) != ndim:
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} has the wrong rank for shape {list(self.shape)}")
-        if self.inner_chunk_shape is not None and (
-            len(self.inner_chunk_shape) != ndim
-            or any(c % i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
-        ):
-            raise MetadataError(f"{what}: inner_chunk_shape must divide chunk_shape {list(self.chunk_shape)}")
+        # Writers make each chunk at most the tensor (1 along empty dimensions); a larger
+        # one only makes readers allocate for elements that do not exist.
         if any(c > max(n, 1) for c, n in zip(self.chunk_shape, self.shape)):
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
+        inner = self.inner_chunk_shape
+        if inner is not None:
+            if len(inner) != ndim:
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {list(self.shape)}")
+            if any(i > c for c, i in zip(self.chunk_shape, inner)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {list(self.chunk_shape)}")
+            if any(c % i for c, i in zip(self.chunk_shape, inner)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {list(self.chunk_shape)}")
+        if isinstance(self.placement, ShardedTensorPlacement):
+            for offsets, sizes, _ in self.placement.shards:
+                if len(offsets) != ndim or len(sizes) != ndim or any(
+                    o + s > n for o, s, n in zip(offsets, sizes, self.shape)
+                ):
+                    raise MetadataError(f"{what}: shard at {list(offsets)} of size {list(sizes)} lies outside shape {list(self.shape)}")
         # base64 of 4 bytes per chunk; decoding waits until a read needs it.
         if self.checksums is not None and len(self.checksums) != 4 * -(-4 * self.grid.nchunks // 3):
             raise MetadataError(f"{what}: the checksum table does not have one entry per chunk of "
@@ -318,12 +196,20 @@ class ObjectEntry:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], what: str) -> ObjectEntry:
-        key_path = _key_path(_get(d, "key_path", what, list), what)
-        encoding = _get(d, "encoding", what, str)
+        key_path = _key_path(get_field(d, "key_path", what, list), what)
+        encoding = get_field(d, "encoding", what, str)
         if encoding == values.JSON:
-            return cls(key_path, encoding, value=d.get("value"))
+            if "value" not in d:
+                raise MetadataError(f"{what}: missing field 'value'")
+            try:
+                values.from_json(d["value"])
+            except MetadataError as e:
+                raise MetadataError(f"{what}: value is not valid tagged JSON: {e}") from None
+            except RecursionError:
+                raise MetadataError(f"{what}: value is nested too deeply") from None
+            return cls(key_path, encoding, value=d["value"])
         if encoding == values.TORCH:
-            path = check_relative_path(_get(d, "path", what, str), what=what)
+            path = check_relative_path(get_field(d, "path", what, str), what=what)
             if path != zarr_path(key_path):
                 raise MetadataError(f"{what}: path {path!r} does not match key path {list(key_path)}")
             return cls(key_path, encoding, path=path)
@@ -364,21 +250,25 @@ class CheckpointMetadata:
     @classmethod
     def from_dict(cls, d: Any) -> CheckpointMetadata:
         what = "checkpoint metadata"
-        if _get(d, "format", what, str) != FORMAT:
+        if get_field(d, "format", what, str) != FORMAT:
             raise MetadataError(f"{what}: 'format' is {d['format']!r}, expected {FORMAT!r}")
-        version = _get(d, "version", what, int)
+        version = get_field(d, "version", what, int)
         if version > FORMAT_VERSION or version < 1:
             raise MetadataError(
                 f"{what}: format version {version} is not supported by this tsckpt (reads 1..{FORMAT_VERSION})"
             )
-        meshes = tuple(Mesh.from_dict(m, f"mesh {i}") for i, m in enumerate(_get(d, "meshes", what, list)))
+        meshes = tuple(Mesh.from_dict(m, f"mesh {i}") for i, m in enumerate(get_field(d, "meshes", what, list)))
         tensors = {
-            k: TensorEntry.from_dict(v, f"tensor {k!r}") for k, v in _get(d, "tensors", what, dict).items()
+            k: TensorEntry.from_dict(v, f"tensor {k!r}") for k, v in get_field(d, "tensors", what, dict).items()
         }
-        objs = {k: ObjectEntry.from_dict(v, f"object {k!r}") for k, v in _get(d, "objects", what, dict).items()}
+        objs = {k: ObjectEntry.from_dict(v, f"object {k!r}") for k, v in get_field(d, "objects", what, dict).items()}
         for key, t in tensors.items():
-            if isinstance(t.placement, DTensorPlacement) and not 0 <= t.placement.mesh < len(meshes):
-                raise MetadataError(f"tensor {key!r}: mesh index {t.placement.mesh} out of range")
+            if isinstance(t.placement, DTensorPlacement):
+                if not 0 <= t.placement.mesh < len(meshes):
+                    raise MetadataError(f"tensor {key!r}: mesh index {t.placement.mesh} out of range")
+                if len(t.placement.placements) != len(meshes[t.placement.mesh].shape):
+                    raise MetadataError(f"tensor {key!r}: {len(t.placement.placements)} placements for a "
+                                        f"{len(meshes[t.placement.mesh].shape)}-d mesh")
         paths = [t.path for t in tensors.values()] + [o.path for o in objs.values() if o.path]
         if len(set(paths)) != len(paths):
             raise MetadataError(f"{what}: two entries share one array path")
@@ -386,8 +276,11 @@ class CheckpointMetadata:
         if clash:
             raise MetadataError(f"{what}: {sorted(clash)[0]!r} is both an array and a group")
         extra = d.get("extra") or {}
+        world_size = get_field(d, "world_size", what, int)
+        if world_size < 1:
+            raise MetadataError(f"{what}: world_size {world_size} is not a positive number of ranks")
         return cls(
-            world_size=_get(d, "world_size", what, int),
+            world_size=world_size,
             tensors=tensors,
             objects=objs,
             meshes=meshes,
@@ -399,14 +292,3 @@ class CheckpointMetadata:
             array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
         )
 
-
-def intern_placement(record: Mapping[str, Any] | None, meshes: list[Mesh], what: str) -> Placement | None:
-    """A planner's placement record (mesh inline) as a Placement with a mesh index."""
-    if record is None:
-        return None
-    if record.get("kind") == DTensorPlacement.kind:
-        mesh = Mesh.from_dict(record.get("mesh"), what)
-        if mesh not in meshes:
-            meshes.append(mesh)
-        return DTensorPlacement(mesh=meshes.index(mesh), placements=tuple(record.get("placements", ())))
-    return placement_from_dict(record, what)

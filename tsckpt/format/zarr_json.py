@@ -39,6 +39,41 @@ def _leaf_codecs(dt: dtypes.DType, checksums: bool, compression: str | None) -> 
     return codecs + [_CRC32C] if checksums else codecs
 
 
+def _codecs(dt: dtypes.DType, inner_chunk_shape: Sequence[int] | None, checksums: bool,
+            compression: str | None) -> list[dict[str, Any]]:
+    if inner_chunk_shape is None:
+        return _leaf_codecs(dt, checksums, compression)
+    return [{
+        "name": "sharding_indexed",
+        "configuration": {
+            "chunk_shape": list(inner_chunk_shape),
+            "codecs": _leaf_codecs(dt, checksums, compression),
+            "index_codecs": [_BYTES, _CRC32C] if checksums else [_BYTES],
+            "index_location": "end",
+        },
+    }]
+
+
+def expected_codecs(entry: TensorEntry, *, checksums: bool, compression: str | None) -> list[dict[str, Any]]:
+    """The codec chain of a tensor's array written with these writer options.
+
+    Readers that know the options pin exactly this chain when opening the
+    array, so a crafted ``zarr.json`` cannot swap in other codecs.
+    """
+    return _codecs(dtypes.from_zarr(entry.dtype), entry.inner_chunk_shape, checksums, compression)
+
+
+def writer_options() -> list[tuple[bool, str | None]]:
+    """Every (checksums, compression) pair a writer accepts."""
+    return [(c, z) for c in (False, True) for z in (None, *COMPRESSORS)]
+
+
+def possible_codecs(dtype: str, inner_chunk_shape: Sequence[int] | None) -> list[list[dict[str, Any]]]:
+    """Every chain a tsckpt writer can give such an array, for readers that do not know its options."""
+    dt = dtypes.from_zarr(dtype)
+    return [_codecs(dt, inner_chunk_shape, c, z) for c, z in writer_options()]
+
+
 def array_metadata(
     shape: Sequence[int],
     dtype: str,
@@ -55,18 +90,7 @@ def array_metadata(
     ``compression`` names an entry of :data:`COMPRESSORS` applied before it.
     """
     dt = dtypes.from_zarr(dtype)
-    if inner_chunk_shape is None:
-        codecs = _leaf_codecs(dt, checksums, compression)
-    else:
-        codecs = [{
-            "name": "sharding_indexed",
-            "configuration": {
-                "chunk_shape": list(inner_chunk_shape),
-                "codecs": _leaf_codecs(dt, checksums, compression),
-                "index_codecs": [_BYTES, _CRC32C] if checksums else [_BYTES],
-                "index_location": "end",
-            },
-        }]
+    codecs = _codecs(dt, inner_chunk_shape, checksums, compression)
     doc: dict[str, Any] = {
         "zarr_format": 3,
         "node_type": "array",
@@ -92,6 +116,12 @@ def tensor_metadata(entry: TensorEntry, options: ArrayOptions,
 def blob_metadata(nbytes: int, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``zarr.json`` of a value blob: ``nbytes`` of ``uint8`` in one chunk, with a crc32c."""
     return array_metadata([nbytes], "uint8", [max(nbytes, 1)], attributes=attributes)
+
+
+#: The codecs of every value blob: raw bytes and a crc32c, never compressed,
+#: so a blob's stored chunk is its length plus 4 bytes.
+BLOB_CODECS: list[dict[str, Any]] = blob_metadata(0)["codecs"]
+BLOB_CHECKSUM_BYTES = 4
 
 
 def chunk_key(index: Sequence[int], separator: str = CHUNK_KEY_SEPARATOR) -> str:

@@ -23,15 +23,18 @@ from typing import Any
 
 import tensorstore as ts
 
+from ..errors import MetadataError
 from ..format import checksums, commit, zarr_json
 from ..format.grid import ChunkGrid
-from ..format.metadata import CheckpointMetadata, TensorEntry
+from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from ..format.spec import Store
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, read_json
 from ..progress import PROGRESS_BYTES, progress_bar, wanted
 
 #: Bytes of chunk reads kept in flight at once.
 _IN_FLIGHT_BYTES = 256 << 20
+#: An array's ``zarr.json`` is a few hundred bytes; anything this large is not one tsckpt wrote.
+_MAX_NODE_BYTES = 1 << 20
 __all__ = ["EntryReport", "PROGRESS_BYTES", "VerifyReport", "verify"]
 
 
@@ -97,26 +100,48 @@ class _Target:
     entry: TensorEntry | None  # None for a blob
 
 
-def _disagreements(e: TensorEntry, doc: Mapping[str, Any]) -> list[str]:
-    """How ``doc`` differs from the ``zarr.json`` the metadata implies for ``e``.
+def _disagreements(want_any: list[dict[str, Any]], doc: Mapping[str, Any]) -> list[str]:
+    """How ``doc`` differs from the closest of the ``zarr.json`` documents tsckpt could have written.
 
-    Codecs depend only on the writer's checksum and compression options, and
-    the chunk-key separator on the tsckpt version (before "." it was "/"), so
-    any combination tsckpt writes is accepted there.
+    The whole document is compared except ``attributes`` (informative) and the
+    chunk-key separator, which is ``/`` in checkpoints from before ``.``.
     """
-    want = zarr_json.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape)
-    diff = [f"{k}: metadata says {want[k]!r}, zarr.json says {doc.get(k)!r}"
-            for k in ("shape", "data_type", "chunk_grid") if want[k] != doc.get(k)]
-    chains = [zarr_json.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
-                                    checksums=c, compression=z)["codecs"]
-              for c in (True, False) for z in (None, *zarr_json.COMPRESSORS)]
-    if doc.get("codecs") not in chains:
-        diff.append(f"codecs: zarr.json says {doc.get('codecs')!r}, not a chain tsckpt writes for this tensor")
+    found = {k: v for k, v in doc.items() if k != "attributes"}
     encoding = doc.get("chunk_key_encoding")
+    diff: list[str] = []
     if not isinstance(encoding, dict) or encoding.get("name") != "default" \
-            or zarr_json.chunk_key_separator(doc) not in (".", "/"):
+            or zarr_json.chunk_key_separator(dict(doc)) not in (".", "/"):
         diff.append(f"chunk_key_encoding: zarr.json says {encoding!r}, expected Zarr's default with '.' or '/'")
+    else:
+        found["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": zarr_json.CHUNK_KEY_SEPARATOR}}
+    wants = [{k: v for k, v in w.items() if k != "attributes"} for w in want_any]
+    if not diff and found in wants:
+        return []
+    best = min(wants, key=lambda w: sum(w.get(k) != found.get(k) for k in w.keys() | found.keys()))
+    for k in sorted(best.keys() | found.keys()):
+        if k == "codecs" and found.get(k) != best.get(k) and all(found.get(k) != w["codecs"] for w in wants):
+            diff.append(f"codecs: zarr.json says {found.get(k)!r}, not a chain tsckpt writes for this array")
+        elif k != "codecs" and best.get(k) != found.get(k):
+            diff.append(f"{k}: metadata says {best.get(k)!r}, zarr.json says {found.get(k)!r}")
     return diff
+
+
+def _expected_docs(target: _Target, doc: Mapping[str, Any], options: ArrayOptions | None) -> list[dict[str, Any]] | None:
+    """The documents tsckpt could have written for ``target`` (for a blob, of the length ``doc`` declares).
+
+    A version-2 checkpoint names its codec options, so exactly one document is expected.
+    """
+    e = target.entry
+    if e is not None and options is not None:
+        return [zarr_json.tensor_metadata(e, options)]
+    if e is not None:
+        return [zarr_json.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
+                                         checksums=c, compression=z) for c, z in zarr_json.writer_options()]
+    shape = doc.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+            and not isinstance(shape[0], bool) and 0 <= shape[0] < 2**63):
+        return None
+    return [zarr_json.blob_metadata(shape[0])]
 
 
 class _Checker:
@@ -143,20 +168,20 @@ class _Checker:
     def _zarr_json(self, kv: ts.KvStore, target: _Target, problems: list[str]) -> dict[str, Any] | None:
         where = f"{target.path}/{commit.ROOT}"
         try:
-            doc = read_json(kv, commit.ROOT)
-        except (ValueError, RecursionError) as e:
+            doc = read_json(kv, commit.ROOT, where=f"{self.store.url}/{target.path}", max_bytes=_MAX_NODE_BYTES)
+        except (ValueError, RecursionError, MetadataError) as e:
             problems.append(f"{where} is not valid JSON: {e}")
             return None
         if not isinstance(doc, dict) or doc.get("node_type") != "array":
             problems.append(f"{where} is missing or is not a Zarr array")
             return None
-        if target.entry is not None:
-            diff = _disagreements(target.entry, doc)
-            if diff:
-                problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
-                return None
-        elif doc.get("data_type") != "uint8" or not isinstance(doc.get("shape"), list) or len(doc["shape"]) != 1:
+        wants = _expected_docs(target, doc, self.store.array_options)
+        if wants is None:
             problems.append(f"{where} is not a 1-d uint8 array as a stored value must be")
+            return None
+        diff = _disagreements(wants, doc)
+        if diff:
+            problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
             return None
         try:
             ts.dtype(doc["data_type"])

@@ -1,0 +1,70 @@
+"""``tsckpt clean PATH``: remove what saves into PATH that did not finish left behind.
+
+``info`` and ``verify`` report the same leftovers with :func:`leftover_line`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from . import app
+from .exits import ERROR
+
+if TYPE_CHECKING:
+    from ..format.target import Leftover
+
+
+def _size(n: int) -> str:
+    from .inspect import human_bytes
+
+    return human_bytes(n)
+
+
+def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
+    """One line about leftovers of unfinished saves into ``path`` (``items``, or looked up), or None if none."""
+    from ..format.target import leftovers
+
+    items = leftovers(path) if items is None else items
+    dead = [i for i in items if i.live is False]
+    unknown = [i for i in items if i.live is None]
+    live = [i for i in items if i.live]
+    parts = []
+    if dead:
+        parts.append(f"{len(dead)} leftover(s) ({_size(sum(i.nbytes for i in dead))}) from aborted saves: "
+                     f"remove with `tsckpt clean {path}`")
+    if unknown:
+        parts.append(f"{len(unknown)} leftover(s) ({_size(sum(i.nbytes for i in unknown))}) of saves that may "
+                     f"still be running ({unknown[0].what}): if none is, remove with `tsckpt clean --force {path}`")
+    if live:
+        parts.append(f"{len(live)} save(s) in progress ({_size(sum(i.nbytes for i in live))} written so far)")
+    return "; ".join(parts) or None
+
+
+@app.command()
+def clean(
+    path: str = typer.Argument(..., help="checkpoint directory or URL"),
+    force: bool = typer.Option(False, "--force",
+                               help="also remove leftovers that cannot be told apart from a running save "
+                                    "(claims on object stores, staging on filesystems without locks)"),
+) -> None:
+    """Remove leftovers of saves into PATH that did not finish; a committed checkpoint is never touched."""
+    from rich.console import Console
+
+    from ..errors import TsckptError
+    from ..format.target import clean as run_clean
+
+    out, err = Console(), Console(stderr=True)
+    try:
+        removed = run_clean(path, force=force)
+        remaining = leftover_line(path)
+    except TsckptError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(ERROR) from None
+    for item in removed:
+        out.print(f"removed {item.path}: {item.what}, {_size(item.nbytes)}", highlight=False, markup=False)
+    out.print(f"{len(removed)} leftover(s) removed ({_size(sum(i.nbytes for i in removed))})",
+              highlight=False, markup=False)
+    if remaining:
+        out.print(f"left: {remaining}", highlight=False, markup=False)

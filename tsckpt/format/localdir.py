@@ -1,0 +1,376 @@
+"""Publishing a save staged in a hidden directory on a local filesystem: renames, locks, leftovers.
+
+Every save into ``<parent>/<name>`` writes into ``<parent>/.<name>.tsckpt-<save_id>``
+and commits there. The coordinator holds an exclusive ``flock`` on that
+directory for the whole save, so any process can tell a running save's
+staging directory from a dead one's. Publication is one atomic step:
+
+* ``rename(staging, target)`` when the target is absent or an empty directory
+  (it fails, atomically, if another save published first);
+* ``renameat2(RENAME_EXCHANGE)`` when replacing a committed checkpoint: both
+  trees swap in one step, so readers see the old checkpoint until the new one
+  is complete; the old tree, now under the staging name, is deleted after;
+* where the exchange is not supported (not Linux, or a filesystem without it),
+  the target is first renamed aside to ``.<name>.tsckpt-<save_id>.old``, then
+  the staging directory into place. Between the two renames the target is
+  absent; if the save dies there, :func:`recover` (run by the next save into the
+  target and by ``tsckpt clean``) publishes the new checkpoint, which was
+  complete before the first rename.
+
+The parent directory is fsynced after each publication.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import shutil
+import time
+import weakref
+from dataclasses import dataclass
+
+import tensorstore as ts
+
+from ..errors import TsckptError
+from ..location import Location, _libc, make_context, open_kvstore
+from .target import ABSENT, COMMITTED, FOREIGN, ROOT, Found, Leftover, SaveTarget, classify, describe_root, refuse
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+#: Errors that mean "this filesystem or kernel cannot do that", not "it failed".
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
+_STAGING = re.compile(r"^\.(?P<name>.+)\.tsckpt-(?P<save_id>[0-9a-f]{32})(?P<old>\.old)?$")
+
+
+def staging_path(target: str, save_id: str, *, old: bool = False) -> str:
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}.tsckpt-{save_id}" + (".old" if old else ""))
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether a directory entry is a tsckpt staging directory (tools listing checkpoints skip these)."""
+    return _STAGING.match(name) is not None
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths; False where the kernel or filesystem cannot."""
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirLock:
+    """An exclusive ``flock`` on a directory, held until released or this object is collected."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def try_acquire(cls, path: str) -> DirLock | bool | None:
+        """The lock; False if another process holds it; None if this filesystem has no locks.
+
+        Raises FileNotFoundError if ``path`` is gone.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            if e.errno in _UNSUPPORTED:
+                return None
+            raise
+        return cls(fd)
+
+    @property
+    def still_linked(self) -> bool:
+        return os.fstat(self.fd).st_nlink > 0
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def liveness(path: str) -> bool | None:
+    """True if a running save holds ``path``'s lock, False if none does, None if unknown."""
+    try:
+        lock = DirLock.try_acquire(path)
+    except FileNotFoundError:
+        return False
+    if isinstance(lock, DirLock):
+        lock.release()
+        return False
+    return None if lock is None else True
+
+
+def remove_tree(path: str) -> None:
+    """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)  # what an overwrite replaced may have been a file
+        return
+    try:
+        os.unlink(os.path.join(path, ROOT))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+
+    def ignore_missing(func, p, exc_info):  # type: ignore[no-untyped-def]
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(path, onerror=ignore_missing)
+
+
+def tree_bytes(path: str) -> int:
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _committed(path: str) -> Found | None:
+    """What the root document under ``path`` says, if it commits a checkpoint."""
+    try:
+        with open(os.path.join(path, ROOT), "rb") as f:
+            found = describe_root(f.read())
+    except OSError:
+        return None
+    return found if found.state == COMMITTED else None
+
+
+def _is_complete(path: str) -> bool:
+    return _committed(path) is not None
+
+
+@dataclass(frozen=True)
+class StagingDir:
+    path: str
+    save_id: str
+    old: bool
+
+
+def staging_dirs(target: str) -> list[StagingDir]:
+    """The staging (and moved-aside) directories of saves into ``target``."""
+    parent, name = os.path.split(target)
+    try:
+        entries = os.listdir(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for entry in sorted(entries):
+        m = _STAGING.match(entry)
+        if m and m["name"] == name:
+            out.append(StagingDir(os.path.join(parent, entry), m["save_id"], bool(m["old"])))
+    return out
+
+
+def recover(target: str) -> str | None:
+    """Finish a publication that died between its two renames; returns the save id published, if any."""
+    if os.path.lexists(target):
+        return None
+    for d in staging_dirs(target):
+        new = staging_path(target, d.save_id)
+        found = _committed(new) if d.old else None
+        if found is not None and found.save_id == d.save_id and liveness(new) is False:
+            try:
+                os.rename(new, target)
+            except OSError:
+                return None
+            fsync_dir(os.path.dirname(target))
+            return d.save_id
+    return None
+
+
+def find_leftovers(loc: Location) -> list[Leftover]:
+    target = _target_path(loc)
+    out = []
+    for d in staging_dirs(target):
+        if d.old:
+            live: bool | None = False
+            what = f"the checkpoint replaced by save {d.save_id}, not yet deleted"
+        else:
+            live = liveness(d.path)
+            found = _committed(d.path)
+            if found is None:
+                what = f"staging directory of save {d.save_id}"
+            elif found.save_id == d.save_id:
+                what = f"staging directory of save {d.save_id} (complete, not published)"
+            else:  # after an exchange the replaced checkpoint sits under the staging name
+                what = f"the checkpoint replaced by save {d.save_id}, not yet deleted"
+        out.append(Leftover(d.path, tree_bytes(d.path), live, what))
+    return out
+
+
+def remove_leftovers(loc: Location, *, force: bool = False, older_than: float | None = None) -> list[Leftover]:
+    """Finish an interrupted publication, then remove dead saves' directories (``force``: unknown ones too).
+
+    ``older_than`` (a ``time.time()``) spares directories modified since: a save
+    starting at this moment has created its directory but may not hold its lock yet.
+    """
+    recover(_target_path(loc))
+    removed = []
+    for item in find_leftovers(loc):
+        if not (item.live is False or (force and item.live is None)):
+            continue
+        try:
+            if older_than is not None and os.stat(item.path).st_mtime >= older_than:
+                continue
+        except FileNotFoundError:
+            continue
+        remove_tree(item.path)
+        removed.append(item)
+    return removed
+
+
+def hint(path: str) -> str:
+    """What to tell a reader that finds nothing at ``path`` but staging directories beside it."""
+    dirs = staging_dirs(os.path.realpath(path))
+    if not dirs:
+        return ""
+    complete = [d for d in dirs if not d.old and _is_complete(d.path)]
+    if complete and any(d.old for d in dirs):
+        return (f"; a publication that did not finish left the new checkpoint in {complete[0].path}: "
+                f"`tsckpt clean {path}` finishes it")
+    many = len(dirs) != 1
+    return (f"; {len(dirs)} leftover staging director{'ies' if many else 'y'} of saves that did not finish "
+            f"{'are' if many else 'is'} beside it (`tsckpt clean {path}` removes dead ones)")
+
+
+def _target_path(loc: Location) -> str:
+    return os.path.realpath(str(loc.spec.get("path", "")).rstrip("/") or "/")
+
+
+class StagedTarget(SaveTarget):
+    """A save into a local directory: staged beside it, published by rename or exchange."""
+
+    #: Whether to publish over a checkpoint with ``RENAME_EXCHANGE``; where it is
+    #: unsupported, or this is False, the two-rename sequence is used instead.
+    use_exchange = True
+
+    def __init__(self, location: Location, save_id: str, overwrite: bool):
+        super().__init__(location, save_id, overwrite)
+        self.path = _target_path(location)
+        self.staging = staging_path(self.path, save_id)
+        self._lock: DirLock | None = None
+
+    @property
+    def data_location(self) -> Location:
+        return Location({**self.location.spec, "path": self.staging + "/"}, self.location.context)
+
+    def _found(self) -> Found:
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            return Found(FOREIGN, "a file, not a directory")
+        kv = open_kvstore(self.location, make_context(location=self.location))
+        return classify(kv)
+
+    def begin(self) -> None:
+        started = time.time()
+        parent = os.path.dirname(self.path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise TsckptError(f"cannot create checkpoint {self.url}: {e.strerror} ({e.filename})") from None
+        recover(self.path)
+        refuse(self._found(), self.url, overwrite=self.overwrite, save_id=self.save_id)
+        remove_leftovers(self.location, older_than=started)
+        self._make_staging()
+
+    def _make_staging(self) -> None:
+        for _ in range(5):
+            try:
+                os.mkdir(self.staging)
+                lock = DirLock.try_acquire(self.staging)
+            except FileNotFoundError:
+                continue  # another save's cleaning took it in the instant before it was locked
+            except FileExistsError:
+                time.sleep(0.1)  # that cleaning is still removing it
+                continue
+            except OSError as e:
+                raise TsckptError(f"cannot create staging directory {self.staging} for {self.url}: "
+                                  f"{e.strerror}") from None
+            if lock is None:  # no locks on this filesystem: leftovers are only reported
+                return
+            if isinstance(lock, DirLock) and lock.still_linked:
+                self._lock = lock
+                return
+            if isinstance(lock, DirLock):
+                lock.release()
+        raise TsckptError(f"cannot create and lock staging directory {self.staging} for {self.url}")
+
+    def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
+        kv.write(ROOT, root).result()
+        fsync_dir(self.staging)
+        try:
+            replaced = self._publish()
+        except OSError as e:
+            raise TsckptError(f"publishing {self.url} failed: {e}") from None
+        parent = os.path.dirname(self.path)
+        fsync_dir(parent)
+        self.release()
+        for old in replaced:
+            remove_tree(old)
+
+    def _publish(self) -> list[str]:
+        """Move the committed staging directory to the target; returns old trees to delete."""
+        replaced: list[str] = []
+        for _ in range(5):
+            try:
+                os.rename(self.staging, self.path)  # the target is absent or an empty directory
+                return replaced
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise
+            found = self._found()
+            if found.state == ABSENT:
+                continue
+            refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id, at_commit=True)
+            if found.state == COMMITTED and self.use_exchange and exchange(self.staging, self.path):
+                # The old checkpoint now sits under the staging name; nobody holds a lock on it.
+                return replaced + [self.staging]
+            aside = staging_path(self.path, self.save_id, old=True)
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                continue
+            replaced.append(aside)
+        raise TsckptError(f"{self.url} kept changing while save {self.save_id} was being published; "
+                          f"it was not published")
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def abort(self) -> None:
+        if os.path.isdir(self.staging) and self._lock is not None:
+            remove_tree(self.staging)
+        self.release()
+
+    @classmethod
+    def leftovers(cls, location: Location) -> list[Leftover]:
+        return find_leftovers(location)
+
+    @classmethod
+    def clean(cls, location: Location, *, force: bool) -> list[Leftover]:
+        return remove_leftovers(location, force=force)

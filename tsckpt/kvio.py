@@ -1,0 +1,96 @@
+"""Reading a location's kvstore: JSON documents, key listings, and failures as one-line errors.
+
+TensorStore reports a failed request with its status, the driver's words and
+bracketed annotations (request ids, whole HTTP response bodies). A user needs
+one line that says what failed, where, and what to change: a missing bucket,
+an endpoint that never answered within the retries, a path through a file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import tensorstore as ts
+
+from .errors import MetadataError, NotACheckpointError, StorageError, TsckptError
+
+#: The environment variable that sets how often a failed S3 request is retried.
+S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"
+
+
+def storage_error(e: Exception, doing: str) -> TsckptError:
+    """One clear line for a TensorStore storage failure; ``doing`` says what failed and where."""
+    text = str(e)
+    retries = re.search(r"All (\d+) retry attempts failed: ", text)
+    if retries:
+        return StorageError(
+            f"{doing}: no answer after {retries.group(1)} retries ({one_line(text[retries.end():])}); "
+            f"on S3, set {S3_RETRIES_ENV} or the location's context 's3_request_retries' to wait longer")
+    if "NoSuchBucket" in text:
+        return StorageError(f"{doing}: the bucket does not exist")
+    if "non-directory" in text or "Not a directory" in text:
+        return NotACheckpointError(f"{doing}: a part of the path is a file, not a directory")
+    return StorageError(f"{doing}: {one_line(text)}")
+
+
+def one_line(e: Exception | str) -> str:
+    """TensorStore's error text without its bracketed annotations (request ids, response bodies...)."""
+    text = re.split(r" \[[a-z_]+=", str(e), maxsplit=1)[0]
+    return " ".join(text.split())
+
+
+def read_json(kv: ts.KvStore, key: str, *, where: str | None = None, max_bytes: int | None = None) -> Any | None:
+    """The parsed JSON at ``key``, or None when the key does not exist.
+
+    ``where`` names the location in messages. With ``max_bytes``, a larger
+    value is refused (:class:`~tsckpt.errors.MetadataError`) before it is read.
+    A storage failure (missing bucket, refused credentials, unreachable
+    endpoint) raises :class:`~tsckpt.errors.StorageError`; bytes that are not
+    strict JSON (NaN and Infinity included) raise ``ValueError``.
+    """
+    where = where if where is not None else kv_name(kv)
+    try:
+        if max_bytes is not None and _longer_than(kv, key, max_bytes):
+            raise MetadataError(f"{where}/{key} is larger than {max_bytes} bytes, the most a reader accepts")
+        result = kv.read(key).result()
+    except ValueError as e:
+        raise storage_error(e, f"cannot read {key!r} at {where}") from None
+    if result.state != "value":
+        return None
+    return json.loads(result.value, parse_constant=_not_json)
+
+
+def _longer_than(kv: ts.KvStore, key: str, size: int) -> bool:
+    """Whether the value at ``key`` holds more than ``size`` bytes, reading one byte at most."""
+    try:
+        return kv.read(key, byte_range=slice(size, size + 1)).result().state == "value"
+    except ValueError as e:
+        if "OUT_OF_RANGE" in str(e):
+            return False
+        raise
+
+
+def _not_json(token: str) -> Any:
+    raise ValueError(f"{token} is not valid JSON")
+
+
+def list_keys(kv: ts.KvStore, where: str) -> list[bytes]:
+    """Every key under ``kv``, or a :class:`~tsckpt.errors.StorageError` naming ``where``."""
+    try:
+        return list(kv.list().result())
+    except ValueError as e:
+        raise storage_error(e, f"cannot list {where}") from None
+
+
+def kv_name(kv: ts.KvStore) -> str:
+    try:
+        return kv.url
+    except Exception:  # noqa: BLE001 - some drivers (s3 with a custom endpoint) have no URL form
+        return repr(kv.spec().to_json())
+
+
+def encode_json(doc: Any) -> bytes:
+    # Compact: the root document of a large save is megabytes, read by every rank.
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
