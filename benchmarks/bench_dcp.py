@@ -1,68 +1,54 @@
-"""tsckpt vs DCP's FileSystemWriter/Reader vs raw disk, on one sharded state dict, in one run.
+"""tsckpt vs DCP's FileSystemWriter/Reader, on tuned and untuned state dicts, by every call path, in one run.
 
-A transformer-like state dict (embedding, attention and MLP matrices, norms,
-two AdamW moments per parameter, step counters) of ``--size-gb`` per dtype is
-row-sharded over ``--world`` spawned gloo CPU ranks and
+For each workload (``--workloads``; see ``workloads.py``) of ``--size-gb`` per
+dtype, row-sharded over ``--world`` spawned gloo CPU ranks, every contender
+(``contenders.py``: DCP's default writer and reader, tsckpt through
+``dcp.save``/``dcp.load`` with DCP's default planners, ``tsckpt.save`` /
+``tsckpt.load``, each tsckpt path once per ``--layouts`` entry, raw disk)
 
-* saved by raw disk (each rank's bytes to one file, fsync), DCP with each
-  ``--dcp-threads`` thread_count, and tsckpt; then loaded back into the same
-  topology (raw: ``numpy.fromfile``), checksums compared;
-* saved with ``async_save`` (time until it returns vs one staging copy);
-* loaded column-sharded into ``--reshard-world`` ranks;
-* opened, and one tensor slice read, in a single process without a process group.
+* saves, then loads back into the same topology (checksums compared);
+* loads column-sharded into the same rank count and into ``--reshard-world`` ranks;
+* on the tuned workload also: ``async_save``, and opening and slicing without a process group.
 
-Each figure is the median of ``--reps`` repetitions. Before every load the
-checkpoint's files are dropped from the page cache (``drop_caches`` where
-permitted, otherwise ``posix_fadvise(DONTNEED)`` per file; the output says which).
-Writes ``results.md``, ``results.png`` and ``results.json`` to ``--out``.
+Then (``fetched.py``) the bytes fetched vs the bytes needed on a resharded
+load, on local disk and on an S3 server on loopback; and (``--many-ranks``)
+runs with more ranks than cores on a few hundred small tensors.
 
-    python benchmarks/bench_dcp.py                      # 1 GB, bf16 and fp32
-    python benchmarks/bench_dcp.py --size-gb 0.2 --reps 1 --dtypes bf16
+Every repetition rotates which contender goes first; every figure keeps its
+samples in ``results.json`` and the tables report medians. Writes
+``results.md``, ``results.png`` and ``results.json`` to ``--out``.
+
+    python benchmarks/bench_dcp.py --size-gb 0.25 --update-readme
+    python benchmarks/bench_dcp.py --quick                  # smoke run: tiny sizes, 1 repetition
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
-import json
-import math
 import os
 import platform
+import shlex
 import shutil
-import socket
-import statistics
 import sys
 import tempfile
 import time
 import warnings
 from typing import Any
 
-import torch.multiprocessing as mp
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import contenders as cont  # noqa: E402
 import dcp_ranks  # noqa: E402
 import dcp_report  # noqa: E402
+import workloads as wl  # noqa: E402
 
-SLICE_KEY = "model.embed.weight"
+HERE = os.path.dirname(os.path.abspath(__file__))
 SLICE_ROWS = 128
+PHASES = ("timed", "extras", "fetched", "many")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(phase: Any, world: int, cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
-    out = os.path.join(tmp, f"{phase.__name__}.json")
-    mp.start_processes(phase, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
-    with open(out) as f:
-        return json.load(f)
-
-
-def single_process(cfg: dict[str, Any], best_dcp: str) -> dict[str, dict[str, float]]:
-    """Open and slice-read each checkpoint in this process, no process group."""
+def single_process(cfg: dict[str, Any], ours: str) -> dict[str, dict[str, list[float]]]:
+    """Open and slice-read the embedding of the last checkpoints in this process, no process group."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -70,64 +56,83 @@ def single_process(cfg: dict[str, Any], best_dcp: str) -> dict[str, dict[str, fl
     import tsckpt
 
     warnings.simplefilter("ignore")
-    shape = (cfg["shapes"]["vocab"], cfg["shapes"]["hidden"])
-    dtype = dcp_ranks.DTYPES[cfg["dtype"]]
+    w = wl.from_dict(cfg["workload"])
+    name, shape = next((n, s) for n, s in w.params().items() if len(s) == 2)
+    dtype = wl.DTYPES[cfg["dtype"]]
     rows = slice(shape[0] // 2, shape[0] // 2 + SLICE_ROWS)
-
-    def dcp_open(path: str) -> Any:
-        return FileSystemReader(path).read_metadata()
 
     def dcp_slice(path: str) -> Any:
         # DCP has no partial read of a tensor: load it whole, then slice.
-        whole = {"model": {"embed.weight": torch.empty(shape, dtype=dtype)}}
+        whole = {"model": {name: torch.empty(shape, dtype=dtype)}}
         dcp.load(whole, storage_reader=FileSystemReader(path), no_dist=True)
-        return whole["model"]["embed.weight"][rows].clone()
+        return whole["model"][name][rows].clone()
 
     def ts_slice(path: str) -> Any:
-        return tsckpt.open(path)[SLICE_KEY][rows]
+        return tsckpt.open(path)[f"model.{name}"][rows]
 
-    ops = {"tsckpt": {"open": tsckpt.open, "slice": ts_slice}, best_dcp: {"open": dcp_open, "slice": dcp_slice}}
+    ops = {ours: {"open": tsckpt.open, "slice": ts_slice},
+           dcp_report.DCP: {"open": lambda p: FileSystemReader(p).read_metadata(), "slice": dcp_slice}}
+    last = cfg["reps"] - 1
     out: dict[str, dict[str, list[float]]] = {}
-    for _ in range(cfg["reps"]):
-        for name, fns in ops.items():
-            path = dcp_ranks.checkpoint_path(cfg["root"], name, cfg["reps"] - 1)
-            for what, fn in fns.items():
+    for rep in range(cfg["reps"]):
+        for who in dcp_ranks.rotated(list(ops), rep):
+            path = dcp_ranks.checkpoint_path(cfg["root"], who, last)
+            for what, fn in ops[who].items():
                 dcp_ranks.evict(path)
                 t0 = time.perf_counter()
                 fn(path)
-                out.setdefault(name, {}).setdefault(what, []).append(time.perf_counter() - t0)
-    last = cfg["reps"] - 1
-    check = tsckpt.open(dcp_ranks.checkpoint_path(cfg["root"], "tsckpt", last))[SLICE_KEY][rows]
-    if not torch.equal(check, dcp_slice(dcp_ranks.checkpoint_path(cfg["root"], best_dcp, last))):
+                out.setdefault(who, {}).setdefault(what, []).append(time.perf_counter() - t0)
+    mine = ts_slice(dcp_ranks.checkpoint_path(cfg["root"], ours, last))
+    if not torch.equal(mine, dcp_slice(dcp_ranks.checkpoint_path(cfg["root"], dcp_report.DCP, last))):
         raise AssertionError("tsckpt and DCP slices differ")
-    return {n: {w: statistics.median(v) for w, v in d.items()} for n, d in out.items()}
+    return out
 
 
-def run_dtype(args: argparse.Namespace, dtype: str, root: str) -> dict[str, Any]:
-    itemsize = dcp_ranks.DTYPES[dtype].itemsize
-    shapes = dcp_ranks.Shapes.for_size(args.size_gb * 1e9, itemsize)
-    cfg = {"dtype": dtype, "shapes": dataclasses.asdict(shapes), "reps": args.reps, "root": root,
-           "dcp_threads": args.dcp_threads, "settle": args.settle, "variants": [{}] + [_option(v) for v in args.variants]}
-    print(f"[{dtype}] {shapes}, {args.world} ranks, {args.reps} reps", flush=True)
-    saved = _spawn(dcp_ranks.save_phase, args.world, cfg, root)
-    dcp_names = [f"dcp-t{t}" for t in args.dcp_threads]
-    best = min(dcp_names, key=lambda n: statistics.median(saved["times"][n]["save"]))
-    print(f"[{dtype}] saves done; resharding {args.world} -> {args.reshard_world} ranks", flush=True)
-    resharded = _spawn(dcp_ranks.reshard_phase, args.reshard_world, cfg | {"checksums": saved["checksums"]}, root)
-    single = single_process(cfg, best)
-    times = {name: {what: statistics.median(xs) for what, xs in d.items()} for name, d in saved["times"].items()}
-    for name, d in resharded["times"].items():
-        times[name]["reshard"] = statistics.median(d["reshard"])
-    for name, d in single.items():
-        times[name] |= d
-    total = sum(itemsize * math.prod(s) * 3 for s in shapes.params().values())
-    samples = dict(saved["times"])
-    for name, d in resharded["times"].items():
-        samples[name] = samples[name] | d
-    return {"dtype": dtype, "shapes": dataclasses.asdict(shapes), "bytes": total, "times": times, "samples": samples,
-            "memory": saved["memory"], "files": saved["files"], "local_bytes": saved["local_bytes"],
-            "evict": saved["evict"], "dcp_default": dcp_names[0], "dcp_best": best,
-            "variants": [dcp_ranks.variant_name(v) for v in cfg["variants"]]}
+def _merge(into: dict[str, dict[str, list[float]]], more: dict[str, dict[str, list[float]]]) -> None:
+    for name, figures in more.items():
+        into.setdefault(name, {}).update(figures)
+
+
+def run_workload(args: argparse.Namespace, name: str, dtype: str, root: str, layouts: list[str]) -> dict[str, Any]:
+    """Save, same-topology load, and both column reshards of one workload; returns samples and counts."""
+    itemsize = wl.DTYPES[dtype].itemsize
+    w = wl.WORKLOADS[name].for_size(args.size_gb * 1e9, itemsize)
+    extras = "extras" in args.phases and name == "tuned"
+    cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.reps, "root": root, "layouts": layouts,
+           "dcp_threads": args.dcp_threads, "settle": args.settle, "raw": True, "extras": extras,
+           "variants": args.variants}
+    print(f"[{name} {dtype}] {w.describe()}: {wl.total_bytes(w, itemsize) / 1e9:.3f} GB, "
+          f"{args.world} ranks, {args.reps} reps", flush=True)
+    saved = dcp_ranks.spawn(dcp_ranks.save_phase, args.world, cfg, root)
+    samples = saved["times"]
+    for figure, world in (("reshard_same", args.world), ("reshard_fewer", args.reshard_world)):
+        print(f"[{name} {dtype}] column-sharded load into {world} ranks", flush=True)
+        more = dcp_ranks.spawn(dcp_ranks.reshard_phase, world, cfg | {"checksums": saved["checksums"],
+                                                                       "figure": figure}, root)
+        _merge(samples, more["times"])
+    if extras:
+        _merge(samples, single_process(cfg, f"tsckpt/{layouts[0]}"))
+    return {"workload": name, "dtype": dtype, "shapes": wl.to_dict(w), "describe": w.describe(),
+            "bytes": wl.total_bytes(w, itemsize), "world": args.world, "reshard_world": args.reshard_world,
+            "samples": samples, "memory": saved["memory"], "files": saved["files"],
+            "local_bytes": saved["local_bytes"], "evict": saved["evict"]}
+
+
+def run_many(args: argparse.Namespace, ranks: int, root: str, layouts: list[str]) -> dict[str, Any]:
+    """Save and same-topology load of many small tensors from ``ranks`` ranks (more ranks than cores)."""
+    dtype = args.dtypes[0]
+    itemsize = wl.DTYPES[dtype].itemsize
+    w = wl.Small.for_size(args.many_gb * 1e9, itemsize)
+    cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.many_reps, "root": root, "layouts": layouts,
+           "dcp_threads": args.dcp_threads[:1], "settle": args.settle, "raw": False, "extras": False}
+    print(f"[many] {ranks} ranks, {w.describe()}, {args.many_reps} reps", flush=True)
+    saved = dcp_ranks.spawn(dcp_ranks.save_phase, ranks, cfg, root)
+    return {"ranks": ranks, "describe": w.describe(), "bytes": wl.total_bytes(w, itemsize), "cpus": os.cpu_count(),
+            "samples": saved["times"], "files": saved["files"], "evict": saved["evict"]}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def _option(text: str) -> dict[str, Any]:
@@ -135,46 +140,120 @@ def _option(text: str) -> dict[str, Any]:
     return {key: ast.literal_eval(value)}
 
 
-def main() -> None:
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gb", type=float, default=1.0, help="state dict size per dtype variant")
-    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(dcp_ranks.DTYPES))
+    ap.add_argument("--size-gb", type=float, default=0.25, help="state dict size per workload and dtype")
+    ap.add_argument("--dtypes", type=_names, default=["bf16"], help="comma-separated: bf16,fp32")
+    ap.add_argument("--workloads", type=_names, default=["tuned", "untuned"], help="comma-separated, see workloads.py")
+    ap.add_argument("--layouts", type=_names, default=["plain", "packed"], help="tsckpt layouts, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--reshard-world", type=int, default=2)
-    ap.add_argument("--dcp-threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
-                    help="FileSystemWriter thread_count values to try; the first is DCP's default")
-    ap.add_argument("--variants", nargs="*", default=["checksums=True"],
-                    help="extra tsckpt contenders, one writer option each (e.g. compression='zstd')")
+    ap.add_argument("--dcp-threads", type=_ints, default=[1],
+                    help="FileSystemWriter thread_count values (e.g. 1,2,4); the first should be 1, DCP's default")
+    ap.add_argument("--variants", nargs="*", type=_option, default=[],
+                    help="extra tsckpt.save contenders, one writer option each (e.g. compression='zstd')")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait (after sync) before each save")
+    ap.add_argument("--phases", type=_names, default=list(PHASES), help=f"comma-separated subset of {PHASES}")
+    ap.add_argument("--fetch-gb", type=float, default=0.25, help="state dict size for bytes fetched on local disk")
+    ap.add_argument("--s3-gb", type=float, default=0.05, help="state dict size for bytes fetched on S3")
+    ap.add_argument("--fetch-workload", default="untuned", choices=sorted(wl.WORKLOADS))
+    ap.add_argument("--many-ranks", type=_ints, default=[8, 16])
+    ap.add_argument("--many-gb", type=float, default=0.02, help="size of the many-small-tensors state dict")
+    ap.add_argument("--many-reps", type=int, default=None, help="repetitions of the many-rank runs (default --reps)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 repetition, no settling")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--update-readme", action="store_true", help="replace the README's benchmark table")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--update-readme", action="store_true", help="replace the README's benchmark block")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size_gb, args.fetch_gb, args.s3_gb, args.many_gb = 0.01, 0.01, 0.005, 0.002
+        args.reps, args.settle, args.many_ranks = 1, 0.0, args.many_ranks[:1]
+    args.many_reps = args.many_reps or args.reps
+    if args.dcp_threads[0] != 1:
+        ap.error("--dcp-threads must start with 1, DCP's default, which every ratio is taken against")
+    return args
 
-    base = tempfile.mkdtemp(prefix="tsckpt-bench-", dir=args.dir)
-    runs = []
-    try:
-        for dtype in args.dtypes:
-            root = os.path.join(base, dtype)
-            os.makedirs(root)
-            runs.append(run_dtype(args, dtype, root))
-            shutil.rmtree(root)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    env = {"cpus": os.cpu_count(), "python": platform.python_version(), "args": vars(args),
-           "date": time.strftime("%Y-%m-%d %H:%M")}
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"machine": f"{os.cpu_count()} CPUs, {mem / 2**30:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+                       f"Python {platform.python_version()}, torch {_version('torch')}, "
+                       f"tensorstore {_version('tensorstore')}",
+            "cpus": os.cpu_count(), "command": "python benchmarks/bench_dcp.py " + shlex.join(sys.argv[1:]),
+            "args": vars(args), "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_before": _loadavg(), "complete": False}
+
+
+def _version(module: str) -> str:
+    from importlib.metadata import version
+
+    return version(module)
+
+
+def _loadavg() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1/5/15 min)"
+
+
+def write_results(args: argparse.Namespace, results: dict[str, Any]) -> str:
+    import json
+
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"env": env, "runs": runs}, f, indent=1)
-    markdown = dcp_report.markdown(runs, env)
+        json.dump(results, f, indent=1)
+    text = dcp_report.markdown(results)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(markdown)
-    dcp_report.plot(runs, os.path.join(args.out, "results.png"))
+        f.write(text)
+    dcp_report.plot(results, os.path.join(args.out, "results.png"))
     if args.update_readme:
-        dcp_report.update_readme(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md"),
-                                 markdown)
-    print(markdown)
+        dcp_report.update_readme(os.path.join(HERE, "..", "README.md"), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    layouts, skipped = cont.supported_layouts(args.layouts)
+    for lay in skipped:
+        print(f"note: the installed tsckpt does not accept layout={lay!r}; skipping it", flush=True)
+    if not layouts:
+        raise SystemExit("no layout left to measure")
+    results: dict[str, Any] = {"env": environment(args), "layouts": {"run": layouts, "skipped": skipped},
+                               "runs": [], "many": []}
+    base = tempfile.mkdtemp(prefix="tsckpt-bench-", dir=args.dir)
+    try:
+        if "timed" in args.phases:
+            for dtype in args.dtypes:
+                for name in args.workloads:
+                    root = os.path.join(base, f"{name}-{dtype}")
+                    os.makedirs(root)
+                    results["runs"].append(run_workload(args, name, dtype, root, layouts))
+                    shutil.rmtree(root)
+                    write_results(args, results)  # keep what finished if a later phase fails
+        if "fetched" in args.phases:
+            results["fetched"] = fetched_run(args, layouts, base)
+            write_results(args, results)
+        if "many" in args.phases:
+            for ranks in args.many_ranks:
+                root = os.path.join(base, f"many-{ranks}")
+                os.makedirs(root)
+                results["many"].append(run_many(args, ranks, root, layouts))
+                shutil.rmtree(root)
+                write_results(args, results)
+        results["env"]["complete"] = True
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        results["env"]["load_after"] = _loadavg()
+        print(write_results(args, results))
+
+
+def fetched_run(args: argparse.Namespace, layouts: list[str], base: str) -> dict[str, Any]:
+    import fetched
+
+    return fetched.run(args, layouts, base)
 
 
 if __name__ == "__main__":

@@ -1,138 +1,235 @@
-"""Markdown table, target check and PNG plot for ``bench_dcp.py`` results."""
+"""Markdown tables, ratios and target verdicts for ``bench_dcp.py`` results, and the README update.
+
+Everything here works on the sample lists in ``results.json``; medians and
+ratios are computed here and nowhere else, so the tables can be rebuilt from
+a results file (``python benchmarks/dcp_report.py results.json``).
+"""
 
 from __future__ import annotations
 
+import json
 import re
+import statistics
+import sys
 from typing import Any
 
 README_BEGIN = "<!-- bench_dcp:begin -->"
 README_END = "<!-- bench_dcp:end -->"
+DCP = "dcp-t1"  # DCP's default FileSystemWriter/FileSystemReader (thread_count=1)
 
-# (key in times, label, divides the state dict size: GB/s makes sense)
-ROWS = [
-    ("save", "save, 4 ranks", True),
-    ("load", "load, same 4 ranks", True),
-    ("reshard", "load, row -> column sharded, 4 -> 2 ranks", True),
-    ("async_block", "async_save: time blocked", False),
-    ("async_total", "async_save: until durable", True),
-    ("slice", "one 128-row slice of the embedding, no process group", False),
-    ("open", "open checkpoint (read metadata), no process group", False),
+# (key in samples, label; {world}/{fewer} are filled in)
+FIGURES = [
+    ("save", "save, {world} ranks, row-sharded"),
+    ("load", "load, same {world} ranks"),
+    ("reshard_same", "load column-sharded, {world} -> {world} ranks"),
+    ("reshard_fewer", "load column-sharded, {world} -> {fewer} ranks"),
 ]
-
-TARGETS = [
-    # (label, figure, against, minimum speed-up)
-    ("save >= 1.3x DCP", "save", "dcp_best", 1.3),
-    ("save >= 0.85 of raw disk write", "save", "raw", 0.85),
-    ("load >= 1.2x DCP", "load", "dcp_best", 1.2),
-    ("load >= 0.85 of raw disk read", "load", "raw", 0.85),
-    ("load into another topology >= 2x DCP", "reshard", "dcp_best", 2.0),
+EXTRAS = [
+    ("async_block", "async_save: time blocked"),
+    ("async_total", "async_save: until durable"),
+    ("open", "open checkpoint (read metadata), no process group"),
+    ("slice", "one 128-row slice of the embedding, no process group"),
 ]
+TARGETS = [("save", 1.3), ("load", 1.2), ("reshard_same", 2.0), ("reshard_fewer", 2.0)]
+FETCH_TARGET = 1.3
 
 
-def _cell(seconds: float | None, nbytes: int, rate: bool) -> str:
-    if seconds is None:
+def median(xs: list[float] | None) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def speedup(samples: dict[str, dict[str, list[float]]], figure: str, ours: str, other: str = DCP
+            ) -> tuple[float, float, float] | None:
+    """``other`` time / ``ours`` time: the ratio of medians, and the lowest and highest per-repetition ratio.
+
+    Above 1 means ``ours`` was faster. Repetition i of one is paired with
+    repetition i of the other (they ran back to back, in rotating order).
+    """
+    mine, theirs = samples.get(ours, {}).get(figure), samples.get(other, {}).get(figure)
+    if not mine or not theirs:
+        return None
+    pairs = [t / m for m, t in zip(mine, theirs)]
+    return statistics.median(theirs) / statistics.median(mine), min(pairs), max(pairs)
+
+
+def _seconds(xs: list[float] | None) -> str:
+    if not xs:
         return "-"
-    return f"{seconds:.3f} s, {nbytes / seconds / 1e9:.2f} GB/s" if rate else f"{seconds:.3f} s"
+    return f"{statistics.median(xs):.3f} s" + (f" ({min(xs):.2f}-{max(xs):.2f})" if len(xs) > 1 else "")
 
 
-def _ratio(other: float | None, ours: float | None) -> str:
-    return "-" if other is None or ours is None else f"{other / ours:.2f}x"
+def _ratio_cell(r: tuple[float, float, float] | None) -> str:
+    if r is None:
+        return "-"
+    return f"**{r[0]:.2f}x**" + (f" ({r[1]:.2f}-{r[2]:.2f})" if r[1] != r[2] else "")
 
 
-def speedup(run: dict[str, Any], figure: str, against: str, ours: str = "tsckpt") -> float | None:
-    """How many times faster ``ours`` was than ``against`` (``raw``, ``dcp_best``, ``dcp_default``)."""
-    t = run["times"]
-    name = run[against] if against.startswith("dcp") else against
-    mine, other = t.get(ours, {}).get(figure), t.get(name, {}).get(figure)
-    return None if mine is None or other is None else other / mine
+def label(name: str, s3: bool = False) -> str:
+    """A contender's column heading (on S3, DCP's writer and reader are the fsspec ones over s3fs)."""
+    if name == DCP:
+        return "DCP FsspecWriter/Reader over s3fs (defaults)" if s3 else "DCP FileSystemWriter/Reader (default)"
+    if name.startswith("dcp-t"):
+        return f"DCP thread_count={name[5:]}"
+    if name.startswith("tsckpt-dcp/"):
+        return f"tsckpt via dcp.save/load, {name.split('/')[1]}"
+    if name.startswith("tsckpt/"):
+        return f"tsckpt.save/load, {name.split('/')[1]}"
+    return {"raw": "raw disk"}.get(name, name)
 
 
-def _columns(run: dict[str, Any]) -> list[tuple[str, str]]:
-    dflt, best = run["dcp_default"], run["dcp_best"]
-    return [*((v, v) for v in run["variants"]), (dflt, f"DCP {dflt[4:]} (default)"),
-            (best, f"DCP {best[4:]} (best)"), ("raw", "raw disk")]
+def tsckpt_names(samples: dict[str, Any]) -> list[str]:
+    return [n for n in samples if n.startswith("tsckpt")]
 
 
-def _table(run: dict[str, Any]) -> list[str]:
-    t, n = run["times"], run["bytes"]
-    cols = _columns(run)
-    lines = ["| figure | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for key, label, rate in ROWS:
-        lines.append(f"| {label} | " + " | ".join(_cell(t.get(c, {}).get(key), n, rate) for c, _ in cols) + " |")
-    stage = t["staging copy"]["copy"]
-    lines.append(f"| one staging copy of a rank's state dict (clone) | {stage:.3f} s |" + " |" * (len(cols) - 1))
-    mem = run["memory"]
-    mem_cells = [f"{mem[c] / 1e6:.0f} MB ({mem[c] / run['local_bytes']:.0%})" if c in mem else "-" for c, _ in cols]
+def _columns(samples: dict[str, Any]) -> list[str]:
+    others = [n for n in samples if n.startswith("dcp-t") and n != DCP]
+    return [*tsckpt_names(samples), DCP, *others, *(["raw"] if "raw" in samples else [])]
+
+
+def _header(cells: list[str]) -> list[str]:
+    return ["| " + " | ".join(cells) + " |", "|---" * len(cells) + "|"]
+
+
+def run_tables(run: dict[str, Any]) -> list[str]:
+    """Medians (range) per contender, then speed-ups over DCP's default, for one workload."""
+    s, cols = run["samples"], _columns(run["samples"])
+    fill = {"world": run["world"], "fewer": run["reshard_world"]}
+    lines = _header(["median seconds (min-max)", *map(label, cols)])
+    for key, text in FIGURES + EXTRAS:
+        if any(key in s.get(c, {}) for c in cols):
+            lines.append(f"| {text.format(**fill)} | " + " | ".join(_seconds(s.get(c, {}).get(key)) for c in cols) + " |")
+    if "staging copy" in s:
+        lines.append(f"| one staging copy of a rank's state dict (clone): {_seconds(s['staging copy']['copy'])} |"
+                     + " - |" * len(cols))
+    mem = run.get("memory", {})
     lines.append(f"| peak extra memory per rank during save (local state dict {run['local_bytes'] / 1e6:.0f} MB) | "
-                 + " | ".join(mem_cells) + " |")
-    lines.append("| files in the checkpoint | " + " | ".join(str(run["files"].get(c, "-")) for c, _ in cols) + " |")
-    lines += ["", "Speed-ups (other time / tsckpt time; above 1 means tsckpt is faster):", ""]
-    heads = [f"{v} vs {other}" for v in run["variants"] for other in ("DCP default", "DCP best", "raw disk")]
-    lines += ["| figure | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
-    for key, label, _ in ROWS:
-        cells = [_ratio(t.get(other, {}).get(key), t.get(v, {}).get(key))
-                 for v in run["variants"] for other in (run["dcp_default"], run["dcp_best"], "raw")]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                 + " | ".join(f"{mem[c] / 1e6:.0f} MB" if c in mem else "-" for c in cols) + " |")
+    lines.append("| files in the checkpoint | " + " | ".join(str(run["files"].get(c, "-")) for c in cols) + " |")
+    ours = tsckpt_names(s)
+    lines += ["", "Speed-up of tsckpt over DCP's default (DCP time / tsckpt time; above 1 means tsckpt is faster; "
+                  "ratio of medians, range of the per-repetition ratios):", ""]
+    lines += _header(["figure", *map(label, ours)])
+    for key, text in FIGURES + EXTRAS:
+        cells = [_ratio_cell(speedup(s, key, n)) for n in ours]
+        if any(c != "-" for c in cells):
+            lines.append(f"| {text.format(**fill)} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _targets(run: dict[str, Any], ours: str) -> list[str]:
+def verdicts(samples: dict[str, Any]) -> list[str]:
+    """One line per tsckpt contender: each target's median speed-up over DCP's default, met or missed."""
     out = []
-    for label, figure, against, minimum in TARGETS:
-        s = speedup(run, figure, against, ours)
-        verdict = "?" if s is None else ("met" if s >= minimum else "missed")
-        out.append(f"- {label}: {'-' if s is None else f'{s:.2f}x'}, {verdict}")
-    t = run["times"]
-    block, stage = t.get(ours, {}).get("async_block"), t["staging copy"]["copy"]
-    if block is not None:
-        verdict = "met" if block <= stage else "missed"
-        out.append(f"- async_save blocks <= one staging copy: {block:.3f} s vs {stage:.3f} s, {verdict}")
-    extra = run["memory"].get(ours)
-    if extra is not None:
-        frac = extra / run["local_bytes"]
-        out.append(f"- extra save memory well under one copy: {frac:.0%} of the local state dict, "
-                   f"{'met' if frac <= 0.25 else 'missed'}")
+    for name in tsckpt_names(samples):
+        parts = []
+        for figure, minimum in TARGETS:
+            r = speedup(samples, figure, name)
+            if r is not None:
+                parts.append(f"{figure} {r[0]:.2f}x (>= {minimum}x {'met' if r[0] >= minimum else 'missed'})")
+        out.append(f"- {label(name)}: " + "; ".join(parts))
     return out
 
 
-def markdown(runs: list[dict[str, Any]], env: dict[str, Any]) -> str:
-    args = env["args"]
-    lines = [f"Run {env['date']} on {env['cpus']} CPUs: `python benchmarks/bench_dcp.py "
-             f"--size-gb {args['size_gb']}`, median of {args['reps']} repetitions, "
-             f"{args['world']} gloo ranks. Ratios are speed-ups of tsckpt (other time / tsckpt time)."]
-    for run in runs:
-        s = run["shapes"]
-        lines += ["", f"**{run['dtype']}**: {run['bytes'] / 1e9:.2f} GB (hidden {s['hidden']}, ffn {s['ffn']}, "
-                      f"vocab {s['vocab']}, {s['layers']} layers, weights + 2 AdamW moments)", ""]
-        lines += _table(run)
-        for v in run["variants"]:
-            lines += ["", f"Targets, {v}:"] + _targets(run, v)
-    how = {run["evict"] for run in runs}
-    lines += ["", "Page cache: " + ("dropped with /proc/sys/vm/drop_caches before each load." if how == {"drop_caches"}
-                                    else "this machine does not allow /proc/sys/vm/drop_caches, so before each load "
-                                         "the checkpoint's files were evicted with posix_fadvise(POSIX_FADV_DONTNEED) "
-                                         "after fsync (a hypervisor's own cache is out of reach).")]
+def fetched_tables(f: dict[str, Any]) -> list[str]:
+    """Bytes fetched vs needed on a column-resharded load, on local disk and on S3."""
+    lines: list[str] = []
+    where = f"{f['world']} -> {f['reshard_world']} ranks, column-sharded"
+    disk = f.get("disk")
+    if disk:
+        loads = disk["loads"]
+        lines += ["", f"Local disk ({where}; {disk['bytes'] / 1e6:.0f} MB state dict). `rchar`: bytes the ranks' "
+                      "read/pread calls returned, summed over ranks (what ranks on separate nodes would fetch). "
+                      "`read_bytes`: bytes the block device delivered after the page cache was dropped (ranks on "
+                      "one machine share the cache).", ""]
+        lines += _header(["contender", "needed", "rchar", "rchar / needed", "read_bytes", "read_bytes / needed",
+                          "seconds"])
+        for name, e in loads.items():
+            lines.append(f"| {label(name)} | {e['needed'] / 1e6:.1f} MB | {e['rchar'] / 1e6:.1f} MB | "
+                         f"**{e['rchar'] / e['needed']:.2f}** | {e['read_bytes'] / 1e6:.1f} MB | "
+                         f"{e['read_bytes'] / e['needed']:.2f} | {e['seconds']:.3f} |")
+    s3 = f.get("s3")
+    if s3:
+        loads = s3["loads"]
+        lines += ["", f"S3, moto on loopback behind a byte-counting proxy ({where}; {s3['bytes'] / 1e6:.0f} MB "
+                      "state dict). Served: bytes the server sent to the ranks (HTTP bodies and headers); "
+                      "requests: HTTP requests the ranks sent.", ""]
+        lines += _header(["contender", "needed", "served", "served / needed", "requests", "seconds"])
+        for name, e in loads.items():
+            lines.append(f"| {label(name, s3=True)} | {e['needed'] / 1e6:.1f} MB | {e['served'] / 1e6:.1f} MB | "
+                         f"**{e['served'] / e['needed']:.2f}** | {e['requests']} | {e['seconds']:.3f} |")
+    return lines
+
+
+def many_tables(many: list[dict[str, Any]]) -> list[str]:
+    """More ranks than cores: save and load medians, files, and speed-ups over DCP's default."""
+    if not many:
+        return []
+    first = many[0]
+    lines = ["", f"{first['describe']} ({first['bytes'] / 1e6:.0f} MB), row-sharded, saved and loaded back "
+                 f"into the same ranks on this {first.get('cpus', '?')}-CPU machine:", ""]
+    lines += _header(["ranks", "contender", "save", "load", "files", "save speed-up", "load speed-up"])
+    for m in many:
+        s = m["samples"]
+        for name in [DCP, *tsckpt_names(s)]:
+            ratios = ["-" if name == DCP else _ratio_cell(speedup(s, fig, name)) for fig in ("save", "load")]
+            lines.append(f"| {m['ranks']} | {label(name)} | {_seconds(s[name].get('save'))} | "
+                         f"{_seconds(s[name].get('load'))} | {m['files'].get(name, '-')} | " + " | ".join(ratios) + " |")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["env"]
+    lay = results.get("layouts", {})
+    lines = [f"Run {env['date']} on {env['machine']}: `{env['command']}`. Load average "
+             f"{env['load_before']} before the run and {env.get('load_after', '?')} after it."
+             + ("" if env.get("complete") else " **Partial run: it stopped before every phase finished; "
+                                               "the tables hold what did finish.**"),
+             "",
+             f"Each figure is the median of {env['reps']} repetitions (range in brackets); every repetition "
+             "runs each contender once, rotating who goes first. Times are wall-clock between barriers, i.e. "
+             "the slowest rank's. Before every load the page cache is "
+             + ("dropped (`/proc/sys/vm/drop_caches`)." if _evicts(results) == {"drop_caches"}
+                else "emptied of the checkpoint's files with posix_fadvise(DONTNEED) (drop_caches not permitted).")
+             + " Ratios are speed-ups of tsckpt over DCP's default `FileSystemWriter`/`FileSystemReader` "
+               "(DCP time / tsckpt time): above 1, tsckpt is faster."]
+    if lay.get("skipped"):
+        lines += ["", f"Layouts not measured (the installed tsckpt does not accept them): {', '.join(lay['skipped'])}."]
+    for run in results.get("runs", []):
+        lines += ["", f"**{run['workload']}, {run['dtype']}**: {run['bytes'] / 1e9:.3f} GB ({run['describe']}), "
+                      f"{run['world']} gloo ranks.", ""]
+        lines += run_tables(run)
+        lines += ["", "Targets (median speed-up over DCP's default):"] + verdicts(run["samples"])
+    if results.get("fetched"):
+        lines += ["", "**Bytes fetched vs bytes needed on a resharded load**"] + fetched_tables(results["fetched"])
+    if results.get("many"):
+        lines += ["", "**More ranks than cores: many small tensors**"] + many_tables(results["many"])
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict[str, Any]], path: str) -> None:
+def _evicts(results: dict[str, Any]) -> set[str]:
+    return {run["evict"] for run in results.get("runs", []) + results.get("many", []) if run.get("evict")}
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    """Bar chart of speed-ups over DCP's default, one panel per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = [("save", "save"), ("load", "load"), ("reshard", "reshard 4->2"), ("async_total", "async save")]
+    runs = results.get("runs", [])
+    if not runs:
+        return
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.8), squeeze=False)
     for ax, run in zip(axes[0], runs):
-        names = list(dict.fromkeys(c for c, _ in _columns(run)))
-        width = 0.8 / len(names)
+        names = tsckpt_names(run["samples"])
+        width = 0.8 / max(1, len(names))
         for i, name in enumerate(names):
-            vals = [run["bytes"] / run["times"].get(name, {})[k] / 1e9 if k in run["times"].get(name, {}) else 0
-                    for k, _ in figures]
-            ax.bar([x + i * width for x in range(len(figures))], vals, width, label=name)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(figures))], [f[1] for f in figures])
-        ax.set_ylabel("GB/s (higher is better)")
-        ax.set_title(f"{run['dtype']}, {run['bytes'] / 1e9:.2f} GB")
+            vals = [(speedup(run["samples"], k, name) or (0.0,))[0] for k, _ in FIGURES]
+            ax.bar([x + i * width for x in range(len(FIGURES))], vals, width, label=label(name))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(FIGURES))], ["save", "load", "reshard =", "reshard <"])
+        ax.set_ylabel("speed-up over DCP default (higher is better)")
+        ax.set_title(f"{run['workload']}, {run['dtype']}, {run['bytes'] / 1e9:.2f} GB")
         ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -147,3 +244,8 @@ def update_readme(readme: str, table: str) -> None:
         raise SystemExit(f"{readme} has no {README_BEGIN} ... {README_END} block")
     with open(readme, "w") as f:
         f.write(pattern.sub(lambda _: block, text))
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as fh:
+        print(markdown(json.load(fh)))

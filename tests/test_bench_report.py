@@ -1,4 +1,4 @@
-"""The benchmark's pure parts: workload sizing, ratios, target verdicts, README update."""
+"""The benchmark's pure parts: workload shapes, shard sizes, ratios, verdicts, tables, README update."""
 
 from __future__ import annotations
 
@@ -7,47 +7,122 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_dcp  # noqa: E402
+import contenders  # noqa: E402
 import dcp_ranks  # noqa: E402
 import dcp_report  # noqa: E402
+import workloads as wl  # noqa: E402
 
 
-@pytest.mark.parametrize("gb, itemsize", [(1.0, 2), (1.0, 4), (0.2, 2), (4.0, 2)])
-def test_workload_is_about_the_asked_size_and_shards_evenly(gb, itemsize):
-    shapes = dcp_ranks.Shapes.for_size(gb * 1e9, itemsize)
-    params = shapes.params()
-    total = 3 * itemsize * sum(math.prod(s) for s in params.values())
-    assert 0.75 * gb * 1e9 <= total <= 1.25 * gb * 1e9
-    for name, shape in params.items():  # row-sharded over 4, column-sharded over 2
+@pytest.mark.parametrize("gb, itemsize", [(1.0, 2), (1.0, 4), (0.25, 2), (4.0, 2)])
+def test_tuned_workload_is_about_the_asked_size_and_shards_evenly(gb, itemsize):
+    w = wl.Tuned.for_size(gb * 1e9, itemsize)
+    assert 0.75 * gb * 1e9 <= wl.total_bytes(w, itemsize) <= 1.25 * gb * 1e9
+    for name, shape in w.params().items():  # row-sharded over 4, column-sharded over 2
         assert shape[0] % 4 == 0 and shape[-1] % 2 == 0, name
 
 
-def _run() -> dict:
-    times = {
-        "tsckpt": {"save": 1.0, "load": 1.0, "reshard": 1.0, "async_block": 0.1, "open": 0.01, "slice": 0.02},
-        "dcp-t1": {"save": 2.0, "load": 1.1, "reshard": 1.5, "async_block": 0.5, "open": 0.02, "slice": 0.2},
-        "dcp-t4": {"save": 1.2, "load": 1.3, "reshard": 2.5},
-        "raw": {"save": 0.8, "load": 0.9},
-        "staging copy": {"copy": 0.2},
+@pytest.mark.parametrize("gb, itemsize", [(1.0, 2), (0.25, 2), (0.5, 4)])
+def test_untuned_workload_has_the_shapes_nobody_tuned_for(gb, itemsize):
+    w = wl.Untuned.for_size(gb * 1e9, itemsize)
+    params = w.params()
+    assert 0.6 * gb * 1e9 <= wl.total_bytes(w, itemsize) <= 1.4 * gb * 1e9
+    assert params["tok_embeddings.weight"][0] == 50257 and 50257 % 4 and 50257 % 2
+    kv = params["layers.0.attention.wk.weight"]
+    assert kv[0] * 8 == kv[1] == w.hidden  # grouped-query k/v: an eighth of the hidden size
+    assert w.ffn % 4, "the MLP width should not divide by the world size"
+    assert sum(len(s) == 1 for s in params.values()) >= 5 * w.layers  # norms and biases
+    assert wl.Untuned.moments == ("momentum_buffer",)
+
+
+def test_workload_round_trips_through_dict():
+    for w in (wl.Tuned(256, 1024, 8192, 2), wl.Untuned(512, 1365, 64, 50257, 8), wl.Small(150, 64, 64)):
+        assert wl.from_dict(wl.to_dict(w)) == w
+
+
+@pytest.mark.parametrize("n, ranks", [(50257, 4), (1365, 4), (3, 4), (10, 4), (8, 2)])
+def test_local_shapes_follow_torch_chunk(n, ranks):
+    chunks = [len(c) for c in torch.arange(n).chunk(ranks)]
+    chunks += [0] * (ranks - len(chunks))  # torch.chunk drops empty trailing pieces; DTensor keeps them
+    assert [wl.local_shape((n, 7), 0, ranks, r)[0] for r in range(ranks)] == chunks
+    assert wl.shard_dim((n,), column=True) == 0 and wl.shard_dim((n, 7), column=True) == 1
+
+
+def test_rotation_changes_who_goes_first():
+    assert [dcp_ranks.rotated([1, 2, 3], r)[0] for r in range(4)] == [1, 2, 3, 1]
+    assert dcp_ranks.rotated([], 3) == []
+
+
+def test_layout_check_accepts_plain_and_refuses_unknown():
+    assert contenders.layout_options("plain") is not None
+    assert contenders.layout_options("no-such-layout") is None
+    assert contenders.supported_layouts(["plain", "no-such-layout"]) == (["plain"], ["no-such-layout"])
+
+
+def test_quick_mode_is_small_and_dcp_default_comes_first():
+    args = bench_dcp.parse_args(["--quick", "--layouts", "plain,packed"])
+    assert args.reps == 1 and args.size_gb < 0.05 and args.layouts == ["plain", "packed"]
+    with pytest.raises(SystemExit):
+        bench_dcp.parse_args(["--dcp-threads", "4,1"])
+
+
+def _samples() -> dict:
+    return {
+        "tsckpt/plain": {"save": [1.0, 2.0, 1.0], "load": [1.0, 1.0, 1.0], "reshard_fewer": [0.5, 0.5, 0.5]},
+        "tsckpt-dcp/plain": {"save": [2.0, 2.0, 2.0], "load": [2.0, 2.0, 2.0]},
+        "dcp-t1": {"save": [2.0, 2.0, 4.0], "load": [1.1, 1.3, 1.2], "reshard_fewer": [1.5, 1.0, 2.0]},
+        "raw": {"save": [0.8, 0.8, 0.8], "load": [0.9, 0.9, 0.9]},
     }
-    return {"dtype": "bf16", "shapes": {"hidden": 256, "ffn": 1024, "vocab": 8192, "layers": 2},
-            "bytes": 10**9, "times": times, "memory": {"tsckpt": 10**6}, "files": {"tsckpt": 9, "raw": 4},
-            "local_bytes": 10**8, "evict": "fadvise", "dcp_default": "dcp-t1", "dcp_best": "dcp-t4",
-            "variants": ["tsckpt"]}
 
 
-def test_speedups_and_verdicts():
-    run = _run()
-    assert dcp_report.speedup(run, "save", "dcp_best") == pytest.approx(1.2)
-    assert dcp_report.speedup(run, "load", "raw") == pytest.approx(0.9)
-    text = dcp_report.markdown([run], {"args": {"size_gb": 1.0, "reps": 3, "world": 4}, "cpus": 2,
-                                       "date": "2026-01-01 00:00"})
-    assert "- save >= 1.3x DCP: 1.20x, missed" in text
-    assert "- load >= 1.2x DCP: 1.30x, met" in text
-    assert "- load into another topology >= 2x DCP: 2.50x, met" in text
-    assert "- async_save blocks <= one staging copy: 0.100 s vs 0.200 s, met" in text
-    assert "1.000 s, 1.00 GB/s" in text and "posix_fadvise" in text
+def test_speedup_is_ratio_of_medians_with_per_repetition_range():
+    s = _samples()
+    median, low, high = dcp_report.speedup(s, "save", "tsckpt/plain")
+    assert median == pytest.approx(2.0) and low == pytest.approx(1.0) and high == pytest.approx(4.0)
+    assert dcp_report.speedup(s, "load", "tsckpt-dcp/plain")[0] == pytest.approx(0.6)
+    assert dcp_report.speedup(s, "reshard_same", "tsckpt/plain") is None
+    assert dcp_report.speedup(s, "save", "tsckpt/plain", other="raw")[0] == pytest.approx(0.8)
+
+
+def _results(**env: object) -> dict:
+    run = {"workload": "untuned", "dtype": "bf16", "describe": "d", "bytes": 10**9, "world": 4, "reshard_world": 2,
+           "samples": _samples(), "memory": {"tsckpt/plain": 10**6}, "files": {"tsckpt/plain": 9, "dcp-t1": 5},
+           "local_bytes": 10**8, "evict": "drop_caches"}
+    loads = {"dcp-t1": {"seconds": 1.0, "needed": 100, "rchar": 250, "read_bytes": 100},
+             "tsckpt/plain": {"seconds": 0.5, "needed": 100, "rchar": 110, "read_bytes": 105}}
+    s3 = {"dcp-t1": {"seconds": 2.0, "needed": 100, "served": 360, "requests": 26},
+          "tsckpt/plain": {"seconds": 1.0, "needed": 100, "served": 120, "requests": 900}}
+    many = {"ranks": 16, "describe": "150 matrices", "bytes": 10**7, "cpus": 2, "evict": "drop_caches",
+            "samples": {"dcp-t1": {"save": [4.0], "load": [2.0]}, "tsckpt/plain": {"save": [2.0], "load": [4.0]}},
+            "files": {"dcp-t1": 17, "tsckpt/plain": 3000}}
+    return {"env": {"date": "2026-01-01 00:00 UTC", "machine": "2 CPUs", "command": "python benchmarks/bench_dcp.py",
+                    "reps": 3, "load_before": "1.0", "load_after": "2.0", "complete": True, **env},
+            "layouts": {"run": ["plain"], "skipped": ["packed"]}, "runs": [run],
+            "fetched": {"world": 4, "reshard_world": 2, "disk": {"bytes": 10**8, "loads": loads},
+                        "s3": {"bytes": 10**8, "loads": s3}},
+            "many": [many]}
+
+
+def test_markdown_reports_ratios_verdicts_bytes_and_ranks():
+    text = dcp_report.markdown(_results())
+    assert "`python benchmarks/bench_dcp.py`" in text and "2 CPUs" in text and "Partial" not in text
+    assert "not accept them): packed" in text
+    assert "| save, 4 ranks, row-sharded | **2.00x** (1.00-4.00) | **1.00x** (1.00-2.00) |" in text
+    assert "load column-sharded, 4 -> 2 ranks" in text and "4 -> 4 ranks" not in text
+    assert "- tsckpt.save/load, plain: save 2.00x (>= 1.3x met); load 1.20x (>= 1.2x met); " \
+           "reshard_fewer 3.00x (>= 2.0x met)" in text
+    assert "save 1.00x (>= 1.3x missed); load 0.60x (>= 1.2x missed)" in text
+    assert "| **2.50** |" in text and "| **1.10** |" in text  # rchar / needed on disk
+    assert "| **3.60** | 26 |" in text and "FsspecWriter/Reader over s3fs" in text
+    assert "| 16 | tsckpt.save/load, plain | 2.000 s | 4.000 s | 3000 | **2.00x** | **0.50x** |" in text
+    assert "drop_caches" in text
+
+
+def test_markdown_labels_a_partial_run():
+    assert "Partial run" in dcp_report.markdown(_results(complete=False))
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
@@ -58,3 +133,8 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     (tmp_path / "other.md").write_text("no markers")
     with pytest.raises(SystemExit):
         dcp_report.update_readme(str(tmp_path / "other.md"), "x")
+
+
+def test_tuned_shapes_total_matches_three_copies():
+    w = wl.Tuned(256, 1024, 8192, 2)
+    assert wl.total_bytes(w, 2) == 3 * 2 * sum(math.prod(s) for s in w.params().values())
