@@ -254,7 +254,7 @@ def test_other_content_is_refused_unless_overwriting(tmp_path, content):
         expected = "1 file\\(s\\) tsckpt did not write, e.g. 'notes.txt'"
     else:
         path.write_text("a file")
-        expected = "a file, not a directory"
+        expected = "is a file, not a checkpoint directory"
     with pytest.raises(ForeignContentError, match=expected):
         tsckpt.save(_plain(6), path)
     with pytest.raises(ForeignContentError):

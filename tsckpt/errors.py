@@ -68,3 +68,7 @@ class NotACheckpointError(TsckptError):
 
 class StorageError(TsckptError):
     """The storage behind a location failed: a missing bucket, an unreachable endpoint, a refusal."""
+
+
+class FileInTheWayError(NotACheckpointError, ForeignContentError):
+    """A regular file sits where the checkpoint directory should be (refused unless overwriting)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, NotACheckpointError, TsckptError
+from ..errors import CheckpointExistsError, ConcurrentSaveError, FileInTheWayError, ForeignContentError, TsckptError
 from ..kvio import storage_error
 from ..location import Location, LocationLike, make_context, open_kvstore, parse_location
 
@@ -131,7 +131,7 @@ def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: 
         raise CheckpointExistsError(
             f"Checkpoint already exists at {url}: {found.what}; pass overwrite=True to replace it")
     if found.state == FILE:
-        raise NotACheckpointError(f"{url} is a file, not a checkpoint directory; refusing to replace it: "
+        raise FileInTheWayError(f"{url} is a file, not a checkpoint directory; refusing to replace it: "
                                   f"pass overwrite=True to replace it, or choose another location")
     if found.state == FOREIGN:
         raise ForeignContentError(
