@@ -39,6 +39,7 @@ import tensorstore as ts
 
 from .errors import TsckptError
 from .format.commit import ATTRIBUTE, ROOT
+from .format.target import CLAIM
 from .location import Location, LocationLike, make_context, open_kvstore, parse_location, read_json
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ _STEP = re.compile(r"\d+")
 # What a tsckpt save writes below a checkpoint's root before its commit: array
 # chunk files ("c", "c.0.1", or "c/0/1" for the older separator), array and
 # group "zarr.json" nodes, and TensorStore's ".__lock" files of writes in flight.
-_SAVE_KEY = re.compile(r"(?:[^/]+/)+(?:zarr\.json|c(?:[./]\d+)*)(?:\.__lock)?")
+# A save's own keys: node documents and chunks below the root, and the claim an
+# in-place save (object stores, docs/format.md section 8) holds while it runs.
+_SAVE_KEY = re.compile(r"(?:(?:[^/]+/)+(?:zarr\.json|c(?:[./]\d+)*)(?:\.__lock)?|" + re.escape(CLAIM) + ")")
 
 
 @dataclass(frozen=True)
