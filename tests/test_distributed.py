@@ -22,8 +22,8 @@ from tsckpt.format.grid import ChunkGrid
 from tsckpt.location import make_context, open_kvstore, parse_location
 
 
-def save_zoo(rank, world, path):
-    tsckpt.save(zoo.zoo_state_dict(world), path)
+def save_zoo(rank, world, path, layout="plain"):
+    tsckpt.save(zoo.zoo_state_dict(world), path, layout=layout)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,14 @@ def zoo4(tmp_path_factory):
     """One 4-rank save of every placement kind and dtype, shared by the tests below."""
     path = str(tmp_path_factory.mktemp("zoo4") / "ckpt")
     run_ranks(4, save_zoo, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def packed4(tmp_path_factory):
+    """The same 4-rank save in the packed layout: per-rank OCDBT databases joined at commit."""
+    path = str(tmp_path_factory.mktemp("packed4") / "ckpt")
+    run_ranks(4, save_zoo, path, "packed")
     return path
 
 
@@ -43,6 +51,65 @@ def test_4_rank_save_loads_into_full_tensors_without_process_group(zoo4):
     zoo.assert_zoo_tensors(sd)
     assert sd["extra"] == {"lr": 0.1, "name": "run-1",
                            "groups": [{"lr": 0.01, "betas": (0.9, 0.99), "params": [0, 1]}]}
+
+
+def test_packed_4_rank_save_loads_and_is_a_few_files(packed4):
+    sd = zoo.empty_like_expected()
+    tsckpt.load(sd, packed4)
+    zoo.assert_zoo_tensors(sd)
+    md = commit.read_metadata(open_kvstore(parse_location(packed4), make_context()), packed4)
+    assert md.layout == "packed"
+    files = [os.path.relpath(os.path.join(d, f), packed4) for d, _, fs in os.walk(packed4) for f in fs]
+    # the root document, the joined database (manifest + B+tree file) and each rank's data files; no chunk files
+    assert "zarr.json" in files and "manifest.ocdbt" in files and len(files) <= 1 + 2 + 4 * 2, files
+    assert not any(f.startswith("model") for f in files)
+
+
+def test_zarr_python_and_dask_read_a_packed_checkpoint(packed4):
+    import dask.array as da
+
+    group = zarr.open_group(tsckpt.zarr_store(packed4), mode="r")
+    expected = zoo.expected_all()
+    for name in ("even", "mesh2d", "st", "repl", "hybrid"):  # the float32 ones: numpy has no bfloat16
+        np.testing.assert_array_equal(group["model"][name][...], expected[name].numpy())
+        lazy = da.from_zarr(group["model"][name])
+        np.testing.assert_array_equal(lazy.compute(), expected[name].numpy())
+    assert group["model"]["even"].attrs["tsckpt"]["key"] == "model.even"
+
+
+def test_packed_reshard_4_ranks_to_2(packed4):
+    assert run_ranks(2, load_resharded, packed4, "") == [[], []]
+
+
+def test_packed_verify_convert_and_diff(packed4, tmp_path):
+    import shutil
+
+    import tensorstore as ts
+    from typer.testing import CliRunner
+
+    import tsckpt.cli.convert  # noqa: F401  (registers the commands)
+    from tsckpt.cli import app
+    from tsckpt.format.packed import PackedLayout
+
+    assert tsckpt.verify(packed4).ok
+    plain, repacked = str(tmp_path / "plain"), str(tmp_path / "repacked")
+    runner = CliRunner()
+    for src, dst, layout in ((packed4, plain, "plain"), (plain, repacked, "packed")):
+        out = runner.invoke(app, ["convert", src, dst, "--layout", layout, "-q"])
+        assert out.exit_code == 0, out.output
+    assert os.path.isdir(os.path.join(plain, "model", "even"))
+    assert os.path.exists(os.path.join(repacked, "manifest.ocdbt"))
+    assert tsckpt.diff(packed4, plain).identical and tsckpt.diff(plain, repacked).identical
+    assert tsckpt.verify(repacked).ok
+    # A chunk key missing from the joined database is found there (there are no chunk files to look at).
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(packed4, damaged)
+    root = PackedLayout().root_database(dict(parse_location(damaged).spec), writable=True)
+    key = "model/even/c.1.0"
+    ts.KvStore.open(root).result().delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+    report = tsckpt.verify(damaged)
+    assert [e.key for e in report.failed] == ["model.even"]
+    assert "c.1.0" in " ".join(report.failed[0].problems)
 
 
 def test_zarr_python_reads_float32_written_by_4_ranks(zoo4):

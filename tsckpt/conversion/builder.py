@@ -32,6 +32,8 @@ from ..format import checksums, commit, dtypes, values, zarr_json
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
+from ..format.batch import RankBatch
+from ..format.layouts import PLAIN
 from ..format.spec import Store
 from ..format.target import begin_save
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
@@ -76,6 +78,8 @@ class CheckpointBuilder:
         extra: JSON-able values recorded in the metadata's ``extra``.
         checksums: record a crc32c of every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
         crc32c_codec: also store Zarr's ``crc32c`` codec with every chunk.
+        layout: ``"plain"`` (one file per chunk) or ``"packed"`` (an OCDBT
+            database of a few large files), as in :class:`tsckpt.TensorStoreWriter`.
     """
 
     def __init__(
@@ -89,13 +93,15 @@ class CheckpointBuilder:
         extra: Mapping[str, Any] | None = None,
         checksums: bool = True,
         crc32c_codec: bool = False,
+        layout: str = PLAIN,
     ):
         self.checksums = checksums
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec)
         self.save_id = uuid.uuid4().hex
         self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
         self.location = self.target.location
-        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency)
+        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout)
+        self._batch = RankBatch(self.store.layout, self.flush, 0, self.url)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
@@ -162,10 +168,12 @@ class CheckpointBuilder:
         entry = plan_tensor(fqn, key_path, shape, dt.zarr, whole, inner_chunk_bytes=self.inner_chunk_bytes,
                             placement=ReplicatedPlacement())
         if source.size:
-            arr = self.store.create(path, zarr_json.tensor_metadata(entry, self.array_options)).result()
+            opened = self.store.create(path, zarr_json.tensor_metadata(entry, self.array_options))
+            arr = self._batch.bind(opened.result())
             fut = arr[tuple(slice(0, n) for n in shape)].write(
                 source, can_reference_source_data_indefinitely=True)
             self._track(fqn, fut, (tensor, source), source.nbytes)
+            self._batch.wrote(source.nbytes)
         if self.checksums:
             written = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else ([], [])
             entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, *written))
@@ -198,8 +206,9 @@ class CheckpointBuilder:
             entry = ObjectEntry(key_path, values.JSON, value=payload)
         else:
             blob = np.frombuffer(payload, dtype=np.uint8)
-            arr = self.store.create(path, zarr_json.blob_metadata(blob.size)).result()
+            arr = self._batch.bind(self.store.create(path, zarr_json.blob_metadata(blob.size)).result())
             self._track(fqn, arr.write(blob), blob, blob.size)
+            self._batch.wrote(blob.size)
             self._blob_sizes[fqn] = int(blob.size)
             entry = ObjectEntry(key_path, values.TORCH, path=path)
         self._objects[fqn] = entry
@@ -226,6 +235,7 @@ class CheckpointBuilder:
 
     def commit(self) -> CheckpointMetadata:
         """Wait for all data, then write array, group and root documents (the commit)."""
+        self._batch.commit()
         self.flush()
         md = commit.commit_checkpoint(
             self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,

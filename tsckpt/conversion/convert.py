@@ -61,6 +61,7 @@ def convert(
     overwrite: bool = False,
     max_shard_size: int | None = None,
     progress: bool = False,
+    layout: str = "plain",
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
@@ -78,6 +79,7 @@ def convert(
         overwrite: replace what is at ``dst``.
         max_shard_size: safetensors shard size limit in bytes (implies a directory).
         progress: show a progress bar on stderr.
+        layout: storage layout of a tsckpt target, ``"plain"`` or ``"packed"``.
 
     Entries the target cannot hold (safetensors: non-tensor values, some dtypes)
     are skipped with a :class:`ConversionWarning` naming them, and listed in
@@ -96,7 +98,8 @@ def convert(
     with open_source(src, format=source_format, trust_pickle=trust_pickle) as source:
         total = sum(i.nbytes for i in source.tensors.values())
         with progress_bar(progress, total, f"{source.format} -> {to}") as advance:
-            opts = Options(overwrite=overwrite, trust_pickle=trust_pickle, max_shard_size=max_shard_size)
+            opts = Options(overwrite=overwrite, trust_pickle=trust_pickle, max_shard_size=max_shard_size,
+                           layout=layout)
             TARGETS[to](source, dst, opts, Sink(advance=advance, warn=warn))
         return ConvertResult(source.format, to, len(source.tensors), len(source.objects), total,
                              time.perf_counter() - start, tuple(notes))

@@ -71,6 +71,8 @@ class Options:
     overwrite: bool = False
     trust_pickle: bool = False
     max_shard_size: int | None = None
+    #: The storage layout of a tsckpt target ("plain" or "packed").
+    layout: str = "plain"
 
 
 class Sink:

@@ -46,7 +46,7 @@ def write_tsckpt(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
     extra = {"converted_from": {"format": source.format, "path": str(source.path)}}
     if source.header:
         extra["source_header"] = dict(source.header)
-    with CheckpointBuilder(dst, overwrite=opts.overwrite, extra=extra) as b:
+    with CheckpointBuilder(dst, overwrite=opts.overwrite, extra=extra, layout=opts.layout) as b:
         for key, info in source.tensors.items():
             b.add_tensor(info.key_path, source.read(key))
             sink.advance(info.nbytes)

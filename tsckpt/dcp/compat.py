@@ -17,14 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TsckptError
-from ..format.spec import LAYOUTS, PLAIN
+from ..format.layouts import LAYOUTS, PACKED, PLAIN
 from ..location import DEFAULT_IO_CONCURRENCY
 
 #: DCP stream extensions tsckpt honours, by registry name: the Zarr codec that does the same job.
 EXTENSION_CODECS: Mapping[str, str] = {"stream.zstd": "zstd"}
-
-#: The layout ``single_file_per_rank=True`` asks for: few files per rank instead of one per chunk.
-PACKED = "packed"
 
 
 def resolve_io_concurrency(thread_count: int | None, io_concurrency: int | None) -> int:
@@ -49,10 +46,6 @@ def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str
         wanted = implied
     wanted = wanted or PLAIN
     if wanted not in LAYOUTS:
-        if single_file_per_rank:
-            raise TsckptError(f"single_file_per_rank=True asks for the {PACKED!r} layout (one file per rank), "
-                              f"which this version of tsckpt does not have (layouts: {sorted(LAYOUTS)}); "
-                              "pass single_file_per_rank=False to write one file per chunk")
         raise TsckptError(f"unknown storage layout {wanted!r}; expected one of {sorted(LAYOUTS)}")
     return wanted
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -29,6 +30,7 @@ from ..format import checksums, commit, dtypes, values, zarr_json
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
+from ..format.batch import RankBatch
 from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
 from ..location import Location, LocationLike
@@ -169,7 +171,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         compat.refuse_rank_local_saves(kwargs.get("use_collectives", True), str(self.checkpoint_id))
         self._started = time.perf_counter()
         self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", 0))
+        # The packed layout gives each rank its own database, so the rank must be right.
+        self.rank = int(kwargs["rank"] if "rank" in kwargs else dist.get_rank() if dist.is_initialized() else 0)
         self._target, self._data_store = None, None
         if is_coordinator:
             # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
@@ -242,10 +245,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
         store = self.data_store(rank_plan.location)
         opened = {
-            fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options))
+            fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options), self.rank)
             for fqn, e in rank_plan.arrays.items()
         }
         pending, results, keep_alive = [], [], []
+        batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, str(self.checkpoint_id))
         summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
         later = []
@@ -253,7 +257,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                summary.objects[fqn], fut = self._write_object(store, rank_plan.objects[fqn], data)
+                summary.objects[fqn], fut = self._write_object(store, rank_plan.objects[fqn], data, batch)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 if fut is not None:
                     pending.append((fqn, fut))
@@ -269,9 +273,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             if not tensor.numel():
                 continue
             source = dtypes.tensor_as_numpy(tensor)
-            arr = opened[fqn].result()
+            arr = batch.bind(opened[fqn].result())
             fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
             pending.append((fqn, fut))
+            batch.wrote(nbytes)
             if on_device:
                 # Checksum the host copy now: the copy window may release it once written.
                 summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
@@ -282,13 +287,18 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
         for fqn, offsets, source in later:
             summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
-        for fqn, fut in pending:
-            self._wait(fqn, fut)
+        self._drain(pending)
+        batch.commit()
         if results:
             # One record per rank rather than per item: the coordinator's finish then
             # handles ranks, not ranks x tensors.
             results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
         return done(results)
+
+    def _drain(self, pending: list[tuple[str, Any]]) -> None:
+        for fqn, fut in pending:
+            self._wait(fqn, fut)
+        pending.clear()
 
     def _wait(self, fqn: str, fut: Any) -> None:
         try:
@@ -296,12 +306,13 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         except Exception as e:
             raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
 
-    def _write_object(self, store: Store, path: str, data: Any) -> tuple[dict[str, Any], Any]:
+    def _write_object(self, store: Store, path: str, data: Any, batch: RankBatch) -> tuple[dict[str, Any], Any]:
         encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
             return {"encoding": values.JSON, "value": payload}, None
         blob = np.frombuffer(payload, dtype=np.uint8)
-        arr = store.create(path, zarr_json.blob_metadata(blob.size)).result()
+        arr = batch.bind(store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
+        batch.wrote(blob.size)
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

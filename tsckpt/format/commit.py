@@ -104,9 +104,10 @@ def commit_checkpoint(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra=dict(extra or {}),
         array_options=options,
+        layout=store.layout.name,
     )
     try:
-        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store), target=target)
+        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size), target=target)
     except BaseException:
         if target is not None:
             target.abort()

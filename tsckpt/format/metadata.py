@@ -231,6 +231,8 @@ class CheckpointMetadata:
     extra: Mapping[str, Any] = field(default_factory=dict)
     #: The codecs every tensor array was written with; None in version 1 (read from each zarr.json).
     array_options: ArrayOptions | None = None
+    #: How the arrays' keys are stored (:data:`tsckpt.format.layouts.LAYOUTS`): "plain" or "packed".
+    layout: str = "plain"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -245,6 +247,7 @@ class CheckpointMetadata:
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
             "extra": dict(self.extra),
             "array_options": self.array_options.to_dict() if self.array_options else None,
+            "layout": self.layout,
         }
 
     @classmethod
@@ -290,5 +293,7 @@ class CheckpointMetadata:
             version=version,
             extra=extra if isinstance(extra, dict) else {},
             array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
+            # Absent before the packed layout existed: every such checkpoint is plain.
+            layout=optional_field(d, "layout", what, str) or "plain",
         )
 

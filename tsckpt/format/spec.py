@@ -14,11 +14,9 @@ source) is opened through :class:`Store`, so all of them share the same options:
   chunk is read;
 * one TensorStore context made from the location's own resources.
 
-Where an array's bytes live is a :class:`KvLayout`, registered by name in
-:data:`LAYOUTS`. ``"plain"`` keeps each array under its own path below the
-location (the Zarr hierarchy as files or objects). Another layout plugs in by
-subclassing :class:`KvLayout` and decorating it with :func:`register_layout`;
-:func:`layout_for` is where a checkpoint's metadata selects its layout.
+Where an array's keys live is the store's :class:`~tsckpt.format.layouts.KvLayout`
+(one file per chunk, or a packed OCDBT database): the layout gives the kvstore
+spec, this module everything around it.
 """
 
 from __future__ import annotations
@@ -26,81 +24,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import tensorstore as ts
 
 from ..errors import TsckptError
-from ..location import (
-    DEFAULT_IO_CONCURRENCY,
-    Location,
-    LocationLike,
-    make_context,
-    open_kvstore,
-    parse_location,
-    unsynced_nodes,
-)
+from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
 from . import checksums, zarr_json
+from .layouts import PLAIN, KvLayout, get_layout, layout_for
 from .metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
 #: Options every tsckpt array is opened with, for writing and for reading.
 ALWAYS: Mapping[str, Any] = {"store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
-PLAIN = "plain"
-
-
-class KvLayout(ABC):
-    """How a checkpoint's arrays and node documents map onto kvstores under its location."""
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
-        """The kvstore spec that holds the array at ``path`` (its ``zarr.json`` and chunks)."""
-
-    def nodes(self, store: Store) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        """Where the commit writes ``<path>/zarr.json`` documents, and a call that makes them durable.
-
-        The flush (if any) runs before the root document is written.
-        """
-        return store.kvstore, None
-
-
-LAYOUTS: dict[str, KvLayout] = {}
-
-
-def register_layout(cls: type[KvLayout]) -> type[KvLayout]:
-    """Class decorator: make a layout available by its ``name``."""
-    LAYOUTS[cls.name] = cls()
-    return cls
-
-
-def get_layout(name: str) -> KvLayout:
-    try:
-        return LAYOUTS[name]
-    except KeyError:
-        raise TsckptError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
-
-
-def layout_for(metadata: CheckpointMetadata) -> KvLayout:
-    """The layout a committed checkpoint was written with (every version-1 checkpoint is plain)."""
-    return get_layout(PLAIN)
-
-
-@register_layout
-class PlainLayout(KvLayout):
-    """Each array under its own path below the location: the Zarr hierarchy as files or objects."""
-
-    name = PLAIN
-
-    def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
-        return location.child(path)
-
-    def nodes(self, store: Store) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
-        fast = unsynced_nodes(store.location)
-        return fast if fast is not None else (store.kvstore, None)
 
 
 # --- specs --------------------------------------------------------------------
@@ -254,22 +190,26 @@ class Store:
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
              layout: str = PLAIN) -> Store:
         loc = parse_location(location)
-        context = make_context(io_concurrency, loc)
-        return cls(loc, context, open_kvstore(loc, context), get_layout(layout))
+        kv_layout = get_layout(layout)
+        context = kv_layout.context(make_context(io_concurrency, loc))
+        return cls(loc, context, open_kvstore(loc, context), kv_layout)
 
     @property
     def url(self) -> str:
         return self.location.url
 
     def for_checkpoint(self, metadata: CheckpointMetadata) -> Store:
-        return dataclasses.replace(self, layout=layout_for(metadata), array_options=metadata.array_options)
+        layout = layout_for(metadata)
+        context = self.context if layout is self.layout else layout.context(self.context)
+        return dataclasses.replace(self, layout=layout, context=context, array_options=metadata.array_options)
 
     def array_kvstore(self, path: str) -> dict[str, Any]:
         return self.layout.array_kvstore(self.location, path)
 
-    def create(self, path: str, zarr_metadata: Mapping[str, Any]) -> ts.Future:
-        """Open the array at ``path`` for writing chunks before its ``zarr.json`` exists."""
-        return ts.open(write_spec(self.array_kvstore(path), zarr_metadata), context=self.context)
+    def create(self, path: str, zarr_metadata: Mapping[str, Any], rank: int = 0) -> ts.Future:
+        """Open the array at ``path`` for rank ``rank`` to write chunks, before its ``zarr.json`` exists."""
+        kvstore = self.layout.write_kvstore(self.location, rank, path)
+        return ts.open(write_spec(kvstore, zarr_metadata), context=self.context)
 
     def open_tensor(self, entry: TensorEntry, codecs: Sequence[Mapping[str, Any]] | None = None) -> ts.Future:
         """Open a tensor's array for reading as the root document describes it.

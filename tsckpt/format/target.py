@@ -44,10 +44,12 @@ CLAIM = ".tsckpt-claim.json"
 ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE = "absent", "incomplete", "committed", "foreign", "file"
 
 #: Keys a tsckpt save writes: node documents and chunk keys of either separator,
-#: plus the claim. A location holding only these and no root is a dead save's leftovers.
+#: the packed layout's OCDBT manifests and data files, and the claim. A location
+#: holding only these and no root is a dead save's leftovers.
 OWN_KEYS: list[re.Pattern[str]] = [
     re.compile(r"(?:^|/)(?:zarr\.json|c|c(?:\.\d+)+)$"),
     re.compile(r"(?:^|/)c(?:/\d+)+$"),
+    re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$"),
     re.compile(re.escape(CLAIM) + "$"),
 ]
 

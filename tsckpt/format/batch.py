@@ -1,0 +1,74 @@
+"""One rank's writes grouped into transactions, for layouts that want them (the packed layout).
+
+Without a transaction every TensorStore flush of an OCDBT database is a commit
+of its own: a manifest write and a small data file each time. Writing through
+one transaction per batch makes each batch one commit with one data file of about
+the layout's ``batch_bytes``. A batch is committed once that many bytes were
+written; its commit runs while the rank writes the next batch, and is waited for
+before the one after, so what transactions hold in memory (references to the
+source arrays, or the host copies of device tensors) stays within two batches.
+
+For the plain layout :meth:`RankBatch.bind` returns arrays unchanged and
+commits are no-ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorstore as ts
+
+from ..errors import TsckptError
+from .layouts import KvLayout
+
+
+class RankBatch:
+    """The current transaction of one rank's save; see the module docstring.
+
+    ``drain`` waits for every write issued so far (their futures resolve when
+    the write is staged in the transaction); it runs before each commit.
+    """
+
+    def __init__(self, layout: KvLayout, drain: Callable[[], None], rank: int, where: str):
+        self.layout = layout
+        self.drain = drain
+        self.rank = rank
+        self.where = where
+        self.txn = layout.rank_transaction()
+        self.nbytes = 0
+        self._committing: ts.Future | None = None
+
+    def bind(self, array: ts.TensorStore) -> ts.TensorStore:
+        """``array`` writing through the current transaction (if any)."""
+        return array if self.txn is None else array.with_transaction(self.txn)
+
+    def wrote(self, nbytes: int) -> None:
+        """Count ``nbytes`` just written; commit the batch once it holds ``layout.batch_bytes``."""
+        if self.txn is None:
+            return
+        self.nbytes += nbytes
+        if self.nbytes >= self.layout.batch_bytes > 0:
+            self._start_commit()
+            self.txn, self.nbytes = self.layout.rank_transaction(), 0
+
+    def commit(self) -> None:
+        """Wait for the writes issued, then make them durable (call once after the last write)."""
+        if self.txn is None:
+            return
+        self._start_commit()
+        self._wait()
+
+    def _start_commit(self) -> None:
+        assert self.txn is not None
+        self.drain()
+        self._wait()  # the previous batch: one commit at a time per database
+        self._committing = self.txn.commit_async()
+
+    def _wait(self) -> None:
+        committing, self._committing = self._committing, None
+        if committing is None:
+            return
+        try:
+            committing.result()
+        except ValueError as e:
+            raise TsckptError(f"committing rank {self.rank}'s writes to {self.where} failed: {e}") from None
