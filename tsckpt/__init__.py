@@ -49,6 +49,7 @@ _LAZY = {
     "Checkpoint": "read.checkpoint",
     "TensorHandle": "read.checkpoint",
     "verify": "read.verify",
+    "zarr_store": "read.zarr_kvstore",
     # torch-free chores on a directory of step checkpoints
     "latest": "steps",
     "prune": "steps",

@@ -83,6 +83,7 @@ def array_metadata(
     *,
     checksums: bool = True,
     compression: str | None = None,
+    dimension_names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The ``zarr.json`` document of one array.
 
@@ -101,6 +102,8 @@ def array_metadata(
         "fill_value": dt.fill_value,
         "codecs": codecs,
     }
+    if dimension_names is not None:
+        doc["dimension_names"] = list(dimension_names)
     if attributes is not None:
         doc["attributes"] = attributes
     return doc
@@ -108,9 +111,16 @@ def array_metadata(
 
 def tensor_metadata(entry: TensorEntry, options: ArrayOptions,
                     attributes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``zarr.json`` of a tensor's array, from its metadata entry and the checkpoint's codec options."""
+    """The ``zarr.json`` of a tensor's array, from its metadata entry and the checkpoint's codec options.
+
+    Its dimensions are named ``<array name>_<i>``: xarray needs names, and
+    names unique to each array keep tensors of one group from claiming the
+    same dimension with different sizes.
+    """
+    leaf = entry.path.rsplit("/", 1)[-1]
     return array_metadata(entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape, attributes,
-                          checksums=options.crc32c_codec, compression=options.compression)
+                          checksums=options.crc32c_codec, compression=options.compression,
+                          dimension_names=[f"{leaf}_{i}" for i in range(len(entry.shape))])
 
 
 def blob_metadata(nbytes: int, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
