@@ -71,7 +71,7 @@ def test_info_json(zoo_ckpt):
     assert {"shape": [2, 2], "dim_names": ["dp", "tp"], "device_type": "cpu", "ranks": [0, 1, 2, 3]} in doc["meshes"]
     assert doc["torch_version"].startswith("2.") and doc["format_version"] >= 1
     assert set(doc) == {"location", "format_version", "tsckpt_version", "torch_version", "created", "world_size",
-                        "meshes", "tensors", "tensor_nbytes", "values", "files", "bytes_stored"}
+                        "meshes", "tensors", "tensor_nbytes", "values", "layout", "files", "bytes_stored"}
 
 
 def test_verify_json_reports_damage_per_entry(zoo_ckpt, tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from .errors import MetadataError, NotACheckpointError, StorageError, TsckptError
+from .errors import ChecksumError, MetadataError, NotACheckpointError, StorageError, TsckptError
 
 #: The environment variable that sets how often a failed S3 request is retried.
 S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"
@@ -28,6 +28,8 @@ def storage_error(e: Exception, doing: str) -> TsckptError:
         return StorageError(
             f"{doing}: no answer after {retries.group(1)} retries ({one_line(text[retries.end():])}); "
             f"on S3, set {S3_RETRIES_ENV} or the location's context 's3_request_retries' to wait longer")
+    if "DATA_LOSS" in text:  # a checksum TensorStore checks itself failed (an OCDBT manifest or B+tree node)
+        return ChecksumError(f"{doing}: the stored data is damaged ({one_line(text)})")
     if "NoSuchBucket" in text:
         return StorageError(f"{doing}: the bucket does not exist")
     if "non-directory" in text or "Not a directory" in text:

@@ -25,7 +25,8 @@ metadata's record of it. A value is given only for ``json`` encoded values
     {"location": str, "format_version": int, "tsckpt_version": str | null,
      "torch_version": str | null, "created": str | null, "world_size": int,
      "meshes": [{"shape": [...], "dim_names": [...] | null, "device_type": str, "ranks": [...]}, ...],
-     "tensors": int, "tensor_nbytes": int, "values": int, "files": int, "bytes_stored": int | null}
+     "tensors": int, "tensor_nbytes": int, "values": int, "layout": "plain" | "packed", "files": int,
+     "bytes_stored": int | null}
 
 ``verify --json`` (:func:`verification`)::
 
@@ -86,7 +87,7 @@ def information(ck: Checkpoint) -> dict[str, Any]:
     return {"location": ck.url, "format_version": md.version, "tsckpt_version": md.tsckpt_version or None,
             "torch_version": md.torch_version or None, "created": md.created or None, "world_size": md.world_size,
             "meshes": [m.to_dict() for m in md.meshes], "tensors": len(md.tensors), "tensor_nbytes": ck.nbytes,
-            "values": len(md.objects), "files": files, "bytes_stored": stored}
+            "values": len(md.objects), "layout": md.layout, "files": files, "bytes_stored": stored}
 
 
 def verification(report: VerifyReport) -> dict[str, Any]:

@@ -201,6 +201,7 @@ def info(
         rows += [
             ("tensors", f"{len(md.tensors)} ({human_bytes(ck.nbytes)} of data)"),
             ("values", str(len(md.objects))),
+            ("layout", md.layout),
             ("files", str(files)),
             ("bytes stored", human_bytes(stored) + (f" ({stored} B)" if stored is not None else "")),
         ]

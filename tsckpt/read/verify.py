@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import MetadataError
+from ..errors import ChecksumError, MetadataError
 from ..format import checksums, commit, zarr_json
 from ..format.grid import ChunkGrid
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
@@ -150,6 +150,12 @@ class _Checker:
         self.advance = advance
 
     def run(self, target: _Target) -> EntryReport:
+        try:
+            return self._check(target)
+        except ChecksumError as e:  # damage below the arrays (a packed checkpoint's database)
+            return EntryReport(target.key, target.path, 0, 0, (str(e),))
+
+    def _check(self, target: _Target) -> EntryReport:
         problems: list[str] = []
         kv = ts.KvStore.open(self.store.array_kvstore(target.path), context=self.store.context).result()
         doc = self._zarr_json(kv, target, problems)
