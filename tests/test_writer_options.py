@@ -115,7 +115,7 @@ def test_slash_separated_chunk_keys_still_load_and_verify(tmp_path):
     tsckpt.save(sd, tmp_path / "c")
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())
     md = root["attributes"].pop("tsckpt")
-    del root["attributes"]["tsckpt_crc32c"], md["array_options"]
+    del root["attributes"]["tsckpt_crc32c"], md["array_options"], md["layout"]
     md["version"] = 1  # version 1 named no codecs and recorded no checksums: each zarr.json says how to read
     for t in md["tensors"].values():
         t["writes"] = []
@@ -126,6 +126,7 @@ def test_slash_separated_chunk_keys_still_load_and_verify(tmp_path):
         array = tmp_path / "c" / name
         doc = json.loads((array / "zarr.json").read_text())
         doc["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
+        del doc["dimension_names"]  # named only since version 2
         (array / "zarr.json").write_text(json.dumps(doc))
         for chunk in array.glob("c*"):
             target = array.joinpath(*chunk.name.split("."))
