@@ -35,10 +35,11 @@ def test_committed_notebook_has_outputs():
     assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs)
 
 
-@pytest.mark.parametrize("how", ["parameter", "environment"])
-def test_notebook_inspects_a_given_checkpoint(tmp_path, monkeypatch, how):
+@pytest.mark.parametrize("how, layout", [("parameter", "plain"), ("environment", "packed")])
+def test_notebook_inspects_a_given_checkpoint(tmp_path, monkeypatch, how, layout):
     ckpt = tmp_path / "run" / "step_7"
-    tsckpt.save({"net": {"proj": torch.linspace(0, 1, 60).reshape(12, 5), "b": torch.zeros(5)}, "epoch": 7}, ckpt)
+    tsckpt.save({"net": {"proj": torch.linspace(0, 1, 60).reshape(12, 5), "b": torch.zeros(5)}, "epoch": 7}, ckpt,
+                layout=layout)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     if how == "parameter":
