@@ -95,6 +95,16 @@ def test_load_state_dict_from_keys_reads_a_subtree(tmp_path):
 
 # --- planning and storage metadata -------------------------------------------------------
 
+def test_read_metadata_reports_checkpoint_save_and_load_ids(tmp_path):
+    writer = TensorStoreWriter(tmp_path / "c")
+    dcp.save({"w": torch.zeros(3, 4), "step": 7}, storage_writer=writer)
+    reader = TensorStoreReader(tmp_path / "c")
+    meta = reader.read_metadata().storage_meta
+    assert meta is not None
+    assert str(meta.checkpoint_id) == str(tmp_path / "c")
+    assert meta.save_id == writer.save_id and meta.load_id == reader.load_id
+
+
 def test_dcp_default_load_planner_casts_like_dcp(tmp_path):
     # DCP's default planner casts silently in both directions (PyTorch's dtype-mismatch test);
     # tsckpt's own LoadPlanner refuses narrowing casts, DCP's must not.
