@@ -11,6 +11,7 @@ the mark has to go when it lands.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -25,6 +26,17 @@ from tsckpt import TensorStoreReader, TensorStoreWriter
 
 
 # --- loading -----------------------------------------------------------------------------
+
+def test_bytesio_values_round_trip_with_dcps_planners(tmp_path):
+    # The training-state pattern of PyTorch's e2e test: losses kept as a torch.save'd BytesIO.
+    losses = io.BytesIO()
+    torch.save([0.5, 0.25], losses)
+    dcp.save({"losses": losses, "step": torch.tensor(3)}, storage_writer=TensorStoreWriter(tmp_path / "c"))
+    back = {"losses": io.BytesIO(), "step": torch.tensor(0)}
+    dcp.load(back, storage_reader=TensorStoreReader(tmp_path / "c"))
+    back["losses"].seek(0)
+    assert torch.load(back["losses"]) == [0.5, 0.25] and back["step"].item() == 3
+
 
 class _Blob:
     """A Stateful holding raw bytes, like the BlobState of PyTorch's extension tests."""
