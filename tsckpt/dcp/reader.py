@@ -8,6 +8,7 @@ Its constructor also takes ``FileSystemReader``'s arguments.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -77,10 +79,12 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         self.is_coordinator = False
         self._prefetched = False
         self._totals: tuple[int, int, int] | None = None
+        self.load_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: LocationLike | None = None) -> None:
         self._started = time.perf_counter()
         self._totals = None
+        self.load_id = uuid.uuid4().hex
         self._reset(checkpoint_id)
         if not (self._prefetched and checkpoint_id is None):
             self.metadata = None
@@ -103,7 +107,11 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         if self.metadata is None:
             self.metadata = commit.read_metadata(self.store.kvstore, self.store.url)
             self._store = self.store.for_checkpoint(self.metadata)
-        return to_dcp_metadata(self.metadata)
+        md = to_dcp_metadata(self.metadata)
+        # As DCP's reader reports it: where the checkpoint is, the save that made it, this load.
+        md.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.metadata.extra.get("save_id"),
+                                      load_id=self.load_id)
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator

@@ -11,7 +11,8 @@ Two encodings, chosen per value:
 ``torch``
     Anything else is serialized with ``torch.save`` into a ``uint8`` array and
     loaded back with ``torch.load(weights_only=True)``, which cannot run code
-    from the file; arbitrary pickled objects need an explicit opt-in.
+    from the file (``io.BytesIO`` buffers are allowed too); arbitrary pickled
+    objects need an explicit opt-in.
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool,
         raise DamagedValueError(f"value {key!r} in {where} is damaged: {damage}; "
                                 "the checkpoint cannot restore it (restore it from another copy)")
     try:
-        return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
+        # io.BytesIO (a buffer of bytes, e.g. a torch.save'd list of losses) rebuilds without running code.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(io.BytesIO(blob), weights_only=not allow_pickle)
     except Exception as e:
         damage = _pickle_damage(blob)
         if allow_pickle and damage is None:  # a sound pickle whose classes cannot be rebuilt here
