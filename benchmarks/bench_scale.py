@@ -100,7 +100,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--target-file-bytes", type=int, default=2 << 30, help="packed layout's data file size")
+    ap.add_argument("--target-file-bytes", type=int, default=256 << 20,
+                    help="the packed layout's target_data_file_size (docs/format.md, the packed layout)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
@@ -140,7 +141,8 @@ def main() -> None:
 
     chunks = sum(e.grid.nchunks for e in md.tensors.values())
     bytes_per_rank = args.tensors * args.rows * args.cols * 2 / args.ranks
-    packed_files = args.ranks * (1 + math.ceil(bytes_per_rank / args.target_file_bytes)) + 2
+    # one data file per batch of each rank, plus the root's manifest, B+tree file and zarr.json
+    packed_files = args.ranks * max(1, math.ceil(bytes_per_rank / args.target_file_bytes)) + 3
     figures = {
         "ranks": args.ranks, "tensors": args.tensors, "regions_per_tensor": regions,
         "coordinator_plan_s": round(plan_s, 2), "coordinator_finish_s": round(finish_s, 2),
