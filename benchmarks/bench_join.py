@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the databases go (default: a temporary directory)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="tsckpt-join-", dir=args.dir)
-    print(f"| ranks x tensors | keys | join wall s (copies + commit) | join CPU s | root database MB | "
+    print("| ranks x tensors | keys | join wall s (copies + commit) | join CPU s | root database MB | "
           f"reader: one key of each tensor, s |")
     print("|---|---|---|---|---|---|")
     try:

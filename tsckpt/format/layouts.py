@@ -73,6 +73,10 @@ class KvLayout(ABC):
         """
         return store.kvstore, None
 
+    def hierarchy(self, store: Store) -> ts.KvStore:
+        """The kvstore holding every key of a committed checkpoint but the root document, by full key."""
+        return store.kvstore
+
 
 LAYOUTS: dict[str, KvLayout] = {}
 
@@ -122,7 +126,10 @@ class PackedKvLayout(KvLayout):
 
     def __init__(self, packed: PackedLayout = PackedLayout()) -> None:
         self.packed = packed
-        self.batch_bytes = packed.options.target_data_file_size
+
+    @property
+    def batch_bytes(self) -> int:  # type: ignore[override]
+        return self.packed.options.target_data_file_size
 
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return self.packed.read_kvstore(dict(location.spec), path)
@@ -139,3 +146,9 @@ class PackedKvLayout(KvLayout):
 
     def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
         return self.packed.join(dict(store.location.spec), world_size, store.context)
+
+    def hierarchy(self, store: Store) -> ts.KvStore:
+        try:
+            return ts.KvStore.open(self.array_kvstore(store.location, ""), context=store.context).result()
+        except ValueError as e:
+            raise TsckptError(f"cannot open the packed database of {store.url}: {e}") from None

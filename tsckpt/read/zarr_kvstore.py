@@ -22,13 +22,12 @@ import tensorstore as ts
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from ..errors import MetadataError, TsckptError
+from ..errors import TsckptError
 from ..format import commit, packed
-from ..format.layouts import PACKED, PLAIN
+from ..format.layouts import PACKED, PLAIN, get_layout, layout_for
+from ..format.spec import Store as SpecStore
 from ..format.target import ROOT
 from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
-
-_LAYOUTS = (PLAIN, PACKED)
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -52,11 +51,10 @@ def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
     loc = parse_location(location)
     kv = open_kvstore(loc, make_context(io_concurrency, loc))
     if not allow_incomplete:
-        layout = commit.read_metadata(kv, loc.url).layout  # or the error that says why there is no checkpoint
+        # The committed metadata, or the error that says why there is none; it names the layout.
+        layout = layout_for(commit.read_metadata(kv, loc.url)).name
     else:
         layout = PACKED if packed.is_packed(kv) else PLAIN
-    if layout not in _LAYOUTS:
-        raise MetadataError(f"{loc.url}/{ROOT}: unknown storage layout {layout!r}, expected one of {_LAYOUTS}")
     return TensorStoreZarrStore(loc, layout=layout, io_concurrency=io_concurrency)
 
 
@@ -75,8 +73,7 @@ class TensorStoreZarrStore(Store):
     def __init__(self, location: Location, *, layout: str = PLAIN, read_only: bool = False,
                  io_concurrency: int = DEFAULT_IO_CONCURRENCY):
         super().__init__(read_only=read_only)
-        if layout not in _LAYOUTS:
-            raise TsckptError(f"unknown layout {layout!r}, expected one of {_LAYOUTS}")
+        get_layout(layout)  # refuses an unknown one
         self.location = location
         self.layout = layout
         self.io_concurrency = io_concurrency
@@ -88,16 +85,8 @@ class TensorStoreZarrStore(Store):
     def _kvstores(self) -> tuple[ts.KvStore, ts.KvStore]:
         """(the plain kvstore at the root, the kvstore holding every other key)."""
         if self._stores is None:
-            context = packed.reader_context(make_context(self.io_concurrency, self.location))
-            plain = open_kvstore(self.location, context)
-            if self.layout == PACKED:
-                spec = packed.PackedLayout().root_database(self.location.spec)
-                try:
-                    keys = ts.KvStore.open(spec, context=context).result()
-                except ValueError as e:
-                    raise TsckptError(f"cannot open the packed database of {self.location.url}: {e}") from None
-            else:
-                keys = plain
+            store = SpecStore.open(self.location, io_concurrency=self.io_concurrency, layout=self.layout)
+            plain, keys = store.kvstore, store.layout.hierarchy(store)
             self._stores = (plain, keys)
             self._opened_at = time.time()
         return self._stores
