@@ -130,7 +130,8 @@ def test_sync_files_false_skips_fsync_and_says_so(tmp_path):
     assert "synced" not in _doc(tmp_path / "safe")["extra"]
 
 
-def test_single_file_per_rank_asks_for_the_packed_layout():
+def test_single_file_per_rank_asks_for_the_packed_layout(monkeypatch):
+    monkeypatch.delenv("TSCKPT_LAYOUT", raising=False)  # the default without it is plain
     assert tsckpt.TensorStoreWriter("x", single_file_per_rank=False).layout == "plain"
     assert tsckpt.TensorStoreWriter("x").layout == "plain"
     assert tsckpt.TensorStoreWriter("x", True).layout == "packed" and "packed" in LAYOUTS

@@ -259,3 +259,50 @@ def test_packed_checkpoint_in_memory_location_reads_through_tensorstore_spec():
     spec = {"driver": "zarr3", "kvstore": PackedLayout().read_kvstore(dict(parse_location(location).spec), "w")}
     arr = ts.open(spec, context=tsckpt.open(location).store.context).result()
     np.testing.assert_array_equal(arr.read().result(), sd["w"].numpy())
+
+
+# --- the default layout from the environment -------------------------------------------------
+
+
+def layout_of(path) -> str:
+    return tsckpt.open(str(path)).metadata.layout
+
+
+def test_tsckpt_layout_env_picks_the_layout_of_saves_and_conversions_that_name_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("TSCKPT_LAYOUT", "packed")
+    tsckpt.save(state(), str(tmp_path / "env"))
+    assert layout_of(tmp_path / "env") == "packed"
+    tsckpt.convert(str(tmp_path / "env"), str(tmp_path / "conv"), to="tsckpt")
+    assert layout_of(tmp_path / "conv") == "packed"
+    # A layout named in the call wins over the environment.
+    tsckpt.save(state(), str(tmp_path / "named"), layout="plain")
+    assert layout_of(tmp_path / "named") == "plain"
+    monkeypatch.setenv("TSCKPT_LAYOUT", "plain")
+    tsckpt.save(state(), str(tmp_path / "plain"))
+    assert layout_of(tmp_path / "plain") == "plain"
+
+
+def test_an_unknown_tsckpt_layout_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("TSCKPT_LAYOUT", "zip")
+    with pytest.raises(TsckptError, match=r"TSCKPT_LAYOUT='zip': unknown storage layout; expected one of "
+                                          r"\['packed', 'plain'\]"):
+        tsckpt.TensorStoreWriter(str(tmp_path / "c"))
+    assert not os.path.exists(tmp_path / "c")
+
+
+def _save_with_rank_layouts(rank, world, path):
+    # Each rank's writer was told a different layout: the coordinator's must win everywhere.
+    sd = {"w": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)[rank * 4:(rank + 1) * 4]}
+    from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+    mesh = DeviceMesh("cpu", list(range(world)))
+    sd["w"] = DTensor.from_local(sd["w"], mesh, [Shard(0)])
+    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(path, layout="packed" if rank == 0 else "plain"))
+    return None
+
+
+def test_every_rank_writes_in_the_coordinators_layout(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_with_rank_layouts, path)
+    assert layout_of(path) == "packed"
+    assert all(PACKED_FILE.match(f) for f in files(path)), files(path)
+    np.testing.assert_array_equal(tsckpt.open(path)["w"].numpy(), np.arange(48, dtype=np.float32).reshape(8, 6))

@@ -43,8 +43,9 @@ def convert_cmd(
     trust_pickle: bool = typer.Option(False, "--trust-pickle",
                                       help="allow unpickling SRC (needed for DCP .metadata); can run code from it"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace what is at DST"),
-    layout: str = typer.Option("plain", "--layout",
-                               help="tsckpt target storage: plain (a file per chunk) or packed (few large files)"),
+    layout: str = typer.Option("", "--layout",
+                               help="tsckpt target storage: plain (a file per chunk) or packed (few large files); "
+                                    "default: $TSCKPT_LAYOUT, else plain"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
@@ -56,7 +57,7 @@ def convert_cmd(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConversionWarning)  # printed below from the result
             result = convert(src, dst, to=to or None, trust_pickle=trust_pickle,
-                             overwrite=overwrite, max_shard_size=shard, layout=layout,
+                             overwrite=overwrite, max_shard_size=shard, layout=layout or None,
                              progress=not quiet and err.is_terminal)
     except TsckptError as e:
         raise _fail(e) from None

@@ -33,7 +33,7 @@ from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, Rep
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
 from ..format.batch import RankBatch
-from ..format.layouts import PLAIN
+from ..format.layouts import default_layout
 from ..format.spec import Store
 from ..format.target import begin_save
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
@@ -79,7 +79,8 @@ class CheckpointBuilder:
         checksums: record a crc32c of every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
         crc32c_codec: also store Zarr's ``crc32c`` codec with every chunk.
         layout: ``"plain"`` (one file per chunk) or ``"packed"`` (an OCDBT
-            database of a few large files), as in :class:`tsckpt.TensorStoreWriter`.
+            database of a few large files), as in :class:`tsckpt.TensorStoreWriter`;
+            ``None``: ``$TSCKPT_LAYOUT``, else plain.
     """
 
     def __init__(
@@ -93,14 +94,14 @@ class CheckpointBuilder:
         extra: Mapping[str, Any] | None = None,
         checksums: bool = True,
         crc32c_codec: bool = False,
-        layout: str = PLAIN,
+        layout: str | None = None,
     ):
         self.checksums = checksums
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec)
         self.save_id = uuid.uuid4().hex
         self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
         self.location = self.target.location
-        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout)
+        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout or default_layout())
         self._batch = RankBatch(self.store.layout, self.flush, 0, self.url)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes

@@ -61,7 +61,7 @@ def convert(
     overwrite: bool = False,
     max_shard_size: int | None = None,
     progress: bool = False,
-    layout: str = "plain",
+    layout: str | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
@@ -79,7 +79,8 @@ def convert(
         overwrite: replace what is at ``dst``.
         max_shard_size: safetensors shard size limit in bytes (implies a directory).
         progress: show a progress bar on stderr.
-        layout: storage layout of a tsckpt target, ``"plain"`` or ``"packed"``.
+        layout: storage layout of a tsckpt target, ``"plain"`` or ``"packed"``
+            (``None``: ``$TSCKPT_LAYOUT``, else plain).
 
     Entries the target cannot hold (safetensors: non-tensor values, some dtypes)
     are skipped with a :class:`ConversionWarning` naming them, and listed in

@@ -71,8 +71,8 @@ class Options:
     overwrite: bool = False
     trust_pickle: bool = False
     max_shard_size: int | None = None
-    #: The storage layout of a tsckpt target ("plain" or "packed").
-    layout: str = "plain"
+    #: The storage layout of a tsckpt target ("plain" or "packed"; None: the default layout).
+    layout: str | None = None
 
 
 class Sink:

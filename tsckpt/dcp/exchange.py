@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..format import checksums
+from ..format.layouts import PLAIN
 from ..format.metadata import TensorEntry
 from ..location import Location
 
@@ -25,12 +26,15 @@ class RankPlan:
 
     ``describe``: the rank's plan carried no placement records (DCP's own
     planner), so the rank reports them with its write results.
+    ``storage_layout``: the coordinator's storage layout, which every rank
+    writes in whatever its own writer was told (the metadata records only one).
     """
 
     arrays: dict[str, TensorEntry]
     objects: dict[str, str]
     describe: bool = False
     location: Location | None = None
+    storage_layout: str = PLAIN
 
 
 class RankSummary:

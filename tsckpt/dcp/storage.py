@@ -53,10 +53,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     Args:
         path: checkpoint directory (or a kvstore spec); may instead be given as
             ``checkpoint_id=`` to ``dcp.save``.
-        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (few
-            files per rank, like DCP's default); ``False`` or ``None`` (the
-            default here) for one file per chunk, the plain Zarr layout. A
-            version without a packed layout refuses ``True`` with an error.
+        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (a
+            few files per rank, like DCP's default), ``False`` for the plain
+            layout (one file per chunk); ``None`` (the default here) leaves the
+            choice to ``layout``.
         sync_files: ``False`` skips every fsync (chunks, nodes, root document,
             and the filesystem sync before the commit) and records
             ``"synced": false`` in the metadata's ``extra``: faster, but a power
@@ -85,7 +85,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             other extensions are refused.
         serialization_format: DCP's default (``TORCH_SAVE``) is accepted, since
             tensors are never pickled here anyway; ``SAFETENSORS`` is refused.
-        layout: tsckpt's name for the storage layout (``"plain"``).
+        layout: the storage layout, ``"plain"`` (one file or object per chunk;
+            any Zarr reader opens it) or ``"packed"`` (per-rank OCDBT databases
+            joined at commit; read through :func:`tsckpt.zarr_store`). ``None``:
+            ``$TSCKPT_LAYOUT`` if set, else plain. Only the coordinator's choice
+            counts in a multi-rank save.
         inner_chunk_bytes: outer chunks above this size are stored with Zarr's
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
@@ -222,7 +226,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
         told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
-                                    location=self._target.data_location)
+                                    location=self._target.data_location, storage_layout=self.layout)
                 for describe in (False, True)}
         return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
 
@@ -241,7 +245,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if self.is_coordinator:
             plan_cache.remember(self._full_plans, planner)
             self._full_plans = None
-        rank_plan: RankPlan = plan.storage_data or RankPlan({}, {})
+        rank_plan: RankPlan = plan.storage_data or RankPlan({}, {}, storage_layout=self.layout)
+        if rank_plan.storage_layout != self.layout:
+            # The coordinator's layout is the one its metadata will record.
+            self.layout, self._store, self._data_store = rank_plan.storage_layout, None, None
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
         store = self.data_store(rank_plan.location)
         opened = {

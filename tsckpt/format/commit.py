@@ -107,6 +107,8 @@ def commit_checkpoint(
         layout=store.layout.name,
     )
     try:
+        if target is not None:
+            target.check_current()
         commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size), target=target)
     except BaseException:
         if target is not None:

@@ -23,6 +23,7 @@ and :meth:`KvLayout.context` on every process that reads.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 PLAIN = "plain"
 PACKED = PackedLayout.name
+#: Environment variable naming the layout of saves that name none (``plain`` when unset).
+LAYOUT_ENV = "TSCKPT_LAYOUT"
 
 
 class KvLayout(ABC):
@@ -92,6 +95,19 @@ def get_layout(name: str) -> KvLayout:
         return LAYOUTS[name]
     except KeyError:
         raise TsckptError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
+
+
+def default_layout() -> str:
+    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"plain"``.
+
+    A cluster-wide choice belongs in the job's environment rather than in every
+    training script. In a multi-rank save only the coordinator's choice counts:
+    it is sent to every rank with the plan.
+    """
+    name = os.environ.get(LAYOUT_ENV, "").strip() or PLAIN
+    if name not in LAYOUTS:
+        raise TsckptError(f"{LAYOUT_ENV}={name!r}: unknown storage layout; expected one of {sorted(LAYOUTS)}")
+    return name
 
 
 def layout_for(metadata: CheckpointMetadata) -> KvLayout:

@@ -180,6 +180,13 @@ class SaveTarget(ABC):
     def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
         """Write the root document through ``kv`` (a kvstore at :attr:`data_location`) and publish it."""
 
+    def check_current(self) -> None:
+        """Coordinator, before the commit writes anything shared: raise if this save can no longer commit.
+
+        A save that another one has overtaken must not write node documents
+        or join databases into what the other save committed.
+        """
+
     def abort(self) -> None:
         """Best effort, after a failure this process knows of: drop what only this save used."""
 
@@ -248,12 +255,15 @@ class InPlaceTarget(SaveTarget):
         return json.dumps({"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(),
                            "started": _now()}).encode()
 
-    def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
+    def check_current(self) -> None:
         claim = _read(self.kv, CLAIM, self.url)
         if claim.state != "value" or claim.stamp.generation != self._claim_generation:
             holder = describe_claim(claim.value) if claim.state == "value" else "no save"
             raise ConcurrentSaveError(f"{self.url}: {holder} holds this location now; save {self.save_id} "
                                       f"was overtaken (another save passed overwrite=True) and was not committed")
+
+    def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
+        self.check_current()  # again: the nodes took time
         raw, generation = read_root(kv, self.url)
         if raw is not None:
             refuse(describe_root(raw), self.url, overwrite=False, save_id=self.save_id, at_commit=True)
