@@ -24,6 +24,7 @@ import dist
 import tsckpt
 from tsckpt.format import commit
 from tsckpt.format.localdir import staging_dirs
+from tsckpt.format.layouts import default_layout
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
@@ -159,7 +160,8 @@ def test_rank_killed_mid_write_leaves_nothing_loadable(tmp_path, previous):
         dist.run_ranks(2, _save_killed, new, 1, "kill", timeout=TIMEOUT)
     assert not new.exists()
     [staged] = _dead_staging(new)  # the save did get as far as writing data, beside the target
-    assert any(f.startswith("c") for _, _, files in os.walk(staged.path) for f in files)
+    if default_layout() == "plain":  # a packed rank's batch may die before its one commit
+        assert any(f.startswith("c") for _, _, files in os.walk(staged.path) for f in files)
     _assert_refused(new, text="leftover staging")
     _assert_bit_exact(previous)
 
@@ -182,7 +184,8 @@ def test_coordinator_dying_before_commit(tmp_path, previous, die_at):
     [staged] = _dead_staging(new)
     if die_at == "root":
         # Everything but the commit made it to disk: array nodes exist, the root does not.
-        assert os.path.isfile(os.path.join(staged.path, "model", "w", "zarr.json"))
+        node = "model/w/zarr.json" if default_layout() == "plain" else "manifest.ocdbt"
+        assert os.path.isfile(os.path.join(staged.path, node))
         assert not os.path.exists(os.path.join(staged.path, "zarr.json"))
     assert not new.exists()
     _assert_refused(new)

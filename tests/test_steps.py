@@ -172,7 +172,7 @@ def test_prune_removes_the_root_document_first(tmp_path, monkeypatch):
     monkeypatch.setattr(steps.shutil, "rmtree", dies)
     with pytest.raises(TsckptError, match="removing .*step_1 failed: killed"):
         tsckpt.prune(r, keep=1)
-    assert not (r / "step_1" / "zarr.json").exists() and (r / "step_1" / "model" / "w").is_dir()
+    assert not (r / "step_1" / "zarr.json").exists() and any((r / "step_1").iterdir())  # the data stays
     assert [(e.name, e.state) for e in steps.scan(r)] == [("step_1", "incomplete"), ("step_2", "committed")]
     monkeypatch.undo()
     assert tsckpt.prune(r, keep=1, remove_incomplete=True) == [os.path.join(r, "step_1")]

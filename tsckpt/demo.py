@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from .dcp import api
 from .errors import TsckptError
+from .format.layouts import PLAIN
 from .format.metadata import TensorEntry
 from .read import checkpoint
 
@@ -252,18 +253,27 @@ def _compare(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[s
 
 
 
-def _zarr_tree(path: str) -> Any:
-    """The checkpoint as zarr-python sees it (no tsckpt code involved)."""
+def _zarr_source(path: str, layout: str) -> Any:
+    """What zarr-python opens: the directory itself (plain: no tsckpt code involved), or tsckpt's store (packed)."""
+    if layout == PLAIN:
+        return path
+    from .read.zarr_kvstore import zarr_store
+
+    return zarr_store(path)
+
+
+def _zarr_tree(path: str, layout: str) -> Any:
+    """The checkpoint as zarr-python sees it."""
     import zarr
 
-    return zarr.open_group(path, mode="r").tree()
+    return zarr.open_group(_zarr_source(path, layout), mode="r").tree()
 
 
-def _read_with_zarr(path: str, entry: TensorEntry, saved: np.ndarray) -> None:
+def _read_with_zarr(path: str, layout: str, entry: TensorEntry, saved: np.ndarray) -> None:
     """Read one float32 tensor with zarr-python and compare it with what was saved."""
     import zarr
 
-    data = zarr.open_array(os.path.join(path, entry.path), mode="r")[...]
+    data = zarr.open_array(_zarr_source(path, layout), path=entry.path, mode="r")[...]
     if data.dtype != np.float32 or data.tobytes() != saved.tobytes():
         raise DemoError(f"zarr-python read {entry.path!r} in {path} as {data.dtype}{list(data.shape)}, "
                         f"which is not the saved float32{list(saved.shape)}")
@@ -305,7 +315,8 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     embed = md.tensors[_PROBE]
     print(f"  e.g. {_PROBE}: shape {list(embed.shape)}, chunks {list(embed.chunk_shape)}, "
           f"written by ranks {sorted(set(ck.tensors[_PROBE].writers().values()))}")
-    print(_zarr_tree(path))
+    print(f"layout {md.layout}; as zarr-python sees it:")
+    print(_zarr_tree(path, md.layout))
 
     loaded = _spawn(load_ranks, _load_rank, path)
     load_s = max(r["seconds"] for r in loaded)
@@ -314,7 +325,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     if problems:
         shown = "\n  ".join(problems[:20])
         raise DemoError(f"{len(problems)} value(s) of {path} differ after reloading on {load_ranks} ranks:\n  {shown}")
-    _read_with_zarr(path, embed, saved_full[_PROBE])
+    _read_with_zarr(path, md.layout, embed, saved_full[_PROBE])
     print(f"zarr-python read {embed.path!r} as float32{list(embed.shape)}: identical to the saved tensor")
     print(f"checkpoint: {path} (total {time.perf_counter() - started:.1f} s)")
     print(f"OK: reloaded on {load_ranks} ranks, all {tensors} tensors bit-exact")

@@ -39,7 +39,7 @@ import tensorstore as ts
 
 from .errors import TsckptError
 from .format.commit import ATTRIBUTE, ROOT
-from .format.target import CLAIM
+from .format.target import is_own_key
 from .location import Location, LocationLike, make_context, open_kvstore, parse_location, read_json
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,6 @@ _STEP = re.compile(r"\d+")
 # What a tsckpt save writes below a checkpoint's root before its commit: array
 # chunk files ("c", "c.0.1", or "c/0/1" for the older separator), array and
 # group "zarr.json" nodes, and TensorStore's ".__lock" files of writes in flight.
-# A save's own keys: node documents and chunks below the root, and the claim an
-# in-place save (object stores, docs/format.md section 8) holds while it runs.
-_SAVE_KEY = re.compile(r"(?:(?:[^/]+/)+(?:zarr\.json|c(?:[./]\d+)*)(?:\.__lock)?|" + re.escape(CLAIM) + ")")
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class _Root:
         if doc is not None:
             return COMMITTED if _is_tsckpt_root(doc) else FOREIGN
         below = [k for k in keys() if k]  # "" is an object store's folder marker
-        return INCOMPLETE if below and all(_SAVE_KEY.fullmatch(k) for k in below) else FOREIGN
+        return INCOMPLETE if below and all(is_own_key(k) for k in below) else FOREIGN
 
     def remove(self, entry: StepCheckpoint) -> None:
         """Un-commit first (root document), then delete the rest: a prune that dies

@@ -174,7 +174,7 @@ class CheckpointBuilder:
             fut = arr[tuple(slice(0, n) for n in shape)].write(
                 source, can_reference_source_data_indefinitely=True)
             self._track(fqn, fut, (tensor, source), source.nbytes)
-            self._batch.wrote(source.nbytes)
+            self._batch.wrote(fqn, source.nbytes)
         if self.checksums:
             written = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else ([], [])
             entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, *written))
@@ -209,7 +209,7 @@ class CheckpointBuilder:
             blob = np.frombuffer(payload, dtype=np.uint8)
             arr = self._batch.bind(self.store.create(path, zarr_json.blob_metadata(blob.size)).result())
             self._track(fqn, arr.write(blob), blob, blob.size)
-            self._batch.wrote(blob.size)
+            self._batch.wrote(fqn, blob.size)
             self._blob_sizes[fqn] = int(blob.size)
             entry = ObjectEntry(key_path, values.TORCH, path=path)
         self._objects[fqn] = entry

@@ -264,7 +264,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                summary.objects[fqn], fut = self._write_object(store, rank_plan.objects[fqn], data, batch)
+                summary.objects[fqn], fut = self._write_object(store, fqn, rank_plan.objects[fqn], data, batch)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 if fut is not None:
                     pending.append((fqn, fut))
@@ -283,7 +283,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             arr = batch.bind(opened[fqn].result())
             fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
             pending.append((fqn, fut))
-            batch.wrote(nbytes)
+            batch.wrote(fqn, nbytes)
             if on_device:
                 # Checksum the host copy now: the copy window may release it once written.
                 summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
@@ -313,13 +313,13 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         except Exception as e:
             raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
 
-    def _write_object(self, store: Store, path: str, data: Any, batch: RankBatch) -> tuple[dict[str, Any], Any]:
+    def _write_object(self, store: Store, fqn: str, path: str, data: Any, batch: RankBatch) -> tuple[dict[str, Any], Any]:
         encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
             return {"encoding": values.JSON, "value": payload}, None
         blob = np.frombuffer(payload, dtype=np.uint8)
         arr = batch.bind(store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
-        batch.wrote(blob.size)
+        batch.wrote(fqn, blob.size)
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

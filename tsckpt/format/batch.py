@@ -36,20 +36,23 @@ class RankBatch:
         self.where = where
         self.txn = layout.rank_transaction()
         self.nbytes = 0
-        self._committing: ts.Future | None = None
+        self.names: list[str] = []  # what the current batch holds, for errors
+        self._committing: tuple[ts.Future, list[str]] | None = None
 
     def bind(self, array: ts.TensorStore) -> ts.TensorStore:
         """``array`` writing through the current transaction (if any)."""
         return array if self.txn is None else array.with_transaction(self.txn)
 
-    def wrote(self, nbytes: int) -> None:
-        """Count ``nbytes`` just written; commit the batch once it holds ``layout.batch_bytes``."""
+    def wrote(self, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``name`` just written; commit the batch once it holds ``layout.batch_bytes``."""
         if self.txn is None:
             return
         self.nbytes += nbytes
+        if not self.names or self.names[-1] != name:
+            self.names.append(name)
         if self.nbytes >= self.layout.batch_bytes > 0:
             self._start_commit()
-            self.txn, self.nbytes = self.layout.rank_transaction(), 0
+            self.txn, self.nbytes, self.names = self.layout.rank_transaction(), 0, []
 
     def commit(self) -> None:
         """Wait for the writes issued, then make them durable (call once after the last write)."""
@@ -62,13 +65,17 @@ class RankBatch:
         assert self.txn is not None
         self.drain()
         self._wait()  # the previous batch: one commit at a time per database
-        self._committing = self.txn.commit_async()
+        self._committing = (self.txn.commit_async(), self.names)
 
     def _wait(self) -> None:
         committing, self._committing = self._committing, None
         if committing is None:
             return
+        future, names = committing
         try:
-            committing.result()
+            future.result()
         except ValueError as e:
-            raise TsckptError(f"committing rank {self.rank}'s writes to {self.where} failed: {e}") from None
+            # The data reaches storage only here, so this is where a full disk shows.
+            what = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise TsckptError(f"writing {what or 'nothing'} (rank {self.rank}'s batch) to {self.where} "
+                              f"failed: {e}") from None

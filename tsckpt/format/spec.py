@@ -233,6 +233,13 @@ class Store:
         return then(ts.open(blob_read_spec(self.array_kvstore(path)), context=self.context, open=True, read=True),
                     check_blob)
 
+    def node_kvstore(self, path: str) -> ts.KvStore:
+        """The kvstore holding the node (array or group) at ``path``: its ``zarr.json`` and chunk keys."""
+        try:
+            return ts.KvStore.open(self.array_kvstore(path), context=self.context).result()
+        except ValueError as e:
+            raise TsckptError(f"cannot open {self.url}/{path}: {e}") from None
+
     def read_blob(self, key: str, path: str) -> bytes:
         """The bytes of a value blob, or a clear error naming the value."""
         try:

@@ -54,7 +54,13 @@ OWN_KEYS: list[re.Pattern[str]] = [
 ]
 
 
+#: TensorStore's file driver writes ``<key>.__lock`` beside a key while it replaces it.
+LOCK_SUFFIX = ".__lock"
+
+
 def is_own_key(key: str) -> bool:
+    """Whether a save of tsckpt's (any layout) may have written ``key``, relative to its location."""
+    key = key.removesuffix(LOCK_SUFFIX)
     return any(p.search(key) for p in OWN_KEYS)
 
 

@@ -144,7 +144,7 @@ class TensorHandle:
 
         Empty when the save did not record it (version-1 checkpoints and conversions).
         """
-        doc = read_json(self._ck.store.kvstore, f"{self.entry.path}/{commit.ROOT}")
+        doc = read_json(self._ck.store.node_kvstore(self.entry.path), commit.ROOT)
         attrs = doc.get("attributes", {}).get(commit.ATTRIBUTE, {}) if isinstance(doc, dict) else {}
         ranks = attrs.get("writers") if isinstance(attrs, dict) else None
         if not isinstance(ranks, list) or len(ranks) != self.chunks.nchunks:

@@ -157,7 +157,7 @@ class _Checker:
 
     def _check(self, target: _Target) -> EntryReport:
         problems: list[str] = []
-        kv = ts.KvStore.open(self.store.array_kvstore(target.path), context=self.store.context).result()
+        kv = self.store.node_kvstore(target.path)
         doc = self._zarr_json(kv, target, problems)
         if doc is None:
             return EntryReport(target.key, target.path, 0, 0, tuple(problems))
