@@ -142,7 +142,8 @@ def test_single_file_per_rank_asks_for_the_packed_layout(monkeypatch):
 @pytest.mark.skipif(not ZStandard.is_available(), reason="torch's ZStandard() needs zstandard or pyzstd")
 def test_zstandard_extension_is_the_zstd_codec(tmp_path):
     sd = {"z": torch.zeros(256, 64), "w": expected("w", (6, 4), torch.float32)}
-    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(tmp_path / "c", _extensions=[ZStandard()]))
+    # single_file_per_rank=False: the plain layout, whose chunk files are measured below.
+    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(tmp_path / "c", False, _extensions=[ZStandard()]))
     with open(tmp_path / "c" / "z" / "zarr.json") as f:
         assert "zstd" in [c["name"] for c in json.load(f)["codecs"]]
     assert sum(f.stat().st_size for f in (tmp_path / "c" / "z").glob("c*")) < 256 * 64 * 4 // 100

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
+from damage import delete_prefix, kvstore_spec
 from cli_run import one_line_error, run_cli
 from tsckpt.format import commit
 from tsckpt.format import zarr_json as arrays
@@ -40,7 +41,7 @@ class _Marker:
 def _rewrite_blob(ckpt, rel: str, payload: bytes) -> None:
     blob = np.frombuffer(payload, dtype=np.uint8)
     md = arrays.array_metadata([blob.size], "uint8", [blob.size])
-    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{rel}/"}, "metadata": md,
+    arr = ts.open({"driver": "zarr3", "kvstore": kvstore_spec(ckpt, rel), "metadata": md,
                    "create": True, "delete_existing": True}).result()
     arr.write(blob).result()
 
@@ -192,7 +193,7 @@ def test_broken_metadata_is_refused_clearly(good_ckpt, tmp_path, case):
 
 def test_missing_array_is_refused_naming_the_tensor(good_ckpt, tmp_path):
     copy = _edit(good_ckpt, tmp_path, lambda md, c: None)
-    shutil.rmtree(copy / "model" / "w")
+    delete_prefix(copy, "model/w")
     with pytest.raises(TsckptError, match=r"'model\.w'"):
         tsckpt.load({"model": {"w": torch.zeros(4, 3)}}, copy, allow_partial_load=True)
 

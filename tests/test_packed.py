@@ -92,14 +92,14 @@ def test_packed_save_is_few_files_and_every_reader_gets_the_same_bits(tmp_path):
 
 def test_packed_and_plain_overwrite_each_other_and_nothing_of_the_old_layout_stays(tmp_path):
     path = str(tmp_path / "ck")
-    tsckpt.save(state(1), path)
+    tsckpt.save(state(1), path, layout="plain")
     assert os.path.isdir(os.path.join(path, "model", "w"))
     tsckpt.save(state(2), path, layout="packed", overwrite=True)
     assert all(PACKED_FILE.match(f) for f in files(path)) and not tsckpt.leftovers(path)
     out = zeros_like(state(2))
     tsckpt.load(out, path)
     assert_same(out, state(2))
-    tsckpt.save(state(3), path, overwrite=True)
+    tsckpt.save(state(3), path, overwrite=True, layout="plain")
     assert not [f for f in files(path) if "ocdbt" in f or f.startswith("d/")]
     tsckpt.load(out, path)
     assert_same(out, state(3))

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 import tsckpt
+from damage import write_key
 from tsckpt.errors import TsckptError
 
 
@@ -24,14 +25,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture
-def damaged(tmp_path):
-    """A checkpoint whose ``model.w`` (one chunk, ``c.0.0``) lost its chunk file."""
+@pytest.fixture(params=["plain", "packed"])
+def damaged(tmp_path, request):
+    """A checkpoint whose ``model.w`` (one chunk, ``c.0.0``) lost its chunk (file, or key of the database)."""
     path = tmp_path / "ckpt"
-    with tsckpt.CheckpointBuilder(path, inner_chunk_bytes=0) as b:
+    with tsckpt.CheckpointBuilder(path, inner_chunk_bytes=0, layout=request.param) as b:
         b.add_tensor(("model", "w"), torch.arange(64, dtype=torch.float32).reshape(16, 4) + 1)
         b.add_tensor(("model", "b"), torch.ones(3))
-    (path / "model" / "w" / "c.0.0").unlink()
+    write_key(path, "model/w/c.0.0", None)
     return path
 
 

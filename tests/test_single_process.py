@@ -32,7 +32,8 @@ def test_dcp_calls_with_path_in_constructor_and_default_planner(tmp_path):
     back = {"w": torch.zeros(3, 4), "n": 0, "cfg": {"a": None}}
     dcp.load(back, storage_reader=tsckpt.TensorStoreReader(tmp_path / "c"))
     assert torch.equal(back["w"], sd["w"]) and back["n"] == 5 and back["cfg"] == {"a": [1, 2]}
-    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "c" / "w"))[...], sd["w"].numpy())
+    np.testing.assert_array_equal(zarr.open_array(tsckpt.zarr_store(tmp_path / "c"), path="w")[...],
+                                  sd["w"].numpy())
 
 
 def test_values_are_stored_as_readable_json_and_odd_ones_safely(tmp_path):
@@ -76,7 +77,7 @@ def test_existing_checkpoint_needs_overwrite(tmp_path):
 def test_large_chunks_use_inner_chunks_and_slices_read_back(tmp_path):
     w = torch.randn(64, 48)
     tsckpt.save({"w": w}, tmp_path / "c", inner_chunk_bytes=2048)
-    arr = zarr.open_array(str(tmp_path / "c" / "w"))
+    arr = zarr.open_array(tsckpt.zarr_store(tmp_path / "c"), path="w")
     assert arr.shards == (64, 48) and arr.chunks != (64, 48)
     np.testing.assert_array_equal(arr[5:9, 10:30], w[5:9, 10:30].numpy())
     back = {"w": torch.zeros(64, 48)}

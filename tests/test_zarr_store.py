@@ -49,7 +49,7 @@ def get_reference(value: bytes, byte_range) -> bytes:
 @pytest.fixture(scope="module")
 def plain_ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("plain") / "ck")
-    tsckpt.save(state(), path)
+    tsckpt.save(state(), path, layout="plain")
     return path
 
 
