@@ -11,8 +11,10 @@ import json
 import os
 from collections.abc import Callable
 
+import numpy as np
 import tensorstore as ts
 
+from tsckpt.format import zarr_json
 from tsckpt.format.packed import PackedLayout
 
 
@@ -74,3 +76,18 @@ def flip_byte(data: bytes, at: int = 0) -> bytes:
     b = bytearray(data)
     b[at] ^= 0xFF
     return bytes(b)
+
+
+def edit_array(path: str | os.PathLike, rel: str, **changes) -> None:
+    """Change members of the ``zarr.json`` of the array at ``rel``."""
+    doc = json.loads(read_key(path, f"{rel}/zarr.json"))
+    doc.update(changes)
+    write_key(path, f"{rel}/zarr.json", json.dumps(doc).encode())
+
+
+def rewrite_blob(path: str | os.PathLike, rel: str, payload: bytes) -> None:
+    """Replace a value blob's array with a well-formed one (valid crc32c) holding ``payload``."""
+    blob = np.frombuffer(payload, dtype=np.uint8)
+    arr = ts.open({"driver": "zarr3", "kvstore": kvstore_spec(path, rel), "metadata": zarr_json.blob_metadata(blob.size),
+                   "create": True, "delete_existing": True}).result()
+    arr.write(blob).result()

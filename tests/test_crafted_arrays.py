@@ -9,26 +9,23 @@ a blob that is damaged is told apart from one that needs unsafe unpickling.
 from __future__ import annotations
 
 import io
-import json
 import struct
 import zipfile
 
-import numpy as np
 import pytest
-import tensorstore as ts
 import torch
 
 import tsckpt
 from cli_run import one_line_error, run_cli
+from damage import edit_array, rewrite_blob
 from tsckpt.errors import DamagedValueError, TsckptError, UnsafeObjectError
-from tsckpt.format import zarr_json
 from tsckpt.read.verify import verify
 
 
-@pytest.fixture
-def ckpt(tmp_path):
+@pytest.fixture(params=["plain", "packed"])
+def ckpt(tmp_path, request):
     path = tmp_path / "ckpt"
-    tsckpt.save({"w": torch.arange(12.0).reshape(4, 3), "opaque": {1, 2, 3}, "step": 5}, path)
+    tsckpt.save({"w": torch.arange(12.0).reshape(4, 3), "opaque": {1, 2, 3}, "step": 5}, path, layout=request.param)
     return path
 
 
@@ -38,12 +35,6 @@ def _sd():
 
 def _sd_saved():
     return {"w": torch.arange(12.0).reshape(4, 3)}
-
-
-def _edit_array(path, **changes):
-    doc = json.loads((path / "zarr.json").read_text())
-    doc.update(changes)
-    (path / "zarr.json").write_text(json.dumps(doc))
 
 
 def _every_reader_refuses(ckpt, key, message):
@@ -72,20 +63,20 @@ def _loads_ignore_it_and_verify_reports_it(ckpt, key):
 def test_compressor_swapped_into_a_tensor_zarr_json_is_refused(ckpt):
     codecs = [{"name": "bytes", "configuration": {"endian": "little"}},
               {"name": "zstd", "configuration": {"level": 22, "checksum": False}}]
-    _edit_array(ckpt / "w", codecs=codecs)
+    edit_array(ckpt, "w", codecs=codecs)
     problems = _loads_ignore_it_and_verify_reports_it(ckpt, "w")
     assert "codecs" in problems[0]
 
 
 def test_huge_chunks_declared_in_zarr_json_are_refused_before_any_read(ckpt):
-    _edit_array(ckpt / "w", shape=[2**40, 3],
+    edit_array(ckpt, "w", shape=[2**40, 3],
                 chunk_grid={"name": "regular", "configuration": {"chunk_shape": [2**40, 3]}})
     problems = _loads_ignore_it_and_verify_reports_it(ckpt, "w")
     assert "shape" in problems[0] and "chunk_grid" in problems[0]
 
 
 def test_blob_declaring_a_terabyte_is_refused_without_allocating_it(ckpt):
-    _edit_array(ckpt / "opaque", shape=[2**40],
+    edit_array(ckpt, "opaque", shape=[2**40],
                 chunk_grid={"name": "regular", "configuration": {"chunk_shape": [2**40]}})
     # Before blobs were checked this aborted the process (std::bad_alloc): run the CLI in its own.
     line = one_line_error(run_cli("show", str(ckpt), "opaque"))
@@ -95,7 +86,7 @@ def test_blob_declaring_a_terabyte_is_refused_without_allocating_it(ckpt):
 
 
 def test_compressed_blob_is_refused(ckpt):
-    _edit_array(ckpt / "opaque", codecs=[{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}},
+    edit_array(ckpt, "opaque", codecs=[{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}},
                                          {"name": "crc32c"}])
     problems = _every_reader_refuses(ckpt, "opaque", "'opaque'.*codecs")
     assert "codecs" in problems[0]
@@ -104,27 +95,18 @@ def test_compressed_blob_is_refused(ckpt):
 @pytest.mark.parametrize("change", [{"fill_value": 1.0}, {"dimension_names": ["x", "y"]},
                                     {"storage_transformers": [{"name": "x"}]}])
 def test_verify_compares_the_whole_zarr_json(ckpt, change):
-    _edit_array(ckpt / "w", **change)
+    edit_array(ckpt, "w", **change)
     report = verify(ckpt)
     assert [e.key for e in report.failed] == ["w"]
     assert next(iter(change)) in report.failed[0].problems[0]
 
 
 def test_verify_ignores_the_informative_attributes(ckpt):
-    _edit_array(ckpt / "w", attributes={"note": "edited by hand"})
+    edit_array(ckpt, "w", attributes={"note": "edited by hand"})
     assert verify(ckpt).ok
 
 
 # --- value blobs: damage is not "unsafe" ------------------------------------------------------
-
-
-def _rewrite_blob(ckpt, rel: str, payload: bytes) -> None:
-    """Replace a blob's bytes with a well-formed array (valid crc32c) holding ``payload``."""
-    blob = np.frombuffer(payload, dtype=np.uint8)
-    md = zarr_json.blob_metadata(blob.size)
-    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{rel}/"}, "metadata": md,
-                   "create": True, "delete_existing": True}).result()
-    arr.write(blob).result()
 
 
 def _saved(value) -> bytes:
@@ -155,7 +137,7 @@ DAMAGE = {
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_damaged_value_blob_is_reported_as_damage_not_as_unsafe(ckpt, case):
     damage, message = DAMAGE[case]
-    _rewrite_blob(ckpt, "opaque", damage(_saved({1, 2, 3})))
+    rewrite_blob(ckpt, "opaque", damage(_saved({1, 2, 3})))
     for allow_pickle in (False, True):
         with pytest.raises(DamagedValueError, match=rf"'opaque'.*is damaged: .*{message}") as info:
             tsckpt.load(_sd(), ckpt, allow_pickle=allow_pickle)
@@ -169,7 +151,7 @@ class NotAllowed:
 
 
 def test_sound_blob_that_needs_unpickling_still_asks_for_trust(ckpt):
-    _rewrite_blob(ckpt, "opaque", _saved(NotAllowed()))
+    rewrite_blob(ckpt, "opaque", _saved(NotAllowed()))
     with pytest.raises(UnsafeObjectError, match=r"GLOBAL .*NotAllowed.*pass allow_pickle=True only if you trust"):
         tsckpt.load(_sd(), ckpt)
     sd = _sd()

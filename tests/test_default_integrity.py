@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tsckpt
+from damage import edit_key, read_key, write_key
 from tsckpt.errors import TsckptError
 from tsckpt.read.verify import verify
 
@@ -23,10 +24,10 @@ def _state():
             "step": 7, "extra": {"tags": {"a", "b"}}}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+@pytest.fixture(scope="module", params=["plain", "packed"])
+def saved(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("integrity") / "ck"
-    tsckpt.save(_state(), path)  # default options: no Zarr crc32c codec
+    tsckpt.save(_state(), path, layout=request.param)  # default options: no Zarr crc32c codec
     return path
 
 
@@ -38,10 +39,13 @@ def ckpt(saved, tmp_path):
     return tmp_path / "ck"
 
 
-def _flip(path, offset=3):
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x10
-    path.write_bytes(bytes(data))
+def _flip(ckpt, key, offset=3):
+    def flip(data: bytes) -> bytes:
+        b = bytearray(data)
+        b[offset] ^= 0x10
+        return bytes(b)
+
+    edit_key(ckpt, key, flip)
 
 
 def _cli(*args):
@@ -68,7 +72,7 @@ def _read_paths(ckpt, tmp_path):
 
 
 def test_flipped_tensor_byte_is_caught_everywhere_naming_tensor_and_chunk(ckpt, tmp_path):
-    _flip(ckpt / "model" / "w" / "c.0.0")
+    _flip(ckpt, "model/w/c.0.0")
     for name, read in _read_paths(ckpt, tmp_path).items():
         with pytest.raises(REFUSED, match=r"'model\.w'.*chunk \[0, 0\] does not match its stored crc32c"):
             read()
@@ -90,7 +94,7 @@ def test_clean_checkpoint_checks_every_chunk(saved):
 
 
 def test_flipped_value_blob_is_caught(ckpt, tmp_path):
-    _flip(ckpt / "extra" / "tags" / "c.0", offset=40)
+    _flip(ckpt, "extra/tags/c.0", offset=40)
     for name in ("tsckpt.load", "dcp.load", "to_state_dict", "convert", "diff"):
         with pytest.raises(REFUSED, match=r"extra\.tags"):
             _read_paths(ckpt, tmp_path)[name]()
@@ -110,10 +114,9 @@ def test_flipped_root_document_is_refused_by_every_path(ckpt, tmp_path):
 
 
 def test_flipped_array_zarr_json_is_reported_by_verify_and_cannot_mislead_loads(ckpt):
-    doc_path = ckpt / "model" / "w" / "zarr.json"
-    doc = json.loads(doc_path.read_text())
+    doc = json.loads(read_key(ckpt, "model/w/zarr.json"))
     doc["chunk_grid"]["configuration"]["chunk_shape"] = [1, 8]
-    doc_path.write_text(json.dumps(doc))
+    write_key(ckpt, "model/w/zarr.json", json.dumps(doc).encode())
     assert [e.key for e in verify(ckpt).failed] == ["model.w"]
     sd = _empty()
     tsckpt.load(sd, ckpt, allow_pickle=True)  # loads open arrays from the root document alone

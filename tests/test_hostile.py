@@ -9,17 +9,14 @@ import re
 import shlex
 import shutil
 
-import numpy as np
 import pytest
-import tensorstore as ts
 import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
-from damage import delete_prefix, kvstore_spec
+from damage import delete_prefix, rewrite_blob
 from cli_run import one_line_error, run_cli
 from tsckpt.format import commit
-from tsckpt.format import zarr_json as arrays
 from tsckpt.errors import MetadataError, TsckptError, UnsafeObjectError
 from tsckpt.format.metadata import MAX_DOCUMENT_BYTES
 from tsckpt.read.verify import verify
@@ -38,14 +35,6 @@ class _Marker:
         return (os.system, (f"touch {shlex.quote(self.path)}",))
 
 
-def _rewrite_blob(ckpt, rel: str, payload: bytes) -> None:
-    blob = np.frombuffer(payload, dtype=np.uint8)
-    md = arrays.array_metadata([blob.size], "uint8", [blob.size])
-    arr = ts.open({"driver": "zarr3", "kvstore": kvstore_spec(ckpt, rel), "metadata": md,
-                   "create": True, "delete_existing": True}).result()
-    arr.write(blob).result()
-
-
 @pytest.fixture
 def evil_ckpt(tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -53,7 +42,7 @@ def evil_ckpt(tmp_path):
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
     torch.save(_Marker(str(marker)), buf)
-    _rewrite_blob(ckpt, "opaque", buf.getvalue())
+    rewrite_blob(ckpt, "opaque", buf.getvalue())
     return ckpt, marker
 
 

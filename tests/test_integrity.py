@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tsckpt
+from damage import edit_key, read_key, write_key
 from tsckpt.errors import TsckptError
 from tsckpt.format import commit
 from tsckpt.read.verify import verify
@@ -28,24 +29,29 @@ def _empty() -> dict:
             "step": torch.tensor(0, dtype=torch.int64), "extra": {"tags": None}}
 
 
-@pytest.fixture
-def ckpt(tmp_path):
-    """A checkpoint whose ``model/w`` uses the sharding codec (inner chunks of 4x8)."""
+@pytest.fixture(params=["plain", "packed"])
+def ckpt(tmp_path, request):
+    """A checkpoint whose ``model/w`` uses the sharding codec (inner chunks of 4x8), in each layout."""
     path = tmp_path / "ckpt"
     # Zarr's crc32c codec as well: these tests damage encoded shards and their indexes.
-    tsckpt.save(_state(), path, inner_chunk_bytes=128, crc32c_codec=True)
+    tsckpt.save(_state(), path, inner_chunk_bytes=128, crc32c_codec=True, layout=request.param)
     return path
 
 
-def _flip(path, offset: int = 3) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x10
-    path.write_bytes(bytes(data))
+def _flip(ckpt, key: str, offset: int = 3) -> None:
+    def flip(data: bytes) -> bytes:
+        b = bytearray(data)
+        b[offset] ^= 0x10
+        return bytes(b)
+
+    edit_key(ckpt, key, flip)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     code = "import sys; from tsckpt.cli import main; sys.argv = ['tsckpt', *sys.argv[1:]]; main()"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    # Wide enough that no problem line is wrapped (packed ones name the database).
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "400"})
 
 
 def test_clean_checkpoint_loads_and_verifies(ckpt):
@@ -63,18 +69,18 @@ def test_clean_checkpoint_loads_and_verifies(ckpt):
 
 def test_all_zero_tensor_is_stored_not_left_to_fill_value(ckpt):
     # Without store_data_equal_to_fill_value TensorStore writes no file for an all-zero chunk.
-    assert (ckpt / "model" / "zeros" / "c.0.0").is_file()
+    assert read_key(ckpt, "model/zeros/c.0.0")
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_chunk_is_refused_on_load(ckpt, damage):
-    chunk = ckpt / "model" / "zeros" / "c.0.0"
+    chunk = "model/zeros/c.0.0"
     if damage == "flip":
-        _flip(chunk)
+        _flip(ckpt, chunk)
     elif damage == "truncate":
-        chunk.write_bytes(chunk.read_bytes()[:7])
+        edit_key(ckpt, chunk, lambda data: data[:7])
     else:
-        chunk.unlink()
+        write_key(ckpt, chunk, None)
     with pytest.raises(TsckptError) as info:
         tsckpt.load(_empty(), ckpt)
     message = str(info.value)
@@ -86,8 +92,7 @@ def test_damaged_chunk_is_refused_on_load(ckpt, damage):
 
 
 def test_flipped_inner_chunk_of_a_shard_is_detected(ckpt):
-    shard = ckpt / "model" / "w" / "c.0.0"
-    _flip(shard, offset=200)  # inside the data of an inner chunk, not the index at the end
+    _flip(ckpt, "model/w/c.0.0", offset=200)  # inside the data of an inner chunk, not the index at the end
     with pytest.raises(TsckptError, match=r"'model\.w'.*(Digest mismatch|checksum)"):
         tsckpt.load(_empty(), ckpt)
     report = verify(ckpt)
@@ -96,22 +101,22 @@ def test_flipped_inner_chunk_of_a_shard_is_detected(ckpt):
 
 
 def test_flipped_shard_index_is_detected(ckpt):
-    shard = ckpt / "model" / "w" / "c.0.0"
-    _flip(shard, offset=shard.stat().st_size - 6)
+    shard = "model/w/c.0.0"
+    _flip(ckpt, shard, offset=len(read_key(ckpt, shard)) - 6)
     with pytest.raises(TsckptError, match=r"'model\.w'"):
         tsckpt.load(_empty(), ckpt)
     assert [e.key for e in verify(ckpt).failed] == ["model.w"]
 
 
 def test_damaged_value_blob_is_detected(ckpt):
-    _flip(ckpt / "extra" / "tags" / "c.0")
+    _flip(ckpt, "extra/tags/c.0")
     report = verify(ckpt)
     assert [e.key for e in report.failed] == ["extra.tags"]
 
 
 def test_cli_reports_each_damaged_tensor_and_exits_nonzero(ckpt):
-    _flip(ckpt / "model" / "zeros" / "c.0.0")
-    (ckpt / "step" / "c").unlink()
+    _flip(ckpt, "model/zeros/c.0.0")
+    write_key(ckpt, "step/c", None)
     result = _cli("verify", str(ckpt), "--no-progress")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "model.zeros" in result.stdout and "step" in result.stdout and "FAILED" in result.stdout
@@ -121,10 +126,9 @@ def test_cli_reports_each_damaged_tensor_and_exits_nonzero(ckpt):
 
 
 def test_verify_catches_zarr_json_that_disagrees_with_metadata(ckpt):
-    doc_path = ckpt / "model" / "w" / "zarr.json"
-    doc = json.loads(doc_path.read_text())
+    doc = json.loads(read_key(ckpt, "model/w/zarr.json"))
     doc["shape"] = [8, 8]
-    doc_path.write_text(json.dumps(doc))
+    write_key(ckpt, "model/w/zarr.json", json.dumps(doc).encode())
     report = verify(ckpt)
     assert [e.key for e in report.failed] == ["model.w"]
     assert "disagrees" in report.failed[0].problems[0]
@@ -135,7 +139,7 @@ def test_verify_catches_zarr_json_that_disagrees_with_metadata(ckpt):
 
 
 def test_verify_catches_missing_array_and_a_wrong_checksum(ckpt):
-    os.remove(ckpt / "model" / "zeros" / "zarr.json")
+    write_key(ckpt, "model/zeros/zarr.json", None)
     root = json.loads((ckpt / "zarr.json").read_text())
     md = root["attributes"]["tsckpt"]
     table = bytearray(base64.b64decode(md["tensors"]["model.w"]["checksums"]))

@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 import zarr
 
+import torch
+
+import tsckpt
 import tsckpt.format.zarr_dtypes as zd
+from damage import layout_of
 import zoo
 from test_reader import zoo_ckpt  # noqa: F401 - the shared 4-rank checkpoint
 from tsckpt.format import dtypes
@@ -25,8 +29,13 @@ def _array_path(name: str) -> str:
     return zarr_path(parts)
 
 
+def _group(path: str) -> zarr.Group:
+    """zarr-python's view: of the directory itself (plain), or through tsckpt's store (packed)."""
+    return zarr.open_group(path if layout_of(path) == "plain" else tsckpt.zarr_store(path), mode="r")
+
+
 def test_zarr_python_reads_every_array_bit_exactly(zoo_ckpt, capsys):
-    group = zarr.open_group(zoo_ckpt, mode="r")
+    group = _group(zoo_ckpt)
     tree = str(group.tree())
     for name, want in zoo.expected_all().items():
         path = _array_path(name)
@@ -39,7 +48,7 @@ def test_zarr_python_reads_every_array_bit_exactly(zoo_ckpt, capsys):
 
 
 def test_array_attributes_say_what_each_array_is(zoo_ckpt):
-    group = zarr.open_group(zoo_ckpt, mode="r")
+    group = _group(zoo_ckpt)
     attrs = group["model/mesh2d"].attrs["tsckpt"]
     assert attrs["kind"] == "tensor" and attrs["key"] == "model.mesh2d"
     assert attrs["torch_dtype"] == "torch.float32"
@@ -51,7 +60,7 @@ def test_array_attributes_say_what_each_array_is(zoo_ckpt):
 
 
 def test_dask_reads_a_bf16_array_chunk_by_chunk(zoo_ckpt):
-    arr = zarr.open_group(zoo_ckpt, mode="r")["model/uneven"]
+    arr = _group(zoo_ckpt)["model/uneven"]
     lazy = da.from_zarr(arr)
     assert lazy.dtype == np.dtype(ml_dtypes.bfloat16) and lazy.chunks == ((3, 3, 3, 1), (3,))
     want = dtypes.tensor_as_numpy(zoo.expected_all()["uneven"])
@@ -59,7 +68,9 @@ def test_dask_reads_a_bf16_array_chunk_by_chunk(zoo_ckpt):
     assert float(lazy.astype(np.float32).sum().compute()) == pytest.approx(float(want.astype(np.float32).sum()))
 
 
-def test_entry_points_are_declared_and_load_in_a_fresh_process(zoo_ckpt):
+def test_entry_points_are_declared_and_load_in_a_fresh_process(tmp_path):
+    path = str(tmp_path / "c")
+    tsckpt.save({"dtypes": {"bfloat16": torch.ones(8, 3, dtype=torch.bfloat16)}}, path, layout="plain")  # zarr alone
     declared = {e.name: e.value for e in entry_points(group="zarr.data_type")}
     for cls in zd.DATA_TYPES:
         assert declared.get(cls._zarr_v3_name) == f"tsckpt.format.zarr_dtypes:{cls.__name__}"
@@ -69,7 +80,7 @@ def test_entry_points_are_declared_and_load_in_a_fresh_process(zoo_ckpt):
         from zarr.core.dtype import data_type_registry
         assert "tsckpt" not in sys.modules
         data_type_registry._lazy_load()  # zarr 3.1 collects entry points but leaves loading to callers
-        a = zarr.open_group({zoo_ckpt!r}, mode="r")["dtypes/bfloat16"][:]
+        a = zarr.open_group({path!r}, mode="r")["dtypes/bfloat16"][:]
         print(a.dtype, a.shape)
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -166,8 +166,11 @@ class _Checker:
         nbytes = math.prod(chunks.shape) * ts.dtype(doc["data_type"]).numpy_dtype.itemsize
         indices = list(chunks.indices())
         sep = zarr_json.chunk_key_separator(doc)
-        problems += self._missing_files(kv, target.path, indices, sep)
-        read_problems, checksummed = self._read_chunks(target, chunks, indices, nbytes, sep)
+        missing = self._missing_chunks(kv, indices, sep)
+        problems += [f"chunk {key}: {target.path}/{key} is missing" for key in missing]
+        # A missing chunk is reported once, not again as the read that fails on it.
+        present = [i for i in indices if zarr_json.chunk_key(i, sep) not in missing]
+        read_problems, checksummed = self._read_chunks(target, chunks, present, nbytes, sep)
         return EntryReport(target.key, target.path, nbytes, len(indices), tuple(problems + read_problems),
                            checksummed)
 
@@ -199,11 +202,10 @@ class _Checker:
         return doc
 
     @staticmethod
-    def _missing_files(kv: ts.KvStore, path: str, indices: list[tuple[int, ...]], sep: str) -> list[str]:
+    def _missing_chunks(kv: ts.KvStore, indices: list[tuple[int, ...]], sep: str) -> set[str]:
         present = {k.decode() if isinstance(k, bytes) else k
                    for k in kv.list(ts.KvStore.KeyRange("c", "c\xff")).result()}
-        keys = [zarr_json.chunk_key(i, sep) for i in indices]
-        return [f"chunk {key}: file {path}/{key} is missing" for key in keys if key not in present]
+        return {key for key in (zarr_json.chunk_key(i, sep) for i in indices) if key not in present}
 
     def _read_chunks(self, target: _Target, chunks: ChunkGrid, indices: list[tuple[int, ...]],
                      nbytes: int, sep: str) -> tuple[list[str], int]:
