@@ -15,6 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import tsckpt
+from damage import write_key
 import tsckpt.cli.inspect as inspect_cmds
 import tsckpt.cli.verify  # noqa: F401 - registers verify
 import tsckpt.cli.version  # noqa: F401 - registers --version
@@ -83,13 +84,12 @@ def test_verify_json_reports_damage_per_entry(zoo_ckpt, tmp_path):
 
     damaged = tmp_path / "damaged"
     shutil.copytree(zoo_ckpt, damaged)
-    chunk = next(p for p in (damaged / "model" / "even").iterdir() if p.name.startswith("c"))
-    chunk.unlink()
+    write_key(damaged, "model/even/c.1.0", None)  # a file, or a key of the packed database
     res = runner.invoke(app, ["verify", str(damaged), "--json"])
     doc = json.loads(res.stdout)
     assert res.exit_code == 1 and not doc["ok"] and doc["failed"] == 1
     bad = [e for e in doc["entries"] if e["problems"]]
-    assert [e["key"] for e in bad] == ["model.even"] and chunk.name in " ".join(bad[0]["problems"])
+    assert [e["key"] for e in bad] == ["model.even"] and "c.1.0" in " ".join(bad[0]["problems"])
 
 
 def test_ls_piped_in_80_columns_keeps_every_column(zoo_ckpt):
