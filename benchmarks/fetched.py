@@ -172,7 +172,8 @@ def run(args: Any, layouts: list[str], tmp: str) -> dict[str, Any]:
     """Measure bytes fetched vs needed for each contender on local disk and on S3; returns the figures."""
     w_cls = wl.WORKLOADS[args.fetch_workload]
     itemsize = wl.DTYPES[args.dtypes[0]].itemsize
-    base = {"dtype": args.dtypes[0], "dcp_threads": args.dcp_threads[:1], "layouts": layouts}
+    base = {"dtype": args.dtypes[0], "dcp_threads": args.dcp_threads[:1], "layouts": layouts,
+            "variants": args.variants}
     out: dict[str, Any] = {"world": args.world, "reshard_world": args.reshard_world}
     disk_w = w_cls.for_size(args.fetch_gb * 1e9, itemsize)
     root = os.path.join(tmp, "fetched-disk")
