@@ -79,6 +79,7 @@ def test_packed_save_is_few_files_and_every_reader_gets_the_same_bits(tmp_path):
     assert_same(out, sd)
     ck = tsckpt.open(path)
     assert ck.metadata.layout == "packed"
+    assert ck["model.w"].writers() == {(0, 0): 0}  # read from the array's zarr.json in the database
     np.testing.assert_array_equal(ck["model.w"].numpy()[10:20, 3:9], sd["model"]["w"].numpy()[10:20, 3:9])
     group = zarr.open_group(tsckpt.zarr_store(path), mode="r")
     np.testing.assert_array_equal(group["model/w"][...], sd["model"]["w"].numpy())
