@@ -72,9 +72,9 @@ def edit_key(path: str | os.PathLike, key: str, change: Callable[[bytes], bytes]
     write_key(path, key, change(read_key(path, key)))
 
 
-def flip_byte(data: bytes, at: int = 0) -> bytes:
+def flip_byte(data: bytes, at: int = 0, mask: int = 0xFF) -> bytes:
     b = bytearray(data)
-    b[at] ^= 0xFF
+    b[at] ^= mask
     return bytes(b)
 
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tsckpt
-from damage import edit_key, read_key, write_key
+from damage import edit_key, flip_byte, read_key, write_key
 from tsckpt.errors import TsckptError
 from tsckpt.read.verify import verify
 
@@ -40,12 +40,7 @@ def ckpt(saved, tmp_path):
 
 
 def _flip(ckpt, key, offset=3):
-    def flip(data: bytes) -> bytes:
-        b = bytearray(data)
-        b[offset] ^= 0x10
-        return bytes(b)
-
-    edit_key(ckpt, key, flip)
+    edit_key(ckpt, key, lambda data: flip_byte(data, offset, 0x10))
 
 
 def _cli(*args):

@@ -60,6 +60,16 @@ def test_crafted_pickle_does_not_run_on_load(evil_ckpt):
     assert report.ok and not marker.exists()  # verifying reads bytes, never unpickles
 
 
+def test_dcps_default_load_planner_never_unpickles_the_stored_blob(evil_ckpt):
+    # DCP's DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False) on what the
+    # reader hands it: the reader must restore values safely first, and refuse this one.
+    ckpt, marker = evil_ckpt
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(4), "opaque": None}, storage_reader=tsckpt.TensorStoreReader(ckpt))
+    assert "UnsafeObjectError" in str(info.value) or isinstance(info.value, UnsafeObjectError)
+    assert not marker.exists()
+
+
 def test_allow_pickle_does_run_it(evil_ckpt):
     ckpt, marker = evil_ckpt
     sd = {"w": torch.zeros(4), "opaque": None}

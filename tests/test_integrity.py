@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tsckpt
-from damage import edit_key, read_key, write_key
+from damage import edit_key, flip_byte, read_key, write_key
 from tsckpt.errors import TsckptError
 from tsckpt.format import commit
 from tsckpt.read.verify import verify
@@ -39,12 +39,7 @@ def ckpt(tmp_path, request):
 
 
 def _flip(ckpt, key: str, offset: int = 3) -> None:
-    def flip(data: bytes) -> bytes:
-        b = bytearray(data)
-        b[offset] ^= 0x10
-        return bytes(b)
-
-    edit_key(ckpt, key, flip)
+    edit_key(ckpt, key, lambda data: flip_byte(data, offset, 0x10))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

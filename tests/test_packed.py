@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 import zarr
 
 import tsckpt
+from damage import layout_of
 from dist import run_ranks
 from tsckpt.errors import (
     ChecksumError,
@@ -263,10 +264,6 @@ def test_packed_checkpoint_in_memory_location_reads_through_tensorstore_spec():
 
 
 # --- the default layout from the environment -------------------------------------------------
-
-
-def layout_of(path) -> str:
-    return tsckpt.open(str(path)).metadata.layout
 
 
 def test_tsckpt_layout_env_picks_the_layout_of_saves_and_conversions_that_name_none(tmp_path, monkeypatch):

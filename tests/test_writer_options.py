@@ -11,7 +11,7 @@ import torch
 import zarr
 
 import tsckpt
-from damage import edit_key, read_key
+from damage import edit_key, flip_byte, read_key
 from tsckpt.dcp.api import gc_paused
 from tsckpt.read.verify import verify
 
@@ -77,7 +77,7 @@ def test_without_checksums_corruption_is_not_detected_but_with_them_it_is(tmp_pa
     sd = {"w": torch.arange(1024.0)}
     for name, checksums in (("off", False), ("on", True)):
         tsckpt.save(sd, tmp_path / name, checksums=checksums)
-        edit_key(tmp_path / name, "w/c.0", lambda data: data[:8] + bytes([data[8] ^ 0xFF]) + data[9:])
+        edit_key(tmp_path / name, "w/c.0", lambda data: flip_byte(data, 8))
     back = {"w": torch.empty(1024)}
     tsckpt.load(back, tmp_path / "off")
     assert not torch.equal(back["w"], sd["w"])  # the price of turning checksums off

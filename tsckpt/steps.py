@@ -50,9 +50,6 @@ DAMAGED = "damaged"
 FOREIGN = "foreign"
 
 _STEP = re.compile(r"\d+")
-# What a tsckpt save writes below a checkpoint's root before its commit: array
-# chunk files ("c", "c.0.1", or "c/0/1" for the older separator), array and
-# group "zarr.json" nodes, and TensorStore's ".__lock" files of writes in flight.
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TsckptError
-from ..format.layouts import LAYOUTS, PACKED, PLAIN, default_layout
+from ..format.layouts import PACKED, PLAIN, default_layout, get_layout
 from ..location import DEFAULT_IO_CONCURRENCY
 
 #: DCP stream extensions tsckpt honours, by registry name: the Zarr codec that does the same job.
@@ -44,10 +44,7 @@ def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str
             raise TsckptError(f"single_file_per_rank={single_file_per_rank} means layout={implied!r}, "
                               f"but layout={layout!r} was given; give one of them")
         wanted = implied
-    wanted = wanted or default_layout()
-    if wanted not in LAYOUTS:
-        raise TsckptError(f"unknown storage layout {wanted!r}; expected one of {sorted(LAYOUTS)}")
-    return wanted
+    return get_layout(wanted or default_layout()).name
 
 
 def resolve_compression(extensions: Sequence[Any] | None, compression: str | None) -> str | None:
