@@ -13,6 +13,7 @@ import os
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import tensorstore as ts
 import torch
@@ -28,7 +29,7 @@ import tsckpt
 from dist import run_ranks
 from tsckpt.cli import app
 from tsckpt.cli import inspect as _commands  # noqa: F401 - registers info on app
-from tsckpt.dcp import compat
+from tsckpt.dcp.copy_window import DEFAULT_COPY_AHEAD, CopyWindow
 from tsckpt.format.layouts import LAYOUTS
 from tsckpt.location import parse_location, unsynced_nodes
 from zoo import expected, same_bits
@@ -186,30 +187,51 @@ def test_per_thread_copy_ahead_bounds_the_bytes_in_flight():
     arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}}, create=True, dtype=ts.float32,
                   shape=[8, 1024]).result()
     finished = []
-    window = compat.CopyWindow(3 * 4096, lambda fqn, fut: (fut.result(), finished.append(fqn)))
+    window = CopyWindow(3 * 4096)
     for i in range(8):
         window.admit(4096)
         copy = torch.full((1024,), float(i))
-        window.add(4096, f"t{i}", arr[i].write(copy.numpy()), copy)
+        fut = arr[i].write(copy.numpy())
+        window.add(4096, lambda i=i, fut=fut: (fut.result(), finished.append(f"t{i}")), hold=copy)
         assert window.bytes <= 3 * 4096
     assert finished == [f"t{i}" for i in range(5)]  # waited for the oldest writes, in order
-    unbounded = compat.CopyWindow(None, lambda fqn, fut: finished.append(fqn))
+    window.drain()
+    assert finished == [f"t{i}" for i in range(8)] and window.bytes == 0
+    assert np.array_equal(arr.read().result(), np.repeat(np.arange(8, dtype=np.float32), 1024).reshape(8, 1024))
+    unbounded = CopyWindow(None)
     for i in range(4):
         unbounded.admit(1 << 30)
-        unbounded.add(1 << 30, "big", None, torch.zeros(0))
-    assert len(finished) == 5 and unbounded.bytes == 4 << 30
-    with pytest.raises(tsckpt.TsckptError, match="per_thread_copy_ahead=-1"):
-        tsckpt.TensorStoreWriter("x", per_thread_copy_ahead=-1)
+        unbounded.add(1 << 30, lambda: finished.append("big"))
+    assert len(finished) == 8 and unbounded.bytes == 4 << 30
+    for bad in (-1, 1.5, True):
+        with pytest.raises(tsckpt.TsckptError, match=f"per_thread_copy_ahead={bad!r}"):
+            tsckpt.TensorStoreWriter("x", per_thread_copy_ahead=bad)
+        with pytest.raises(tsckpt.TsckptError, match=f"per_thread_copy_ahead={bad!r}"):
+            tsckpt.TensorStoreReader("x", per_thread_copy_ahead=bad)
+    assert tsckpt.TensorStoreReader("x").per_thread_copy_ahead == DEFAULT_COPY_AHEAD
+
+
+@pytest.mark.parametrize("ahead", [0, 4096, None])
+def test_loads_through_host_buffers_with_any_copy_ahead(tmp_path, ahead):
+    # A dtype cast reads into a host buffer first, as a GPU destination does.
+    sd = {f"t{i}": expected(f"t{i}", (64, 16 + i), torch.float32) for i in range(6)}
+    tsckpt.save(sd, tmp_path / "c")
+    back = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in sd.items()}
+    tsckpt.load(back, tmp_path / "c", allow_dtype_cast=True, per_thread_copy_ahead=ahead)
+    assert all(torch.equal(back[k], v.double()) for k, v in sd.items())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies ahead only matter for device tensors")
 @pytest.mark.parametrize("ahead", [0, 1 << 16, None])
-def test_device_tensors_save_with_any_copy_ahead(tmp_path, ahead):
+def test_device_tensors_save_and_load_with_any_copy_ahead(tmp_path, ahead):
     sd = {f"t{i}": expected(f"t{i}", (64, 64), torch.float32).cuda() for i in range(6)}
     dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(tmp_path / "c", per_thread_copy_ahead=ahead))
     back = {k: torch.zeros(64, 64) for k in sd}
     dcp.load(back, storage_reader=tsckpt.TensorStoreReader(tmp_path / "c"))
     assert all(torch.equal(back[k], v.cpu()) for k, v in sd.items())
+    on_device = {k: torch.zeros(64, 64, device="cuda") for k in sd}
+    dcp.load(on_device, storage_reader=tsckpt.TensorStoreReader(tmp_path / "c", per_thread_copy_ahead=ahead))
+    assert all(torch.equal(on_device[k], v) for k, v in sd.items())
 
 
 # --- overwrite, storage_meta, requires_grad, values --------------------------------------

@@ -77,13 +77,15 @@ def load(
     allow_partial_load: bool = False,
     allow_dtype_cast: bool = False,
     allow_pickle: bool = False,
+    **reader_options: Any,
 ) -> None:
     """Load ``path`` into ``state_dict`` in place, resharding to its current placements.
 
     Raises :class:`~tsckpt.errors.IncompleteCheckpointError` before any
-    collective if the checkpoint was never committed.
+    collective if the checkpoint was never committed. ``reader_options``
+    (``io_concurrency``, ``per_thread_copy_ahead``) go to :class:`TensorStoreReader`.
     """
-    reader = TensorStoreReader(path, allow_pickle=allow_pickle)
+    reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
     reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
     with _unwrapped(), gc_paused(), _single_process_quiet():

@@ -9,11 +9,9 @@ that says why; nothing is accepted and then ignored without being documented.
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..errors import TsckptError
@@ -96,14 +94,6 @@ def check_serialization_format(serialization_format: Any) -> None:
                           "safetensors files; leave serialization_format at its default")
 
 
-def check_per_thread_copy_ahead(per_thread_copy_ahead: int | None) -> int | None:
-    if per_thread_copy_ahead is not None and (
-            isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int)
-            or per_thread_copy_ahead < 0):
-        raise TsckptError(f"per_thread_copy_ahead={per_thread_copy_ahead!r}: expected a byte count >= 0 or None")
-    return per_thread_copy_ahead
-
-
 def refuse_rank_local_saves(use_collectives: bool, where: str) -> None:
     """``dcp.save(..., use_collectives=False)`` works in one process; on several ranks it cannot commit."""
     if use_collectives or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
@@ -113,27 +103,3 @@ def refuse_rank_local_saves(use_collectives: bool, where: str) -> None:
         f"{dist.get_world_size()} ranks: a tsckpt checkpoint is committed once, by the coordinator, after "
         "every rank's data is written, which needs the ranks to coordinate. Save with use_collectives=True "
         "(the default), or save each rank's state to its own path with no_dist=True")
-
-
-class CopyWindow:
-    """``per_thread_copy_ahead``: host copies of device tensors whose writes still run, at most ``limit`` bytes.
-
-    ``limit`` None never waits; 0 copies one tensor at a time. ``wait(fqn, future)``
-    finishes one write.
-    """
-
-    def __init__(self, limit: int | None, wait: Callable[[str, Any], None]):
-        self.limit, self.wait = limit, wait
-        self.bytes = 0
-        self.inflight: collections.deque[tuple[int, str, Any, torch.Tensor]] = collections.deque()
-
-    def admit(self, nbytes: int) -> None:
-        """Wait for the oldest writes until ``nbytes`` more fit."""
-        while self.limit is not None and self.inflight and self.bytes + nbytes > self.limit:
-            size, fqn, fut, _ = self.inflight.popleft()
-            self.wait(fqn, fut)
-            self.bytes -= size
-
-    def add(self, nbytes: int, fqn: str, fut: Any, copy: torch.Tensor) -> None:
-        self.inflight.append((nbytes, fqn, fut, copy))  # the copy lives until its write is done
-        self.bytes += nbytes

@@ -7,6 +7,7 @@ Its constructor also takes ``FileSystemReader``'s arguments.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -33,6 +34,7 @@ from ..format.metadata import CheckpointMetadata
 from ..format.spec import read_error
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
 from . import logs
+from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .protocol import DecodedValue
 from .io import TensorStoreIO, done, region
 
@@ -69,12 +71,20 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         allow_pickle: restore non-tensor values that need arbitrary unpickling
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
+        per_thread_copy_ahead: bytes of host buffers a rank reads ahead for
+            destinations that are not filled in place (GPU tensors, or a dtype
+            cast); it copies older buffers to their destinations before reading
+            more, so a rank's extra host memory stays near this plus its
+            largest tensor. Default 1 GiB, as the writer's; 0 reads one
+            tensor at a time; ``None`` reads everything first.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
-                 allow_pickle: bool = False, io_concurrency: int = DEFAULT_IO_CONCURRENCY):
+                 allow_pickle: bool = False, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+                 per_thread_copy_ahead: int | None = DEFAULT_COPY_AHEAD):
         super().__init__(path, io_concurrency)
         self.allow_pickle = allow_pickle
+        self.per_thread_copy_ahead = check_copy_ahead(per_thread_copy_ahead)
         self.metadata: CheckpointMetadata | None = None
         self.is_coordinator = False
         self._prefetched = False
@@ -132,6 +142,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
         opened = {fqn: self.store.open_tensor(md.tensors[fqn]) for fqn in wanted}
         pending = []
+        buffers = CopyWindow(self.per_thread_copy_ahead)
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -144,22 +155,35 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             # Detached like DCP's own reader: a destination that requires grad is still filled in place.
             dest = planner.resolve_tensor(item).detach()
             source = arr[region(item.storage_offsets, item.lengths)]
-            pending.append((item, dest, _read_into(dest, source)))
-        for item, dest, finish in pending:
-            fqn = item.storage_index.fqn
-            try:
-                finish(lambda data: checksums.check_read(md.tensors[fqn], data, item.storage_offsets,
-                                                         f"tensor {fqn!r} in {self.checkpoint_id}"))
-            except TsckptError:
-                raise
-            except Exception as e:
-                raise read_error(fqn, str(self.checkpoint_id), e) from e
-            planner.commit_tensor(item, dest)
+            if _in_place(dest, source):
+                pending.append(functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
+            else:
+                nbytes = dest.numel() * source.dtype.numpy_dtype.itemsize
+                buffers.admit(nbytes)
+                buffers.add(nbytes, functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
+        buffers.drain()
+        for complete in pending:
+            complete()
         if self.is_coordinator and self._totals is not None:
             nbytes, files, ranks = self._totals
             logs.log_transfer("loaded", str(self.checkpoint_id), nbytes=nbytes, files=files, ranks=ranks,
                               seconds=time.perf_counter() - self._started)
         return done(None)
+
+    def _complete(self, planner: LoadPlanner, item: ReadItem, dest: torch.Tensor,
+                  finish: Callable[[Callable[[np.ndarray], Any]], None]) -> None:
+        """Finish one read: check the data against its checksums, fill ``dest``, hand it to the planner."""
+        assert self.metadata is not None
+        fqn = item.storage_index.fqn
+        entry = self.metadata.tensors[fqn]
+        try:
+            finish(lambda data: checksums.check_read(entry, data, item.storage_offsets,
+                                                     f"tensor {fqn!r} in {self.checkpoint_id}"))
+        except TsckptError:
+            raise
+        except Exception as e:
+            raise read_error(fqn, str(self.checkpoint_id), e) from e
+        planner.commit_tensor(item, dest)
 
     def _read_object(self, fqn: str) -> Any:
         assert self.metadata is not None
@@ -171,6 +195,11 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
 
 
+def _in_place(dest: torch.Tensor, source: ts.TensorStore) -> bool:
+    """Whether ``source`` can be read straight into ``dest``, with no host buffer."""
+    return dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == source.dtype.numpy_dtype
+
+
 def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Callable[[Callable[[np.ndarray], Any]], None]:
     """Start reading ``source`` into ``dest``; returns a function that finishes it.
 
@@ -178,7 +207,7 @@ def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Callable[[Callable
     it is cast or copied anywhere. A CPU destination of the stored dtype is
     filled in place (any strides); otherwise the slab is read, then copied and cast.
     """
-    if dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == source.dtype.numpy_dtype:
+    if _in_place(dest, source):
         view = dtypes.tensor_as_numpy(dest)
         fut = ts.array(view, copy=False, write=True).write(source)
 

@@ -35,6 +35,7 @@ from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
 from ..location import Location, LocationLike
 from . import compat, logs, plan_cache
+from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .planner import placement_records
 from .exchange import RankPlan, RankSummary
 from .io import TensorStoreIO, done, region
@@ -65,9 +66,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             concurrency); the same as ``io_concurrency``.
         per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to
             host memory ahead of their writes; it waits for older writes before
-            copying more, bounding host memory. 0 copies one tensor at a time;
-            ``None`` (the default here; DCP's is 10 MB) issues every write
-            before waiting for any, the fastest. CPU tensors are written in place.
+            copying more, so a rank's extra host memory stays near this plus
+            its largest tensor. Default 1 GiB (DCP's is 10 MB per thread);
+            0 copies one tensor at a time; ``None`` copies everything before
+            waiting for any write (host memory grows with the state). CPU
+            tensors are written in place.
         cache_staged_state_dict: with ``dcp.async_save``, keep the staged CPU
             copies and refill them on the next save instead of allocating new
             ones (:class:`~tsckpt.dcp.staging.Stager`).
@@ -116,7 +119,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         single_file_per_rank: bool | None = None,
         sync_files: bool = True,
         thread_count: int | None = None,
-        per_thread_copy_ahead: int | None = None,
+        per_thread_copy_ahead: int | None = DEFAULT_COPY_AHEAD,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
         _extensions: Sequence[Any] | None = None,
@@ -138,7 +141,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec, compression=compression)
         self.layout = compat.resolve_layout(single_file_per_rank, layout)
         self.sync_files = bool(sync_files)
-        self.per_thread_copy_ahead = compat.check_per_thread_copy_ahead(per_thread_copy_ahead)
+        self.per_thread_copy_ahead = check_copy_ahead(per_thread_copy_ahead)
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
         self.checksums = checksums
@@ -258,7 +261,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         pending, results, keep_alive = [], [], []
         batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, str(self.checkpoint_id))
         summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
-        copies = compat.CopyWindow(self.per_thread_copy_ahead, self._wait)
+        copies = CopyWindow(self.per_thread_copy_ahead)
         later = []
         for item in plan.items:
             fqn = item.index.fqn
@@ -287,13 +290,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             if on_device:
                 # Checksum the host copy now: the copy window may release it once written.
                 summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
-                copies.add(nbytes, fqn, fut, tensor)
+                copies.add(nbytes, lambda fqn=fqn, fut=fut: self._wait(fqn, fut), hold=tensor)
             else:
                 keep_alive.append(tensor)
                 later.append((fqn, chunk.offsets, source))
         # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
         for fqn, offsets, source in later:
             summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
+        copies.drain()
         self._drain(pending)
         batch.commit()
         if results:
