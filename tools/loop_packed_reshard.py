@@ -7,7 +7,8 @@ saves the test's 4-rank zoo once, packed, then runs that test's 2-rank load
 ``--runs`` times with the test suite's own rank harness, and reports each
 failure and the count. Each rank prints a marker to stderr once its load
 returned, so a failure without the marker died inside the load, and one with
-it died afterwards (process-group teardown or interpreter exit).
+it died afterwards; a second marker at ``atexit`` tells process-group teardown
+from interpreter exit, and ``faulthandler`` prints the Python stacks of an abort.
 
     python tools/loop_packed_reshard.py --runs 70
 """
@@ -15,6 +16,8 @@ it died afterwards (process-group teardown or interpreter exit).
 from __future__ import annotations
 
 import argparse
+import atexit
+import faulthandler
 import os
 import sys
 import tempfile
@@ -28,18 +31,25 @@ import test_distributed as td  # noqa: E402
 
 
 def load_marked(rank: int, world: int, path: str) -> list[str]:
+    faulthandler.enable()  # an abort prints every thread's Python stack
     bad = td.load_resharded(rank, world, path, "")
-    print(f"rank {rank} (pid {os.getpid()}) finished its load", file=sys.stderr, flush=True)
+    mark(rank, "finished its load")
+    atexit.register(mark, rank, "reached interpreter exit (after the process group was destroyed)")
     return bad
+
+
+def mark(rank: int, what: str) -> None:
+    print(f"rank {rank} (pid {os.getpid()}) {what}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=70)
+    ap.add_argument("--layout", default="packed", help="the layout saved and loaded (plain, to compare)")
     args = ap.parse_args()
     path = os.path.join(tempfile.mkdtemp(prefix="tsckpt-loop-"), "ckpt")
-    os.environ["TSCKPT_LAYOUT"] = "packed"  # the spawned ranks inherit it
-    run_ranks(4, td.save_zoo, path, "packed")
+    os.environ["TSCKPT_LAYOUT"] = args.layout  # the spawned ranks inherit it
+    run_ranks(4, td.save_zoo, path, args.layout)
     failures = 0
     for i in range(args.runs):
         try:
