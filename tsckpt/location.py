@@ -26,8 +26,10 @@ Array specs built on a location live in :mod:`tsckpt.format.spec`. Torch-free.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
+import gc
 import ipaddress
 import os
 import re
@@ -282,6 +284,25 @@ def _process_context() -> ts.Context:
         if _root_context is None:
             _root_context = ts.Context()
         return _root_context
+
+
+@atexit.register
+def _release_before_shutdown() -> None:
+    """Free tsckpt's TensorStore objects while the interpreter is still whole.
+
+    The process context lives in this module, and a reader, writer or store
+    left in a garbage cycle is freed only by a collection: left alone, their
+    TensorStore resources would be destroyed during interpreter finalization,
+    when Python no longer lets other threads take the GIL. Spawned ranks on
+    Python 3.13 aborted now and then during finalization ("terminate called
+    without an active exception"), after a packed load had returned and the
+    process group was gone (``tools/loop_packed_reshard.py``).
+    """
+    global _root_context
+    gc.collect()
+    with _root_lock:
+        _root_context = None
+    gc.collect()
 
 
 def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> dict[str, Any]:
