@@ -74,8 +74,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         per_thread_copy_ahead: bytes of host buffers a rank reads ahead for
             destinations that are not filled in place (GPU tensors, or a dtype
             cast); it copies older buffers to their destinations before reading
-            more, so a rank's extra host memory stays near this plus its
-            largest tensor. Default 1 GiB, as the writer's; 0 reads one
+            more, so a rank's extra host memory stays near this plus a few
+            times its largest tensor. Default 1 GiB, as the writer's; 0 reads one
             tensor at a time; ``None`` reads everything first.
     """
 

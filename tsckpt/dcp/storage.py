@@ -67,7 +67,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to
             host memory ahead of their writes; it waits for older writes before
             copying more, so a rank's extra host memory stays near this plus
-            its largest tensor. Default 1 GiB (DCP's is 10 MB per thread);
+            a few times its largest tensor. Default 1 GiB (DCP's is 10 MB per thread);
             0 copies one tensor at a time; ``None`` copies everything before
             waiting for any write (host memory grows with the state). CPU
             tensors are written in place.
