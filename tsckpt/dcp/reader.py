@@ -157,10 +157,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             source = arr[region(item.storage_offsets, item.lengths)]
             if _in_place(dest, source):
                 pending.append(functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
-            else:
-                nbytes = dest.numel() * source.dtype.numpy_dtype.itemsize
-                buffers.admit(nbytes)
-                buffers.add(nbytes, functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
+                continue
+            nbytes = dest.numel() * source.dtype.numpy_dtype.itemsize
+            buffers.admit(nbytes)  # before the read starts: its buffer is what the window bounds
+            buffers.add(nbytes, functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
         buffers.drain()
         for complete in pending:
             complete()
