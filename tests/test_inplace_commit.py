@@ -88,10 +88,11 @@ def test_committed_checkpoint_and_foreign_data_are_refused(location):
     assert _loaded(location) == 1
     kv = _kv(location)
     kv.write("zarr.json", json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()).result()
-    with pytest.raises(ForeignContentError, match="Zarr group that tsckpt did not write"):
-        tsckpt.save(_state(2), location)
-    tsckpt.save(_state(2), location, overwrite=True)
-    assert _loaded(location) == 2
+    for overwrite in (False, True):
+        with pytest.raises(ForeignContentError, match="Zarr group that tsckpt did not write"):
+            tsckpt.save(_state(2), location, overwrite=overwrite)
+    assert _kv(location).read("zarr.json").result().value == json.dumps(
+        {"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
 def test_a_dead_save_is_reported_refused_and_cleaned(location):

@@ -234,21 +234,20 @@ def test_two_concurrent_overwriting_saves_publish_in_turn(tmp_path):
     assert tsckpt.verify(target).ok
 
 
-def test_plain_zarr_group_is_refused_unless_overwriting(tmp_path):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_plain_zarr_group_is_refused_even_when_overwriting(tmp_path, overwrite):
     path = tmp_path / "group"
     group = zarr.open_group(str(path), mode="w")
     group.create_array("data", shape=(4,), dtype="int32")[:] = np.arange(4)
-    with pytest.raises(ForeignContentError, match="Zarr group that tsckpt did not write"):
-        tsckpt.save(_plain(5), path)
+    with pytest.raises(ForeignContentError, match="Zarr group that tsckpt did not write.*with or without overwrite"):
+        tsckpt.save(_plain(5), path, overwrite=overwrite)
     np.testing.assert_array_equal(zarr.open_group(str(path), mode="r")["data"][:], np.arange(4))
     assert not staging_dirs(str(path))  # refused before anything was written
-    tsckpt.save(_plain(5), path, overwrite=True)
-    assert _which(path) == 5
-    assert not os.path.exists(path / "data")
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("content", ["notes", "file"])
-def test_other_content_is_refused_unless_overwriting(tmp_path, content):
+def test_other_content_is_refused_even_when_overwriting(tmp_path, content, overwrite):
     path = tmp_path / "target"
     if content == "notes":
         path.mkdir()
@@ -258,11 +257,11 @@ def test_other_content_is_refused_unless_overwriting(tmp_path, content):
         path.write_text("a file")
         expected = "is a file, not a checkpoint directory"
     with pytest.raises(ForeignContentError, match=expected):
-        tsckpt.save(_plain(6), path)
+        tsckpt.save(_plain(6), path, overwrite=overwrite)
     with pytest.raises(ForeignContentError):
-        tsckpt.CheckpointBuilder(path)
-    tsckpt.save(_plain(6), path, overwrite=True)
-    assert _which(path) == 6
+        tsckpt.CheckpointBuilder(path, overwrite=overwrite)
+    assert (path / "notes.txt").read_text() == "mine" if content == "notes" else path.read_text() == "a file"
+    assert not staging_dirs(str(path))
 
 
 def test_empty_directory_is_a_valid_target(tmp_path):

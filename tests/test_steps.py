@@ -169,7 +169,7 @@ def test_prune_removes_the_root_document_first(tmp_path, monkeypatch):
     def dies(path, *args, **kwargs):  # the process is killed while deleting the data files
         raise OSError("killed")
 
-    monkeypatch.setattr(steps.shutil, "rmtree", dies)
+    monkeypatch.setattr(steps, "remove_tree", dies)
     with pytest.raises(TsckptError, match="removing .*step_1 failed: killed"):
         tsckpt.prune(r, keep=1)
     assert not (r / "step_1" / "zarr.json").exists() and any((r / "step_1").iterdir())  # the data stays

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, overload
@@ -39,7 +38,8 @@ import tensorstore as ts
 
 from .errors import TsckptError
 from .format.commit import ATTRIBUTE, ROOT
-from .format.target import is_own_key
+from .format.localdir import remove_tree
+from .format.target import delete_own_keys, is_own_key
 from .location import Location, LocationLike, make_context, open_kvstore, parse_location, read_json
 
 log = logging.getLogger(__name__)
@@ -137,16 +137,22 @@ class _Root:
 
     def remove(self, entry: StepCheckpoint) -> None:
         """Un-commit first (root document), then delete the rest: a prune that dies
-        half-way leaves an incomplete checkpoint, never one that loads with arrays missing."""
+        half-way leaves an incomplete checkpoint, never one that loads with arrays missing.
+
+        Only what a tsckpt save may have written is deleted; a file someone put
+        beside the checkpoint stays (and the entry then reads as foreign).
+        """
         prefix = f"{entry.name}/"
         try:
             root_doc = prefix + ROOT
             self.kv.delete_range(ts.KvStore.KeyRange(root_doc, root_doc + "\0")).result()
             if self.location.driver == "file":
-                shutil.rmtree(os.path.join(str(self.location.spec["path"]), entry.name))
+                remove_tree(os.path.join(str(self.location.spec["path"]), entry.name))
             else:
                 # "0" is the character after "/": the range is exactly the keys under the prefix.
-                self.kv.delete_range(ts.KvStore.KeyRange(prefix, f"{entry.name}0")).result()
+                below = self.kv.list(ts.KvStore.KeyRange(prefix, f"{entry.name}0")).result()
+                keys = [k.decode("utf-8", "replace") for k in below]
+                delete_own_keys(self.kv, keys, entry.url, prefix)
         except (ValueError, OSError) as e:
             raise TsckptError(f"removing {entry.url} failed: {e}") from None
 

@@ -22,12 +22,12 @@ The parent directory is fsynced after each publication.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import os
 import re
-import shutil
 import time
 import weakref
 from dataclasses import dataclass
@@ -36,7 +36,8 @@ import tensorstore as ts
 
 from ..errors import TsckptError
 from ..location import Location, _libc, make_context, open_kvstore
-from .target import ABSENT, COMMITTED, FILE, ROOT, Found, Leftover, SaveTarget, classify, describe_root, refuse
+from .target import (ABSENT, COMMITTED, FILE, ROOT, Found, Leftover, SaveTarget, classify, describe_root,
+                     is_own_key, refuse)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -122,20 +123,23 @@ def liveness(path: str) -> bool | None:
 
 
 def remove_tree(path: str) -> None:
-    """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)  # what an overwrite replaced may have been a file
-        return
+    """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed.
+
+    Only files a tsckpt save may have written go (:func:`~tsckpt.format.target.is_own_key`);
+    anything else, and the directories holding it, stay where they are.
+    """
     try:
         os.unlink(os.path.join(path, ROOT))
     except (FileNotFoundError, NotADirectoryError):
         pass
-
-    def ignore_missing(func, p, exc_info):  # type: ignore[no-untyped-def]
-        if not isinstance(exc_info[1], FileNotFoundError):
-            raise exc_info[1]
-
-    shutil.rmtree(path, onerror=ignore_missing)
+    for top, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            full = os.path.join(top, name)
+            if is_own_key(os.path.relpath(full, path)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(full)
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.rmdir(top)  # fails, as it should, where something tsckpt did not write remains
 
 
 def tree_bytes(path: str) -> int:
@@ -282,7 +286,7 @@ class StagedTarget(SaveTarget):
         if os.path.lexists(self.path) and not os.path.isdir(self.path):
             return Found(FILE, "a file, not a directory")
         kv = open_kvstore(self.location, make_context(location=self.location))
-        return classify(kv, self.url)
+        return classify(kv, self.url, inside=self.overwrite)
 
     def begin(self) -> None:
         started = time.time()

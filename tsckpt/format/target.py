@@ -110,25 +110,66 @@ def describe_root(raw: bytes) -> Found:
     return Found(FOREIGN, f"a {ROOT} that is not a Zarr document")
 
 
-def classify(kv: ts.KvStore, url: str) -> Found:
-    """Whether the kvstore at ``url`` holds nothing, a committed checkpoint, a dead save's leftovers, or other data."""
-    raw, _ = read_root(kv, url)
-    if raw is not None:
-        return describe_root(raw)
+def list_keys(kv: ts.KvStore, url: str) -> list[str]:
+    """Every key under the kvstore, relative to it."""
     try:
-        keys = [k.decode("utf-8", "replace") for k in kv.list().result()]
+        return [k.decode("utf-8", "replace") for k in kv.list().result()]
     except ValueError as e:
         raise storage_error(e, f"{url}: cannot list it") from None
+
+
+def _foreign(keys: list[str], what: str) -> Found | None:
+    foreign = sorted(k for k in keys if not is_own_key(k))
+    if not foreign:
+        return None
+    return Found(FOREIGN, f"{what}{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
+
+
+def classify(kv: ts.KvStore, url: str, *, inside: bool = False) -> Found:
+    """Whether the kvstore at ``url`` holds nothing, a committed checkpoint, a dead save's leftovers, or other data.
+
+    ``inside``: also list a committed checkpoint's keys, so that one holding
+    files tsckpt did not write counts as foreign (a save about to replace it
+    must know; everyone else needs only the root document).
+    """
+    raw, _ = read_root(kv, url)
+    if raw is not None:
+        found = describe_root(raw)
+        if inside and found.state == COMMITTED:
+            return _foreign(list_keys(kv, url), f"{found.what}, and beside it ") or found
+        return found
+    keys = list_keys(kv, url)
     if not keys:
         return Found(ABSENT)
-    foreign = [k for k in keys if not is_own_key(k)]
-    if foreign:
-        return Found(FOREIGN, f"{len(foreign)} file(s) tsckpt did not write, e.g. {sorted(foreign)[0]!r}")
-    return Found(INCOMPLETE, f"{len(keys)} file(s) of a save that did not finish")
+    return _foreign(keys, "") or Found(INCOMPLETE, f"{len(keys)} file(s) of a save that did not finish")
+
+
+def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "") -> None:
+    """Delete those of ``keys`` that a tsckpt save into ``prefix`` may have written, and nothing else."""
+    own = [k for k in keys if k.startswith(prefix) and is_own_key(k[len(prefix):])]
+    try:
+        for future in [kv.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in own]:
+            future.result()
+    except ValueError as e:
+        raise storage_error(e, f"{url}: cannot delete a save's files") from None
 
 
 def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: bool = False) -> None:
-    """Raise unless saving over ``found`` is allowed: a checkpoint or foreign data needs overwrite."""
+    """Raise unless saving over ``found`` is allowed.
+
+    A committed tsckpt checkpoint may be replaced with ``overwrite``; content
+    tsckpt did not write never is, whatever ``overwrite`` says: replacing a
+    location replaces all of it, and a save must never delete what it did not
+    write (a run directory holding configs and logs, a bucket's other objects).
+    """
+    if found.state == FILE:
+        raise FileInTheWayError(f"{url} is a file, not a checkpoint directory; refusing to save there "
+                                f"(tsckpt never replaces what it did not write): choose another location")
+    if found.state == FOREIGN:
+        raise ForeignContentError(
+            f"{url} holds {found.what}; refusing to save there, with or without overwrite (a save replaces "
+            f"the whole location, and tsckpt never deletes what it did not write): save into a new or empty "
+            f"location, such as a subdirectory")
     if overwrite:
         return
     if found.state == COMMITTED:
@@ -138,13 +179,6 @@ def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: 
                 f"{save_id} was running; save {save_id} was not published (pass overwrite=True to replace)")
         raise CheckpointExistsError(
             f"Checkpoint already exists at {url}: {found.what}; pass overwrite=True to replace it")
-    if found.state == FILE:
-        raise FileInTheWayError(f"{url} is a file, not a checkpoint directory; refusing to replace it: "
-                                  f"pass overwrite=True to replace it, or choose another location")
-    if found.state == FOREIGN:
-        raise ForeignContentError(
-            f"{url} holds {found.what}; refusing to replace it: pass overwrite=True to replace "
-            f"it, or choose another location")
 
 
 @dataclass(frozen=True)
@@ -241,7 +275,7 @@ class InPlaceTarget(SaveTarget):
                 f"{self.url}: {describe_claim(claim.value)} has not finished: it is still running, or it "
                 f"died; if no save is running there, pass overwrite=True or run `tsckpt clean --force "
                 f"{self.url}`")
-        found = classify(kv, self.url)
+        found = classify(kv, self.url, inside=self.overwrite)
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
         try:
             written = kv.write(CLAIM, self._claim_document(), if_equal=claim.stamp.generation).result()
@@ -250,10 +284,10 @@ class InPlaceTarget(SaveTarget):
                                           f"save {self.save_id}; nothing was written")
             self._claim_generation = written.generation
             if found.state != ABSENT:
-                # Un-commit first: from here on the location is incomplete, never a mix.
+                # Un-commit first: from here on the location is incomplete, never a mix. Keys are
+                # deleted one by one, never by range, so what appeared since the listing survives.
                 kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
-                kv.delete_range(ts.KvStore.KeyRange("", CLAIM)).result()
-                kv.delete_range(ts.KvStore.KeyRange(CLAIM + "\0", "")).result()
+                delete_own_keys(kv, [k for k in list_keys(kv, self.url) if k != CLAIM], self.url)
         except ValueError as e:
             raise TsckptError(f"cannot prepare {self.url} for save {self.save_id}: {e}") from None
 
@@ -307,7 +341,7 @@ class InPlaceTarget(SaveTarget):
             return []
         kv = open_kvstore(location, make_context(location=location))
         if classify(kv, location.url).state == INCOMPLETE:
-            kv.delete_range(ts.KvStore.KeyRange()).result()  # the dead save's data, and its claim
+            delete_own_keys(kv, list_keys(kv, location.url), location.url)  # the dead save's data and claim
         else:
             kv.write(CLAIM, None).result()
         return found
