@@ -2,7 +2,7 @@
 
 Builds ``--ranks`` rank databases the way a packed save leaves them (each
 holding one chunk key of each of ``--tensors`` arrays, FSDP-style), then times
-the coordinator's join (:meth:`tsckpt.format.packed.PackedLayout.join`: copy
+the coordinator's join (:meth:`tsckpt.storage.packed.PackedLayout.join`: copy
 every rank's B+tree by reference, then commit), and one reader opening the
 joined database and reading one key of every tensor. Chunk values are 8 bytes
 stored out of line (``max_inline_value_bytes=0``), as real chunks are, so the
@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tsckpt
 
 import tensorstore as ts  # noqa: E402
 
-from tsckpt.format.packed import PackedLayout, PackedOptions  # noqa: E402
-from tsckpt.location import make_context, parse_location  # noqa: E402
+from tsckpt.storage.packed import PackedLayout, PackedOptions  # noqa: E402
+from tsckpt.storage.context import make_context  # noqa: E402
+from tsckpt.storage.location import parse_location
 
 
 def build(base: dict, layout: PackedLayout, ranks: int, tensors: int) -> None:

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tsckpt.dcp.storage import TensorStoreWriter
-from tsckpt.format import commit
-from tsckpt.location import parse_location
-from tsckpt.format.spec import Store
+from tsckpt.commit import protocol as commit
+from tsckpt.storage.location import parse_location
+from tsckpt.storage.store import Store
 
 
 def synthetic_plans(ranks: int, tensors: int, rows: int, cols: int) -> tuple[list[SavePlan], int]:

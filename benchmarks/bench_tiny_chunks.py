@@ -6,7 +6,7 @@ boundaries whose gcd is 1 row, so the chunk grid is ``(1, 4096)``: 50,257
 chunks of 8 KiB. This plans that tensor exactly as a save would
 (:func:`tsckpt.format.plan.plan_tensor` on the 64 ranks' regions), then writes
 and reads it from one process in each layout through tsckpt's own array specs
-(:class:`tsckpt.format.spec.Store`), alternating which layout goes first, and
+(:class:`tsckpt.storage.store.Store`), alternating which layout goes first, and
 reports medians, files and chunks.
 
     python benchmarks/bench_tiny_chunks.py                  # the case above, 3 repetitions
@@ -32,11 +32,11 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tsckpt.format import zarr_json  # noqa: E402
-from tsckpt.format.batch import RankBatch  # noqa: E402
+from tsckpt.storage.batch import RankBatch  # noqa: E402
 from tsckpt.format.metadata import ArrayOptions  # noqa: E402
 from tsckpt.format.plan import plan_tensor  # noqa: E402
-from tsckpt.format.spec import Store  # noqa: E402
-from tsckpt.kvio import encode_json  # noqa: E402
+from tsckpt.storage.store import Store  # noqa: E402
+from tsckpt.storage.kvio import encode_json  # noqa: E402
 
 
 def torch_chunk(n: int, k: int) -> list[tuple[int, int]]:

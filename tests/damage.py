@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from tsckpt.format import zarr_json
-from tsckpt.format.packed import PackedLayout
+from tsckpt.storage.packed import PackedLayout
 
 
 def layout_of(path: str | os.PathLike) -> str:

@@ -16,7 +16,9 @@ import torch.distributed.checkpoint as dcp
 import tsckpt
 from cli_run import one_line_error, run_cli as cli
 from tsckpt.errors import NotACheckpointError, StorageError, TsckptError
-from tsckpt.location import DEFAULT_S3_RETRIES, S3_RETRIES_ENV, context_spec, parse_location
+from tsckpt.storage.context import DEFAULT_S3_RETRIES, context_spec
+from tsckpt.storage.kvio import S3_RETRIES_ENV
+from tsckpt.storage.location import parse_location
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 

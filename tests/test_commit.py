@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dist
 import tsckpt
-from tsckpt.format import commit
-from tsckpt.format.localdir import staging_dirs
-from tsckpt.format.layouts import default_layout
+from tsckpt.commit import protocol as commit
+from tsckpt.commit.staged import staging_dirs
+from tsckpt.storage.layouts import default_layout
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter

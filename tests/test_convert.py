@@ -21,13 +21,14 @@ import tsckpt
 import tsckpt.cli.convert  # noqa: F401  (registers the commands)
 import zoo
 from dist import run_ranks
-from tsckpt.format import commit
+from tsckpt.commit import protocol as commit
 from tsckpt.conversion.builder import CheckpointBuilder
 from tsckpt.cli import app
 from tsckpt.conversion.convert import ConversionWarning, convert
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, PlanError, UnsafeObjectError
 from tsckpt.conversion.sources import detect_format
-from tsckpt.location import make_context, open_kvstore, parse_location
+from tsckpt.storage.context import make_context, open_kvstore
+from tsckpt.storage.location import parse_location
 
 DTYPES = [torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.float8_e4m3fn, torch.uint16]
 EXTRA = {"lr": 0.1, "groups": [{"betas": (0.9, 0.99), "params": [0, 1]}]}

@@ -17,9 +17,10 @@ import tsckpt
 import zoo
 from zoo import same_bits
 from dist import run_ranks
-from tsckpt.format import commit
+from tsckpt.commit import protocol as commit
 from tsckpt.format.grid import ChunkGrid
-from tsckpt.location import make_context, open_kvstore, parse_location
+from tsckpt.storage.context import make_context, open_kvstore
+from tsckpt.storage.location import parse_location
 
 
 def save_zoo(rank, world, path, layout="plain"):
@@ -89,7 +90,7 @@ def test_packed_verify_convert_and_diff(packed4, tmp_path):
 
     import tsckpt.cli.convert  # noqa: F401  (registers the commands)
     from tsckpt.cli import app
-    from tsckpt.format.packed import PackedLayout
+    from tsckpt.storage.packed import PackedLayout
 
     assert tsckpt.verify(packed4).ok
     plain, repacked = str(tmp_path / "plain"), str(tmp_path / "repacked")

@@ -30,8 +30,9 @@ from dist import run_ranks
 from tsckpt.cli import app
 from tsckpt.cli import inspect as _commands  # noqa: F401 - registers info on app
 from tsckpt.dcp.copy_window import DEFAULT_COPY_AHEAD, CopyWindow
-from tsckpt.format.layouts import LAYOUTS
-from tsckpt.location import parse_location, unsynced_nodes
+from tsckpt.storage.layouts import LAYOUTS
+from tsckpt.storage.location import parse_location
+from tsckpt.storage.localfs import unsynced_nodes
 from zoo import expected, same_bits
 
 

@@ -21,7 +21,8 @@ import tsckpt
 from test_s3 import BUCKET, s3  # noqa: F401 - the module's moto server and its bucket
 from tsckpt import TensorStoreWriter
 from tsckpt.errors import ForeignContentError
-from tsckpt.location import make_context, open_kvstore, parse_location
+from tsckpt.storage.context import make_context, open_kvstore
+from tsckpt.storage.location import parse_location
 
 FOREIGN = {
     "config.yaml": b"lr: 0.1\n",

@@ -24,7 +24,7 @@ import tensorstore as ts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tsckpt.format import commit
+from tsckpt.commit import protocol as commit
 from tsckpt.format.zarr_json import group_metadata
 from tsckpt.errors import TsckptError
 from tsckpt.format.metadata import (

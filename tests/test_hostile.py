@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import tsckpt
 from damage import delete_prefix, rewrite_blob
 from cli_run import one_line_error, run_cli
-from tsckpt.format import commit
+from tsckpt.commit import protocol as commit
 from tsckpt.errors import MetadataError, TsckptError, UnsafeObjectError
 from tsckpt.format.metadata import MAX_DOCUMENT_BYTES
 from tsckpt.read.verify import verify

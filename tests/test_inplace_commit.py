@@ -17,8 +17,9 @@ import torch
 import tsckpt
 from test_s3 import BUCKET, s3  # noqa: F401 - the module's moto server and its bucket
 from tsckpt.errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, IncompleteCheckpointError
-from tsckpt.format.target import CLAIM
-from tsckpt.location import make_context, open_kvstore, parse_location
+from tsckpt.commit.states import CLAIM
+from tsckpt.storage.context import make_context, open_kvstore
+from tsckpt.storage.location import parse_location
 
 _COUNTER = iter(range(10**6))
 

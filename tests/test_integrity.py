@@ -14,7 +14,7 @@ import torch
 import tsckpt
 from damage import edit_key, flip_byte, read_key, write_key
 from tsckpt.errors import TsckptError
-from tsckpt.format import commit
+from tsckpt.commit import protocol as commit
 from tsckpt.read.verify import verify
 
 

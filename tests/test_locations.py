@@ -10,7 +10,8 @@ import tensorstore as ts
 import torch
 
 import tsckpt
-from tsckpt.location import Location, context_spec, make_context, open_kvstore, parse_location
+from tsckpt.storage.location import Location, parse_location
+from tsckpt.storage.context import context_spec, make_context, open_kvstore
 from tsckpt import TensorStoreReader, TensorStoreWriter
 
 

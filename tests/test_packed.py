@@ -24,10 +24,10 @@ from tsckpt.errors import (
     MetadataError,
     TsckptError,
 )
-from tsckpt.format.layouts import layout_for
+from tsckpt.storage.layouts import layout_for
 from tsckpt.format.metadata import CheckpointMetadata
-from tsckpt.format.packed import PackedLayout, PackedOptions
-from tsckpt.location import parse_location
+from tsckpt.storage.packed import PackedLayout, PackedOptions
+from tsckpt.storage.location import parse_location
 
 #: Every file a packed checkpoint may hold (docs/format.md).
 PACKED_FILE = re.compile(r"^(zarr\.json|manifest\.ocdbt|d/[0-9a-f]{32}|ocdbt\.process_\d+/d/[0-9a-f]{32})$")
@@ -203,7 +203,7 @@ def test_options_are_checked_and_round_trip():
 
 def test_writes_are_batched_into_bounded_data_files(tmp_path, monkeypatch):
     # A small batch: each commit of the rank's transaction writes one data file of about that size.
-    from tsckpt.format import layouts
+    from tsckpt.storage import layouts
 
     small = layouts.PackedKvLayout(PackedLayout(PackedOptions(target_data_file_size=256 << 10)))
     monkeypatch.setitem(layouts.LAYOUTS, "packed", small)

@@ -32,7 +32,7 @@ from tsckpt.cli import verify as _verify_cmd  # noqa: F401
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ForeignContentError
-from tsckpt.format.localdir import StagedTarget, staging_dirs, staging_path
+from tsckpt.commit.staged import StagedTarget, staging_dirs, staging_path
 
 TIMEOUT = 240
 TRIALS = 20

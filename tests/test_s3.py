@@ -17,8 +17,9 @@ from zoo import same_bits
 from dist import run_ranks
 from s3server import MotoServer, restore_credentials, set_credentials
 from tsckpt.errors import MetadataError, StorageError
-from tsckpt.format import commit
-from tsckpt.location import make_context, open_kvstore, parse_location
+from tsckpt.commit import protocol as commit
+from tsckpt.storage.context import make_context, open_kvstore
+from tsckpt.storage.location import parse_location
 
 BUCKET = "tsckpt-test"
 

@@ -26,7 +26,8 @@ from test_s3 import BUCKET, bucket_keys, s3  # noqa: F401 - the moto server fixt
 from tsckpt import steps
 from tsckpt.cli import app
 from tsckpt.errors import TsckptError
-from tsckpt.location import make_context, open_kvstore, parse_location
+from tsckpt.storage.context import make_context, open_kvstore
+from tsckpt.storage.location import parse_location
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
 

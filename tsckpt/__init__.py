@@ -13,12 +13,20 @@ from typing import Any
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ChecksumError,
     ConcurrentSaveError,
+    ConversionError,
+    DamagedValueError,
+    FileInTheWayError,
     ForeignContentError,
     IncompleteCheckpointError,
     LoadMismatchError,
+    LocationError,
     MetadataError,
+    NotACheckpointError,
+    OptionError,
     PlanError,
+    StorageError,
     TsckptError,
     UnsafeObjectError,
     UnsupportedDtypeError,
@@ -49,19 +57,20 @@ _LAZY = {
     "Checkpoint": "read.checkpoint",
     "TensorHandle": "read.checkpoint",
     "verify": "read.verify",
-    "zarr_store": "read.zarr_kvstore",
+    "zarr_store": "read.zarr_store",
     # torch-free chores on a directory of step checkpoints
     "latest": "steps",
     "prune": "steps",
-    "clean": "format.target",
-    "leftovers": "format.target",
+    "clean": "commit.publication",
+    "leftovers": "commit.publication",
 }
 
 __all__ = [
     *_LAZY,
     "TsckptError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
-    "ForeignContentError", "ConcurrentSaveError",
+    "ForeignContentError", "FileInTheWayError", "ConcurrentSaveError", "NotACheckpointError",
     "MetadataError", "PlanError", "LoadMismatchError", "UnsafeObjectError", "UnsupportedDtypeError",
+    "ChecksumError", "DamagedValueError", "StorageError", "OptionError", "LocationError", "ConversionError",
 ]
 
 

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from .dcp import api
 from .errors import TsckptError
-from .format.layouts import PLAIN
+from .storage.layouts import PLAIN
 from .format.metadata import TensorEntry
 from .read import checkpoint
 
@@ -257,7 +257,7 @@ def _zarr_source(path: str, layout: str) -> Any:
     """What zarr-python opens: the directory itself (plain: no tsckpt code involved), or tsckpt's store (packed)."""
     if layout == PLAIN:
         return path
-    from .read.zarr_kvstore import zarr_store
+    from .read.zarr_store import zarr_store
 
     return zarr_store(path)
 

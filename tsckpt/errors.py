@@ -1,7 +1,10 @@
 """Exceptions raised by tsckpt.
 
 Every error a user can trigger with bad input or a broken checkpoint is a
-``TsckptError``, so callers can catch one class and show one clear line.
+``TsckptError``, so callers can catch one class and show one clear line; each
+raise site uses the most specific class below, so callers can also tell a bad
+argument from a broken store from a damaged checkpoint. Every class is
+importable from ``tsckpt``.
 """
 
 from __future__ import annotations
@@ -72,3 +75,15 @@ class StorageError(TsckptError):
 
 class FileInTheWayError(NotACheckpointError, ForeignContentError):
     """A regular file sits where the checkpoint directory should be (refused unless overwriting)."""
+
+
+class OptionError(TsckptError, ValueError):
+    """An argument or setting is invalid: a bad option value, a combination tsckpt cannot honour, a call out of order."""
+
+
+class LocationError(TsckptError, ValueError):
+    """A checkpoint location (path, URL or kvstore spec) cannot be parsed or is not a usable place for checkpoints."""
+
+
+class ConversionError(TsckptError):
+    """A conversion source or target cannot be read or written in the format asked for."""

@@ -36,18 +36,15 @@ from typing import Any, overload
 
 import tensorstore as ts
 
-from .errors import TsckptError
-from .format.commit import ATTRIBUTE, ROOT
-from .format.localdir import remove_tree
-from .format.target import delete_own_keys, is_own_key
-from .location import Location, LocationLike, make_context, open_kvstore, parse_location, read_json
+from .errors import LocationError, OptionError, StorageError
+from .commit.staged import remove_tree
+from .commit.states import ATTRIBUTE, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, delete_own_keys, is_own_key
+from .storage.location import Location, LocationLike, parse_location
+from .storage.context import make_context, open_kvstore
+from .storage.kvio import read_json, storage_error
 
 log = logging.getLogger(__name__)
 
-COMMITTED = "committed"
-INCOMPLETE = "incomplete"
-DAMAGED = "damaged"
-FOREIGN = "foreign"
 
 _STEP = re.compile(r"\d+")
 
@@ -81,7 +78,7 @@ class _Root:
         self.location = parse_location(root)
         self.kv = open_kvstore(self.location, make_context(location=self.location))
         if self._committed_here():
-            raise TsckptError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
+            raise LocationError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
                               "that holds the step checkpoints")
 
     def _committed_here(self) -> bool:
@@ -114,7 +111,7 @@ class _Root:
         try:
             keys = self.kv.list().result()
         except ValueError as e:
-            raise TsckptError(f"cannot list {self.location.url}: {e}") from None
+            raise storage_error(e, f"cannot list {self.location.url}") from None
         for raw in keys:
             try:
                 name, sep, rest = raw.decode("utf-8").partition("/")
@@ -154,7 +151,8 @@ class _Root:
                 keys = [k.decode("utf-8", "replace") for k in below]
                 delete_own_keys(self.kv, keys, entry.url, prefix)
         except (ValueError, OSError) as e:
-            raise TsckptError(f"removing {entry.url} failed: {e}") from None
+            raise (storage_error(e, f"removing {entry.url} failed") if isinstance(e, ValueError)
+                   else StorageError(f"removing {entry.url} failed: {e}")) from None
 
 
 def _is_tsckpt_root(doc: Any) -> bool:
@@ -169,7 +167,7 @@ def _local_entries(path: str, url: str) -> Iterator[tuple[str, Callable[[], list
     except FileNotFoundError:
         return
     except NotADirectoryError:
-        raise TsckptError(f"{url} is a file, not a directory of step checkpoints") from None
+        raise LocationError(f"{url} is a file, not a directory of step checkpoints") from None
     for e in dirs:
         yield e.name, (lambda p=e.path: _walk(p))
 
@@ -270,7 +268,7 @@ def prune(root: LocationLike, keep: int, *, dry_run: bool = False,
     paths or URLs, oldest first.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise TsckptError(f"prune: keep must be an integer >= 1 (the newest checkpoint is always kept), got {keep!r}")
+        raise OptionError(f"prune: keep must be an integer >= 1 (the newest checkpoint is always kept), got {keep!r}")
     r = _Root(root)
     entries = [_entry(r, step, name, r.state(name, keys)) for step, name, keys in _candidates(r)]
     committed = [e for e in entries if e.state == COMMITTED]

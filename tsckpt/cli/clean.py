@@ -13,7 +13,7 @@ from . import app
 from .exits import ERROR
 
 if TYPE_CHECKING:
-    from ..format.target import Leftover
+    from ..commit.target import Leftover
 
 
 def _size(n: int) -> str:
@@ -24,7 +24,7 @@ def _size(n: int) -> str:
 
 def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
     """One line about leftovers of unfinished saves into ``path`` (``items``, or looked up), or None if none."""
-    from ..format.target import leftovers
+    from ..commit.publication import leftovers
 
     items = leftovers(path) if items is None else items
     dead = [i for i in items if i.live is False]
@@ -53,7 +53,7 @@ def clean(
     from rich.console import Console
 
     from ..errors import TsckptError
-    from ..format.target import clean as run_clean
+    from ..commit.publication import clean as run_clean
 
     out, err = Console(), Console(stderr=True)
     try:

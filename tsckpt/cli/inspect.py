@@ -55,13 +55,13 @@ def _short(value: Any, width: int = 48) -> str:
 @app.command("ls")
 def ls(
     path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    as_json: bool = typer.Option(False, "--json", help="print the listing as JSON (keys: see tsckpt.summary)"),
+    as_json: bool = typer.Option(False, "--json", help="print the listing as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
     """List tensors and values as a tree, with shape, dtype, size and placement."""
     with _clean_errors():
         ck = _open(path)
         if as_json:
-            from .. import summary
+            from . import summary
 
             _print_json(summary.listing(ck))
             return
@@ -138,7 +138,7 @@ def show(
     allow_pickle: bool = typer.Option(False, help="decode values that need arbitrary unpickling"),
 ) -> None:
     """Print a tensor (or a slice of it) with min/max/mean/std, a value, or what is under a group."""
-    from .. import summary
+    from . import summary
     from ..read import checkpoint, index as indices
 
     if index.startswith("--"):  # negative indices pass as arguments, so an unknown option lands here
@@ -172,13 +172,13 @@ def show(
 @app.command("info")
 def info(
     path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    as_json: bool = typer.Option(False, "--json", help="print the facts as JSON (keys: see tsckpt.summary)"),
+    as_json: bool = typer.Option(False, "--json", help="print the facts as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
     """Mesh, world size, versions, file count and bytes of a checkpoint."""
     with _clean_errors():
         ck = _open(path)
         if as_json:
-            from .. import summary
+            from . import summary
 
             _print_json(summary.information(ck))
             return

@@ -15,15 +15,15 @@ def verify(
     path: str = typer.Argument(..., help="checkpoint directory or file:// URL"),
     progress: bool = typer.Option(None, "--progress/--no-progress",
                                   help="progress bar (default: on for large checkpoints in a terminal)"),
-    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON (keys: see tsckpt.summary)"),
+    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
     """Check that every tensor's chunks exist, decode and pass their crc32c checksums."""
     from rich.console import Console
 
     from ..errors import TsckptError
-    from ..format.target import leftovers
+    from ..commit.publication import leftovers
     from ..read.verify import verify as run_verify
-    from ..summary import verification
+    from .summary import verification
     from .clean import leftover_line
 
     out, err = Console(), Console(stderr=True)

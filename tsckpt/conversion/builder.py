@@ -2,9 +2,9 @@
 
 :class:`CheckpointBuilder` produces exactly what a single-process
 ``tsckpt.save`` of a state dict of plain tensors and values would: the same
-array specs (:mod:`tsckpt.format.spec`), the same chunk grid and inner chunks
+array specs (:mod:`tsckpt.storage.store`), the same chunk grid and inner chunks
 (:func:`tsckpt.format.plan.plan_tensor`), and the same metadata assembly and
-commit (:func:`tsckpt.format.commit.commit_checkpoint`).
+commit (:func:`tsckpt.commit.protocol.commit_checkpoint`).
 It exists for producers that never hold the whole state dict, such as format
 converters: each tensor is written as soon as it is added and only a bounded
 number of bytes (``max_inflight_bytes``) is waiting on TensorStore at any time,
@@ -12,7 +12,7 @@ so memory stays at about that budget plus the tensor being added.
 
 Like a DCP save, nothing at the location changes until :meth:`CheckpointBuilder.commit`
 writes the array, group and root documents and publishes them
-(:mod:`tsckpt.format.target`): on a local filesystem the builder writes into
+(:mod:`tsckpt.commit.target`): on a local filesystem the builder writes into
 a staging directory beside the target and renames it into place, so a
 builder abandoned half-way leaves the location as it was.
 """
@@ -28,15 +28,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import checksums, commit, dtypes, values, zarr_json
+from ..format import checksums, dtypes, values, zarr_json
+from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
-from ..format.batch import RankBatch
-from ..format.layouts import default_layout
-from ..format.spec import Store
-from ..format.target import begin_save
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
+from ..storage.batch import RankBatch
+from ..storage.layouts import default_layout
+from ..storage.store import Store
+from ..commit.publication import begin_save
+from ..storage.context import DEFAULT_IO_CONCURRENCY
+from ..storage.location import LocationLike
 
 if TYPE_CHECKING:
     import torch

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import TsckptError
+from ..errors import OptionError
 from ..progress import progress_bar
 from .sources import Options, Sink, open_source
 from .targets import TARGETS
@@ -88,7 +88,7 @@ def convert(
     """
     to = to or default_target(dst, max_shard_size)
     if to not in TARGETS:
-        raise TsckptError(f"unknown target format {to!r}; expected one of {sorted(TARGETS)}")
+        raise OptionError(f"unknown target format {to!r}; expected one of {sorted(TARGETS)}")
     notes: list[str] = []
 
     def warn(message: str) -> None:

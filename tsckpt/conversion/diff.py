@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TsckptError
+from ..errors import OptionError
 from ..format.names import flat_key
 from ..progress import progress_bar
 from .sources import Source, TensorInfo, open_source
@@ -98,7 +98,7 @@ def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False,
     NaN) are ``close``, which :attr:`DiffResult.differences` does not count.
     """
     if not (rtol >= 0 and atol >= 0):
-        raise TsckptError(f"diff: rtol and atol must be non-negative numbers, got rtol={rtol!r}, atol={atol!r}")
+        raise OptionError(f"diff: rtol and atol must be non-negative numbers, got rtol={rtol!r}, atol={atol!r}")
     with open_source(a, trust_pickle=trust_pickle) as sa, open_source(b, trust_pickle=trust_pickle) as sb:
         ta = {flat_key(i.key_path): k for k, i in sa.tensors.items()}
         tb = {flat_key(i.key_path): k for k, i in sb.tensors.items()}

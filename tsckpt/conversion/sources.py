@@ -35,8 +35,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import CheckpointNotFoundError, TsckptError, UnsafeObjectError
-from ..format import commit, dtypes, values
+from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
+from ..commit import protocol as commit
+from ..format import dtypes, values
 from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
@@ -229,7 +230,7 @@ class SafetensorsSource(Source):
                 sl = h.get_slice(key)
                 code = sl.get_dtype()
                 if code not in SAFETENSORS_DTYPES:
-                    raise TsckptError(f"tensor {key!r} in {path}: safetensors dtype {code!r} is not supported; "
+                    raise ConversionError(f"tensor {key!r} in {path}: safetensors dtype {code!r} is not supported; "
                                       f"expected one of {sorted(SAFETENSORS_DTYPES)}")
                 self.tensors[key] = TensorInfo((key,), tuple(sl.get_shape()), SAFETENSORS_DTYPES[code])
                 self._where[key] = h
@@ -257,7 +258,7 @@ class HfShardedSource(SafetensorsSource):
         with open(index_path) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise TsckptError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
+            raise ConversionError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
         folder = os.path.dirname(index_path)
         files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
         missing = [f for f in files if not os.path.isfile(f)]
@@ -300,11 +301,11 @@ class TorchSaveSource(Source):
                 sd = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
         except Exception as e:
             if trust_pickle or "weights_only" not in str(e):
-                raise TsckptError(f"torch.load({path}) failed: {e}") from e
+                raise ConversionError(f"torch.load({path}) failed: {e}") from e
             raise UnsafeObjectError(f"{path} holds objects that torch.load(weights_only=True) refuses; pass "
                                     "trust_pickle=True (--trust-pickle) only if you trust this file") from None
         if not isinstance(sd, Mapping):
-            raise TsckptError(f"{path} holds a {type(sd).__name__}; expected a (nested) dict state dict")
+            raise ConversionError(f"{path} holds a {type(sd).__name__}; expected a (nested) dict state dict")
         flat, mapping = flatten_state_dict(dict(sd))
         self._flat = flat
         for key, value in flat.items():
@@ -344,12 +345,12 @@ def detect_format(path: Any) -> str:
     for name, cls in SOURCES.items():
         if cls.detect(text):
             return name
-    raise TsckptError(f"cannot tell the format of {text}: expected a tsckpt checkpoint (zarr.json), a DCP "
+    raise ConversionError(f"cannot tell the format of {text}: expected a tsckpt checkpoint (zarr.json), a DCP "
                       f"directory (.metadata), an HF directory ({HF_INDEX}), a safetensors file or a torch.save file")
 
 
 def open_source(path: Any, *, format: str | None = None, trust_pickle: bool = False) -> Source:
     name = format or detect_format(path)
     if name not in SOURCES:
-        raise TsckptError(f"unknown source format {name!r}; expected one of {sorted(SOURCES)}")
+        raise OptionError(f"unknown source format {name!r}; expected one of {sorted(SOURCES)}")
     return SOURCES[name](path, trust_pickle=trust_pickle)

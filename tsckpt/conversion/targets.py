@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointExistsError, TsckptError
+from ..errors import CheckpointExistsError, ConversionError
 from ..format import dtypes
 from ..format.names import flat_key
 from .builder import CheckpointBuilder
@@ -38,7 +38,7 @@ def _nested(source: Source, values: dict[str, Any]) -> dict[str, Any]:
     flats = [flat_key(p) for p in key_paths.values()]
     if len(set(flats)) != len(flats):
         dup = next(f for f in flats if flats.count(f) > 1)
-        raise TsckptError(f"two entries of {source.path} flatten to the same key {dup!r}")
+        raise ConversionError(f"two entries of {source.path} flatten to the same key {dup!r}")
     return unflatten_state_dict(values, key_paths)
 
 
@@ -130,7 +130,7 @@ def _fix_zip_crcs(path: str) -> None:
             f.seek(pos)
             head = f.read(46)
             if head[:4] != b"PK\x01\x02":
-                raise TsckptError(f"{path}: unexpected zip central directory layout")
+                raise ConversionError(f"{path}: unexpected zip central directory layout")
             f.seek(pos + 16)
             f.write(struct.pack("<I", crc))
             pos += 46 + sum(struct.unpack("<HHH", head[28:34]))
@@ -167,7 +167,7 @@ def _write_safetensors_file(path: str, source: Source, items: list[tuple[str, st
         for key, name, info in items:
             tensor = source.read(key)
             if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
-                raise TsckptError(f"tensor {key!r} of {source.path} read as {tensor.dtype}{list(tensor.shape)}, "
+                raise ConversionError(f"tensor {key!r} of {source.path} read as {tensor.dtype}{list(tensor.shape)}, "
                                   f"listed as {info.dtype}{list(info.shape)}")
             if info.nbytes:
                 f.write(memoryview(dtypes.tensor_as_numpy(tensor.contiguous()).reshape(-1).view(np.uint8)))

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import TsckptError
-from ..location import LocationLike
+from ..storage.location import LocationLike
 from .planner import LoadPlanner, SavePlanner
 from .reader import TensorStoreReader
 from .staging import Stager

@@ -13,7 +13,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import TsckptError
+from ..errors import OptionError
 
 #: Default bytes of host copies a rank keeps in flight (``per_thread_copy_ahead``).
 #: On an H100 host (``benchmarks/bench_cuda.py``, 6 GB of bf16), 1 GiB loaded
@@ -27,7 +27,7 @@ def check_copy_ahead(per_thread_copy_ahead: int | None) -> int | None:
     if per_thread_copy_ahead is not None and (
             isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int)
             or per_thread_copy_ahead < 0):
-        raise TsckptError(f"per_thread_copy_ahead={per_thread_copy_ahead!r}: expected a byte count >= 0 or None")
+        raise OptionError(f"per_thread_copy_ahead={per_thread_copy_ahead!r}: expected a byte count >= 0 or None")
     return per_thread_copy_ahead
 
 

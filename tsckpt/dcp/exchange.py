@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from ..format import checksums
-from ..format.layouts import PLAIN
+from ..storage.layouts import PLAIN
 from ..format.metadata import TensorEntry
-from ..location import Location
+from ..storage.location import Location
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,9 +12,9 @@ from typing import Any
 import tensorstore as ts
 from torch.futures import Future
 
-from ..errors import TsckptError
-from ..format.spec import Store
-from ..location import Location, LocationLike, parse_location
+from ..errors import LocationError, TsckptError
+from ..storage.store import Store
+from ..storage.location import Location, LocationLike, parse_location
 
 
 def done(value: Any) -> Future:
@@ -46,7 +46,7 @@ class TensorStoreIO:
             if location != self.location:
                 self.location, self._store = location, None
         if self.location is None:
-            raise TsckptError("no checkpoint location: pass a path to the constructor or checkpoint_id=")
+            raise LocationError("no checkpoint location: pass a path to the constructor or checkpoint_id=")
 
     @property
     def store(self) -> Store:

@@ -29,10 +29,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import TsckptError
-from ..format import checksums, commit, dtypes, values
+from ..format import checksums, dtypes, values
+from ..commit import protocol as commit
 from ..format.metadata import CheckpointMetadata
-from ..format.spec import read_error
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
+from ..storage.store import read_error
+from ..storage.context import DEFAULT_IO_CONCURRENCY
+from ..storage.location import LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .protocol import DecodedValue

@@ -4,8 +4,8 @@ It knows regions, dtypes and paths, never DTensors: placements arrive as JSON
 records from tsckpt's planner (:mod:`tsckpt.dcp.protocol`) or, with DCP's own
 planner, from :func:`tsckpt.dcp.planner.placement_records` as each rank writes.
 Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
-:mod:`tsckpt.format.spec`, and the commit from
-:func:`tsckpt.format.commit.commit_checkpoint`. The constructor takes
+:mod:`tsckpt.storage.store`, and the commit from
+:func:`tsckpt.commit.protocol.commit_checkpoint`. The constructor takes
 ``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`). See
 ``docs/format.md`` for what ends up on disk.
 """
@@ -26,14 +26,16 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import checksums, commit, dtypes, values, zarr_json
+from ..format import checksums, dtypes, values, zarr_json
+from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
-from ..format.batch import RankBatch
-from ..format.spec import Store
-from ..format.target import SaveTarget, begin_save
-from ..location import Location, LocationLike
+from ..storage.batch import RankBatch
+from ..storage.store import Store
+from ..commit.target import SaveTarget
+from ..commit.publication import begin_save
+from ..storage.location import Location, LocationLike
 from . import compat, logs, plan_cache
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .planner import placement_records

@@ -231,7 +231,7 @@ class CheckpointMetadata:
     extra: Mapping[str, Any] = field(default_factory=dict)
     #: The codecs every tensor array was written with; None in version 1 (read from each zarr.json).
     array_options: ArrayOptions | None = None
-    #: How the arrays' keys are stored (:data:`tsckpt.format.layouts.LAYOUTS`): "plain" or "packed".
+    #: How the arrays' keys are stored (:data:`tsckpt.storage.layouts.LAYOUTS`): "plain" or "packed".
     layout: str = "plain"
 
     def to_dict(self) -> dict[str, Any]:

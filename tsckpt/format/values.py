@@ -25,7 +25,7 @@ import re
 import zipfile
 from typing import Any
 
-from ..errors import DamagedValueError, MetadataError, TsckptError, UnsafeObjectError
+from ..errors import DamagedValueError, MetadataError, UnsafeObjectError
 
 JSON = "json"
 TORCH = "torch"
@@ -151,7 +151,7 @@ def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool,
     except Exception as e:
         damage = _pickle_damage(blob)
         if allow_pickle and damage is None:  # a sound pickle whose classes cannot be rebuilt here
-            raise TsckptError(f"value {key!r} in {where} cannot be restored: "
+            raise DamagedValueError(f"value {key!r} in {where} cannot be restored: "
                               f"{type(e).__name__}: {_first_line(e)}") from None
         # Only the weights-only unpickler's own refusal means "needs unsafe unpickling";
         # anything else (a missing storage record, a malformed stream) is damage.

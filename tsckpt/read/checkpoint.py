@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from ..errors import TsckptError
-from ..format import checksums, commit, dtypes, values
+from ..errors import MetadataError, TsckptError
+from ..format import checksums, dtypes, values
+from ..commit import protocol as commit
 from ..format.grid import ChunkGrid
 from ..format.metadata import (
     CheckpointMetadata,
@@ -33,8 +34,10 @@ from ..format.metadata import (
     ShardedTensorPlacement,
     TensorEntry,
 )
-from ..format.spec import Store, read_error
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, read_json
+from ..storage.store import Store, read_error
+from ..storage.context import DEFAULT_IO_CONCURRENCY
+from ..storage.location import LocationLike
+from ..storage.kvio import read_json
 from .index import Index, bounding_box, normalize_index
 
 if TYPE_CHECKING:
@@ -167,7 +170,7 @@ class TensorHandle:
                 try:
                     self._array_store = self._ck.store.open_tensor(self.entry).result()
                 except ValueError as e:
-                    raise TsckptError(f"cannot open the array of tensor {self.key!r} at {self._ck.url}/"
+                    raise MetadataError(f"cannot open the array of tensor {self.key!r} at {self._ck.url}/"
                                       f"{self.entry.path} (expected {self.entry.dtype} "
                                       f"{list(self.entry.shape)}): {e}") from None
             return self._array_store

@@ -24,11 +24,14 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError
-from ..format import checksums, commit, zarr_json
+from ..format import checksums, zarr_json
+from ..commit import protocol as commit
 from ..format.grid import ChunkGrid
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
-from ..format.spec import Store
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, read_json
+from ..storage.store import Store
+from ..storage.context import DEFAULT_IO_CONCURRENCY
+from ..storage.location import LocationLike
+from ..storage.kvio import read_json
 from ..progress import PROGRESS_BYTES, progress_bar, wanted
 
 #: Bytes of chunk reads kept in flight at once.

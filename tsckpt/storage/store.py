@@ -14,7 +14,7 @@ source) is opened through :class:`Store`, so all of them share the same options:
   chunk is read;
 * one TensorStore context made from the location's own resources.
 
-Where an array's keys live is the store's :class:`~tsckpt.format.layouts.KvLayout`
+Where an array's keys live is the store's :class:`~tsckpt.storage.layouts.KvLayout`
 (one file per chunk, or a packed OCDBT database): the layout gives the kvstore
 spec, this module everything around it.
 """
@@ -30,10 +30,12 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import TsckptError
-from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
-from . import checksums, zarr_json
+from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
+from .location import Location, LocationLike, parse_location
+from ..format import checksums, zarr_json
 from .layouts import PLAIN, KvLayout, get_layout, layout_for
-from .metadata import ArrayOptions, CheckpointMetadata, TensorEntry
+from .kvio import storage_error
+from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
 #: Options every tsckpt array is opened with, for writing and for reading.
 ALWAYS: Mapping[str, Any] = {"store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
@@ -238,14 +240,14 @@ class Store:
         try:
             return ts.KvStore.open(self.array_kvstore(path), context=self.context).result()
         except ValueError as e:
-            raise TsckptError(f"cannot open {self.url}/{path}: {e}") from None
+            raise storage_error(e, f"cannot open {self.url}/{path}") from None
 
     def read_blob(self, key: str, path: str) -> bytes:
         """The bytes of a value blob, or a clear error naming the value."""
         try:
             return self.open_blob(path).result().read().result().tobytes()
         except ValueError as e:
-            raise TsckptError(f"reading value {key!r} from {self.url}/{path} failed: {e}") from None
+            raise storage_error(e, f"reading value {key!r} from {self.url}/{path} failed") from None
 
     def read_tensor(self, key: str, entry: TensorEntry) -> Any:
         """The whole tensor as numpy, or a clear error naming the tensor (and the chunk, when one is missing)."""

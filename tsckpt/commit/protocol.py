@@ -11,7 +11,7 @@ intermediate group's ``zarr.json``, and last the root ``zarr.json`` whose
 commit: a directory without it is an incomplete checkpoint and is refused.
 Where the save writes, and how the committed root becomes visible at the
 checkpoint's location (a rename of a staging directory, or a conditional
-write), is the save's :class:`~tsckpt.format.target.SaveTarget`.
+write), is the save's :class:`~tsckpt.commit.target.SaveTarget`.
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ from ..errors import (
     MetadataError,
     NotACheckpointError,
 )
-from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, list_keys, read_json
-from . import checksums, dtypes, values, zarr_json
-from .metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
-from .names import parent_groups
-from .spec import Store
-from .target import ATTRIBUTE, ROOT, SaveTarget
+from ..storage.context import DEFAULT_IO_CONCURRENCY
+from ..storage.location import LocationLike
+from ..storage.kvio import encode_json, list_keys, read_json
+from ..format import checksums, dtypes, values, zarr_json
+from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
+from ..format.names import parent_groups
+from ..storage.store import Store
+from .states import ATTRIBUTE, ROOT
+from .target import SaveTarget
 
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
 
@@ -79,7 +82,7 @@ def commit_checkpoint(
     ``blob_sizes`` gives the byte count of every ``torch``-encoded value's blob;
     ``options`` are the codecs the tensor chunks were written with; ``writers``
     the rank that wrote each chunk of a tensor (see :func:`tensor_attributes`).
-    ``target`` (from :func:`~tsckpt.format.target.begin_save`) writes and publishes
+    ``target`` (from :func:`~tsckpt.commit.target.begin_save`) writes and publishes
     the root document; without one it is written to ``store`` directly. If the
     commit fails, the target drops the save's staged data.
     """
@@ -213,7 +216,7 @@ def _leftover_hint(kv: ts.KvStore) -> str:
     spec = kv.spec().to_json()
     if spec.get("driver") != "file":
         return ""
-    from .localdir import hint  # local filesystems only
+    from .staged import hint  # local filesystems only
 
     return hint(str(spec.get("path", "")).rstrip("/"))
 

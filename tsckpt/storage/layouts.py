@@ -2,12 +2,12 @@
 
 A layout decides only which kvstore holds each array's ``zarr.json`` and chunk
 keys; the arrays, their chunk grids and codecs are the same in every layout,
-and every spec is still built by :mod:`tsckpt.format.spec`.
+and every spec is still built by :mod:`tsckpt.storage.store`.
 
 * ``"plain"``: each array under its own path below the location, one file (or
   object) per chunk. Any Zarr v3 reader opens it directly.
 * ``"packed"``: every key in one OCDBT database whose data files are a few
-  large files per rank (:mod:`tsckpt.format.packed`). Zarr readers open it
+  large files per rank (:mod:`tsckpt.storage.packed`). Zarr readers open it
   through :func:`tsckpt.zarr_store`.
 
 A new layout subclasses :class:`KvLayout` and is decorated with
@@ -30,13 +30,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import tensorstore as ts
 
-from ..errors import MetadataError, TsckptError
-from ..location import Location, unsynced_nodes
-from .metadata import CheckpointMetadata
+from ..errors import MetadataError, OptionError
+from .location import Location
+from .localfs import unsynced_nodes
+from ..format.metadata import CheckpointMetadata
+from .kvio import storage_error
 from .packed import PackedLayout, reader_context
 
 if TYPE_CHECKING:
-    from .spec import Store
+    from .store import Store
 
 PLAIN = "plain"
 PACKED = PackedLayout.name
@@ -94,7 +96,7 @@ def get_layout(name: str) -> KvLayout:
     try:
         return LAYOUTS[name]
     except KeyError:
-        raise TsckptError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
+        raise OptionError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
 
 
 def default_layout() -> str:
@@ -106,7 +108,7 @@ def default_layout() -> str:
     """
     name = os.environ.get(LAYOUT_ENV, "").strip() or PLAIN
     if name not in LAYOUTS:
-        raise TsckptError(f"{LAYOUT_ENV}={name!r}: unknown storage layout; expected one of {sorted(LAYOUTS)}")
+        raise OptionError(f"{LAYOUT_ENV}={name!r}: unknown storage layout; expected one of {sorted(LAYOUTS)}")
     return name
 
 
@@ -136,7 +138,7 @@ class PlainLayout(KvLayout):
 
 @register_layout
 class PackedKvLayout(KvLayout):
-    """Every key in one OCDBT database: per-rank databases joined at commit (:mod:`tsckpt.format.packed`)."""
+    """Every key in one OCDBT database: per-rank databases joined at commit (:mod:`tsckpt.storage.packed`)."""
 
     name = PACKED
 
@@ -167,4 +169,4 @@ class PackedKvLayout(KvLayout):
         try:
             return ts.KvStore.open(self.array_kvstore(store.location, ""), context=store.context).result()
         except ValueError as e:
-            raise TsckptError(f"cannot open the packed database of {store.url}: {e}") from None
+            raise storage_error(e, f"cannot open the packed database of {store.url}") from None

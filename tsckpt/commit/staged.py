@@ -23,26 +23,21 @@ The parent directory is fsynced after each publication.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import fcntl
 import os
 import re
 import time
-import weakref
 from dataclasses import dataclass
 
 import tensorstore as ts
 
-from ..errors import TsckptError
-from ..location import Location, _libc, make_context, open_kvstore
-from .target import (ABSENT, COMMITTED, FILE, ROOT, Found, Leftover, SaveTarget, classify, describe_root,
-                     is_own_key, refuse)
+from ..errors import ConcurrentSaveError, StorageError
+from ..storage.context import make_context, open_kvstore
+from ..storage.localfs import DirLock, exchange, fsync_dir, liveness
+from ..storage.location import Location
+from .states import ABSENT, COMMITTED, FILE, ROOT, Found, classify, describe_root, is_own_key, refuse
+from .target import Leftover, SaveTarget
 
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-#: Errors that mean "this filesystem or kernel cannot do that", not "it failed".
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
 _STAGING = re.compile(r"^\.(?P<name>.+)\.tsckpt-(?P<save_id>[0-9a-f]{32})(?P<old>\.old)?$")
 
 
@@ -56,76 +51,10 @@ def is_staging_name(name: str) -> bool:
     return _STAGING.match(name) is not None
 
 
-def exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths; False where the kernel or filesystem cannot."""
-    fn = getattr(_libc(), "renameat2", None)
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _UNSUPPORTED:
-        return False
-    raise OSError(err, os.strerror(err), a, None, b)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DirLock:
-    """An exclusive ``flock`` on a directory, held until released or this object is collected."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
-
-    @classmethod
-    def try_acquire(cls, path: str) -> DirLock | bool | None:
-        """The lock; False if another process holds it; None if this filesystem has no locks.
-
-        Raises FileNotFoundError if ``path`` is gone.
-        """
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            if e.errno in _UNSUPPORTED:
-                return None
-            raise
-        return cls(fd)
-
-    @property
-    def still_linked(self) -> bool:
-        return os.fstat(self.fd).st_nlink > 0
-
-    def release(self) -> None:
-        self._finalizer()
-
-
-def liveness(path: str) -> bool | None:
-    """True if a running save holds ``path``'s lock, False if none does, None if unknown."""
-    try:
-        lock = DirLock.try_acquire(path)
-    except FileNotFoundError:
-        return False
-    if isinstance(lock, DirLock):
-        lock.release()
-        return False
-    return None if lock is None else True
-
-
 def remove_tree(path: str) -> None:
     """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed.
 
-    Only files a tsckpt save may have written go (:func:`~tsckpt.format.target.is_own_key`);
+    Only files a tsckpt save may have written go (:func:`~tsckpt.commit.target.is_own_key`);
     anything else, and the directories holding it, stay where they are.
     """
     try:
@@ -294,7 +223,7 @@ class StagedTarget(SaveTarget):
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
-            raise TsckptError(f"cannot create checkpoint {self.url}: {e.strerror} ({e.filename})") from None
+            raise StorageError(f"cannot create checkpoint {self.url}: {e.strerror} ({e.filename})") from None
         recover(self.path)
         refuse(self._found(), self.url, overwrite=self.overwrite, save_id=self.save_id)
         remove_leftovers(self.location, older_than=started)
@@ -311,7 +240,7 @@ class StagedTarget(SaveTarget):
                 time.sleep(0.1)  # that cleaning is still removing it
                 continue
             except OSError as e:
-                raise TsckptError(f"cannot create staging directory {self.staging} for {self.url}: "
+                raise StorageError(f"cannot create staging directory {self.staging} for {self.url}: "
                                   f"{e.strerror}") from None
             if lock is None:  # no locks on this filesystem: leftovers are only reported
                 return
@@ -320,7 +249,7 @@ class StagedTarget(SaveTarget):
                 return
             if isinstance(lock, DirLock):
                 lock.release()
-        raise TsckptError(f"cannot create and lock staging directory {self.staging} for {self.url}")
+        raise StorageError(f"cannot create and lock staging directory {self.staging} for {self.url}")
 
     def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
         kv.write(ROOT, root).result()
@@ -328,7 +257,7 @@ class StagedTarget(SaveTarget):
         try:
             replaced = self._publish()
         except OSError as e:
-            raise TsckptError(f"publishing {self.url} failed: {e}") from None
+            raise StorageError(f"publishing {self.url} failed: {e}") from None
         parent = os.path.dirname(self.path)
         fsync_dir(parent)
         self.release()
@@ -358,7 +287,7 @@ class StagedTarget(SaveTarget):
             except FileNotFoundError:
                 continue
             replaced.append(aside)
-        raise TsckptError(f"{self.url} kept changing while save {self.save_id} was being published; "
+        raise ConcurrentSaveError(f"{self.url} kept changing while save {self.save_id} was being published; "
                           f"it was not published")
 
     def release(self) -> None:

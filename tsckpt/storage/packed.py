@@ -21,7 +21,7 @@ inside an atomic transaction, so the join itself cannot be the commit), and a
 location without it is an incomplete checkpoint exactly as in the plain layout.
 
 Reading: an array is the ``zarr3`` driver over ``{"driver": "ocdbt", "base": BASE}``
-with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/read/zarr_kvstore.py``)
+with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/read/zarr_store.py``)
 serves the same keys to zarr-python.
 """
 
@@ -34,9 +34,9 @@ from typing import Any, ClassVar
 
 import tensorstore as ts
 
-from ..errors import TsckptError
-from ..kvio import kv_name
-from ..location import Location
+from ..errors import OptionError, StorageError
+from .kvio import kv_name, storage_error
+from .location import Location
 
 #: Rank ``r`` writes its database under ``ocdbt.process_<r>/`` (the name Orbax uses).
 PROCESS_PREFIX = "ocdbt.process_"
@@ -86,12 +86,12 @@ class PackedOptions:
         for name in ("target_data_file_size", "max_inline_value_bytes", "max_decoded_node_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise TsckptError(f"packed layout option {name} must be an integer >= 0, not {value!r}")
+                raise OptionError(f"packed layout option {name} must be an integer >= 0, not {value!r}")
         if self.max_inline_value_bytes > 1 << 20:
-            raise TsckptError(f"packed layout option max_inline_value_bytes must be at most 1 MiB, "
+            raise OptionError(f"packed layout option max_inline_value_bytes must be at most 1 MiB, "
                               f"not {self.max_inline_value_bytes}")
         if self.max_decoded_node_bytes < 4096:
-            raise TsckptError(f"packed layout option max_decoded_node_bytes must be at least 4096, "
+            raise OptionError(f"packed layout option max_decoded_node_bytes must be at least 4096, "
                               f"not {self.max_decoded_node_bytes}")
 
     def ocdbt_config(self) -> dict[str, Any]:
@@ -111,7 +111,7 @@ class PackedOptions:
     def from_dict(cls, doc: Mapping[str, Any]) -> PackedOptions:
         unknown = set(doc) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise TsckptError(f"unknown packed layout options {sorted(unknown)}")
+            raise OptionError(f"unknown packed layout options {sorted(unknown)}")
         return cls(**doc)
 
 
@@ -151,7 +151,7 @@ class PackedLayout:
     def rank_database(self, base: Mapping[str, Any], rank: int) -> dict[str, Any]:
         """The OCDBT kvstore spec of rank ``rank``'s own database (for writing)."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise TsckptError(f"rank must be an integer >= 0, not {rank!r}")
+            raise OptionError(f"rank must be an integer >= 0, not {rank!r}")
         return self._writable(_under(base, f"{PROCESS_PREFIX}{rank}"))
 
     def root_database(self, base: Mapping[str, Any], *, writable: bool = False) -> dict[str, Any]:
@@ -175,7 +175,7 @@ class PackedLayout:
         return {**self.rank_database(base, rank), "path": _prefix(path)}
 
     def rank_transaction(self) -> ts.Transaction:
-        """A transaction for one batch of a rank's writes (see :mod:`tsckpt.format.batch`).
+        """A transaction for one batch of a rank's writes (see :mod:`tsckpt.storage.batch`).
 
         One atomic transaction makes the batch one OCDBT commit: one manifest
         write and one data file, instead of a commit (and a small data file)
@@ -208,7 +208,7 @@ class PackedLayout:
         """Join ranks ``0 .. world_size-1``'s databases into the root database, by reference.
 
         Returns ``(nodes, flush)``, the ``nodes`` argument of
-        :func:`tsckpt.format.commit.commit`: write every array's and group's
+        :func:`tsckpt.commit.protocol.commit`: write every array's and group's
         ``zarr.json`` into ``nodes``, then call ``flush``, which commits the
         copies and the documents to the root database in one batch (one
         manifest, about one data file of B+tree nodes), returns once they are
@@ -228,12 +228,12 @@ class PackedLayout:
             ranks = [ts.KvStore.open(self.rank_database(base, r), context=context) for r in range(world_size)]
             copies = [(r, db.result().experimental_copy_range_to(nodes)) for r, db in enumerate(ranks)]
         except ValueError as e:
-            raise TsckptError(f"cannot open the packed databases at {where}: {e}") from None
+            raise storage_error(e, f"cannot open the packed databases at {where}") from None
         for rank, copy in copies:
             try:
                 copy.result()
             except ValueError as e:
-                raise TsckptError(f"joining rank {rank}'s database {PROCESS_PREFIX}{rank}/ into the "
+                raise StorageError(f"joining rank {rank}'s database {PROCESS_PREFIX}{rank}/ into the "
                                   f"checkpoint at {where} failed: {e}") from None
 
         def flush() -> None:
@@ -247,7 +247,7 @@ class PackedLayout:
                           for r in range(world_size)]:
                     f.result()
             except ValueError as e:
-                raise TsckptError(f"committing the joined database of {where} failed: {e}") from None
+                raise storage_error(e, f"committing the joined database of {where} failed") from None
 
         return nodes, flush
 
@@ -270,7 +270,7 @@ def is_packed(kv: ts.KvStore) -> bool:
     try:
         return kv.read(MANIFEST, byte_range=slice(0, 0)).result().state == "value"
     except ValueError as e:
-        raise TsckptError(f"cannot read {MANIFEST} at {kv_name(kv)}: {e}") from None
+        raise storage_error(e, f"cannot read {MANIFEST} at {kv_name(kv)}") from None
 
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import tensorstore as ts
 
-from ..errors import TsckptError
+from ..errors import StorageError
 from .layouts import KvLayout
 
 
@@ -77,5 +77,5 @@ class RankBatch:
         except ValueError as e:
             # The data reaches storage only here, so this is where a full disk shows.
             what = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise TsckptError(f"writing {what or 'nothing'} (rank {self.rank}'s batch) to {self.where} "
+            raise StorageError(f"writing {what or 'nothing'} (rank {self.rank}'s batch) to {self.where} "
                               f"failed: {e}") from None

@@ -21,40 +21,25 @@ environment variables are honoured (``AWS_ENDPOINT_URL_S3``,
 spawned with that environment need no extra arguments. Credentials come from
 the environment or the AWS credentials chain, never from the location.
 
-Array specs built on a location live in :mod:`tsckpt.format.spec`. Torch-free.
+The TensorStore context a location is opened with is built in :mod:`tsckpt.storage.context`,
+array specs in :mod:`tsckpt.storage.store`. Torch-free.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import functools
-import gc
 import ipaddress
 import os
 import re
-import sys
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import tensorstore as ts
 
-from .errors import NotACheckpointError, TsckptError
-# read_json, list_keys and encode_json live in kvio; callers keep importing them from here.
-from .kvio import S3_RETRIES_ENV, encode_json, list_keys, one_line, read_json  # noqa: F401
+from ..errors import LocationError
 
-DEFAULT_IO_CONCURRENCY = 64
 #: Region used with a custom S3 endpoint when none is given: S3-compatible
 #: servers accept any region in the signature, AWS itself needs the real one.
 DEFAULT_S3_REGION = "us-east-1"
-#: How often a failed S3 request is retried (TensorStore's ``s3_request_retries``).
-#: TensorStore's own default (32, with delays up to 32 s) keeps an unreachable
-#: endpoint hanging for about 15 minutes; 6 retries with delays of 1, 2, 4, 8, 16
-#: and 16 s give up after about a minute while still riding out throttling.
-#: ``TSCKPT_S3_RETRIES`` or a location's ``context`` member changes it.
-DEFAULT_S3_RETRIES = 6
 
 
 # --- bucket name rules ------------------------------------------------------
@@ -140,6 +125,11 @@ SCHEMES: dict[str, Scheme] = {
 _BY_DRIVER = {s.driver: s for s in SCHEMES.values()}
 
 
+def scheme_for_driver(driver: str) -> Scheme | None:
+    """The scheme whose kvstore driver is ``driver`` (None for drivers without a URL scheme)."""
+    return _BY_DRIVER.get(driver)
+
+
 # --- locations --------------------------------------------------------------
 
 
@@ -198,39 +188,39 @@ def parse_location(location: LocationLike) -> Location:
         members = dict(location)
         context = members.pop("context", None) or {}
         if not isinstance(context, Mapping):
-            raise TsckptError(f"kvstore spec {location!r}: 'context' must be a dict of context resources")
+            raise LocationError(f"kvstore spec {location!r}: 'context' must be a dict of context resources")
         if "url" in members:
             url = members.pop("url")
             if "driver" in members:
-                raise TsckptError(f"location {location!r}: give either 'url' or 'driver', not both")
+                raise LocationError(f"location {location!r}: give either 'url' or 'driver', not both")
             base = parse_location(url)
             spec = {**base.spec, **members}
             spec["path"] = base.spec["path"]
             return _checked(spec, {**base.context, **context}, str(url))
         if "driver" not in members:
-            raise TsckptError(f"kvstore spec {location!r} has neither 'driver' nor 'url'")
+            raise LocationError(f"kvstore spec {location!r} has neither 'driver' nor 'url'")
         members["path"] = _as_prefix(str(members.get("path", "")))
         return _checked(members, dict(context), repr(location))
     try:
         text = os.fspath(location)
     except TypeError:
-        raise TsckptError(f"checkpoint location {location!r} is not a path, URL or kvstore spec") from None
+        raise LocationError(f"checkpoint location {location!r} is not a path, URL or kvstore spec") from None
     if not isinstance(text, str):
-        raise TsckptError(f"checkpoint location {location!r} is not a path, URL or kvstore spec")
+        raise LocationError(f"checkpoint location {location!r} is not a path, URL or kvstore spec")
     if not text:
-        raise TsckptError("checkpoint location is empty")
+        raise LocationError("checkpoint location is empty")
     name, sep, rest = text.partition("://")
     if not sep:
         return Location({"driver": "file", "path": _as_prefix(os.path.abspath(text))})
     scheme = SCHEMES.get(name.lower())
     if scheme is None:
-        raise TsckptError(
+        raise LocationError(
             f"unsupported checkpoint location {text!r}: scheme {name!r} is not one of "
             + ", ".join(f"{s}://" for s in SCHEMES) + " (or pass a TensorStore kvstore spec dict)"
         )
     if scheme.driver == "file":
         if not rest:
-            raise TsckptError(f"checkpoint location {text!r} has no path")
+            raise LocationError(f"checkpoint location {text!r} has no path")
         return Location({"driver": "file", "path": _as_prefix(os.path.abspath(rest))})
     if scheme.has_bucket:
         bucket, _, path = rest.partition("/")
@@ -238,7 +228,7 @@ def parse_location(location: LocationLike) -> Location:
                                 "path": _as_prefix(path.strip("/"))}
     else:
         if not rest.strip("/"):
-            raise TsckptError(f"checkpoint location {text!r} has no name: expected {name}://NAME")
+            raise LocationError(f"checkpoint location {text!r} has no name: expected {name}://NAME")
         spec = {"driver": scheme.driver, "path": _as_prefix(rest.strip("/"))}
     return _checked(spec, {}, text)
 
@@ -249,147 +239,18 @@ def _checked(spec: dict[str, Any], context: dict[str, Any], shown: str) -> Locat
     if scheme is not None and scheme.has_bucket:
         bucket = spec.get("bucket")
         if not isinstance(bucket, str) or not bucket:
-            raise TsckptError(f"checkpoint location {shown}: no bucket name (expected {scheme.name}://BUCKET/PREFIX)")
+            raise LocationError(f"checkpoint location {shown}: no bucket name (expected {scheme.name}://BUCKET/PREFIX)")
         problem = scheme.bucket_problem(bucket) if scheme.bucket_problem else None
         if problem:
-            raise TsckptError(f"checkpoint location {shown}: {bucket!r} is not a valid {scheme.name} bucket name "
+            raise LocationError(f"checkpoint location {shown}: {bucket!r} is not a valid {scheme.name} bucket name "
                               f"(expected {problem})")
     if spec.get("driver") == "s3" and spec.get("endpoint") and not spec.get("aws_region"):
         spec["aws_region"] = DEFAULT_S3_REGION
     endpoint = spec.get("endpoint")
     if endpoint is not None and not re.match(r"^https?://[^/]+", str(endpoint)):
-        raise TsckptError(f"checkpoint location {shown}: endpoint {endpoint!r} must be an http:// or https:// URL")
+        raise LocationError(f"checkpoint location {shown}: endpoint {endpoint!r} must be an http:// or https:// URL")
     return Location(spec, context)
 
 
 def _as_prefix(path: str) -> str:
     return path if path == "" or path.endswith("/") else path + "/"
-
-
-# --- contexts ---------------------------------------------------------------
-
-_root_lock = threading.Lock()
-_root_context: ts.Context | None = None
-
-
-def _process_context() -> ts.Context:
-    """The parent of every context tsckpt makes in this process.
-
-    TensorStore's memory kvstore lives in a context resource: making each
-    rank's context a child of one process-wide context lets a ``memory://``
-    checkpoint written by one writer be read by a later reader.
-    """
-    global _root_context
-    with _root_lock:
-        if _root_context is None:
-            _root_context = ts.Context()
-        return _root_context
-
-
-@atexit.register
-def _release_before_shutdown() -> None:
-    """Free tsckpt's TensorStore objects while the interpreter is still whole.
-
-    The process context lives in this module, and a reader, writer or store
-    left in a garbage cycle is freed only by a collection: left alone, their
-    TensorStore resources would be destroyed during interpreter finalization,
-    when Python no longer lets other threads take the GIL. Spawned ranks on
-    Python 3.13 aborted now and then during finalization ("terminate called
-    without an active exception"), after a packed load had returned and the
-    process group was gone (``tools/loop_packed_reshard.py``).
-    """
-    global _root_context
-    gc.collect()
-    with _root_lock:
-        _root_context = None
-    gc.collect()
-
-
-def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> dict[str, Any]:
-    """The context resources for ``location``: tsckpt's defaults, then the location's own."""
-    spec: dict[str, Any] = {
-        "file_io_concurrency": {"limit": io_concurrency},
-        # fsync every chunk and metadata file: the commit promises durable data.
-        "file_io_sync": True,
-        "data_copy_concurrency": {"limit": max(os.cpu_count() or 1, 1)},
-    }
-    if os.environ.get("AWS_ACCESS_KEY_ID") and (location is None or location.driver == "s3"):
-        # With keys in the environment, skip the default chain: it would also
-        # probe ~/.aws/{config,credentials} and log an error when they are absent.
-        spec["aws_credentials"] = {"type": "environment"}
-    if location is None or location.driver == "s3":
-        spec["s3_request_retries"] = s3_retries()
-    if location is None:
-        return spec
-    scheme = _BY_DRIVER.get(location.driver)
-    if scheme is not None and scheme.concurrency_resource:
-        spec[scheme.concurrency_resource] = {"limit": io_concurrency}
-    return spec | dict(location.context)
-
-
-def s3_retries() -> dict[str, Any]:
-    """The ``s3_request_retries`` resource: :data:`DEFAULT_S3_RETRIES`, or ``$TSCKPT_S3_RETRIES``."""
-    text = os.environ.get(S3_RETRIES_ENV, "").strip()
-    retries = DEFAULT_S3_RETRIES
-    if text:
-        if not text.isdigit() or int(text) < 1:
-            raise TsckptError(f"{S3_RETRIES_ENV}={text!r}: expected a whole number of retries >= 1")
-        retries = int(text)
-    return {"max_retries": retries, "initial_delay": "1s", "max_delay": "16s"}
-
-
-def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> ts.Context:
-    """One context per rank: shared I/O pools (and credentials) for every array it touches."""
-    spec = context_spec(io_concurrency, location)
-    try:
-        return ts.Context(spec, parent=_process_context())
-    except ValueError as e:
-        where = f" for {location.url}" if location is not None else ""
-        raise TsckptError(f"invalid TensorStore context resources{where}: {e}") from None
-
-
-def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] | None] | None:
-    """A kvstore that skips per-file fsync, and the one call that makes its writes durable.
-
-    Only for local paths on Linux, where ``syncfs`` flushes the whole filesystem
-    in one journal commit: writing hundreds of small ``zarr.json`` files with an
-    fsync each costs more than the commit's data. None elsewhere (object stores
-    are durable per PUT; other systems keep per-file fsync). When the location's
-    own context sets ``file_io_sync: false``, there is no flush call either.
-    """
-    syncfs = getattr(_libc(), "syncfs", None)
-    if location.driver != "file" or syncfs is None:
-        return None
-    spec = {**context_spec(location=location), "file_io_sync": False}
-    kv = open_kvstore(location, ts.Context(spec, parent=_process_context()))
-    if location.context.get("file_io_sync") is False:
-        return kv, None  # the location turned syncing off altogether: no flush either
-    root = str(location.spec.get("path", "."))
-
-    def flush() -> None:
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            if syncfs(fd) != 0:
-                raise TsckptError(f"syncfs on {location.url} failed: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(fd)
-
-    return kv, flush
-
-
-@functools.cache
-def _libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def open_kvstore(location: Location, context: ts.Context) -> ts.KvStore:
-    if location.driver == "file":
-        path = str(location.spec.get("path", "")).rstrip("/")
-        if os.path.isfile(path):
-            raise NotACheckpointError(f"{path} is a file, not a checkpoint directory")
-    try:
-        return ts.KvStore.open(dict(location.spec), context=context).result()
-    except ValueError as e:
-        raise TsckptError(f"cannot open checkpoint location {location.url}: {one_line(e)}") from None

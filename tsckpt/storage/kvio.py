@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from .errors import ChecksumError, MetadataError, NotACheckpointError, StorageError, TsckptError
+from ..errors import ChecksumError, MetadataError, NotACheckpointError, StorageError, TsckptError
 
 #: The environment variable that sets how often a failed S3 request is retried.
 S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"

@@ -41,11 +41,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .read.index import SelectionError, parse_index
+from ..read.index import SelectionError, parse_index
 
 if TYPE_CHECKING:
-    from .read.checkpoint import Checkpoint
-    from .read.verify import VerifyReport
+    from ..read.checkpoint import Checkpoint
+    from ..read.verify import VerifyReport
 
 
 def plain(value: Any) -> Any:

@@ -6,7 +6,7 @@ every location tsckpt writes to (``s3://``, ``gs://``, ``memory://``, a kvstore
 spec) is readable by zarr-python, dask and xarray without fsspec.
 
 In a packed checkpoint every key but the root ``zarr.json`` lives in the
-joined OCDBT database (:mod:`tsckpt.format.packed`); the root document is a plain
+joined OCDBT database (:mod:`tsckpt.storage.packed`); the root document is a plain
 file beside it. The store routes each key accordingly, so zarr-python sees one
 ordinary Zarr v3 hierarchy either way.
 """
@@ -23,11 +23,13 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..errors import TsckptError
-from ..format import commit, packed
-from ..format.layouts import PACKED, PLAIN, get_layout, layout_for
-from ..format.spec import Store as SpecStore
-from ..format.target import ROOT
-from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
+from ..commit import protocol as commit
+from ..storage import packed
+from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
+from ..storage.store import Store as SpecStore
+from ..commit.states import ROOT
+from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
+from ..storage.location import Location, LocationLike, parse_location
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,

@@ -1,0 +1,1 @@
+"""How a save becomes a visible checkpoint: targets, publication, the commit protocol, checkpoint states."""

@@ -1,0 +1,167 @@
+"""What a location holds, as a save or a prune sees it: checkpoint states, own keys, refusals.
+
+One vocabulary for every caller that must tell a committed checkpoint from a
+dead save's leftovers or from content tsckpt did not write: a save's set-up
+and its publication, ``clean``, and the step scan behind ``latest`` and
+``prune``. Deciding only: nothing here writes, except :func:`delete_own_keys`,
+which is the one way anything of tsckpt deletes keys on a kvstore.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import tensorstore as ts
+
+from ..errors import CheckpointExistsError, FileInTheWayError, ForeignContentError
+from ..storage import kvio
+from ..storage.kvio import storage_error
+
+ROOT = "zarr.json"
+ATTRIBUTE = "tsckpt"
+#: The object that fences a running save on stores without rename; a name no
+#: array path can take (escaped node names never start with ".").
+CLAIM = ".tsckpt-claim.json"
+
+#: The states a location (or a step entry under a root) can be in. DAMAGED is a root
+#: document that is not JSON: the step scan reports it, a save treats it as committed.
+ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE, DAMAGED = "absent", "incomplete", "committed", "foreign", "file", "damaged"
+
+#: Keys a tsckpt save writes: node documents and chunk keys of either separator,
+#: the packed layout's OCDBT manifests and data files, and the claim. A location
+#: holding only these and no root is a dead save's leftovers.
+OWN_KEYS: list[re.Pattern[str]] = [
+    re.compile(r"(?:^|/)(?:zarr\.json|c|c(?:\.\d+)+)$"),
+    re.compile(r"(?:^|/)c(?:/\d+)+$"),
+    re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$"),
+    re.compile(re.escape(CLAIM) + "$"),
+]
+
+
+#: TensorStore's file driver writes ``<key>.__lock`` beside a key while it replaces it.
+LOCK_SUFFIX = ".__lock"
+
+
+def is_own_key(key: str) -> bool:
+    """Whether a save of tsckpt's (any layout) may have written ``key``, relative to its location."""
+    key = key.removesuffix(LOCK_SUFFIX)
+    return any(p.search(key) for p in OWN_KEYS)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a location holds, as far as saving there is concerned."""
+
+    state: str
+    #: What was found, in words, for messages.
+    what: str = ""
+    #: For a committed checkpoint, the save that wrote it (from ``extra.save_id``).
+    save_id: str | None = None
+
+
+def read_key(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
+    try:
+        return kv.read(key).result()
+    except ValueError as e:
+        raise storage_error(e, f"{url}: cannot read {key!r}") from None
+
+
+def read_root(kv: ts.KvStore, url: str) -> tuple[Any, bytes]:
+    """The root document's bytes (None when absent) and its storage generation."""
+    result = read_key(kv, ROOT, url)
+    return (result.value if result.state == "value" else None), result.stamp.generation
+
+
+def describe_root(raw: bytes) -> Found:
+    """Classify a location by its root document alone."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        # A damaged checkpoint must be replaced on purpose, like any other.
+        return Found(COMMITTED, f"a {ROOT} that is not valid JSON (a damaged checkpoint?)")
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    if isinstance(attrs, dict) and ATTRIBUTE in attrs:
+        md = attrs[ATTRIBUTE]
+        extra = md.get("extra") if isinstance(md, dict) else None
+        save_id = extra.get("save_id") if isinstance(extra, dict) else None
+        created = md.get("created") if isinstance(md, dict) else None
+        return Found(COMMITTED, f"a tsckpt checkpoint (save {save_id}, created {created})",
+                     save_id=save_id if isinstance(save_id, str) else None)
+    if isinstance(doc, dict) and doc.get("zarr_format") in (2, 3):
+        node = doc.get("node_type", "node")
+        return Found(FOREIGN, f"a Zarr {node} that tsckpt did not write (its {ROOT} has no "
+                              f"'{ATTRIBUTE}' attributes)")
+    return Found(FOREIGN, f"a {ROOT} that is not a Zarr document")
+
+
+def list_keys(kv: ts.KvStore, url: str) -> list[str]:
+    """Every key under the kvstore, relative to it, as text."""
+    return [k.decode("utf-8", "replace") for k in kvio.list_keys(kv, url)]
+
+
+def _foreign(keys: list[str], what: str) -> Found | None:
+    foreign = sorted(k for k in keys if not is_own_key(k))
+    if not foreign:
+        return None
+    return Found(FOREIGN, f"{what}{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
+
+
+def classify(kv: ts.KvStore, url: str, *, inside: bool = False) -> Found:
+    """Whether the kvstore at ``url`` holds nothing, a committed checkpoint, a dead save's leftovers, or other data.
+
+    ``inside``: also list a committed checkpoint's keys, so that one holding
+    files tsckpt did not write counts as foreign (a save about to replace it
+    must know; everyone else needs only the root document).
+    """
+    raw, _ = read_root(kv, url)
+    if raw is not None:
+        found = describe_root(raw)
+        if inside and found.state == COMMITTED:
+            return _foreign(list_keys(kv, url), f"{found.what}, and beside it ") or found
+        return found
+    keys = list_keys(kv, url)
+    if not keys:
+        return Found(ABSENT)
+    return _foreign(keys, "") or Found(INCOMPLETE, f"{len(keys)} file(s) of a save that did not finish")
+
+
+def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "") -> None:
+    """Delete those of ``keys`` that a tsckpt save into ``prefix`` may have written, and nothing else."""
+    own = [k for k in keys if k.startswith(prefix) and is_own_key(k[len(prefix):])]
+    try:
+        for future in [kv.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in own]:
+            future.result()
+    except ValueError as e:
+        raise storage_error(e, f"{url}: cannot delete a save's files") from None
+
+
+def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: bool = False) -> None:
+    """Raise unless saving over ``found`` is allowed.
+
+    A committed tsckpt checkpoint may be replaced with ``overwrite``; content
+    tsckpt did not write never is, whatever ``overwrite`` says: replacing a
+    location replaces all of it, and a save must never delete what it did not
+    write (a run directory holding configs and logs, a bucket's other objects).
+    """
+    if found.state == FILE:
+        raise FileInTheWayError(f"{url} is a file, not a checkpoint directory; refusing to save there "
+                                f"(tsckpt never replaces what it did not write): choose another location")
+    if found.state == FOREIGN:
+        raise ForeignContentError(
+            f"{url} holds {found.what}; refusing to save there, with or without overwrite (a save replaces "
+            f"the whole location, and tsckpt never deletes what it did not write): save into a new or empty "
+            f"location, such as a subdirectory")
+    if overwrite:
+        return
+    if found.state == COMMITTED:
+        if at_commit:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {url}: save {found.save_id} committed there while save "
+                f"{save_id} was running; save {save_id} was not published (pass overwrite=True to replace)")
+        raise CheckpointExistsError(
+            f"Checkpoint already exists at {url}: {found.what}; pass overwrite=True to replace it")
+
+

@@ -1,0 +1,85 @@
+"""One save's target: where its data goes and how its root document becomes visible; leftovers of dead saves.
+
+A save never writes where readers look until it is complete and committed:
+
+* **Local filesystems** (driver ``file``): every save writes into its own hidden
+  staging directory beside the target, ``.<name>.tsckpt-<save_id>``, commits
+  there, and is published by one atomic rename, or by an atomic exchange with
+  the checkpoint it replaces (:mod:`tsckpt.commit.staged`).
+* **Object stores and memory** (no rename): the save writes in place. A claim
+  object written with a conditional write fences off other saves, and the root
+  document is committed with a conditional write (:mod:`tsckpt.commit.in_place`).
+
+Which kind a location gets, and the calls on it, are in :mod:`tsckpt.commit.publication`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import tensorstore as ts
+
+from ..storage.location import Location
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something a save that did not finish left beside or inside a location."""
+
+    path: str
+    nbytes: int
+    #: True: the save that made it is running; False: it is dead; None: cannot tell.
+    live: bool | None
+    what: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "nbytes": self.nbytes, "live": self.live, "what": self.what}
+
+
+class SaveTarget(ABC):
+    """One save's view of its target: where its data goes, and how its root document becomes visible."""
+
+    def __init__(self, location: Location, save_id: str, overwrite: bool):
+        self.location = location
+        self.save_id = save_id
+        self.overwrite = overwrite
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    @property
+    @abstractmethod
+    def data_location(self) -> Location:
+        """Where every rank writes this save's chunks and nodes."""
+
+    @abstractmethod
+    def begin(self) -> None:
+        """Coordinator, before any data: refuse, fence off other saves, clear leftovers."""
+
+    @abstractmethod
+    def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
+        """Write the root document through ``kv`` (a kvstore at :attr:`data_location`) and publish it."""
+
+    def check_current(self) -> None:
+        """Coordinator, before the commit writes anything shared: raise if this save can no longer commit.
+
+        A save that another one has overtaken must not write node documents
+        or join databases into what the other save committed.
+        """
+
+    def abort(self) -> None:
+        """Best effort, after a failure this process knows of: drop what only this save used."""
+
+    @classmethod
+    @abstractmethod
+    def leftovers(cls, location: Location) -> list[Leftover]:
+        """What saves into ``location`` that did not finish left there (running ones marked live)."""
+
+    @classmethod
+    @abstractmethod
+    def clean(cls, location: Location, *, force: bool) -> list[Leftover]:
+        """Remove dead saves' leftovers (``force``: also those that may belong to a running save)."""
+
+

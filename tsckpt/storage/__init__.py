@@ -1,0 +1,1 @@
+"""Where checkpoint bytes live and how they move: locations, contexts, kvstores, array specs, layouts."""

@@ -1,0 +1,119 @@
+"""The TensorStore context every kvstore and array of a rank is opened with: I/O pools, credentials, retries.
+
+One context per rank (:func:`make_context`), a child of one process-wide
+context so that a ``memory://`` checkpoint written by one writer is read by a
+later reader. Torch-free.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import threading
+from typing import Any
+
+import tensorstore as ts
+
+from ..errors import NotACheckpointError, OptionError
+from .kvio import S3_RETRIES_ENV, one_line, storage_error
+from .location import Location, scheme_for_driver
+
+DEFAULT_IO_CONCURRENCY = 64
+#: How often a failed S3 request is retried (TensorStore's ``s3_request_retries``).
+#: TensorStore's own default (32, with delays up to 32 s) keeps an unreachable
+#: endpoint hanging for about 15 minutes; 6 retries with delays of 1, 2, 4, 8, 16
+#: and 16 s give up after about a minute while still riding out throttling.
+#: ``TSCKPT_S3_RETRIES`` or a location's ``context`` member changes it.
+DEFAULT_S3_RETRIES = 6
+
+
+_root_lock = threading.Lock()
+_root_context: ts.Context | None = None
+
+
+def process_context() -> ts.Context:
+    """The parent of every context tsckpt makes in this process.
+
+    TensorStore's memory kvstore lives in a context resource: making each
+    rank's context a child of one process-wide context lets a ``memory://``
+    checkpoint written by one writer be read by a later reader.
+    """
+    global _root_context
+    with _root_lock:
+        if _root_context is None:
+            _root_context = ts.Context()
+        return _root_context
+
+
+@atexit.register
+def _release_before_shutdown() -> None:
+    """Free tsckpt's TensorStore objects while the interpreter is still whole.
+
+    The process context lives in this module, and a reader, writer or store
+    left in a garbage cycle is freed only by a collection: left alone, their
+    TensorStore resources would be destroyed during interpreter finalization,
+    when Python no longer lets other threads take the GIL. Spawned ranks on
+    Python 3.13 aborted now and then during finalization ("terminate called
+    without an active exception"), after a packed load had returned and the
+    process group was gone (``tools/loop_packed_reshard.py``).
+    """
+    global _root_context
+    gc.collect()
+    with _root_lock:
+        _root_context = None
+    gc.collect()
+
+
+def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> dict[str, Any]:
+    """The context resources for ``location``: tsckpt's defaults, then the location's own."""
+    spec: dict[str, Any] = {
+        "file_io_concurrency": {"limit": io_concurrency},
+        # fsync every chunk and metadata file: the commit promises durable data.
+        "file_io_sync": True,
+        "data_copy_concurrency": {"limit": max(os.cpu_count() or 1, 1)},
+    }
+    if os.environ.get("AWS_ACCESS_KEY_ID") and (location is None or location.driver == "s3"):
+        # With keys in the environment, skip the default chain: it would also
+        # probe ~/.aws/{config,credentials} and log an error when they are absent.
+        spec["aws_credentials"] = {"type": "environment"}
+    if location is None or location.driver == "s3":
+        spec["s3_request_retries"] = s3_retries()
+    if location is None:
+        return spec
+    scheme = scheme_for_driver(location.driver)
+    if scheme is not None and scheme.concurrency_resource:
+        spec[scheme.concurrency_resource] = {"limit": io_concurrency}
+    return spec | dict(location.context)
+
+
+def s3_retries() -> dict[str, Any]:
+    """The ``s3_request_retries`` resource: :data:`DEFAULT_S3_RETRIES`, or ``$TSCKPT_S3_RETRIES``."""
+    text = os.environ.get(S3_RETRIES_ENV, "").strip()
+    retries = DEFAULT_S3_RETRIES
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise OptionError(f"{S3_RETRIES_ENV}={text!r}: expected a whole number of retries >= 1")
+        retries = int(text)
+    return {"max_retries": retries, "initial_delay": "1s", "max_delay": "16s"}
+
+
+def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> ts.Context:
+    """One context per rank: shared I/O pools (and credentials) for every array it touches."""
+    spec = context_spec(io_concurrency, location)
+    try:
+        return ts.Context(spec, parent=process_context())
+    except ValueError as e:
+        where = f" for {location.url}" if location is not None else ""
+        raise OptionError(f"invalid TensorStore context resources{where}: {one_line(e)}") from None
+
+
+def open_kvstore(location: Location, context: ts.Context) -> ts.KvStore:
+    if location.driver == "file":
+        path = str(location.spec.get("path", "")).rstrip("/")
+        if os.path.isfile(path):
+            raise NotACheckpointError(f"{path} is a file, not a checkpoint directory")
+    try:
+        return ts.KvStore.open(dict(location.spec), context=context).result()
+    except ValueError as e:
+        raise storage_error(e, f"cannot open checkpoint location {location.url}") from None

@@ -1,0 +1,130 @@
+"""Local-filesystem primitives the commit needs and TensorStore does not give: syncfs, exchange, directory locks.
+
+Linux only where a call says so (``syncfs``, ``renameat2``); elsewhere each
+reports that it cannot, and callers fall back. Torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import functools
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import tensorstore as ts
+
+from ..errors import StorageError
+from .context import process_context, context_spec, open_kvstore
+from .location import Location
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+#: Errors that mean "this filesystem or kernel cannot do that", not "it failed".
+UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
+
+
+def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] | None] | None:
+    """A kvstore that skips per-file fsync, and the one call that makes its writes durable.
+
+    Only for local paths on Linux, where ``syncfs`` flushes the whole filesystem
+    in one journal commit: writing hundreds of small ``zarr.json`` files with an
+    fsync each costs more than the commit's data. None elsewhere (object stores
+    are durable per PUT; other systems keep per-file fsync). When the location's
+    own context sets ``file_io_sync: false``, there is no flush call either.
+    """
+    syncfs = getattr(libc(), "syncfs", None)
+    if location.driver != "file" or syncfs is None:
+        return None
+    spec = {**context_spec(location=location), "file_io_sync": False}
+    kv = open_kvstore(location, ts.Context(spec, parent=process_context()))
+    if location.context.get("file_io_sync") is False:
+        return kv, None  # the location turned syncing off altogether: no flush either
+    root = str(location.spec.get("path", "."))
+
+    def flush() -> None:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            if syncfs(fd) != 0:
+                raise StorageError(f"syncfs on {location.url} failed: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(fd)
+
+    return kv, flush
+
+
+@functools.cache
+def libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths; False where the kernel or filesystem cannot."""
+    fn = getattr(libc(), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirLock:
+    """An exclusive ``flock`` on a directory, held until released or this object is collected."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def try_acquire(cls, path: str) -> DirLock | bool | None:
+        """The lock; False if another process holds it; None if this filesystem has no locks.
+
+        Raises FileNotFoundError if ``path`` is gone.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            if e.errno in UNSUPPORTED:
+                return None
+            raise
+        return cls(fd)
+
+    @property
+    def still_linked(self) -> bool:
+        return os.fstat(self.fd).st_nlink > 0
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def liveness(path: str) -> bool | None:
+    """True if a running save holds ``path``'s lock, False if none does, None if unknown."""
+    try:
+        lock = DirLock.try_acquire(path)
+    except FileNotFoundError:
+        return False
+    if isinstance(lock, DirLock):
+        lock.release()
+        return False
+    return None if lock is None else True
