@@ -3,7 +3,7 @@
 These stores are written in place. A claim object, written only if nobody
 holds one, keeps a second save out while one runs; the root document is
 written only if it is still absent; overwriting un-commits the old checkpoint
-first, which docs/format.md states is not crash-safe there.
+first, which docs/publication.md states is not crash-safe there.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def dead_save(location, step: int) -> None:
         dcp.save(state(step), storage_writer=_DiesBeforeCommit(location), planner=SavePlanner())
     assert "killed before the commit" in str(info.value.failures)
     if isinstance(location, (str, os.PathLike)) and "://" not in str(location):
-        # A local save stages beside its target (docs/format.md, section 8), so a dead one leaves
+        # A local save stages beside its target (docs/publication.md), so a dead one leaves
         # the target as it was. What a dead save leaves *inside* a location (object stores, or
         # tsckpt 0.1 on any store) is made by moving its staging directory into place.
         parent, name = os.path.split(os.path.abspath(location))
