@@ -15,11 +15,11 @@ import tensorstore as ts
 import torch
 
 import tsckpt
-from test_s3 import BUCKET, s3  # noqa: F401 - the module's moto server and its bucket
 from tsckpt.errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, IncompleteCheckpointError
 from tsckpt.format.target import CLAIM
 from tsckpt.location import make_context, open_kvstore, parse_location
 
+BUCKET = "tsckpt-inplace"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 _COUNTER = iter(range(10**6))
 
 
