@@ -1,18 +1,32 @@
-"""Spawn real gloo ranks on CPU for multi-process tests.
+"""Start real gloo ranks on CPU, for tests, benchmarks and tools: the one rank spawner.
 
 ``run_ranks(world_size, fn, *args)`` starts ``world_size`` processes, each of
 which joins a gloo process group on loopback and calls ``fn(rank, world_size,
 *args)``. ``fn`` must be a module-level function (it is pickled by reference).
-Return values come back as a list indexed by rank; an exception in any rank
-fails the call with that rank's traceback.
+Return values come back as a list indexed by rank; an exception in any rank,
+or a rank that dies (a SIGKILL included), fails the call with every rank's
+traceback.
 
-``start_method="forkserver"`` forks ranks from a server process that imported
-torch and tsckpt once, so a test that starts many groups pays that import once
-rather than per rank. The server keeps the environment it started with.
+Ranks are forked from a forkserver that imported torch, tsckpt and the test
+helpers once per run: each rank is a fresh process (nothing of the caller's
+state, its own pid to kill), but does not pay for those imports again. Spawning
+instead costs seconds per rank on a busy two-core machine.
+
+What differs from ``spawn``, and how it is made up for:
+
+* the forkserver keeps the environment it started with, so each rank takes the
+  caller's ``os.environ`` as it is at the call (a fixture's credentials, a
+  monkeypatched ``TSCKPT_LAYOUT``);
+* a forked rank leaves by ``os._exit`` without interpreter finalization, so the
+  ``atexit`` hooks a spawned rank would run (tsckpt frees its TensorStore
+  objects there) are run at the end of each rank explicitly. (``tsckpt demo``,
+  tested in test_demo.py, still spawns its ranks and exits them normally.)
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import io
 import os
 import socket
@@ -24,6 +38,10 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+#: Imported once by the forkserver, before it forks any rank. Names that do not import are skipped.
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy", "tensorstore", "zarr",
+           "tsckpt", "tsckpt.dcp.api", "pytest", "dist", "zoo"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,10 +49,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], fn: Callable[..., Any], args: tuple,
+           queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    # What the forkserver imported is shared with it page by page until written: a garbage collection
+    # that walked those objects would copy them all into this rank (seconds, at the atexit hooks' collections).
+    gc.freeze()
+    os.environ.clear()
+    os.environ.update(environ)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -49,17 +73,22 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         raise
     finally:
         dist.destroy_process_group()
+        atexit._run_exitfuncs()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300,
-              start_method: str = "spawn") -> list[Any]:
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tsckpt.dcp.api", "dist"])
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float | None = 300) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values, by rank.
+
+    Fails with an AssertionError holding every failing rank's traceback, or if
+    the ranks have not all finished within ``timeout`` seconds (None: no limit),
+    in which case they are killed.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # only the first call of a run starts the server
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args, queue), nprocs=world_size, join=False,
-        start_method=start_method,
+        _entry, args=(world_size, free_port(), dict(os.environ), fn, args, queue), nprocs=world_size, join=False,
+        start_method="forkserver",
     )
     results: dict[int, Any] = {}
     errors: list[str] = []
@@ -72,13 +101,13 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
 
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
             drain()
             if procs.join(timeout=0.2):
                 break
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 for p in procs.processes:
                     p.kill()
                 raise AssertionError(f"ranks did not finish within {timeout}s")

@@ -19,7 +19,9 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from xml.etree import ElementTree
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -96,6 +98,21 @@ class MotoServer:
         with _OPENER.open(req, timeout=10) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"creating bucket {name!r} on {self.endpoint}: HTTP {resp.status}")
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """Every object name in ``bucket`` that starts with ``prefix``, listed by the server itself (ListObjectsV2)."""
+        names: list[str] = []
+        token = None
+        while True:
+            query = {"list-type": "2", "prefix": prefix} | ({"continuation-token": token} if token else {})
+            url = f"{self.endpoint}/{bucket}?{urllib.parse.urlencode(query)}"
+            with _OPENER.open(url, timeout=30) as resp:
+                root = ElementTree.fromstring(resp.read())
+            ns = {"s3": root.tag.partition("}")[0].lstrip("{")} if root.tag.startswith("{") else {"s3": ""}
+            names += [e.text or "" for e in root.iterfind("s3:Contents/s3:Key", ns)]
+            token = root.findtext("s3:NextContinuationToken", namespaces=ns)
+            if root.findtext("s3:IsTruncated", namespaces=ns) != "true" or not token:
+                return names
 
     def location(self, bucket: str, prefix: str) -> dict[str, Any]:
         """A tsckpt location for ``s3://bucket/prefix`` on this server."""

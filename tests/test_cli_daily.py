@@ -20,7 +20,6 @@ import tsckpt.cli.inspect as inspect_cmds
 import tsckpt.cli.verify  # noqa: F401 - registers verify
 import tsckpt.cli.version  # noqa: F401 - registers --version
 import zoo
-from test_reader import zoo_ckpt  # noqa: F401 - the shared 4-rank checkpoint
 from tsckpt.cli import app
 
 runner = CliRunner()

@@ -14,7 +14,6 @@ import pytest
 from typer.testing import CliRunner
 
 import zoo
-from test_reader import zoo_ckpt  # noqa: F401 - the shared 4-rank checkpoint
 from tsckpt.cli import app
 from tsckpt.cli import inspect as _commands  # noqa: F401 - registers ls/show/info on app
 

@@ -6,7 +6,6 @@ import json
 import os
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 import zarr
@@ -23,26 +22,7 @@ from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 
 
-def save_zoo(rank, world, path, layout="plain"):
-    tsckpt.save(zoo.zoo_state_dict(world), path, layout=layout)
-
-
-@pytest.fixture(scope="module")
-def zoo4(tmp_path_factory):
-    """One 4-rank save of every placement kind and dtype, shared by the tests below."""
-    path = str(tmp_path_factory.mktemp("zoo4") / "ckpt")
-    run_ranks(4, save_zoo, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def packed4(tmp_path_factory):
-    """The same 4-rank save in the packed layout: per-rank OCDBT databases joined at commit."""
-    path = str(tmp_path_factory.mktemp("packed4") / "ckpt")
-    run_ranks(4, save_zoo, path, "packed")
-    return path
-
-
+# zoo4 and packed4, the 4-rank zoo saved plain and packed, are shared fixtures (conftest.py).
 
 
 def test_4_rank_save_loads_into_full_tensors_without_process_group(zoo4):

@@ -18,7 +18,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
-from test_s3 import BUCKET, s3  # noqa: F401 - the module's moto server and its bucket
 from tsckpt import TensorStoreWriter
 from tsckpt.errors import ForeignContentError
 from tsckpt.storage.context import make_context, open_kvstore
@@ -75,6 +74,7 @@ class S3Prefix:
         return result.value if result.state == "value" else None
 
 
+BUCKET = "tsckpt-foreign"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 _RUNS = iter(range(10**6))
 
 

@@ -15,12 +15,12 @@ import tensorstore as ts
 import torch
 
 import tsckpt
-from test_s3 import BUCKET, s3  # noqa: F401 - the module's moto server and its bucket
 from tsckpt.errors import CheckpointExistsError, ConcurrentSaveError, ForeignContentError, IncompleteCheckpointError
 from tsckpt.commit.states import CLAIM
 from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 
+BUCKET = "tsckpt-inplace"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 _COUNTER = iter(range(10**6))
 
 

@@ -159,8 +159,7 @@ def test_sigkill_at_random_points_of_an_overwrite_leaves_old_or_new(tmp_path, ca
     # One clean run sizes the window in which the kills land (and checks that the new save loads).
     reference = tmp_path / "reference"
     shutil.copytree(base, reference)
-    took = max(dist.run_ranks(WORLD, _save_then_maybe_die, reference, 2, -1, 0.0, timeout=TIMEOUT,
-                              start_method="forkserver"))
+    took = max(dist.run_ranks(WORLD, _save_then_maybe_die, reference, 2, -1, 0.0, timeout=TIMEOUT))
     assert _which(reference) == 2
     rng = random.Random(11)
     counts = {"old": 0, "new": 0, "neither": 0}
@@ -170,8 +169,7 @@ def test_sigkill_at_random_points_of_an_overwrite_leaves_old_or_new(tmp_path, ca
         victim = 0 if trial % 2 == 0 else rng.randrange(1, WORLD)  # half the kills hit the coordinator
         delay = rng.uniform(0.0, 1.3 * took)
         try:
-            dist.run_ranks(WORLD, _save_then_maybe_die, path, 2, victim, delay, timeout=TIMEOUT,
-                           start_method="forkserver")
+            dist.run_ranks(WORLD, _save_then_maybe_die, path, 2, victim, delay, timeout=TIMEOUT)
         except AssertionError:
             pass
         outcome = {1: "old", 2: "new"}.get(_which(path), "neither")
@@ -196,7 +194,7 @@ def _race(tmp_path, overwrite):
     def run(seed, mine, other):
         try:
             outcomes[seed] = dist.run_ranks(2, _save_meeting, target, seed, mine, other, overwrite,
-                                            timeout=TIMEOUT, start_method="forkserver")[0]
+                                            timeout=TIMEOUT)[0]
         except AssertionError as e:
             outcomes[seed] = e
 
@@ -275,7 +273,7 @@ def test_orphans_of_a_killed_save_are_reported_then_cleaned_by_the_next_save(tmp
     path = tmp_path / "ckpt"
     tsckpt.save(_plain(1), path)
     with pytest.raises(AssertionError):
-        dist.run_ranks(2, _save_killed, path, 2, timeout=TIMEOUT, start_method="forkserver")
+        dist.run_ranks(2, _save_killed, path, 2, timeout=TIMEOUT)
     assert _which(path) == 1
     [left] = tsckpt.leftovers(path)
     assert left.live is False and left.nbytes > 0 and "staging directory of save" in left.what
@@ -294,7 +292,7 @@ def test_clean_removes_orphans_and_never_the_checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     tsckpt.save(_plain(1), path)
     with pytest.raises(AssertionError):
-        dist.run_ranks(2, _save_killed, path, 2, timeout=TIMEOUT, start_method="forkserver")
+        dist.run_ranks(2, _save_killed, path, 2, timeout=TIMEOUT)
     res = _cli("clean", str(path))
     assert res.exit_code == 0 and "1 leftover(s) removed" in res.output, res.output
     assert not staging_dirs(str(path)) and _which(path) == 1

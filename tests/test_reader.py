@@ -14,7 +14,6 @@ import pytest
 import tensorstore as ts
 import torch
 
-import dist
 import tsckpt
 from damage import layout_of, write_key
 import zoo
@@ -23,29 +22,6 @@ from tsckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, Ts
 from tsckpt.format.metadata import DTensorPlacement, ReplicatedPlacement, ShardedTensorPlacement
 from tsckpt.read.checkpoint import KeyNotFoundError
 from tsckpt.read.index import SelectionError, normalize_index, parse_index
-
-
-def _save_zoo(rank: int, world: int, path: str) -> None:
-    tsckpt.save(zoo.zoo_state_dict(world), path)
-
-
-def shared_zoo(tmp_path_factory) -> str:
-    """One 4-rank save of the zoo per test run, reused (read-only) by the reader, zarr and CLI tests.
-
-    Spawning ranks is the slow part of these tests, so the first module to ask
-    saves it and later ones find it committed in the run's base temp directory.
-    """
-    path = tmp_path_factory.getbasetemp() / "shared-zoo"
-    root = path / "zarr.json"
-    if not (root.exists() and "tsckpt" in json.loads(root.read_text()).get("attributes", {})):
-        shutil.rmtree(path, ignore_errors=True)
-        dist.run_ranks(4, _save_zoo, str(path))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def zoo_ckpt(tmp_path_factory) -> str:
-    return shared_zoo(tmp_path_factory)
 
 
 def _key(name: str) -> str:

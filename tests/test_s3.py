@@ -15,41 +15,25 @@ import zoo
 from cli_run import one_line_error, run_cli
 from zoo import same_bits
 from dist import run_ranks
-from s3server import MotoServer, restore_credentials, set_credentials
 from tsckpt.errors import MetadataError, StorageError
 from tsckpt.commit import protocol as commit
 from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 
-BUCKET = "tsckpt-test"
-
-
-@pytest.fixture(scope="module")
-def s3():
-    # Set before any rank is spawned: ranks inherit the environment.
-    previous = set_credentials()
-    with MotoServer() as server:
-        server.create_bucket(BUCKET)
-        yield server
-    restore_credentials(previous)
-
-
-def save_zoo(rank, world, location):
-    tsckpt.save(zoo.zoo_state_dict(world), location)
+BUCKET = "tsckpt-test"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 
 
 @pytest.fixture(scope="module")
 def zoo_s3(s3):
-    """The 4-rank zoo saved to s3://tsckpt-test/zoo4 by spawned gloo ranks."""
+    """The 4-rank zoo saved to s3://tsckpt-test/runs/zoo4 by gloo ranks, in the default layout."""
     location = s3.location(BUCKET, "runs/zoo4")
-    run_ranks(4, save_zoo, location)
+    run_ranks(4, zoo.save_zoo, location)
     return location
 
 
 def bucket_keys(s3, prefix: str = "") -> list[str]:
     """Every key in the bucket that starts with ``prefix``, as full object names."""
-    kv = open_kvstore(parse_location(s3.location(BUCKET, "")), make_context())
-    return [k.decode() for k in kv.list().result() if k.decode().startswith(prefix)]
+    return s3.keys(BUCKET, prefix)
 
 
 

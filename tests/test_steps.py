@@ -22,7 +22,6 @@ from typer.testing import CliRunner
 
 import tsckpt
 import tsckpt.cli.steps  # noqa: F401 - registers latest / prune
-from test_s3 import BUCKET, bucket_keys, s3  # noqa: F401 - the moto server fixture
 from tsckpt import steps
 from tsckpt.cli import app
 from tsckpt.errors import TsckptError
@@ -30,6 +29,9 @@ from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
+
+BUCKET = "tsckpt-steps"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
+
 
 def state(step: int) -> dict:
     return {"model": {"w": torch.full((4, 3), float(step)), "b": torch.arange(3.0)}, "step": step}
@@ -203,7 +205,7 @@ def test_cli_latest_and_prune(root):
 # --- object storage ------------------------------------------------------------------------------
 
 def keys_under(s3, prefix: str) -> set[str]:
-    return set(bucket_keys(s3, prefix))
+    return set(s3.keys(BUCKET, prefix))
 
 
 def put(s3, key: str, data: bytes) -> None:

@@ -19,7 +19,6 @@ import tsckpt
 import tsckpt.format.zarr_dtypes as zd
 from damage import layout_of
 import zoo
-from test_reader import zoo_ckpt  # noqa: F401 - the shared 4-rank checkpoint
 from tsckpt.format import dtypes
 from tsckpt.format.names import zarr_path
 

@@ -15,13 +15,13 @@ from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 import tsckpt
-from test_s3 import BUCKET, s3  # noqa: F401  (the moto S3 server fixture, one per module)
 from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 from tsckpt.read.zarr_store import TensorStoreZarrStore
 
 RANGES = [None, RangeByteRequest(1, 5), RangeByteRequest(0, 1), OffsetByteRequest(3), SuffixByteRequest(4),
           RangeByteRequest(2, 10**9), OffsetByteRequest(10**9), SuffixByteRequest(10**9)]
+BUCKET = "tsckpt-zarr-store"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 
 
 def state() -> dict:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import tsckpt
+
 SPECS = {
     # name: (shape, dtype)
     "even": ((8, 6), torch.float32),
@@ -105,6 +107,11 @@ def zoo_state_dict(world: int, without: tuple[str, ...] = ()) -> dict:
     model = {k: v for k, v in model.items() if k not in without}
     extra = {"lr": 0.1, "name": "run-1", "groups": [{"lr": 0.01, "betas": (0.9, 0.99), "params": [0, 1]}]}
     return {"model": model, "dtypes": dtypes, "extra": extra}
+
+
+def save_zoo(rank: int, world: int, location, layout: str | None = None) -> None:
+    """Run on each of ``world`` ranks: save the zoo to ``location`` (in ``layout``, else the default one)."""
+    tsckpt.save(zoo_state_dict(world), location, **({"layout": layout} if layout else {}))
 
 
 def empty_like_expected(without: tuple[str, ...] = ()) -> dict:

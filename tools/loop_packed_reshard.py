@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))  # this checkout's tsckpt
 
 from dist import run_ranks  # noqa: E402
 import test_distributed as td  # noqa: E402
+import zoo  # noqa: E402
 
 
 def load_marked(rank: int, world: int, path: str) -> list[str]:
@@ -49,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     path = os.path.join(tempfile.mkdtemp(prefix="tsckpt-loop-"), "ckpt")
     os.environ["TSCKPT_LAYOUT"] = args.layout  # the spawned ranks inherit it
-    run_ranks(4, td.save_zoo, path, args.layout)
+    run_ranks(4, zoo.save_zoo, path, args.layout)
     failures = 0
     for i in range(args.runs):
         try:
