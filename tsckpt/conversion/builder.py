@@ -19,7 +19,6 @@ builder abandoned half-way leaves the location as it was.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
@@ -28,17 +27,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import checksums, dtypes, values, zarr_json
+from ..format import checksums, dtypes, values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
-from ..storage.batch import RankBatch
 from ..storage.layouts import default_layout
 from ..storage.store import Store
 from ..commit.publication import begin_save
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
+from ..rank_writer import RankWriter
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +103,8 @@ class CheckpointBuilder:
         self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
         self.location = self.target.location
         self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout or default_layout())
-        self._batch = RankBatch(self.store.layout, self.flush, 0, self.url)
+        self._writer = RankWriter(self.store, 0, self.url, options=self.array_options, checksums=checksums,
+                                  window=max_inflight_bytes, bound_host_sources=True)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
@@ -113,8 +113,6 @@ class CheckpointBuilder:
         self._blob_sizes: dict[str, int] = {}
         self._paths: set[str] = set()
         self._groups: set[str] = set()
-        self._pending: collections.deque[tuple[str, Any, Any, int]] = collections.deque()
-        self._inflight = 0
         self._committed = False
 
     def __enter__(self) -> CheckpointBuilder:
@@ -127,12 +125,7 @@ class CheckpointBuilder:
             return
         # Not committed: wait for started writes, so no I/O outlives the tensors
         # they read, then drop the staged data (in place: only the claim goes).
-        for _, fut, _, _ in self._pending:
-            try:
-                fut.result()
-            except Exception:
-                pass
-        self._pending.clear()
+        self._writer.abandon()
         if not self._committed:
             self.target.abort()
 
@@ -170,16 +163,12 @@ class CheckpointBuilder:
         whole = [((0,) * len(shape), shape)] if source.size else []
         entry = plan_tensor(fqn, key_path, shape, dt.zarr, whole, inner_chunk_bytes=self.inner_chunk_bytes,
                             placement=ReplicatedPlacement())
-        if source.size:
-            opened = self.store.create(path, zarr_json.tensor_metadata(entry, self.array_options))
-            arr = self._batch.bind(opened.result())
-            fut = arr[tuple(slice(0, n) for n in shape)].write(
-                source, can_reference_source_data_indefinitely=True)
-            self._track(fqn, fut, (tensor, source), source.nbytes)
-            self._batch.wrote(fqn, source.nbytes)
+        self._writer.open({fqn: entry})
+        self._writer.write(fqn, (0,) * len(shape), source)
         if self.checksums:
-            written = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else ([], [])
-            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, *written))
+            written = self._writer.written[fqn]
+            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, written.indices,
+                                                                               written.crcs))
         self._tensors[fqn] = entry
         return entry
 
@@ -208,38 +197,19 @@ class CheckpointBuilder:
         if encoding == values.JSON:
             entry = ObjectEntry(key_path, values.JSON, value=payload)
         else:
-            blob = np.frombuffer(payload, dtype=np.uint8)
-            arr = self._batch.bind(self.store.create(path, zarr_json.blob_metadata(blob.size)).result())
-            self._track(fqn, arr.write(blob), blob, blob.size)
-            self._batch.wrote(fqn, blob.size)
-            self._blob_sizes[fqn] = int(blob.size)
+            self._writer.write_blob(fqn, path, payload)
+            self._blob_sizes[fqn] = len(payload)
             entry = ObjectEntry(key_path, values.TORCH, path=path)
         self._objects[fqn] = entry
         return entry
 
-    def _track(self, fqn: str, fut: Any, keep_alive: Any, nbytes: int) -> None:
-        self._pending.append((fqn, fut, keep_alive, nbytes))
-        self._inflight += nbytes
-        while self._pending and self._inflight > self.max_inflight_bytes:
-            self._wait_oldest()
-
-    def _wait_oldest(self) -> None:
-        fqn, fut, _, nbytes = self._pending.popleft()
-        self._inflight -= nbytes
-        try:
-            fut.result()
-        except Exception as e:
-            raise TsckptError(f"writing {fqn!r} to {self.url} failed: {e}") from e
-
     def flush(self) -> None:
         """Wait until every tensor added so far is written."""
-        while self._pending:
-            self._wait_oldest()
+        self._writer.flush()
 
     def commit(self) -> CheckpointMetadata:
         """Wait for all data, then write array, group and root documents (the commit)."""
-        self._batch.commit()
-        self.flush()
+        self._writer.finish()
         md = commit.commit_checkpoint(
             self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,

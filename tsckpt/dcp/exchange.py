@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from ..format import checksums
 from ..storage.layouts import PLAIN
 from ..format.metadata import TensorEntry
 from ..storage.location import Location
@@ -54,13 +53,10 @@ class RankSummary:
         self.chunk: list[int] = []
         self.crc: list[int] = []
 
-    def add(self, fqn: str, entry: TensorEntry, offsets: Any, source: np.ndarray, with_checksums: bool) -> None:
-        if with_checksums:
-            indices, crcs = checksums.region_checksums(source, entry.grid, offsets)
-            self.crc += crcs
-        else:
-            indices = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(offsets, source.shape)]
+    def add(self, fqn: str, indices: list[int], crcs: list[int]) -> None:
+        """Record the outer chunks of ``fqn`` this rank wrote (flat grid indices) and their crc32c, if any."""
         self.chunk += indices
+        self.crc += crcs
         self.tensor += [self.ids[fqn]] * len(indices)
 
     def packed(self) -> dict[str, Any]:

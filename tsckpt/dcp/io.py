@@ -15,16 +15,13 @@ from torch.futures import Future
 from ..errors import LocationError, TsckptError
 from ..storage.store import Store
 from ..storage.location import Location, LocationLike, parse_location
+from ..rank_writer import region  # noqa: F401 - the reader's boxes are the writer's
 
 
 def done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-def region(offsets: Any, sizes: Any) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
 class TensorStoreIO:

@@ -26,21 +26,21 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import checksums, dtypes, values, zarr_json
+from ..format import checksums, dtypes, values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
-from ..storage.batch import RankBatch
 from ..storage.store import Store
 from ..commit.target import SaveTarget
 from ..commit.publication import begin_save
 from ..storage.location import Location, LocationLike
+from ..rank_writer import RankWriter
 from . import compat, logs, plan_cache
-from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
+from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .planner import placement_records
 from .exchange import RankPlan, RankSummary
-from .io import TensorStoreIO, done, region
+from .io import TensorStoreIO, done
 from .protocol import Placements, encode_bytes
 from .staging import Stager
 
@@ -255,78 +255,37 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             # The coordinator's layout is the one its metadata will record.
             self.layout, self._store, self._data_store = rank_plan.storage_layout, None, None
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
-        store = self.data_store(rank_plan.location)
-        opened = {
-            fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options), self.rank)
-            for fqn, e in rank_plan.arrays.items()
-        }
-        pending, results, keep_alive = [], [], []
-        batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, str(self.checkpoint_id))
+        writer = RankWriter(self.data_store(rank_plan.location), self.rank, str(self.checkpoint_id),
+                            options=self.array_options, checksums=self.checksums,
+                            window=self.per_thread_copy_ahead)
+        writer.open(rank_plan.arrays)
         summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
-        copies = CopyWindow(self.per_thread_copy_ahead)
-        later = []
+        results = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                summary.objects[fqn], fut = self._write_object(store, fqn, rank_plan.objects[fqn], data, batch)
+                summary.objects[fqn] = self._write_object(writer, fqn, rank_plan.objects[fqn], data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
-                if fut is not None:
-                    pending.append((fqn, fut))
                 continue
-            chunk = item.tensor_data.chunk
-            tensor = data.detach()
-            nbytes = tensor.numel() * tensor.element_size()
-            on_device = tensor.device.type != "cpu"
-            if on_device:
-                copies.admit(nbytes)
-                tensor = tensor.cpu()
+            nbytes = writer.write(fqn, item.tensor_data.chunk.offsets, data)
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
-            if not tensor.numel():
-                continue
-            source = dtypes.tensor_as_numpy(tensor)
-            arr = batch.bind(opened[fqn].result())
-            fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
-            pending.append((fqn, fut))
-            batch.wrote(fqn, nbytes)
-            if on_device:
-                # Checksum the host copy now: the copy window may release it once written.
-                summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
-                copies.add(nbytes, lambda fqn=fqn, fut=fut: self._wait(fqn, fut), hold=tensor)
-            else:
-                keep_alive.append(tensor)
-                later.append((fqn, chunk.offsets, source))
-        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for fqn, offsets, source in later:
-            summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
-        copies.drain()
-        self._drain(pending)
-        batch.commit()
+        writer.finish()
+        for fqn, chunks in writer.written.items():
+            summary.add(fqn, chunks.indices, chunks.crcs)
         if results:
             # One record per rank rather than per item: the coordinator's finish then
             # handles ranks, not ranks x tensors.
             results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
         return done(results)
 
-    def _drain(self, pending: list[tuple[str, Any]]) -> None:
-        for fqn, fut in pending:
-            self._wait(fqn, fut)
-        pending.clear()
-
-    def _wait(self, fqn: str, fut: Any) -> None:
-        try:
-            fut.result()
-        except Exception as e:
-            raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
-
-    def _write_object(self, store: Store, fqn: str, path: str, data: Any, batch: RankBatch) -> tuple[dict[str, Any], Any]:
+    @staticmethod
+    def _write_object(writer: RankWriter, fqn: str, path: str, data: Any) -> dict[str, Any]:
         encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
-            return {"encoding": values.JSON, "value": payload}, None
-        blob = np.frombuffer(payload, dtype=np.uint8)
-        arr = batch.bind(store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
-        batch.wrote(fqn, blob.size)
-        return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
+            return {"encoding": values.JSON, "value": payload}
+        writer.write_blob(fqn, path, payload)
+        return {"encoding": values.TORCH, "nbytes": len(payload)}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after all data is durable: gather each tensor's checksums, then commit and publish."""

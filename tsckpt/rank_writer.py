@@ -1,0 +1,192 @@
+"""One rank's writes into a save: arrays opened, chunks and value blobs written, checksummed, awaited.
+
+Both save pipelines write through :class:`RankWriter`: every rank of a DCP save
+(:class:`tsckpt.TensorStoreWriter`) and the one-process
+:class:`~tsckpt.conversion.builder.CheckpointBuilder`. What an array looks like
+(its path, grid and codecs) is decided before it gets here; this module only
+moves bytes and remembers what it wrote:
+
+* arrays are opened before their ``zarr.json`` exists (:meth:`Store.create`,
+  TensorStore's ``assume_metadata``), through the layout's transaction batches
+  (:class:`~tsckpt.storage.batch.RankBatch`);
+* every outer chunk written gets its crc32c (:mod:`tsckpt.format.checksums`),
+  kept per tensor in :attr:`RankWriter.written`;
+* host copies of device tensors, and with ``bound_host_sources`` every source,
+  pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
+  the host memory a rank holds while TensorStore works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .dcp.copy_window import CopyWindow
+from .errors import TsckptError
+from .format import checksums, dtypes, zarr_json
+from .storage.batch import RankBatch
+from .format.metadata import ArrayOptions, TensorEntry
+from .storage.store import Store
+
+
+def region(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    """The box of an array at ``offsets`` of ``sizes``, as slices."""
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+
+
+@dataclass
+class WrittenChunks:
+    """The outer chunks of one tensor this rank wrote: flat grid indices and, with checksums, their crc32c."""
+
+    indices: list[int] = field(default_factory=list)
+    crcs: list[int] = field(default_factory=list)
+
+
+class RankWriter:
+    """Write one rank's chunks and blobs into ``store``; see the module docstring.
+
+    Call :meth:`open` with the arrays the rank will write, then :meth:`write`
+    and :meth:`write_blob` in any order, then :meth:`finish` once: it returns
+    when every write is durable (committed, for layouts with transactions).
+
+    Args:
+        store: where this save's data goes (its staging location, or in place).
+        rank: the rank writing (the packed layout gives each rank a database).
+        where: the checkpoint, as named in errors.
+        options: the codecs of every tensor array.
+        checksums: compute a crc32c of every outer chunk written.
+        window: bytes of host data kept in flight (:class:`CopyWindow`'s limit;
+            None: no bound).
+        bound_host_sources: pass CPU sources through the window too, releasing
+            each once written (a converter that must not hold every tensor);
+            otherwise CPU sources stay referenced until :meth:`finish`, and
+            their checksums are computed there while TensorStore's threads write.
+    """
+
+    def __init__(self, store: Store, rank: int, where: str, *, options: ArrayOptions, checksums: bool,
+                 window: int | None, bound_host_sources: bool = False):
+        self.store = store
+        self.rank = rank
+        self.where = where
+        self.options = options
+        self.checksums = checksums
+        self.bound_host_sources = bound_host_sources
+        self.written: dict[str, WrittenChunks] = {}
+        self._entries: dict[str, TensorEntry] = {}
+        self._opened: dict[str, Any] = {}
+        self._pending: list[tuple[str, Any]] = []
+        self._later: list[tuple[str, Sequence[int], np.ndarray]] = []
+        self._held: list[Any] = []
+        self._window = CopyWindow(window)
+        self._batch = RankBatch(store.layout, self._drain, rank, where)
+
+    def open(self, entries: Mapping[str, TensorEntry]) -> None:
+        """Start opening the arrays of ``entries`` (flat key -> entry), all at once."""
+        for fqn, e in entries.items():
+            self._entries[fqn] = e
+            self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank)
+
+    def write(self, fqn: str, offsets: Sequence[int], data: Any) -> int:
+        """Start writing ``data`` (a torch tensor or numpy array) at ``offsets`` of tensor ``fqn``; its byte count.
+
+        The data must not change until :meth:`finish` returns. A device tensor
+        is copied to host memory first, within the window.
+        """
+        nbytes, copied = self._host_bytes(data)
+        if copied or self.bound_host_sources:
+            self._window.admit(nbytes)
+        source, hold = self._as_numpy(data)
+        chunks = self.written.setdefault(fqn, WrittenChunks())
+        if not source.size:
+            return nbytes
+        arr = self._batch.bind(self._opened[fqn].result())
+        fut = arr[region(offsets, source.shape)].write(source, can_reference_source_data_indefinitely=True)
+        self._pending.append((fqn, fut))
+        self._batch.wrote(fqn, nbytes)
+        if copied or self.bound_host_sources:
+            # Checksum now: the window may release the source once it is written.
+            self._checksum(fqn, chunks, offsets, source)
+            self._window.add(nbytes, lambda: self._wait(fqn, fut), hold=hold)
+        else:
+            self._held.append(hold)
+            self._later.append((fqn, offsets, source))
+        return nbytes
+
+    def write_blob(self, name: str, path: str, payload: bytes) -> None:
+        """Start writing a value blob (``torch.save`` bytes) as the ``uint8`` array at ``path``."""
+        blob = np.frombuffer(payload, dtype=np.uint8)
+        if self.bound_host_sources:
+            self._window.admit(blob.size)
+        arr = self._batch.bind(self.store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
+        self._batch.wrote(name, blob.size)
+        fut = arr.write(blob)
+        self._pending.append((name, fut))
+        if self.bound_host_sources:
+            self._window.add(blob.size, lambda: self._wait(name, fut), hold=blob)
+
+    def finish(self) -> None:
+        """Checksum what is left, wait for every write, commit the last batch."""
+        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
+        for fqn, offsets, source in self._later:
+            self._checksum(fqn, self.written[fqn], offsets, source)
+        self._later.clear()
+        self._window.drain()
+        self._drain()
+        self._batch.commit()
+        self._held.clear()
+
+    def flush(self) -> None:
+        """Wait until every write started so far is done (not committed: see :meth:`finish`)."""
+        self._window.drain()
+        self._drain()
+
+    def abandon(self) -> None:
+        """After a failure: wait for started writes, ignoring their errors, so no I/O outlives its source."""
+        for _, fut in self._pending:
+            try:
+                fut.result()
+            except Exception:
+                pass
+        self._pending.clear()
+        self._window = CopyWindow(self._window.limit)
+        self._held.clear()
+
+    def _checksum(self, fqn: str, chunks: WrittenChunks, offsets: Sequence[int], source: np.ndarray) -> None:
+        grid = self._entries[fqn].grid
+        if self.checksums:
+            indices, crcs = checksums.region_checksums(source, grid, offsets)
+            chunks.crcs += crcs
+        else:
+            indices = [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, source.shape)]
+        chunks.indices += indices
+
+    @staticmethod
+    def _host_bytes(data: Any) -> tuple[int, bool]:
+        """The byte count of ``data`` and whether it must be copied to host memory first."""
+        if isinstance(data, np.ndarray):
+            return data.nbytes, False
+        return data.numel() * data.element_size(), data.device.type != "cpu"
+
+    @staticmethod
+    def _as_numpy(data: Any) -> tuple[np.ndarray, Any]:
+        """A numpy view of ``data`` (copied to host memory if on a device), and what must stay referenced."""
+        if isinstance(data, np.ndarray):
+            return data, data
+        tensor = data.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        return dtypes.tensor_as_numpy(tensor), tensor
+
+    def _drain(self) -> None:
+        for name, fut in self._pending:
+            self._wait(name, fut)
+        self._pending.clear()
+
+    def _wait(self, name: str, fut: Any) -> None:
+        try:
+            fut.result()
+        except Exception as e:
+            raise TsckptError(f"writing {name!r} to {self.where} failed: {e}") from e
