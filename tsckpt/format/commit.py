@@ -35,6 +35,8 @@ from ..location import DEFAULT_IO_CONCURRENCY, LocationLike, encode_json, list_k
 from . import checksums, dtypes, values, zarr_json
 from .metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from .names import parent_groups
+from .packed_reuse import KeptChunks
+from .reuse import Reuse
 from .spec import Store
 from .target import ATTRIBUTE, ROOT, SaveTarget
 
@@ -73,6 +75,9 @@ def commit_checkpoint(
     options: ArrayOptions = ArrayOptions(),
     writers: Mapping[str, Sequence[int]] | None = None,
     target: SaveTarget | None = None,
+    content_hash: str | None = None,
+    reuse: Reuse | None = None,
+    kept: KeptChunks | None = None,
 ) -> CheckpointMetadata:
     """Validate the entries, assemble the metadata document and commit it; call once all data is durable.
 
@@ -81,7 +86,10 @@ def commit_checkpoint(
     the rank that wrote each chunk of a tensor (see :func:`tensor_attributes`).
     ``target`` (from :func:`~tsckpt.format.target.begin_save`) writes and publishes
     the root document; without one it is written to ``store`` directly. If the
-    commit fails, the target drops the save's staged data.
+    commit fails, the target drops the save's staged data. ``content_hash``
+    names the algorithm of the entries' content hash tables; ``reuse`` and
+    ``kept`` say what an incremental save took from its base
+    (:mod:`tsckpt.base_chunks`).
     """
     import torch  # only for its version string; every caller has it loaded already
 
@@ -105,11 +113,13 @@ def commit_checkpoint(
         extra=dict(extra or {}),
         array_options=options,
         layout=store.layout.name,
+        content_hash=content_hash,
+        reuse=reuse,
     )
     try:
         if target is not None:
             target.check_current()
-        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size), target=target)
+        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size, kept), target=target)
     except BaseException:
         if target is not None:
             target.abort()
