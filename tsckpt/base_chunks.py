@@ -2,10 +2,11 @@
 
 A save given a base (``tsckpt.save(..., base=B)``) compares each outer chunk it
 is about to write with the same chunk of the same array in ``B``: same path,
-shape, data type, chunk grid, inner chunks and codecs, and equal content hash
-and crc32c (:mod:`tsckpt.format.content_hashes`). Such a chunk is taken from
-the base only after the base's stored bytes are read back and match their
-crc32c, so a damaged chunk of the base is written afresh instead.
+shape, data type, chunk grid, inner chunks and codecs, and an equal 128-bit
+content hash (:mod:`tsckpt.format.content_hashes`). Such a chunk is taken from
+the base only after the base's stored bytes are read back and still have that
+hash (a stronger check than their crc32c, and a faster one), so a damaged
+chunk of the base is written afresh instead.
 
 How a chunk is taken depends on where the checkpoints live, and in each case
 the new checkpoint stands alone (``docs/format.md``, section 8):
@@ -99,7 +100,7 @@ def choose_base(target: Location, base: LocationLike | None, *, incremental: boo
         return None
     if not checksums_on:
         raise TsckptError(f"saving {target.url} with base {location.url}: an incremental save needs "
-                          f"checksums=True (unchanged chunks are found by their checksums and content hashes)")
+                          f"checksums=True (unchanged chunks are found by their content hashes)")
     try:
         _, md = commit.open_committed(location)
     except TsckptError as e:

@@ -13,8 +13,8 @@ moves bytes and remembers what it wrote:
   and content hash (:mod:`tsckpt.format.content_hashes`), kept per tensor in
   :attr:`RankWriter.written`;
 * given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
-  equal to the base's is not written: the base's copy is read back, checked
-  against its crc32c, and taken; one that fails is written after all;
+  with the base's content hash is not written: the base's copy is read back,
+  checked against that hash, and taken; one that fails is written after all;
 * host copies of device tensors, and with ``bound_host_sources`` every source,
   pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
   the host memory a rank holds while TensorStore works.
@@ -156,20 +156,25 @@ class RankWriter:
 
     def _write_against(self, fqn: str, offsets: Sequence[int], source: np.ndarray, chunks: WrittenChunks,
                        base: tuple[np.ndarray, np.ndarray]) -> list[Any]:
-        """Write the chunks of a region that differ from the base's; check and take the others."""
+        """Write the chunks of a region whose content hash differs from the base's; check and take the others.
+
+        An unchanged chunk's crc32c is the base's: the content is the same, so
+        only the (faster) content hash is computed for it.
+        """
         crcs, digests = base
         grid = self._entries[fqn].grid
         changed, seen = [], 0
-        for index, view, crc, digest in chunk_sums(source, grid, offsets):
+        for index, view in grid.chunks_within(offsets, source.shape):
             seen += 1
-            flat = grid.flat_index(index)
+            part = np.ascontiguousarray(source[view])
+            flat, digest = grid.flat_index(index), content_hashes.digest(part)
+            same = digest == digests[flat].tobytes()
             chunks.indices.append(flat)
-            chunks.crcs.append(crc)
+            chunks.crcs.append(int(crcs[flat]) if same else checksums.crc32c(part))
             chunks.digests.append(digest)
-            same = crc == int(crcs[flat]) and digest == digests[flat].tobytes()
             chunks.reused.append(same)
             if same:
-                self._check_then_take(fqn, index, len(chunks.reused) - 1, source[view])
+                self._check_then_take(fqn, index, len(chunks.reused) - 1, part)
             else:
                 changed.append((index, view))
         if len(changed) == seen:  # nothing to take: one write, as without a base
@@ -178,7 +183,11 @@ class RankWriter:
                 for index, view in changed]
 
     def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
-        """Read the base's chunk back; take it if it matches its crc32c, else write ``part`` after all."""
+        """Read the base's chunk back; take it if it still has its content hash, else write ``part`` after all.
+
+        The content hash is the stronger check of the two the base recorded
+        (128 bits against crc32c's 32) and the faster to compute.
+        """
         assert self.base is not None
         self._checks.admit(part.nbytes)
         reading = self.base.read(fqn, index)
@@ -188,7 +197,7 @@ class RankWriter:
         assert self.base is not None
         chunks, entry = self.written[fqn], self._entries[fqn]
         try:
-            sound = checksums.crc32c(reading.result()) == chunks.crcs[position]
+            sound = content_hashes.digest(reading.result()) == chunks.digests[position]
         except ValueError:  # missing or undecodable in the base: damaged, so not taken
             sound = False
         if sound and self.base.take(entry, index):
