@@ -67,8 +67,7 @@ def chunk_sums(source: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> I
         tuple[tuple[int, ...], tuple[slice, ...], int, bytes]]:
     """Every chunk of a region written at ``offsets``: grid index, slice of ``source``, crc32c, content hash."""
     for index, view in grid.chunks_within(offsets, source.shape):
-        part = np.ascontiguousarray(source[view])
-        yield index, view, checksums.crc32c(part), content_hashes.digest(part)
+        yield index, view, *content_hashes.crc_and_digest(source[view])
 
 
 class RankWriter:
