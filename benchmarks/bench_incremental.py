@@ -93,7 +93,8 @@ def _frozen_share(state: dict[str, torch.Tensor]) -> float:
 
 # --- on disk ------------------------------------------------------------------
 
-def _inodes(path: str) -> dict[int, int]:
+def allocated(path: str) -> dict[int, int]:
+    """Bytes allocated on disk by each inode below ``path``."""
     out = {}
     for folder, _, files in os.walk(path):
         for f in files:
@@ -104,8 +105,8 @@ def _inodes(path: str) -> dict[int, int]:
 
 def new_bytes(path: str, base: str | None) -> int:
     """Bytes allocated by the inodes below ``path`` that ``base`` does not share."""
-    shared = set(_inodes(base)) if base else set()
-    return sum(n for ino, n in _inodes(path).items() if ino not in shared)
+    shared = set(allocated(base)) if base else set()
+    return sum(n for ino, n in allocated(path).items() if ino not in shared)
 
 
 # --- ranks --------------------------------------------------------------------

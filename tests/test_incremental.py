@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +22,9 @@ import dist
 import tsckpt
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_incremental import allocated, new_bytes  # noqa: E402 - the benchmark's own count of new bytes
 
 TIMEOUT = 240
 LAYOUTS = ["plain", "packed"]
@@ -54,16 +58,6 @@ def _inode(path, key) -> int:
     return os.stat(os.path.join(path, key)).st_ino
 
 
-def _allocated(path) -> dict[int, int]:
-    """Bytes allocated by each inode below ``path``."""
-    out = {}
-    for folder, _, files in os.walk(path):
-        for f in files:
-            st = os.lstat(os.path.join(folder, f))
-            out[st.st_ino] = st.st_blocks * 512
-    return out
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_unchanged_chunks_are_reused_and_the_new_checkpoint_stands_alone(tmp_path, layout, caplog):
     base, new = tmp_path / "step_1", tmp_path / "step_2"
@@ -76,12 +70,11 @@ def test_unchanged_chunks_are_reused_and_the_new_checkpoint_stands_alone(tmp_pat
     assert reuse.bytes_written == 8 * 4 * 4 and reuse.note is None
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved")]
     assert line.endswith(f"; wrote {reuse.bytes_written} bytes, reused {frozen_bytes} bytes (1 chunks) of {base}")
-    fresh = set(_allocated(new)) - set(_allocated(base))
     if layout == "plain":
         assert _inode(new, "model/frozen/c.0.0") == _inode(base, "model/frozen/c.0.0")
         assert _inode(new, "model/adapter/c.0.0") != _inode(base, "model/adapter/c.0.0")
     # New inodes hold the adapter and the documents, never the frozen weight again.
-    assert sum(_allocated(new)[i] for i in fresh) < sum(_allocated(base).values()) / 4
+    assert new_bytes(new, base) < new_bytes(base, None) / 4
     assert _same(_load(new), _state(2)) and _same(_load(base), _state(1))
     shutil.rmtree(base)
     assert _same(_load(new), _state(2))
@@ -209,11 +202,11 @@ def _incremental_killed(rank, world, root, layout):
 def test_a_killed_incremental_save_leaves_its_base_whole(tmp_path, layout):
     dist.run_ranks(2, _save_chain, str(tmp_path), layout, timeout=TIMEOUT, start_method="forkserver")
     shutil.rmtree(tmp_path / "step_2")
-    before = {k: v for k, v in _allocated(tmp_path / "step_1").items()}
+    before = allocated(tmp_path / "step_1")
     with pytest.raises(AssertionError):
         dist.run_ranks(2, _incremental_killed, str(tmp_path), layout, timeout=TIMEOUT, start_method="forkserver")
     assert not (tmp_path / "step_2").exists()
-    assert _allocated(tmp_path / "step_1") == before
+    assert allocated(tmp_path / "step_1") == before
     assert tsckpt.verify(tmp_path / "step_1").ok and _same(_load(tmp_path / "step_1"), _state(1))
     assert tsckpt.latest(tmp_path) == str(tmp_path / "step_1")
     assert [left.live for left in tsckpt.leftovers(tmp_path / "step_2")] == [False]
