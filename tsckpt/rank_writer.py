@@ -9,8 +9,12 @@ moves bytes and remembers what it wrote:
 * arrays are opened before their ``zarr.json`` exists (:meth:`Store.create`,
   TensorStore's ``assume_metadata``), through the layout's transaction batches
   (:class:`~tsckpt.storage.batch.RankBatch`);
-* every outer chunk written gets its crc32c (:mod:`tsckpt.format.checksums`),
-  kept per tensor in :attr:`RankWriter.written`;
+* every outer chunk written gets its crc32c (:mod:`tsckpt.format.checksums`)
+  and content hash (:mod:`tsckpt.format.content_hashes`), kept per tensor in
+  :attr:`RankWriter.written`;
+* given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
+  with the base's content hash is not written: the base's copy is read back,
+  checked against that hash, and taken; one that fails is written after all;
 * host copies of device tensors, and with ``bound_host_sources`` every source,
   pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
   the host memory a rank holds while TensorStore works.
@@ -18,18 +22,22 @@ moves bytes and remembers what it wrote:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .dcp.copy_window import CopyWindow
 from .errors import TsckptError
-from .format import checksums, dtypes, zarr_json
+from .format import checksums, content_hashes, dtypes, zarr_json
 from .storage.batch import RankBatch
+from .format.grid import ChunkGrid
 from .format.metadata import ArrayOptions, TensorEntry
 from .storage.store import Store
+
+if TYPE_CHECKING:
+    from .base_chunks import BaseChunks
 
 
 def region(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
@@ -37,12 +45,29 @@ def region(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
+#: Bytes of base chunks a rank reads back at once to check them before taking them.
+CHECK_WINDOW = 256 << 20
+
+
 @dataclass
 class WrittenChunks:
-    """The outer chunks of one tensor this rank wrote: flat grid indices and, with checksums, their crc32c."""
+    """The outer chunks of one tensor this rank saved, by flat grid index.
+
+    With checksums: each chunk's crc32c and content hash. ``reused`` marks the
+    chunks taken from the base rather than written (empty without a base).
+    """
 
     indices: list[int] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    reused: list[bool] = field(default_factory=list)
+
+
+def chunk_sums(source: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> Iterator[
+        tuple[tuple[int, ...], tuple[slice, ...], int, bytes]]:
+    """Every chunk of a region written at ``offsets``: grid index, slice of ``source``, crc32c, content hash."""
+    for index, view in grid.chunks_within(offsets, source.shape):
+        yield index, view, *content_hashes.crc_and_digest(source[view])
 
 
 class RankWriter:
@@ -64,10 +89,12 @@ class RankWriter:
             each once written (a converter that must not hold every tensor);
             otherwise CPU sources stay referenced until :meth:`finish`, and
             their checksums are computed there while TensorStore's threads write.
+        base: the base checkpoint of an incremental save, whose equal chunks are
+            taken instead of written.
     """
 
     def __init__(self, store: Store, rank: int, where: str, *, options: ArrayOptions, checksums: bool,
-                 window: int | None, bound_host_sources: bool = False):
+                 window: int | None, bound_host_sources: bool = False, base: BaseChunks | None = None):
         self.store = store
         self.rank = rank
         self.where = where
@@ -82,6 +109,8 @@ class RankWriter:
         self._held: list[Any] = []
         self._window = CopyWindow(window)
         self._batch = RankBatch(store.layout, self._drain, rank, where)
+        self.base = base
+        self._checks = CopyWindow(CHECK_WINDOW)
 
     def open(self, entries: Mapping[str, TensorEntry]) -> None:
         """Start opening the arrays of ``entries`` (flat key -> entry), all at once."""
@@ -102,18 +131,78 @@ class RankWriter:
         chunks = self.written.setdefault(fqn, WrittenChunks())
         if not source.size:
             return nbytes
-        arr = self._batch.bind(self._opened[fqn].result())
-        fut = arr[region(offsets, source.shape)].write(source, can_reference_source_data_indefinitely=True)
-        self._pending.append((fqn, fut))
-        self._batch.wrote(fqn, nbytes)
+        against = self.base.tables(fqn, self._entries[fqn]) if self.base is not None else None
+        if against is not None:
+            futures = self._write_against(fqn, offsets, source, chunks, against)
+        else:
+            futures = [self._write_box(fqn, region(offsets, source.shape), source, nbytes)]
         if copied or self.bound_host_sources:
-            # Checksum now: the window may release the source once it is written.
-            self._checksum(fqn, chunks, offsets, source)
-            self._window.add(nbytes, lambda: self._wait(fqn, fut), hold=hold)
+            if against is None:  # checksum now: the window may release the source once it is written
+                self._checksum(fqn, chunks, offsets, source)
+            self._window.add(nbytes, lambda: [self._wait(fqn, f) for f in futures], hold=hold)
         else:
             self._held.append(hold)
-            self._later.append((fqn, offsets, source))
+            if against is None:
+                self._later.append((fqn, offsets, source))
         return nbytes
+
+    def _write_box(self, fqn: str, box: tuple[slice, ...], source: np.ndarray, nbytes: int) -> Any:
+        arr = self._batch.bind(self._opened[fqn].result())
+        fut = arr[box].write(source, can_reference_source_data_indefinitely=True)
+        self._pending.append((fqn, fut))
+        self._batch.wrote(fqn, nbytes)
+        return fut
+
+    def _write_against(self, fqn: str, offsets: Sequence[int], source: np.ndarray, chunks: WrittenChunks,
+                       base: tuple[np.ndarray, np.ndarray]) -> list[Any]:
+        """Write the chunks of a region whose content hash differs from the base's; check and take the others.
+
+        An unchanged chunk's crc32c is the base's: the content is the same, so
+        only the (faster) content hash is computed for it.
+        """
+        crcs, digests = base
+        grid = self._entries[fqn].grid
+        changed, seen = [], 0
+        for index, view in grid.chunks_within(offsets, source.shape):
+            seen += 1
+            part = np.ascontiguousarray(source[view])
+            flat, digest = grid.flat_index(index), content_hashes.digest(part)
+            same = digest == digests[flat].tobytes()
+            chunks.indices.append(flat)
+            chunks.crcs.append(int(crcs[flat]) if same else checksums.crc32c(part))
+            chunks.digests.append(digest)
+            chunks.reused.append(same)
+            if same:
+                self._check_then_take(fqn, index, len(chunks.reused) - 1, part)
+            else:
+                changed.append((index, view))
+        if len(changed) == seen:  # nothing to take: one write, as without a base
+            return [self._write_box(fqn, region(offsets, source.shape), source, source.nbytes)]
+        return [self._write_box(fqn, grid.chunk_region(index), source[view], source[view].nbytes)
+                for index, view in changed]
+
+    def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
+        """Read the base's chunk back; take it if it still has its content hash, else write ``part`` after all.
+
+        The content hash is the stronger check of the two the base recorded
+        (128 bits against crc32c's 32) and the faster to compute.
+        """
+        assert self.base is not None
+        self._checks.admit(part.nbytes)
+        reading = self.base.read(fqn, index)
+        self._checks.add(part.nbytes, lambda: self._settle(fqn, index, position, part, reading))
+
+    def _settle(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray, reading: Any) -> None:
+        assert self.base is not None
+        chunks, entry = self.written[fqn], self._entries[fqn]
+        try:
+            sound = content_hashes.digest(reading.result()) == chunks.digests[position]
+        except ValueError:  # missing or undecodable in the base: damaged, so not taken
+            sound = False
+        if sound and self.base.take(entry, index):
+            return
+        chunks.reused[position] = False
+        self._write_box(fqn, entry.grid.chunk_region(index), part, part.nbytes)
 
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
         """Start writing a value blob (``torch.save`` bytes) as the ``uint8`` array at ``path``."""
@@ -133,6 +222,7 @@ class RankWriter:
         for fqn, offsets, source in self._later:
             self._checksum(fqn, self.written[fqn], offsets, source)
         self._later.clear()
+        self._checks.drain()
         self._window.drain()
         self._drain()
         self._batch.commit()
@@ -140,6 +230,7 @@ class RankWriter:
 
     def flush(self) -> None:
         """Wait until every write started so far is done (not committed: see :meth:`finish`)."""
+        self._checks.drain()
         self._window.drain()
         self._drain()
 
@@ -152,16 +243,18 @@ class RankWriter:
                 pass
         self._pending.clear()
         self._window = CopyWindow(self._window.limit)
+        self._checks = CopyWindow(CHECK_WINDOW)
         self._held.clear()
 
     def _checksum(self, fqn: str, chunks: WrittenChunks, offsets: Sequence[int], source: np.ndarray) -> None:
         grid = self._entries[fqn].grid
-        if self.checksums:
-            indices, crcs = checksums.region_checksums(source, grid, offsets)
-            chunks.crcs += crcs
-        else:
-            indices = [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, source.shape)]
-        chunks.indices += indices
+        if not self.checksums:
+            chunks.indices += [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, source.shape)]
+            return
+        for index, _, crc, digest in chunk_sums(source, grid, offsets):
+            chunks.indices.append(grid.flat_index(index))
+            chunks.crcs.append(crc)
+            chunks.digests.append(digest)
 
     @staticmethod
     def _host_bytes(data: Any) -> tuple[int, bool]:

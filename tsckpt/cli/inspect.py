@@ -205,6 +205,12 @@ def info(
             ("files", str(files)),
             ("bytes stored", human_bytes(stored) + (f" ({stored} B)" if stored is not None else "")),
         ]
+        if md.reuse is not None:
+            rows += [("base", md.reuse.base + (f" (save {md.reuse.base_save_id})" if md.reuse.base_save_id else "")),
+                     ("written / reused", f"{human_bytes(md.reuse.bytes_written)} written, "
+                                          f"{human_bytes(md.reuse.bytes_reused)} reused from the base "
+                                          f"({md.reuse.chunks_reused} chunks)"
+                                          + (f"; {md.reuse.note}" if md.reuse.note else ""))]
         from .clean import leftover_line
 
         left = leftover_line(path)

@@ -12,10 +12,13 @@ may add keys, never rename or remove one.
                   "inner_chunk_shape": [int, ...] | null,
                   "placement": str, "placement_spec": {...} | null}, ...],
      "values": [{"key": str, "key_path": [...], "encoding": "json" | "torch", "value": any | null}, ...],
-     "totals": {"tensors": int, "nbytes": int, "values": int}}
+     "totals": {"tensors": int, "nbytes": int, "values": int},
+     "reuse": {"base": str, "base_save_id": str | null, "chunks_reused": int, "bytes_reused": int,
+               "bytes_written": int, "note": str | null} | null}
 
 ``dtype`` is the Zarr data type name (``bfloat16``, ``float32``...);
-``placement`` is the one-line text ``ls`` shows and ``placement_spec`` the
+``reuse`` is what an incremental save took from its base (``null`` for a full
+save; docs/format.md, section 2); ``placement`` is the one-line text ``ls`` shows and ``placement_spec`` the
 metadata's record of it. A value is given only for ``json`` encoded values
 (tuples become lists, non-string keys strings, NaN and infinities the strings
 ``"nan"``, ``"inf"``, ``"-inf"``); ``torch`` encoded ones have ``null``.
@@ -26,7 +29,7 @@ metadata's record of it. A value is given only for ``json`` encoded values
      "torch_version": str | null, "created": str | null, "world_size": int,
      "meshes": [{"shape": [...], "dim_names": [...] | null, "device_type": str, "ranks": [...]}, ...],
      "tensors": int, "tensor_nbytes": int, "values": int, "layout": "plain" | "packed", "files": int,
-     "bytes_stored": int | null}
+     "bytes_stored": int | null, "content_hash": str | null, "reuse": {...} | null}
 
 ``verify --json`` (:func:`verification`)::
 
@@ -77,7 +80,8 @@ def listing(ck: Checkpoint, keys: list[str] | None = None) -> dict[str, Any]:
                "value": plain(ck[key]) if e.encoding == "json" else None}
               for key, e in md.objects.items() if chosen is None or key in chosen]
     return {"location": ck.url, "world_size": ck.world_size, "tensors": tensors, "values": values,
-            "totals": {"tensors": len(tensors), "nbytes": sum(t["nbytes"] for t in tensors), "values": len(values)}}
+            "totals": {"tensors": len(tensors), "nbytes": sum(t["nbytes"] for t in tensors), "values": len(values)},
+            "reuse": md.reuse.to_dict() if md.reuse else None}
 
 
 def information(ck: Checkpoint) -> dict[str, Any]:
@@ -87,7 +91,8 @@ def information(ck: Checkpoint) -> dict[str, Any]:
     return {"location": ck.url, "format_version": md.version, "tsckpt_version": md.tsckpt_version or None,
             "torch_version": md.torch_version or None, "created": md.created or None, "world_size": md.world_size,
             "meshes": [m.to_dict() for m in md.meshes], "tensors": len(md.tensors), "tensor_nbytes": ck.nbytes,
-            "values": len(md.objects), "layout": md.layout, "files": files, "bytes_stored": stored}
+            "values": len(md.objects), "layout": md.layout, "files": files, "bytes_stored": stored,
+            "content_hash": md.content_hash, "reuse": md.reuse.to_dict() if md.reuse else None}
 
 
 def verification(report: VerifyReport) -> dict[str, Any]:

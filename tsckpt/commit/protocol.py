@@ -37,6 +37,8 @@ from ..storage.kvio import encode_json, list_keys, read_json
 from ..format import checksums, dtypes, values, zarr_json
 from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from ..format.names import parent_groups
+from ..storage.packed_reuse import KeptChunks
+from ..format.reuse import Reuse
 from ..storage.store import Store
 from .states import ATTRIBUTE, ROOT
 from .target import SaveTarget
@@ -76,6 +78,9 @@ def commit_checkpoint(
     options: ArrayOptions = ArrayOptions(),
     writers: Mapping[str, Sequence[int]] | None = None,
     target: SaveTarget | None = None,
+    content_hash: str | None = None,
+    reuse: Reuse | None = None,
+    kept: KeptChunks | None = None,
 ) -> CheckpointMetadata:
     """Validate the entries, assemble the metadata document and commit it; call once all data is durable.
 
@@ -84,7 +89,10 @@ def commit_checkpoint(
     the rank that wrote each chunk of a tensor (see :func:`tensor_attributes`).
     ``target`` (from :func:`~tsckpt.commit.target.begin_save`) writes and publishes
     the root document; without one it is written to ``store`` directly. If the
-    commit fails, the target drops the save's staged data.
+    commit fails, the target drops the save's staged data. ``content_hash``
+    names the algorithm of the entries' content hash tables; ``reuse`` and
+    ``kept`` say what an incremental save took from its base
+    (:mod:`tsckpt.base_chunks`).
     """
     import torch  # only for its version string; every caller has it loaded already
 
@@ -108,11 +116,13 @@ def commit_checkpoint(
         extra=dict(extra or {}),
         array_options=options,
         layout=store.layout.name,
+        content_hash=content_hash,
+        reuse=reuse,
     )
     try:
         if target is not None:
             target.check_current()
-        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size), target=target)
+        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size, kept), target=target)
     except BaseException:
         if target is not None:
             target.abort()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import checksums, dtypes, values
+from ..format import checksums, content_hashes, dtypes, values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
@@ -167,8 +167,9 @@ class CheckpointBuilder:
         self._writer.write(fqn, (0,) * len(shape), source)
         if self.checksums:
             written = self._writer.written[fqn]
-            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, written.indices,
-                                                                               written.crcs))
+            entry = dataclasses.replace(
+                entry, checksums=checksums.encode_table(entry.grid, written.indices, written.crcs),
+                content_hashes=content_hashes.encode_table(entry.grid, written.indices, written.digests))
         self._tensors[fqn] = entry
         return entry
 
@@ -213,7 +214,8 @@ class CheckpointBuilder:
         md = commit.commit_checkpoint(
             self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,
-            writers={fqn: [0] * e.grid.nchunks for fqn, e in self._tensors.items()})
+            writers={fqn: [0] * e.grid.nchunks for fqn, e in self._tensors.items()},
+            content_hash=content_hashes.ALGORITHM if self.checksums else None)
         self._committed = True
         return md
 

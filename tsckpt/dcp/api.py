@@ -33,7 +33,12 @@ def save(
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, plain values) to ``path``.
 
     Collective when a process group is initialized: every rank calls it.
-    ``writer_options`` go to :class:`TensorStoreWriter`.
+    ``writer_options`` go to :class:`TensorStoreWriter`; among them ``base=``
+    (a committed checkpoint whose unchanged chunks are linked instead of
+    written) and ``incremental=True``, which takes the previous save beside
+    ``path`` as base, so a training loop needs one argument::
+
+        tsckpt.save(state, f"ckpt/step_{step}", incremental=True)
 
     Unlike ``TensorStoreWriter`` (whose default follows DCP's ``FileSystemWriter``),
     this refuses to replace a complete checkpoint unless ``overwrite=True``:

@@ -14,9 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from ..base_chunks import BaseChoice
+from ..format import content_hashes
 from ..storage.layouts import PLAIN
 from ..format.metadata import TensorEntry
 from ..storage.location import Location
+from ..rank_writer import WrittenChunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,8 @@ class RankPlan:
     describe: bool = False
     location: Location | None = None
     storage_layout: str = PLAIN
+    #: The base of an incremental save, when one was given.
+    base: BaseChoice | None = None
 
 
 class RankSummary:
@@ -52,28 +57,53 @@ class RankSummary:
         self.tensor: list[int] = []
         self.chunk: list[int] = []
         self.crc: list[int] = []
+        self.digests: list[bytes] = []
+        self.reused: list[bool] = []
 
-    def add(self, fqn: str, indices: list[int], crcs: list[int]) -> None:
-        """Record the outer chunks of ``fqn`` this rank wrote (flat grid indices) and their crc32c, if any."""
-        self.chunk += indices
-        self.crc += crcs
-        self.tensor += [self.ids[fqn]] * len(indices)
+    def add(self, fqn: str, chunks: WrittenChunks) -> None:
+        """Record the outer chunks of ``fqn`` this rank saved: indices, checksums, and which it took from the base."""
+        self.chunk += chunks.indices
+        self.crc += chunks.crcs
+        self.digests += chunks.digests
+        self.reused += chunks.reused or [False] * len(chunks.indices)
+        self.tensor += [self.ids[fqn]] * len(chunks.indices)
 
     def packed(self) -> dict[str, Any]:
         return {"rank": self.rank, "placements": self.placements, "objects": self.objects,
                 "tensor": np.asarray(self.tensor, dtype=np.int32), "chunk": np.asarray(self.chunk, dtype=np.int64),
-                "crc": np.asarray(self.crc, dtype=np.uint32)}
+                "crc": np.asarray(self.crc, dtype=np.uint32),
+                "digest": np.frombuffer(b"".join(self.digests), dtype=np.uint8).reshape(-1, content_hashes.WIDTH),
+                "reused": np.asarray(self.reused, dtype=bool)}
 
     @staticmethod
-    def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, tuple[np.ndarray, ...]]:
-        """Each tensor's (chunk indices, crc32c values, writing ranks), from every rank's summary."""
+    def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, MergedChunks]:
+        """Each tensor's chunks from every rank's summary, grouped with one sort."""
         tensor = np.concatenate([s["tensor"] for s in summaries] or [np.zeros(0, np.int32)])
         chunk = np.concatenate([s["chunk"] for s in summaries] or [np.zeros(0, np.int64)])
-        crcs = [s["crc"] for s in summaries]
-        crc = np.concatenate(crcs) if crcs and all(len(c) == len(t["tensor"]) for c, t in zip(crcs, summaries)) \
-            else np.zeros(len(chunk), np.uint32)
+        crc = _column(summaries, "crc", np.zeros((len(chunk),), np.uint32))
+        digest = _column(summaries, "digest", np.zeros((len(chunk), content_hashes.WIDTH), np.uint8))
+        reused = np.concatenate([s["reused"] for s in summaries] or [np.zeros(0, bool)])
         rank = np.repeat([s["rank"] for s in summaries], [len(s["tensor"]) for s in summaries]).astype(np.int64)
         order = np.argsort(tensor, kind="stable")
         bounds = np.searchsorted(tensor[order], np.arange(len(names) + 1))
-        return {fqn: (chunk[order[a:b]], crc[order[a:b]], rank[order[a:b]])
-                for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}
+        return {fqn: MergedChunks(chunk[o], crc[o], digest[o], rank[o], reused[o])
+                for fqn, a, b in zip(names, bounds[:-1], bounds[1:]) for o in [order[a:b]]}
+
+
+def _column(summaries: list[dict[str, Any]], name: str, missing: np.ndarray) -> np.ndarray:
+    """One column of every summary, or ``missing`` when a rank recorded none (checksums off)."""
+    parts = [s[name] for s in summaries]
+    if parts and all(len(p) == len(s["tensor"]) for p, s in zip(parts, summaries)):
+        return np.concatenate(parts)
+    return missing
+
+
+@dataclasses.dataclass(frozen=True)
+class MergedChunks:
+    """One tensor's chunks as every rank reported them: indices, checksums, writers, which were taken."""
+
+    indices: np.ndarray
+    crcs: np.ndarray
+    digests: np.ndarray
+    ranks: np.ndarray
+    reused: np.ndarray

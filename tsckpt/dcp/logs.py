@@ -17,6 +17,7 @@ from typing import Any
 from ..format import dtypes
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from ..format.names import parent_groups
+from ..format.reuse import Reuse
 
 logger = logging.getLogger("tsckpt")
 logger.addHandler(logging.NullHandler())
@@ -27,27 +28,36 @@ def enabled() -> bool:
     return logger.isEnabledFor(logging.INFO)
 
 
-def log_transfer(verb: str, url: str, *, nbytes: int, seconds: float, files: int, ranks: int) -> None:
+def log_transfer(verb: str, url: str, *, nbytes: int, seconds: float, files: int, ranks: int,
+                 reuse: Reuse | None = None) -> None:
     """``saved 1203765248 bytes to ckpt/step_1000 in 1.310 s (0.919 GB/s), 412 files, 4 ranks``.
 
-    The same figures ride on the record as ``record.tsckpt`` (a dict), for handlers that want fields.
+    An incremental save adds ``; wrote 12582912 bytes, reused 1191182336 bytes (96 chunks) of
+    ckpt/step_900``. The same figures ride on the record as ``record.tsckpt`` (a dict), for
+    handlers that want fields.
     """
     rate = nbytes / 1e9 / seconds if seconds > 0 else 0.0
-    fields = {"op": verb, "path": url, "bytes": nbytes, "seconds": seconds, "gb_per_s": rate,
-              "files": files, "ranks": ranks}
-    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %d files, %d ranks",
-                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, files, ranks,
+    fields: dict[str, Any] = {"op": verb, "path": url, "bytes": nbytes, "seconds": seconds, "gb_per_s": rate,
+                              "files": files, "ranks": ranks}
+    tail = ""
+    if reuse is not None:
+        fields |= {"base": reuse.base, "bytes_written": reuse.bytes_written, "bytes_reused": reuse.bytes_reused}
+        tail = (f"; wrote {reuse.bytes_written} bytes, reused {reuse.bytes_reused} bytes "
+                f"({reuse.chunks_reused} chunks) of {reuse.base}" + (f" ({reuse.note})" if reuse.note else ""))
+    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %d files, %d ranks%s",
+                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, files, ranks, tail,
                 extra={"tsckpt": fields})
 
 
 def log_save(url: str, tensors: Mapping[str, TensorEntry], blob_paths: Sequence[str | None],
-             blob_sizes: Iterable[int], *, seconds: float, ranks: int) -> None:
+             blob_sizes: Iterable[int], *, seconds: float, ranks: int, reuse: Reuse | None = None) -> None:
     """The save line: every chunk and blob file, and every ``zarr.json`` (arrays, groups, root)."""
     nbytes = sum(math.prod(e.shape) * dtypes.from_zarr(e.dtype).itemsize for e in tensors.values())
     arrays = [e.path for e in tensors.values()] + [p for p in blob_paths if p]
     nodes = len(arrays) + sum(1 for g in parent_groups(arrays) if g) + 1
     files = sum(chunk_files(e) for e in tensors.values()) + len(blob_paths) + nodes
-    log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks)
+    log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks,
+                 reuse=reuse)
 
 
 def grid(entry: TensorEntry) -> tuple[int, ...]:

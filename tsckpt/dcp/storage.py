@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
-from ..format import checksums, dtypes, values
+from ..base_chunks import BaseChoice, BaseChunks, choose_base, reuse_outcome
+from ..format import checksums, content_hashes, dtypes, values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.names import zarr_path
@@ -109,6 +110,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             reads included (TensorStore's software crc32c, about 2 GB/s per core).
         compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
             weights rarely compress enough to pay for it.
+        base: make this save incremental against a committed checkpoint (a
+            path, URL, kvstore spec, or what :func:`tsckpt.latest` returns):
+            every chunk equal to the same chunk of the base is linked from it
+            instead of written (:mod:`tsckpt.base_chunks`). The new checkpoint
+            stands alone: deleting the base later changes nothing.
+        incremental: ``True`` takes as base the newest committed checkpoint
+            beside ``path`` (in its parent directory), i.e. the previous save
+            of a training loop; a full save when there is none.
 
     ``dcp.save(..., use_collectives=False)`` is refused on more than one rank:
     a checkpoint is committed once, after every rank's data is written, which
@@ -133,6 +142,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         checksums: bool = True,
         crc32c_codec: bool = False,
         compression: str | None = None,
+        base: LocationLike | None = None,
+        incremental: bool = False,
     ):
         super().__init__(path, compat.resolve_io_concurrency(thread_count, io_concurrency))
         Stager.__init__(self, cache_staged_state_dict)
@@ -147,6 +158,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
         self.checksums = checksums
+        self.base, self.incremental = base, bool(incremental)
+        self._base: BaseChoice | None = None
         self.is_coordinator = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex
@@ -186,6 +199,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if is_coordinator:
             # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
             assert self.location is not None
+            self._base = choose_base(self.location, self.base, incremental=self.incremental, layout=self.layout,
+                                     options=self.array_options, checksums_on=self.checksums)
             self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -231,7 +246,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
         told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
-                                    location=self._target.data_location, storage_layout=self.layout)
+                                    location=self._target.data_location, storage_layout=self.layout,
+                                    base=self._base)
                 for describe in (False, True)}
         return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
 
@@ -255,9 +271,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             # The coordinator's layout is the one its metadata will record.
             self.layout, self._store, self._data_store = rank_plan.storage_layout, None, None
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
-        writer = RankWriter(self.data_store(rank_plan.location), self.rank, str(self.checkpoint_id),
-                            options=self.array_options, checksums=self.checksums,
-                            window=self.per_thread_copy_ahead)
+        store = self.data_store(rank_plan.location)
+        base = rank_plan.base
+        writer = RankWriter(store, self.rank, str(self.checkpoint_id), options=self.array_options,
+                            checksums=self.checksums, window=self.per_thread_copy_ahead,
+                            base=BaseChunks(base, store) if base is not None and base.mode else None)
         writer.open(rank_plan.arrays)
         summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         results = []
@@ -272,7 +290,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
         writer.finish()
         for fqn, chunks in writer.written.items():
-            summary.add(fqn, chunks.indices, chunks.crcs)
+            summary.add(fqn, chunks)
         if results:
             # One record per rank rather than per item: the coordinator's finish then
             # handles ranks, not ranks x tensors.
@@ -303,23 +321,25 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                     objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
                     blob_sizes[fqn] = info["nbytes"]
         chunks = RankSummary.merge(summaries, list(self._entries))
-        self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c[0])})
+        self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c.indices)})
         meshes: list = []
         tensors, writers = {}, {}
         for fqn, planned in self._entries.items():
-            indices, crcs, ranks = chunks[fqn]
+            merged = chunks[fqn]
             by_chunk = np.full(planned.grid.nchunks, -1, dtype=np.int64)
-            by_chunk[indices] = ranks
+            by_chunk[merged.indices] = merged.ranks
             writers[fqn] = by_chunk.tolist()
-            table = None
+            table = hashes = None
             if self.checksums:
                 try:
-                    table = checksums.encode_table(planned.grid, indices, crcs)
+                    table = checksums.encode_table(planned.grid, merged.indices, merged.crcs)
+                    hashes = content_hashes.encode_table(planned.grid, merged.indices, merged.digests)
                 except TsckptError as e:
                     raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
             tensors[fqn] = dataclasses.replace(
                 planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
-                checksums=table)
+                checksums=table, content_hashes=hashes)
+        reuse, kept = reuse_outcome(self._base, tensors, chunks, sum(blob_sizes.values()))
         extra: dict[str, Any] = {"save_id": self.save_id}
         if not self.sync_files:
             extra["synced"] = False
@@ -327,10 +347,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         commit.commit_checkpoint(
             self.data_store(self._target.data_location), world_size=len(results), tensors=tensors,
             objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
-            writers=writers, target=self._target)
+            writers=writers, target=self._target,
+            content_hash=content_hashes.ALGORITHM if self.checksums else None, reuse=reuse, kept=kept)
         if logs.enabled():
             logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
-                          seconds=time.perf_counter() - self._started, ranks=len(results))
+                          seconds=time.perf_counter() - self._started, ranks=len(results), reuse=reuse)
 
     def _check_against(self, metadata: Metadata, writes: dict[str, Any]) -> None:
         """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import crc32c as _crc32c
 import numpy as np
 
 from ..errors import ChecksumError
 from .grid import ChunkGrid
-from .metadata import TensorEntry
+
+if TYPE_CHECKING:  # the metadata validates tables with this module's helpers
+    from .metadata import TensorEntry
 
 ALGORITHM = "crc32c"
 
@@ -53,10 +56,19 @@ def encode_table(grid: ChunkGrid, indices: Sequence[int] | np.ndarray, crcs: Seq
 
     Raises when a chunk has no checksum: every chunk must have been written.
     """
-    table = np.zeros(grid.nchunks, dtype="<u4")
+    return encode_rows(grid, indices, np.asarray(crcs, dtype="<u4").reshape(-1, 1).view(np.uint8))
+
+
+def encode_rows(grid: ChunkGrid, indices: Sequence[int] | np.ndarray, rows: np.ndarray) -> str:
+    """Base64 of one fixed-width row of bytes per chunk (``rows[i]`` for chunk ``indices[i]``), in grid order.
+
+    Raises when a chunk has no row: every chunk must have been written.
+    """
+    rows = np.asarray(rows, dtype=np.uint8)
+    table = np.zeros((grid.nchunks, rows.shape[1] if rows.ndim == 2 else 0), dtype=np.uint8)
     seen = np.zeros(grid.nchunks, dtype=bool)
     indices = np.asarray(indices, dtype=np.int64)
-    table[indices] = np.asarray(crcs, dtype=np.uint32)
+    table[indices] = rows.reshape(len(indices), table.shape[1])
     seen[indices] = True
     if not seen.all():
         missing = np.unravel_index(int(np.argmin(seen)), grid.grid_shape)
@@ -64,16 +76,26 @@ def encode_table(grid: ChunkGrid, indices: Sequence[int] | np.ndarray, crcs: Seq
     return base64.b64encode(table.tobytes()).decode("ascii")
 
 
-def decode_table(text: str, grid: ChunkGrid, what: str) -> np.ndarray:
-    """The stored table as uint32 values; raises when it does not fit the grid."""
+def decode_rows(text: str, grid: ChunkGrid, width: int, what: str, name: str) -> np.ndarray:
+    """A stored table of ``width`` bytes per chunk as a ``(chunks, width)`` array; raises when it does not fit."""
     try:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (ValueError, UnicodeEncodeError):
-        raise ChecksumError(f"{what}: the checksum table is not valid base64") from None
-    if len(raw) != 4 * grid.nchunks:
-        raise ChecksumError(f"{what}: the checksum table has {len(raw) // 4} entries, "
+        raise ChecksumError(f"{what}: the {name} table is not valid base64") from None
+    if len(raw) != width * grid.nchunks:
+        raise ChecksumError(f"{what}: the {name} table has {len(raw) // width} entries, "
                             f"the grid has {grid.nchunks} chunks")
-    return np.frombuffer(raw, dtype="<u4")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(grid.nchunks, width)
+
+
+def table_length(nchunks: int, width: int) -> int:
+    """Characters of the base64 text of a table of ``width`` bytes per chunk."""
+    return 4 * -(-width * nchunks // 3)
+
+
+def decode_table(text: str, grid: ChunkGrid, what: str) -> np.ndarray:
+    """The stored table as uint32 values; raises when it does not fit the grid."""
+    return decode_rows(text, grid, 4, what, "checksum").reshape(-1).view("<u4")
 
 
 def check_region(data: np.ndarray, grid: ChunkGrid, offsets: Sequence[int], table: np.ndarray, what: str) -> int:

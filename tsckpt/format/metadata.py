@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MetadataError
-from . import dtypes, values, zarr_json
+from . import content_hashes, dtypes, values, zarr_json
 from .fields import MAX_NDIM, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
 # Placements are part of the document; re-exported so callers import the whole document from here.
@@ -30,6 +30,7 @@ from .placements import (  # noqa: F401
     placement_from_dict,
 )
 from .names import check_relative_path, parent_groups, zarr_path
+from .reuse import Reuse
 
 FORMAT = "tsckpt"
 FORMAT_VERSION = 2
@@ -65,6 +66,16 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:  # lone surrogates, which JSON escapes can produce
         return False
     return True
+
+
+def _content_hash(d: Mapping[str, Any], tensors: Mapping[str, TensorEntry], what: str) -> str | None:
+    """The document's content hash algorithm: one this reader knows, and named wherever a table exists."""
+    name = optional_field(d, "content_hash", what, str)
+    if name is not None and name != content_hashes.ALGORITHM:
+        raise MetadataError(f"{what}: unknown content_hash {name!r}; expected {content_hashes.ALGORITHM!r}")
+    if name is None and any(t.content_hashes is not None for t in tensors.values()):
+        raise MetadataError(f"{what}: tensors carry content hash tables but 'content_hash' names no algorithm")
+    return name
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,9 @@ class TensorEntry:
     placement: Placement | None
     #: base64 crc32c table, one value per outer chunk (``tsckpt.format.checksums``); None in version 1.
     checksums: str | None = None
+    #: base64 table of 16-byte digests, one per outer chunk (``tsckpt.format.content_hashes``); None when
+    #: the save recorded none (checkpoints from before incremental saves, or ``checksums=False``).
+    content_hashes: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +139,7 @@ class TensorEntry:
             "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape is not None else None,
             "placement": self.placement.to_dict() if self.placement else None,
             "checksums": self.checksums,
+            "content_hashes": self.content_hashes,
         }
 
     @classmethod
@@ -139,6 +154,7 @@ class TensorEntry:
             inner_chunk_shape=parse_shape(inner, what, "inner_chunk_shape", minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),
             checksums=optional_field(d, "checksums", what, str),
+            content_hashes=optional_field(d, "content_hashes", what, str),
         )
         entry.validate(what)
         return entry
@@ -174,6 +190,10 @@ class TensorEntry:
         # base64 of 4 bytes per chunk; decoding waits until a read needs it.
         if self.checksums is not None and len(self.checksums) != 4 * -(-4 * self.grid.nchunks // 3):
             raise MetadataError(f"{what}: the checksum table does not have one entry per chunk of "
+                                f"shape {list(self.shape)} in chunks of {list(self.chunk_shape)}")
+        if self.content_hashes is not None and len(self.content_hashes) != content_hashes.text_length(
+                self.grid.nchunks):
+            raise MetadataError(f"{what}: the content hash table does not have one entry per chunk of "
                                 f"shape {list(self.shape)} in chunks of {list(self.chunk_shape)}")
 
 
@@ -233,6 +253,10 @@ class CheckpointMetadata:
     array_options: ArrayOptions | None = None
     #: How the arrays' keys are stored (:data:`tsckpt.storage.layouts.LAYOUTS`): "plain" or "packed".
     layout: str = "plain"
+    #: The algorithm of the tensors' ``content_hashes`` tables (None when there are none).
+    content_hash: str | None = None
+    #: What an incremental save took from its base (None for a save without a base).
+    reuse: Reuse | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -248,6 +272,8 @@ class CheckpointMetadata:
             "extra": dict(self.extra),
             "array_options": self.array_options.to_dict() if self.array_options else None,
             "layout": self.layout,
+            "content_hash": self.content_hash,
+            "reuse": self.reuse.to_dict() if self.reuse else None,
         }
 
     @classmethod
@@ -295,5 +321,7 @@ class CheckpointMetadata:
             array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
             # Absent before the packed layout existed: every such checkpoint is plain.
             layout=optional_field(d, "layout", what, str) or "plain",
+            content_hash=_content_hash(d, tensors, what),
+            reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
         )
 

@@ -36,6 +36,7 @@ from .localfs import unsynced_nodes
 from ..format.metadata import CheckpointMetadata
 from .kvio import storage_error
 from .packed import PackedLayout, reader_context
+from .packed_reuse import KeptChunks
 
 if TYPE_CHECKING:
     from .store import Store
@@ -70,11 +71,14 @@ class KvLayout(ABC):
     #: How many bytes a rank writes through one :meth:`rank_transaction` before committing it.
     batch_bytes: int = 0
 
-    def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
+    def nodes(self, store: Store, world_size: int,
+              kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
         """Where the commit writes ``<path>/zarr.json`` documents, and a call that makes them durable.
 
-        ``world_size`` ranks wrote the arrays. The flush (if any) runs before
-        the root document is written.
+        ``world_size`` ranks wrote the arrays; ``kept`` names chunks of an
+        incremental save's base that the layout must keep (the plain layout's
+        ranks linked them already). The flush (if any) runs before the root
+        document is written.
         """
         return store.kvstore, None
 
@@ -130,7 +134,8 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
+    def nodes(self, store: Store, world_size: int,
+              kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
         # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
         fast = unsynced_nodes(store.location)
         return fast if fast is not None else (store.kvstore, None)
@@ -162,8 +167,9 @@ class PackedKvLayout(KvLayout):
         # One OCDBT commit per batch: data files of about the target size, not one per flush.
         return self.packed.rank_transaction()
 
-    def nodes(self, store: Store, world_size: int) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        return self.packed.join(dict(store.location.spec), world_size, store.context)
+    def nodes(self, store: Store, world_size: int,
+              kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
+        return self.packed.join(dict(store.location.spec), world_size, store.context, kept)
 
     def hierarchy(self, store: Store) -> ts.KvStore:
         try:

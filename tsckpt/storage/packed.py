@@ -21,7 +21,7 @@ inside an atomic transaction, so the join itself cannot be the commit), and a
 location without it is an incomplete checkpoint exactly as in the plain layout.
 
 Reading: an array is the ``zarr3`` driver over ``{"driver": "ocdbt", "base": BASE}``
-with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/read/zarr_store.py``)
+with the array's path; :func:`tsckpt.zarr_store` (``tsckpt/read/zarr_kvstore.py``)
 serves the same keys to zarr-python.
 """
 
@@ -37,6 +37,8 @@ import tensorstore as ts
 from ..errors import OptionError, StorageError
 from .kvio import kv_name, storage_error
 from .location import Location
+from . import packed_reuse
+from .packed_reuse import KeptChunks
 
 #: Rank ``r`` writes its database under ``ocdbt.process_<r>/`` (the name Orbax uses).
 PROCESS_PREFIX = "ocdbt.process_"
@@ -203,8 +205,8 @@ class PackedLayout:
 
     # --- the coordinator's step ------------------------------------------
 
-    def join(self, base: Mapping[str, Any], world_size: int,
-             context: ts.Context) -> tuple[ts.KvStore, Callable[[], None]]:
+    def join(self, base: Mapping[str, Any], world_size: int, context: ts.Context,
+             kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None]]:
         """Join ranks ``0 .. world_size-1``'s databases into the root database, by reference.
 
         Returns ``(nodes, flush)``, the ``nodes`` argument of
@@ -219,11 +221,18 @@ class PackedLayout:
         TensorStore commits them together; the commit of the checkpoint is
         still the root document, so nothing depends on this batch being
         atomic. A rank that wrote nothing has no database and adds nothing.
+
+        ``kept``: chunks of an incremental save's base that the new database
+        keeps; the root database then starts as a linked copy of the base's
+        (:mod:`tsckpt.storage.packed_reuse`), local filesystems only.
         """
         where = _describe(base)
         txn = ts.Transaction(atomic=False)
+        linked = packed_reuse.mirror(kept.path, str(base["path"]).rstrip("/")) if kept is not None else []
         try:
             root = ts.KvStore.open(self.root_database(base, writable=True), context=context).result()
+            if kept is not None:
+                packed_reuse.keep_only(root, kept.keys, where)
             nodes = root.with_transaction(txn)
             ranks = [ts.KvStore.open(self.rank_database(base, r), context=context) for r in range(world_size)]
             copies = [(r, db.result().experimental_copy_range_to(nodes)) for r, db in enumerate(ranks)]
@@ -246,6 +255,8 @@ class PackedLayout:
                 for f in [plain.delete_range(_single_key(f"{PROCESS_PREFIX}{r}/{MANIFEST}"))
                           for r in range(world_size)]:
                     f.result()
+                if linked:
+                    packed_reuse.drop_unreferenced(str(base["path"]).rstrip("/"), linked, context)
             except ValueError as e:
                 raise storage_error(e, f"committing the joined database of {where} failed") from None
 

@@ -1,0 +1,219 @@
+"""The base of an incremental save: which of its chunks a rank may take instead of writing them.
+
+A save given a base (``tsckpt.save(..., base=B)``) compares each outer chunk it
+is about to write with the same chunk of the same array in ``B``: same path,
+shape, data type, chunk grid, inner chunks and codecs, and an equal 128-bit
+content hash (:mod:`tsckpt.format.content_hashes`). Such a chunk is taken from
+the base only after the base's stored bytes are read back and still have that
+hash (a stronger check than their crc32c, and a faster one), so a damaged
+chunk of the base is written afresh instead.
+
+How a chunk is taken depends on where the checkpoints live, and in each case
+the new checkpoint stands alone (``docs/format.md``, section 8):
+
+* **plain layout, local filesystem**: the base's chunk file is hard-linked
+  into the new checkpoint. No bytes are copied; deleting the base leaves the
+  new checkpoint whole; files are only ever replaced, never written in place,
+  so neither checkpoint can change the other.
+* **packed layout, local filesystem**: the rank only reports the chunk; the
+  coordinator's join starts the new database from a hard-linked copy of the
+  base's (:mod:`tsckpt.storage.packed_reuse`), keeping the OCDBT references of
+  the chunks taken.
+* **object stores, memory, or a base in another layout**: nothing is taken
+  (TensorStore has no server-side copy, and OCDBT references cannot leave a
+  database's own prefix); the save writes everything and says why.
+
+:func:`choose_base` runs once, on the coordinator; :class:`BaseChunks` on every rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorstore as ts
+
+from .errors import OptionError, StorageError, TsckptError
+from .format import checksums, content_hashes, dtypes, zarr_json
+from .commit import protocol as commit
+from .storage.layouts import PLAIN
+from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
+from .storage.packed_reuse import KeptChunks
+from .format.reuse import Reuse
+from .storage.store import Store
+from .storage.location import Location, LocationLike, parse_location
+
+if TYPE_CHECKING:
+    from .dcp.exchange import MergedChunks
+
+#: How a rank takes a chunk from the base.
+LINK, PACKED = "link", "packed"
+
+
+@dataclass(frozen=True)
+class BaseChoice:
+    """What the coordinator decided about a save's base; sent to every rank with its plan.
+
+    ``mode`` is :data:`LINK`, :data:`PACKED`, or None when nothing can be
+    taken from this base (``note`` says why).
+    """
+
+    location: Location
+    save_id: str | None
+    mode: str | None
+    note: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+
+def previous(target: Location) -> Location | None:
+    """The newest committed checkpoint beside ``target`` (in its parent directory or prefix), or None."""
+    from .steps import latest  # steps reads roots of step checkpoints; imported when needed
+
+    spec = dict(target.spec)
+    path = str(spec.get("path", "")).rstrip("/")
+    parent = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+    if target.driver == "file":
+        parent = os.path.dirname(os.path.abspath(path)) + "/"
+    found = latest(Location({**spec, "path": parent}, target.context))
+    return parse_location(found) if found is not None else None
+
+
+def choose_base(target: Location, base: LocationLike | None, *, incremental: bool, layout: str,
+                options: ArrayOptions, checksums_on: bool) -> BaseChoice | None:
+    """Coordinator, before any rank writes: the base of this save, checked to be a committed checkpoint.
+
+    ``base`` names it; ``incremental=True`` takes the newest committed
+    checkpoint beside ``target`` instead (none: a full save). Raises before
+    anything is written when ``base`` is not a committed checkpoint.
+    """
+    if base is not None and incremental:
+        raise OptionError(f"saving {target.url}: pass base= or incremental=True, not both")
+    location = parse_location(base) if base is not None else previous(target) if incremental else None
+    if location is None:
+        return None
+    if not checksums_on:
+        raise OptionError(f"saving {target.url} with base {location.url}: an incremental save needs "
+                          f"checksums=True (unchanged chunks are found by their content hashes)")
+    try:
+        _, md = commit.open_committed(location)
+    except TsckptError as e:
+        raise type(e)(f"the base of the save to {target.url} is not a loadable checkpoint: {e}") from None
+    save_id = md.extra.get("save_id") if isinstance(md.extra.get("save_id"), str) else None
+    note = _unusable(target, location, md, layout, options)
+    mode = None if note else (LINK if layout == PLAIN else PACKED)
+    return BaseChoice(location, save_id, mode, note)
+
+
+def _unusable(target: Location, base: Location, md: CheckpointMetadata, layout: str,
+              options: ArrayOptions) -> str | None:
+    """Why no chunk of ``base`` can be taken by a save into ``target``, or None."""
+    if target.driver != "file" or base.driver != "file":
+        return ("only checkpoints on a local filesystem share chunks (object stores have no server-side "
+                "copy in TensorStore)")
+    if md.layout != layout:
+        return f"the base is in the {md.layout} layout, this save in the {layout} layout"
+    if md.content_hash != content_hashes.ALGORITHM:
+        return "the base records no content hashes (saved by an older tsckpt, or with checksums=False)"
+    if md.array_options != options:
+        return "the base was saved with other codecs (crc32c_codec or compression)"
+    return None
+
+
+class BaseChunks:
+    """One rank's view of the base: the tables of arrays it may take chunks from, reads and links.
+
+    Made from the coordinator's :class:`BaseChoice` with a usable mode; the
+    rank reads the base's root document itself (one small read per rank).
+    """
+
+    def __init__(self, choice: BaseChoice, into: Store):
+        assert choice.mode is not None
+        self.choice = choice
+        self.into = into
+        self.store, self.metadata = commit.open_committed(choice.location, io_concurrency=4)
+        self._tables: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._arrays: dict[str, Any] = {}
+
+    @property
+    def mode(self) -> str:
+        assert self.choice.mode is not None
+        return self.choice.mode
+
+    def tables(self, fqn: str, entry: TensorEntry) -> tuple[np.ndarray, np.ndarray] | None:
+        """The base's crc32c and content hash tables of ``fqn``, if its array is laid out as ``entry``."""
+        if fqn not in self._tables:
+            found = self.metadata.tensors.get(fqn)
+            same = found is not None and (found.path, found.shape, found.dtype, found.chunk_shape,
+                                          found.inner_chunk_shape) == (entry.path, entry.shape, entry.dtype,
+                                                                       entry.chunk_shape, entry.inner_chunk_shape)
+            if not same or found.checksums is None or found.content_hashes is None:
+                self._tables[fqn] = None
+            else:
+                what = f"tensor {fqn!r} of the base {self.choice.url}"
+                self._tables[fqn] = (checksums.decode_table(found.checksums, found.grid, what),
+                                     content_hashes.decode_table(found.content_hashes, found.grid, what))
+        return self._tables[fqn]
+
+    def read(self, fqn: str, index: tuple[int, ...]) -> ts.Future:
+        """Start reading chunk ``index`` of ``fqn`` from the base, to check it before it is taken."""
+        arr = self._arrays.get(fqn)
+        if arr is None:
+            arr = self._arrays[fqn] = self.store.open_tensor(self.metadata.tensors[fqn]).result()
+        grid = self.metadata.tensors[fqn].grid
+        return arr[grid.chunk_region(index)].read() if index else arr.read()
+
+    def take(self, entry: TensorEntry, index: tuple[int, ...]) -> bool:
+        """Make chunk ``index`` of ``entry`` part of the new checkpoint; False when it must be written instead.
+
+        Plain layout: a hard link of the base's chunk file. Packed layout: the
+        coordinator's join keeps it, so there is nothing to do here.
+        """
+        if self.mode == PACKED:
+            return True
+        key = f"{entry.path}/{zarr_json.chunk_key(index)}"
+        source = os.path.join(_path(self.choice.location), key)
+        dest = os.path.join(_path(self.into.location), key)
+        try:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.link(source, dest)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                return False  # another filesystem, or one without (more) hard links: write it
+            raise StorageError(f"linking chunk {key} of the base {self.choice.url} into {self.into.url} "
+                              f"failed: {e.strerror}") from None
+        return True
+
+
+def _path(location: Location) -> str:
+    return str(location.spec.get("path", "")).rstrip("/")
+
+
+def reuse_outcome(choice: BaseChoice | None, tensors: Mapping[str, TensorEntry],
+                  merged: Mapping[str, MergedChunks], blob_bytes: int) -> tuple[Reuse | None, KeptChunks | None]:
+    """Coordinator, at commit: the document's ``reuse`` record and, packed, the base's keys to keep."""
+    if choice is None:
+        return None, None
+    reused_bytes = reused_chunks = 0
+    keys = []
+    for fqn, entry in tensors.items():
+        flat = merged[fqn].indices[merged[fqn].reused]
+        if not len(flat):
+            continue
+        grid, itemsize = entry.grid, dtypes.from_zarr(entry.dtype).itemsize
+        for i in flat.tolist():
+            index = tuple(int(n) for n in np.unravel_index(i, grid.grid_shape)) if entry.shape else ()
+            reused_bytes += math.prod(s.stop - s.start for s in grid.chunk_region(index)) * itemsize
+            keys.append(f"{entry.path}/{zarr_json.chunk_key(index)}")
+        reused_chunks += len(flat)
+    written = sum(e.nbytes for e in tensors.values()) - reused_bytes + blob_bytes
+    reuse = Reuse(choice.url, choice.save_id, reused_chunks, reused_bytes, written, choice.note)
+    kept = KeptChunks(choice.location, tuple(sorted(keys))) if choice.mode == PACKED else None
+    return reuse, kept
