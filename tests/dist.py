@@ -39,8 +39,10 @@ import torch
 import torch.multiprocessing as mp
 
 #: Imported once by the forkserver, before it forks any rank. Names that do not import are skipped.
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy", "tensorstore", "zarr",
-           "tsckpt", "tsckpt.dcp.api", "pytest", "dist", "zoo"]
+#: torch._dynamo (200-odd modules, about 2 s) is otherwise imported by each rank the first time it
+#: builds a device mesh or a DTensor.
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "numpy",
+           "tensorstore", "zarr", "tsckpt", "tsckpt.dcp.api", "pytest", "dist", "zoo"]
 
 
 def free_port() -> int:
