@@ -23,8 +23,9 @@ What differs from ``spawn``, and how it is made up for:
 
 What a forked rank cannot show is a crash during interpreter finalization.
 ``whole_interpreters=True`` spawns each rank as a new interpreter that exits
-normally, as ``tools/loop_packed_reshard.py`` needs; ``tsckpt demo`` (in
-test_demo.py) spawns its own ranks that way too.
+normally, as the packed reshard of test_distributed.py and
+``tools/loop_packed_reshard.py`` do; ``tsckpt demo`` (test_demo.py) spawns its
+own ranks that way too.
 """
 
 from __future__ import annotations
