@@ -4,8 +4,8 @@ One process (no process group), a state dict of ``--size-mb`` in bf16 and fp32
 tensors of mixed shapes (a vocabulary not divisible by anything handy, square
 matrices, 1-D norms), saved with ``tsckpt.save`` to a fresh directory per run and
 loaded back with ``tsckpt.load``. The two variants alternate, which goes first
-alternating each repetition; the page cache is dropped before each load when
-``/proc/sys/vm/drop_caches`` is writable. Medians, and the ratio with/without.
+alternating each repetition; the checkpoint's files are evicted from the page
+cache before each load. Medians, and the ratio with/without, as a markdown table.
 
 Checksums on means a crc32c and an XXH3-128 content hash per chunk
 (``tsckpt/format/content_hashes.py``). A third variant, ``no-hash``, keeps the
@@ -22,13 +22,17 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import evict, table  # noqa: E402  (puts this checkout's tsckpt first on the path)
 
-import tsckpt
-from tsckpt.format import checksums, content_hashes
+import torch  # noqa: E402
+
+import tsckpt  # noqa: E402
+from tsckpt.format import checksums, content_hashes  # noqa: E402
 
 
 def state_dict(size_mb: int) -> dict:
@@ -46,15 +50,6 @@ def state_dict(size_mb: int) -> dict:
 def crc_alone(data) -> tuple[int, bytes]:
     """What a save computed per chunk before content hashes: the crc32c alone (and a constant digest)."""
     return checksums.crc32c(data), bytes(16)
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def main() -> None:
@@ -83,7 +78,7 @@ def main() -> None:
                 times[variant]["save"].append(time.perf_counter() - t)
                 back = {k: torch.empty_like(v) for k, v in sd.items()}
                 if args.target == "disk":
-                    drop_caches()
+                    evict(path)
                 t = time.perf_counter()
                 tsckpt.load(back, path)
                 times[variant]["load"].append(time.perf_counter() - t)
@@ -92,14 +87,16 @@ def main() -> None:
     finally:
         content_hashes.crc_and_digest = both
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{nbytes / 1e6:.0f} MB, {len(sd)} tensors, target {args.target}, {args.reps} repetitions (medians):")
+    print(f"{nbytes / 1e6:.0f} MB, {len(sd)} tensors, target {args.target}, {args.reps} repetitions (medians):\n")
+    rows = []
     for op in ("save", "load"):
         on, off = (statistics.median(times[v][op]) for v in ("on", "off"))
-        print(f"  {op}: checksums on {on:.3f} s, off {off:.3f} s -> on costs {100 * (on / off - 1):+.1f}%"
-              f"   (samples on {[round(x, 3) for x in times['on'][op]]}, off {[round(x, 3) for x in times['off'][op]]})")
+        rows.append([op, f"{on:.3f}", f"{off:.3f}", f"{100 * (on / off - 1):+.1f}%",
+                     " ".join(f"{x:.3f}" for x in times["on"][op]), " ".join(f"{x:.3f}" for x in times["off"][op])])
+    print(table(["operation", "checksums on, s", "off, s", "on costs", "samples on, s", "samples off, s"], rows, "lrrr"))
     on, crc_only = (statistics.median(times[v]["save"]) for v in ("on", "no-hash"))
     paired = statistics.median(a / b for a, b in zip(times["on"]["save"], times["no-hash"]["save"]))
-    print(f"  save: the content hash costs {100 * (on / crc_only - 1):+.1f}% (medians), "
+    print(f"\nsave: the content hash costs {100 * (on / crc_only - 1):+.1f}% (medians), "
           f"{100 * (paired - 1):+.1f}% (median of per-repetition ratios)")
 
 

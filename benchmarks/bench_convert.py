@@ -16,13 +16,17 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
-import torch
-from safetensors.torch import save_file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import table  # noqa: E402  (puts this checkout's tsckpt first on the path)
 
-from tsckpt import convert, diff
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from tsckpt import convert, diff  # noqa: E402
 
 
 def raw_read_seconds(path: str) -> float:
@@ -78,12 +82,9 @@ def main() -> None:
                              "raw_read_MB/s": round(mb / raw), "time_vs_raw_read": round(result.seconds / raw, 2),
                              "raw_write_MB/s": round(mb / write)})
         assert diff(src, back).identical, "round trip changed the data"
-        width = max(len(r["conversion"]) for r in rows_out)
-        print(f"{'conversion':<{width}}  {'MB':>7} {'s':>7} {'MB/s':>7} {'raw read MB/s':>14} {'x raw read':>11}"
-              f" {'raw write MB/s':>15}")
-        for r in rows_out:
-            print(f"{r['conversion']:<{width}}  {r['MB']:>7} {r['seconds']:>7} {r['MB/s']:>7} "
-                  f"{r['raw_read_MB/s']:>14} {r['time_vs_raw_read']:>11} {r['raw_write_MB/s']:>15}")
+        keys = ["conversion", "MB", "seconds", "MB/s", "raw_read_MB/s", "time_vs_raw_read", "raw_write_MB/s"]
+        print(table(["conversion", "MB", "s", "MB/s", "raw read MB/s", "x raw read", "raw write MB/s"],
+                    [[r[k] for k in keys] for r in rows_out], "lrrrrrr"))
         print(json.dumps(rows_out))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -14,8 +14,8 @@ and reports for each:
 
 Each save and each load runs in a fresh process, so memory one contender
 freed but the allocator kept cannot hide another's peak. Each loaded tensor is
-compared bit for bit with what was saved. The page cache is dropped (or the
-files evicted) before every load.
+compared bit for bit with what was saved. The checkpoint's files are evicted
+from the page cache before every load.
 
     python benchmarks/bench_cuda.py --size-gb 8 --reps 3
     python benchmarks/bench_cuda.py --windows 0,268435456,none   # tsckpt's copy-ahead window
@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import contenders as cont  # noqa: E402
-from dcp_ranks import _status_kb, evict, free_port, rotated  # noqa: E402
+from dcp_ranks import _status_kb, rotated  # noqa: E402
+from harness import evict, free_port, table  # noqa: E402
 from workloads import Untuned, total_bytes  # noqa: E402
 
 
@@ -172,12 +172,13 @@ def main() -> None:
             print(f"rep {rep} {name}: save {saved['seconds']:.2f} s (+{saved['peak'] / 1e9:.2f} GB host), "
                   f"load {loaded['seconds']:.2f} s (+{loaded['peak'] / 1e9:.2f} GB host; cache {how})", flush=True)
     dcp_s = {k: statistics.median(samples["dcp-t1"][k]) for k in ("save", "load")}
-    print("\n| contender | save s | save x DCP | save peak host GB | load s | load x DCP | load peak host GB |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     for name, s in samples.items():
         med = {k: statistics.median(v) for k, v in s.items()}
-        print(f"| {name} | {med['save']:.2f} | {dcp_s['save'] / med['save']:.2f} | {med['save_mem'] / 1e9:.2f} "
-              f"| {med['load']:.2f} | {dcp_s['load'] / med['load']:.2f} | {med['load_mem'] / 1e9:.2f} |")
+        rows.append([name, f"{med['save']:.2f}", f"{dcp_s['save'] / med['save']:.2f}", f"{med['save_mem'] / 1e9:.2f}",
+                     f"{med['load']:.2f}", f"{dcp_s['load'] / med['load']:.2f}", f"{med['load_mem'] / 1e9:.2f}"])
+    print("\n" + table(["contender", "save s", "save x DCP", "save peak host GB", "load s", "load x DCP",
+                        "load peak host GB"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": nbytes, "largest_tensor_bytes": largest, "samples": samples}, f)

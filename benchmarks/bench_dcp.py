@@ -1,7 +1,7 @@
 """tsckpt vs DCP's FileSystemWriter/Reader, on tuned and untuned state dicts, by every call path, in one run.
 
 For each workload (``--workloads``; see ``workloads.py``) of ``--size-gb`` per
-dtype, row-sharded over ``--world`` spawned gloo CPU ranks, every contender
+dtype, row-sharded over ``--world`` gloo CPU ranks, every contender
 (``contenders.py``: DCP's default writer and reader, tsckpt through
 ``dcp.save``/``dcp.load`` with DCP's default planners, ``tsckpt.save`` /
 ``tsckpt.load``, each tsckpt path once per ``--layouts`` entry, raw disk)
@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders as cont  # noqa: E402
 import dcp_ranks  # noqa: E402
 import dcp_report  # noqa: E402
+import harness  # noqa: E402
 import workloads as wl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,7 +79,7 @@ def single_process(cfg: dict[str, Any], ours: str) -> dict[str, dict[str, list[f
         for who in dcp_ranks.rotated(list(ops), rep):
             path = dcp_ranks.checkpoint_path(cfg["root"], who, last)
             for what, fn in ops[who].items():
-                dcp_ranks.evict(path)
+                harness.evict(path)
                 t0 = time.perf_counter()
                 fn(path)
                 out.setdefault(who, {}).setdefault(what, []).append(time.perf_counter() - t0)
@@ -103,12 +104,12 @@ def run_workload(args: argparse.Namespace, name: str, dtype: str, root: str, lay
            "variants": args.variants}
     print(f"[{name} {dtype}] {w.describe()}: {wl.total_bytes(w, itemsize) / 1e9:.3f} GB, "
           f"{args.world} ranks, {args.reps} reps", flush=True)
-    saved = dcp_ranks.spawn(dcp_ranks.save_phase, args.world, cfg, root)
+    saved = harness.run_ranks(args.world, dcp_ranks.save_phase, cfg)[0]
     samples = saved["times"]
     for figure, world in (("reshard_same", args.world), ("reshard_fewer", args.reshard_world)):
         print(f"[{name} {dtype}] column-sharded load into {world} ranks", flush=True)
-        more = dcp_ranks.spawn(dcp_ranks.reshard_phase, world, cfg | {"checksums": saved["checksums"],
-                                                                       "figure": figure}, root)
+        more = harness.run_ranks(world, dcp_ranks.reshard_phase,
+                                 cfg | {"checksums": saved["checksums"], "figure": figure})[0]
         _merge(samples, more["times"])
     if extras:
         _merge(samples, single_process(cfg, f"tsckpt/{layouts[0]}"))
@@ -126,7 +127,7 @@ def run_many(args: argparse.Namespace, ranks: int, root: str, layouts: list[str]
     cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.many_reps, "root": root, "layouts": layouts,
            "dcp_threads": args.dcp_threads[:1], "settle": args.settle, "raw": False, "extras": False}
     print(f"[many] {ranks} ranks, {w.describe()}, {args.many_reps} reps", flush=True)
-    saved = dcp_ranks.spawn(dcp_ranks.save_phase, ranks, cfg, root)
+    saved = harness.run_ranks(ranks, dcp_ranks.save_phase, cfg)[0]
     return {"ranks": ranks, "describe": w.describe(), "bytes": wl.total_bytes(w, itemsize), "cpus": os.cpu_count(),
             "samples": saved["times"], "files": saved["files"], "evict": saved["evict"]}
 

@@ -25,7 +25,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tsckpt
+sys.path.insert(0, HERE)
+from harness import table  # noqa: E402  (puts this checkout's tsckpt first on the path)
 
 import tensorstore as ts  # noqa: E402
 
@@ -83,16 +84,18 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the databases go (default: a temporary directory)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="tsckpt-join-", dir=args.dir)
-    print("| ranks x tensors | keys | join wall s (copies + commit) | join CPU s | root database MB | "
-          f"reader: one key of each tensor, s |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     try:
         for ranks in args.ranks:
             r = run(root, ranks, args.tensors)
-            print(f"| {ranks} x {args.tensors} | {r['keys']:,} | {r['join_wall_s']:.2f} ({r['copy_wall_s']:.2f} + {r['join_wall_s'] - r['copy_wall_s']:.2f}) | {r['join_cpu_s']:.2f} | "
-                  f"{r['root_db_mb']:.2f} | {r['read_one_per_tensor_s']:.2f} |", flush=True)
+            print(f"[join] {ranks} x {args.tensors}: joined in {r['join_wall_s']:.2f} s", flush=True)
+            rows.append([f"{ranks} x {args.tensors}", f"{r['keys']:,}",
+                         f"{r['join_wall_s']:.2f} ({r['copy_wall_s']:.2f} + {r['join_wall_s'] - r['copy_wall_s']:.2f})",
+                         f"{r['join_cpu_s']:.2f}", f"{r['root_db_mb']:.2f}", f"{r['read_one_per_tensor_s']:.2f}"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print(table(["ranks x tensors", "keys", "join wall s (copies + commit)", "join CPU s", "root database MB",
+                 "reader: one key of each tensor, s"], rows))
 
 
 if __name__ == "__main__":

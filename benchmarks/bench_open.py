@@ -17,13 +17,18 @@ Prints a markdown table. Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import table  # noqa: E402  (puts this checkout's tsckpt first on the path)
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:
@@ -111,14 +116,14 @@ def main() -> None:
               f"chunks {list(big.chunks.chunk_shape)}, inner {list(big.chunks.inner_chunk_shape or [])}; "
               f"median of {args.repeat}")
         print()
-        print("| operation | seconds | ratio |")
-        print("|---|---:|---:|")
-        print(f"| `tsckpt.open` + list {n_tensors} keys | {t_open:.4f} | |")
-        print(f"| open + shape/dtype/placement/chunks of all {n_tensors} | {t_meta:.4f} | |")
-        print(f"| slice of {args.slice_rows} rows ({frac:.1%}) of the large tensor | {t_slice:.4f} | "
-              f"{t_slice / t_full:.3f} of full |")
-        print(f"| whole large tensor ({mb:.0f} MiB) | {t_full:.4f} | 1.000 |")
-        print(f"| open + `to_state_dict()` (everything) | {t_all:.4f} | {t_all / t_full:.2f} of full |")
+        print(table(["operation", "seconds", "ratio"], [
+            [f"`tsckpt.open` + list {n_tensors} keys", f"{t_open:.4f}", ""],
+            [f"open + shape/dtype/placement/chunks of all {n_tensors}", f"{t_meta:.4f}", ""],
+            [f"slice of {args.slice_rows} rows ({frac:.1%}) of the large tensor", f"{t_slice:.4f}",
+             f"{t_slice / t_full:.3f} of full"],
+            [f"whole large tensor ({mb:.0f} MiB)", f"{t_full:.4f}", "1.000"],
+            ["open + `to_state_dict()` (everything)", f"{t_all:.4f}", f"{t_all / t_full:.2f} of full"],
+        ], "lrr"))
         print()
         print(f"slice read is {t_full / t_slice:.1f}x faster than reading the whole tensor")
     finally:

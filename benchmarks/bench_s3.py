@@ -1,6 +1,6 @@
 """Save and load a sharded state dict to local disk and to an S3 server, in one run.
 
-Spawns ``--world`` gloo ranks on CPU. Each rank owns a row shard of every
+Starts ``--world`` gloo ranks on CPU. Each rank owns a row shard of every
 tensor (DTensor, ``Shard(0)``). Every rank saves to a local directory, then to
 ``s3://bench/...`` on a moto server started on 127.0.0.1, and loads each back
 into fresh tensors of the same layout, checking the bytes. Times are wall
@@ -23,11 +23,8 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, os.path.join(HERE, ".."))
-
-from dist import run_ranks  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import run_ranks, table  # noqa: E402
 from s3server import MotoServer, restore_credentials, set_credentials  # noqa: E402
 
 TENSOR_ROWS = 4096
@@ -119,20 +116,19 @@ def main() -> None:
                 "local disk": os.path.join(local_root, "ckpt"),
                 "S3 (moto, 127.0.0.1)": s3.location("bench", "ckpt"),
             }
-            results = run_ranks(args.world, bench_rank, args.mb * 10**6, targets, args.repeat, timeout=3600)[0]
+            results = run_ranks(args.world, bench_rank, args.mb * 10**6, targets, args.repeat)[0]
     finally:
         restore_credentials(previous)
         shutil.rmtree(local_root, ignore_errors=True)
 
     gb = results["bytes"] / 1e9
     print(f"\n{args.world} ranks, {results['bytes'] / 1e6:.0f} MB float32 (10 DTensors, Shard(0)), best of {args.repeat}\n")
-    print("| target | save s | save GB/s | load s | load GB/s |")
-    print("|---|---:|---:|---:|---:|")
-    for name in targets:
-        r = results[name]
-        print(f"| {name} | {r['save']:.2f} | {gb / r['save']:.3f} | {r['load']:.2f} | {gb / r['load']:.3f} |")
+    rows = [[name, f"{r['save']:.2f}", f"{gb / r['save']:.3f}", f"{r['load']:.2f}", f"{gb / r['load']:.3f}"]
+            for name, r in ((name, results[name]) for name in targets)]
     local, remote = results["local disk"], results["S3 (moto, 127.0.0.1)"]
-    print(f"| S3/local time ratio | {remote['save'] / local['save']:.2f}x | | {remote['load'] / local['load']:.2f}x | |")
+    rows.append(["S3/local time ratio", f"{remote['save'] / local['save']:.2f}x", "",
+                 f"{remote['load'] / local['load']:.2f}x", ""])
+    print(table(["target", "save s", "save GB/s", "load s", "load GB/s"], rows, "lrrrr"))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's tsckpt
+sys.path.insert(0, HERE)
+from harness import table  # noqa: E402  (puts this checkout's tsckpt first on the path)
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
@@ -109,11 +110,9 @@ def main() -> None:
                 samples[layout].append(one(layout, root, entry, data, regions))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("| layout | files | save s (median) | load s (median) |")
-    print("|---|---|---|---|")
-    for layout, runs in samples.items():
-        print(f"| {layout} | {runs[0]['files']:,} | {statistics.median(r['save_s'] for r in runs):.2f} | "
-              f"{statistics.median(r['load_s'] for r in runs):.2f} |")
+    print(table(["layout", "files", "save s (median)", "load s (median)"],
+                [[layout, f"{runs[0]['files']:,}", f"{statistics.median(r['save_s'] for r in runs):.2f}",
+                  f"{statistics.median(r['load_s'] for r in runs):.2f}"] for layout, runs in samples.items()]))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,24 @@
 """Rank-side work of ``bench_dcp.py``: timing helpers and the timed save and load phases.
 
-Each phase runs in spawned gloo CPU ranks; rank 0 writes its figures to a
-JSON file that the parent process reads. Times are wall-clock between two
-barriers, so they are the slowest rank's. Every repetition rotates which
-contender goes first.
+Each phase runs on gloo CPU ranks started by ``harness.run_ranks`` and returns
+its figures from rank 0. Times are wall-clock between two barriers, so they
+are the slowest rank's. Every repetition rotates which contender goes first.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 import contenders as cont
 import workloads as wl
+from harness import evict
 
 
 # --- measuring ----------------------------------------------------------------
@@ -62,55 +58,12 @@ def settle(seconds: float) -> None:
     dist.barrier()
 
 
-def drop_page_cache() -> bool:
-    """Drop the whole page cache (needs root); False where this machine does not allow it."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def evict(path: str) -> str:
-    """Take ``path``'s files out of the page cache; returns how."""
-    if drop_page_cache():
-        return "drop_caches"
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
-
-
 def count_files(path: str) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(phase: Any, world: int, cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
-    """Run ``phase(rank, world, port, cfg, out)`` in ``world`` spawned ranks; returns rank 0's result."""
-    out = os.path.join(tmp, f"{phase.__module__}.{phase.__name__}.json")
-    mp.start_processes(phase, args=(world, free_port(), cfg, out), nprocs=world, start_method="spawn")
-    with open(out) as f:
-        return json.load(f)
-
-
-def setup(rank: int, world: int, port: int) -> Any:
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def mesh(world: int) -> Any:
+    """The 1-D CPU mesh over every rank of the group ``harness.run_ranks`` set up."""
     return init_device_mesh("cpu", (world,))
 
 
@@ -121,10 +74,9 @@ def checkpoint_path(root: str, name: str, rep: int) -> str:
     return os.path.join(root, name.replace("/", "-"), f"rep{rep}")
 
 
-def write_result(out: str, result: dict[str, Any]) -> None:
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
+def rank0(result: dict[str, Any]) -> dict[str, Any] | None:
+    """What a phase returns: its figures from rank 0 (every rank holds the same ones after its reductions)."""
+    return result if dist.get_rank() == 0 else None
 
 
 def rotated(items: list[Any], rep: int) -> list[Any]:
@@ -143,10 +95,10 @@ def _state(cfg: dict[str, Any], mesh: Any, column: bool, fill: bool) -> dict[str
 
 # --- phases -------------------------------------------------------------------
 
-def save_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> None:
+def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Save with every contender and load back into the same topology; with ``extras``, async saves too."""
-    mesh = setup(rank, world, port)
-    sd = _state(cfg, mesh, column=False, fill=True)
+    devices = mesh(world)
+    sd = _state(cfg, devices, column=False, fill=True)
     expected = wl.checksums(sd)
     everyone = cont.contenders(cfg, raw=cfg["raw"])
     times: dict[str, dict[str, list[float]]] = {}
@@ -162,7 +114,7 @@ def save_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) 
             seconds, extra = peak_extra_bytes(lambda: c.save(sd, path))
             _add(times, c.name, "save", seconds)
             memory[c.name] = max(memory.get(c.name, 0), extra)
-            dest = _state(cfg, mesh, column=False, fill=False)
+            dest = _state(cfg, devices, column=False, fill=False)
             if rank == 0:
                 how = evict(path)
                 files[c.name] = count_files(path)
@@ -174,9 +126,8 @@ def save_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) 
             _async_saves(cfg, sd, everyone, rep, times)
     local = torch.tensor([wl.local_bytes(sd)], dtype=torch.int64)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    write_result(out, {"times": times, "memory": memory, "files": files, "evict": how,
-                       "local_bytes": int(local), "checksums": expected})
-    dist.destroy_process_group()
+    return rank0({"times": times, "memory": memory, "files": files, "evict": how,
+                  "local_bytes": int(local), "checksums": expected})
 
 
 def _async_saves(cfg: dict[str, Any], sd: dict[str, Any], everyone: list[cont.Contender], rep: int,
@@ -197,11 +148,10 @@ def _async_saves(cfg: dict[str, Any], sd: dict[str, Any], everyone: list[cont.Co
     _add(times, "staging copy", "copy", timed(lambda: [t.clone() for t in wl.local_tensors(sd)]))
 
 
-def reshard_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> None:
+def reshard_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Load each contender's last row-sharded checkpoint column-sharded into ``world`` ranks."""
-    mesh = setup(rank, world, port)
     everyone = cont.contenders(cfg, raw=False)
-    dest = _state(cfg, mesh, column=True, fill=False)
+    dest = _state(cfg, mesh(world), column=True, fill=False)
     times: dict[str, dict[str, list[float]]] = {}
     for rep in range(cfg["reps"]):
         for c in rotated(everyone, rep):
@@ -211,5 +161,4 @@ def reshard_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: st
             _add(times, c.name, cfg["figure"], timed(lambda: c.load(dest, path)))
             if rep == 0 and wl.checksums(dest) != cfg["checksums"]:
                 raise AssertionError(f"{c.name}: resharded state dict differs from the saved one")
-    write_result(out, {"times": times})
-    dist.destroy_process_group()
+    return rank0({"times": times})

@@ -8,10 +8,14 @@ a results file (``python benchmarks/dcp_report.py results.json``).
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import table  # noqa: E402
 
 README_BEGIN = "<!-- bench_dcp:begin -->"
 README_END = "<!-- bench_dcp:end -->"
@@ -86,33 +90,25 @@ def _columns(samples: dict[str, Any]) -> list[str]:
     return [*tsckpt_names(samples), DCP, *others, *(["raw"] if "raw" in samples else [])]
 
 
-def _header(cells: list[str]) -> list[str]:
-    return ["| " + " | ".join(cells) + " |", "|---" * len(cells) + "|"]
-
-
 def run_tables(run: dict[str, Any]) -> list[str]:
     """Medians (range) per contender, then speed-ups over DCP's default, for one workload."""
     s, cols = run["samples"], _columns(run["samples"])
     fill = {"world": run["world"], "fewer": run["reshard_world"]}
-    lines = _header(["median seconds (min-max)", *map(label, cols)])
-    for key, text in FIGURES + EXTRAS:
-        if any(key in s.get(c, {}) for c in cols):
-            lines.append(f"| {text.format(**fill)} | " + " | ".join(_seconds(s.get(c, {}).get(key)) for c in cols) + " |")
+    rows = [[text.format(**fill), *(_seconds(s.get(c, {}).get(key)) for c in cols)]
+            for key, text in FIGURES + EXTRAS if any(key in s.get(c, {}) for c in cols)]
     if "staging copy" in s:
-        lines.append(f"| one staging copy of a rank's state dict (clone): {_seconds(s['staging copy']['copy'])} |"
-                     + " - |" * len(cols))
+        rows.append([f"one staging copy of a rank's state dict (clone): {_seconds(s['staging copy']['copy'])}",
+                     *["-"] * len(cols)])
     mem = run.get("memory", {})
-    lines.append(f"| peak extra memory per rank during save (local state dict {run['local_bytes'] / 1e6:.0f} MB) | "
-                 + " | ".join(f"{mem[c] / 1e6:.0f} MB" if c in mem else "-" for c in cols) + " |")
-    lines.append("| files in the checkpoint | " + " | ".join(str(run["files"].get(c, "-")) for c in cols) + " |")
+    rows.append([f"peak extra memory per rank during save (local state dict {run['local_bytes'] / 1e6:.0f} MB)",
+                 *(f"{mem[c] / 1e6:.0f} MB" if c in mem else "-" for c in cols)])
+    rows.append(["files in the checkpoint", *(run["files"].get(c, "-") for c in cols)])
+    lines = table(["median seconds (min-max)", *map(label, cols)], rows).splitlines()
     ours = tsckpt_names(s)
     lines += ["", "Speed-up of tsckpt over DCP's default (DCP time / tsckpt time; above 1 means tsckpt is faster; "
                   "ratio of medians, range of the per-repetition ratios):", ""]
-    lines += _header(["figure", *map(label, ours)])
-    for key, text in FIGURES + EXTRAS:
-        cells = [_ratio_cell(speedup(s, key, n)) for n in ours]
-        if any(c != "-" for c in cells):
-            lines.append(f"| {text.format(**fill)} | " + " | ".join(cells) + " |")
+    ratios = [[text.format(**fill), *(_ratio_cell(speedup(s, key, n)) for n in ours)] for key, text in FIGURES + EXTRAS]
+    lines += table(["figure", *map(label, ours)], [r for r in ratios if any(c != "-" for c in r[1:])]).splitlines()
     return lines
 
 
@@ -138,24 +134,24 @@ def fetched_tables(f: dict[str, Any]) -> list[str]:
         loads = disk["loads"]
         lines += ["", f"Local disk ({where}; {disk['bytes'] / 1e6:.0f} MB state dict). `rchar`: bytes the ranks' "
                       "read/pread calls returned, summed over ranks (what ranks on separate nodes would fetch). "
-                      "`read_bytes`: bytes the block device delivered after the page cache was dropped (ranks on "
-                      "one machine share the cache).", ""]
-        lines += _header(["contender", "needed", "rchar", "rchar / needed", "read_bytes", "read_bytes / needed",
-                          "seconds"])
-        for name, e in loads.items():
-            lines.append(f"| {label(name)} | {e['needed'] / 1e6:.1f} MB | {e['rchar'] / 1e6:.1f} MB | "
-                         f"**{e['rchar'] / e['needed']:.2f}** | {e['read_bytes'] / 1e6:.1f} MB | "
-                         f"{e['read_bytes'] / e['needed']:.2f} | {e['seconds']:.3f} |")
+                      "`read_bytes`: bytes the block device delivered after the checkpoint left the page cache "
+                      "(ranks on one machine share the cache).", ""]
+        lines += table(["contender", "needed", "rchar", "rchar / needed", "read_bytes", "read_bytes / needed",
+                        "seconds"],
+                       [[label(name), f"{e['needed'] / 1e6:.1f} MB", f"{e['rchar'] / 1e6:.1f} MB",
+                         f"**{e['rchar'] / e['needed']:.2f}**", f"{e['read_bytes'] / 1e6:.1f} MB",
+                         f"{e['read_bytes'] / e['needed']:.2f}", f"{e['seconds']:.3f}"]
+                        for name, e in loads.items()]).splitlines()
     s3 = f.get("s3")
     if s3:
         loads = s3["loads"]
         lines += ["", f"S3, moto on loopback behind a byte-counting proxy ({where}; {s3['bytes'] / 1e6:.0f} MB "
                       "state dict). Served: bytes the server sent to the ranks (HTTP bodies and headers); "
                       "requests: HTTP requests the ranks sent.", ""]
-        lines += _header(["contender", "needed", "served", "served / needed", "requests", "seconds"])
-        for name, e in loads.items():
-            lines.append(f"| {label(name, s3=True)} | {e['needed'] / 1e6:.1f} MB | {e['served'] / 1e6:.1f} MB | "
-                         f"**{e['served'] / e['needed']:.2f}** | {e['requests']} | {e['seconds']:.3f} |")
+        lines += table(["contender", "needed", "served", "served / needed", "requests", "seconds"],
+                       [[label(name, s3=True), f"{e['needed'] / 1e6:.1f} MB", f"{e['served'] / 1e6:.1f} MB",
+                         f"**{e['served'] / e['needed']:.2f}**", e["requests"], f"{e['seconds']:.3f}"]
+                        for name, e in loads.items()]).splitlines()
     return lines
 
 
@@ -166,14 +162,15 @@ def many_tables(many: list[dict[str, Any]]) -> list[str]:
     first = many[0]
     lines = ["", f"{first['describe']} ({first['bytes'] / 1e6:.0f} MB), row-sharded, saved and loaded back "
                  f"into the same ranks on this {first.get('cpus', '?')}-CPU machine:", ""]
-    lines += _header(["ranks", "contender", "save", "load", "files", "save speed-up", "load speed-up"])
+    rows = []
     for m in many:
         s = m["samples"]
         for name in [DCP, *tsckpt_names(s)]:
             ratios = ["-" if name == DCP else _ratio_cell(speedup(s, fig, name)) for fig in ("save", "load")]
-            lines.append(f"| {m['ranks']} | {label(name)} | {_seconds(s[name].get('save'))} | "
-                         f"{_seconds(s[name].get('load'))} | {m['files'].get(name, '-')} | " + " | ".join(ratios) + " |")
-    return lines
+            rows.append([m["ranks"], label(name), _seconds(s[name].get("save")), _seconds(s[name].get("load")),
+                         m["files"].get(name, "-"), *ratios])
+    return lines + table(["ranks", "contender", "save", "load", "files", "save speed-up", "load speed-up"],
+                         rows).splitlines()
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -187,8 +184,9 @@ def markdown(results: dict[str, Any]) -> str:
              f"Each figure is the median of {env['reps']} repetitions (range in brackets); every repetition "
              "runs each contender once, rotating who goes first. Times are wall-clock between barriers, i.e. "
              "the slowest rank's. Before every load the page cache is "
+             # results saved before every benchmark evicted only the checkpoint's files may say drop_caches
              + ("dropped (`/proc/sys/vm/drop_caches`)." if _evicts(results) == {"drop_caches"}
-                else "emptied of the checkpoint's files with posix_fadvise(DONTNEED) (drop_caches not permitted).")
+                else "emptied of the checkpoint's files with posix_fadvise(DONTNEED).")
              + " Ratios are speed-ups of tsckpt over DCP's default `FileSystemWriter`/`FileSystemReader` "
                "(DCP time / tsckpt time): above 1, tsckpt is faster."]
     if lay.get("skipped"):

@@ -6,8 +6,8 @@ after a warm-up load of the same checkpoint (so that lazy imports and
 first-call set-up are not counted). Bytes *needed* are the new ranks' local
 shards summed over ranks.
 
-* Local disk: before each measured load the page cache is dropped; every rank
-  reads ``/proc/self/io`` before and after. ``rchar`` counts the bytes each
+* Local disk: before each measured load the checkpoint's files are evicted
+  from the page cache; every rank reads ``/proc/self/io`` before and after. ``rchar`` counts the bytes each
   rank's ``read``/``pread`` calls returned: what ranks on separate nodes would
   fetch. ``read_bytes`` counts what the block device delivered; ranks on one
   machine share a page cache, so bytes read by two ranks count once there.
@@ -22,10 +22,8 @@ shards summed over ranks.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -36,9 +34,8 @@ import torch.multiprocessing as mp
 
 import contenders as cont
 import dcp_ranks
+import harness
 import workloads as wl
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # --- counting proxy (parent process) -------------------------------------------
@@ -47,7 +44,7 @@ class CountingProxy:
     """A TCP forwarder on 127.0.0.1 that counts bytes and HTTP requests in shared counters."""
 
     def __init__(self, target_port: int):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # the ranks (harness.run_ranks) come from the forkserver
         self.served = ctx.Value("q", 0)  # bytes from the server to clients
         self.requests = ctx.Value("q", 0)  # request header ends seen from clients
         self.target_port = target_port
@@ -113,17 +110,16 @@ def _location(cfg: dict[str, Any], name: str) -> str:
     return f"{cfg['root']}/{name.replace('/', '-')}"
 
 
-def save_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str, *counters: Any) -> None:
-    mesh = dcp_ranks.setup(rank, world, port)
+def save_phase(rank: int, world: int, cfg: dict[str, Any], *counters: Any) -> dict[str, Any] | None:
+    mesh = dcp_ranks.mesh(world)
     sd = wl.build_state_dict(wl.from_dict(cfg["workload"]), wl.DTYPES[cfg["dtype"]], mesh, column=False, fill=True)
     expected = wl.checksums(sd)
     times = {c.name: dcp_ranks.timed(lambda: c.save(sd, _location(cfg, c.name))) for c in _everyone(cfg)}
-    dcp_ranks.write_result(out, {"checksums": expected, "save": times})
-    dist.destroy_process_group()
+    return dcp_ranks.rank0({"checksums": expected, "save": times})
 
 
-def load_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str, *counters: Any) -> None:
-    mesh = dcp_ranks.setup(rank, world, port)
+def load_phase(rank: int, world: int, cfg: dict[str, Any], *counters: Any) -> dict[str, Any] | None:
+    mesh = dcp_ranks.mesh(world)
     dest = wl.build_state_dict(wl.from_dict(cfg["workload"]), wl.DTYPES[cfg["dtype"]], mesh, column=True, fill=False)
     needed = torch.tensor([wl.local_bytes(dest)], dtype=torch.int64)
     dist.all_reduce(needed)
@@ -132,7 +128,7 @@ def load_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str, 
         where = _location(cfg, c.name)
         c.load(dest, where)  # warm-up: imports, first-call set-up
         if rank == 0 and not cfg["s3"]:
-            dcp_ranks.drop_page_cache()
+            harness.evict(where)
         dist.barrier()
         before = _io()
         start = [int(x.value) for x in counters]
@@ -148,23 +144,14 @@ def load_phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str, 
         else:
             entry |= {"rchar": int(moved[0]), "read_bytes": int(moved[1])}
         result[c.name] = entry
-    dcp_ranks.write_result(out, result)
-    dist.destroy_process_group()
+    return dcp_ranks.rank0(result)
 
 
 # --- driver --------------------------------------------------------------------
 
-def _spawn(phase: Any, world: int, cfg: dict[str, Any], tmp: str, counters: tuple[Any, ...]) -> dict[str, Any]:
-    out = os.path.join(tmp, f"fetched-{phase.__name__}.json")
-    mp.start_processes(phase, args=(world, dcp_ranks.free_port(), cfg, out, *counters), nprocs=world,
-                       start_method="spawn")
-    with open(out) as f:
-        return json.load(f)
-
-
-def _measure(cfg: dict[str, Any], world: int, reshard_world: int, tmp: str, counters: tuple[Any, ...]) -> dict:
-    saved = _spawn(save_phase, world, cfg, tmp, counters)
-    loads = _spawn(load_phase, reshard_world, cfg | {"checksums": saved["checksums"]}, tmp, counters)
+def _measure(cfg: dict[str, Any], world: int, reshard_world: int, counters: tuple[Any, ...]) -> dict:
+    saved = harness.run_ranks(world, save_phase, cfg, *counters)[0]
+    loads = harness.run_ranks(reshard_world, load_phase, cfg | {"checksums": saved["checksums"]}, *counters)[0]
     return {"loads": loads, "save_seconds": saved["save"]}
 
 
@@ -180,20 +167,19 @@ def run(args: Any, layouts: list[str], tmp: str) -> dict[str, Any]:
     os.makedirs(root)
     print(f"[fetched] local disk, {disk_w.describe()}", flush=True)
     out["disk"] = _measure(base | {"workload": wl.to_dict(disk_w), "root": root, "s3": False},
-                           args.world, args.reshard_world, tmp, ())
+                           args.world, args.reshard_world, ())
     out["disk"] |= {"workload": wl.to_dict(disk_w), "bytes": wl.total_bytes(disk_w, itemsize)}
     s3_w = w_cls.for_size(args.s3_gb * 1e9, itemsize)
     print(f"[fetched] S3 (moto on loopback), {s3_w.describe()}", flush=True)
     try:
-        out["s3"] = _s3(args, base | {"workload": wl.to_dict(s3_w), "s3": True}, tmp)
+        out["s3"] = _s3(args, base | {"workload": wl.to_dict(s3_w), "s3": True})
         out["s3"] |= {"workload": wl.to_dict(s3_w), "bytes": wl.total_bytes(s3_w, itemsize)}
     except ImportError as e:  # moto or s3fs missing
         print(f"[fetched] S3 skipped: {e}", flush=True)
     return out
 
 
-def _s3(args: Any, cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+def _s3(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     import moto  # noqa: F401  (fail early, as ImportError, where moto is not installed)
     import s3fs  # noqa: F401
     from s3server import MotoServer, restore_credentials, set_credentials
@@ -207,7 +193,7 @@ def _s3(args: Any, cfg: dict[str, Any], tmp: str) -> dict[str, Any]:
             os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
             try:
                 t0 = time.perf_counter()
-                result = _measure(cfg | {"root": "s3://bench/ckpt"}, args.world, args.reshard_world, tmp,
+                result = _measure(cfg | {"root": "s3://bench/ckpt"}, args.world, args.reshard_world,
                                   (proxy.served, proxy.requests))
                 result["wall_seconds"] = time.perf_counter() - t0
                 return result

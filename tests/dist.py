@@ -19,8 +19,13 @@ What differs from ``spawn``, and how it is made up for:
   monkeypatched ``TSCKPT_LAYOUT``);
 * a forked rank leaves by ``os._exit`` without interpreter finalization, so the
   ``atexit`` hooks a spawned rank would run (tsckpt frees its TensorStore
-  objects there) are run at the end of each rank explicitly. (``tsckpt demo``,
-  tested in test_demo.py, still spawns its ranks and exits them normally.)
+  objects there) are run at the end of each rank explicitly.
+
+What a forked rank cannot show is a crash during interpreter finalization.
+``whole_interpreters=True`` spawns each rank as a new interpreter that exits
+normally, as the packed reshard of test_distributed.py and
+``tools/loop_packed_reshard.py`` do; ``tsckpt demo`` (test_demo.py) spawns its
+own ranks that way too.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ import torch
 import torch.multiprocessing as mp
 
 #: Imported once by the forkserver, before it forks any rank. Names that do not import are skipped.
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy", "tensorstore", "zarr",
-           "tsckpt", "tsckpt.dcp.api", "pytest", "dist", "zoo"]
+#: torch._dynamo (200-odd modules, about 2 s) is otherwise imported by each rank the first time it
+#: builds a device mesh or a DTensor.
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "numpy",
+           "tensorstore", "zarr", "tsckpt", "tsckpt.dcp.api", "pytest", "dist", "zoo"]
 
 
 def free_port() -> int:
@@ -49,14 +56,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], fn: Callable[..., Any], args: tuple,
-           queue: Any) -> None:
+def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], forked: bool, fn: Callable[..., Any],
+           args: tuple, queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    # What the forkserver imported is shared with it page by page until written: a garbage collection
-    # that walked those objects would copy them all into this rank (seconds, at the atexit hooks' collections).
-    gc.freeze()
+    if forked:
+        # What the forkserver imported is shared with it page by page until written: a garbage collection that
+        # walked those objects would copy them all into this rank (seconds, at the atexit hooks' collections).
+        gc.freeze()
     os.environ.clear()
     os.environ.update(environ)
     warnings.simplefilter("ignore")
@@ -73,22 +81,27 @@ def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], fn: C
         raise
     finally:
         dist.destroy_process_group()
-        atexit._run_exitfuncs()
+        if forked:
+            atexit._run_exitfuncs()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float | None = 300) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float | None = 300,
+              whole_interpreters: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values, by rank.
 
     Fails with an AssertionError holding every failing rank's traceback, or if
     the ranks have not all finished within ``timeout`` seconds (None: no limit),
-    in which case they are killed.
+    in which case they are killed. ``whole_interpreters``: spawn each rank as a
+    new interpreter that finalizes at exit, instead of forking it (module docstring).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # only the first call of a run starts the server
+    method = "spawn" if whole_interpreters else "forkserver"
+    ctx = mp.get_context(method)
+    if not whole_interpreters:
+        ctx.set_forkserver_preload(PRELOAD)  # only the first call of a run starts the server
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(
-        _entry, args=(world_size, free_port(), dict(os.environ), fn, args, queue), nprocs=world_size, join=False,
-        start_method="forkserver",
+        _entry, args=(world_size, free_port(), dict(os.environ), not whole_interpreters, fn, args, queue),
+        nprocs=world_size, join=False, start_method=method,
     )
     results: dict[int, Any] = {}
     errors: list[str] = []

@@ -5,10 +5,12 @@ lost a spawned rank to SIGABRT ("terminate called without an active
 exception") in ``tests/test_distributed.py::test_reshard_4_ranks_to_2``. This
 saves the test's 4-rank zoo once, packed, then runs that test's 2-rank load
 ``--runs`` times with the test suite's own rank harness, and reports each
-failure and the count. Each rank prints a marker to stderr once its load
-returned, so a failure without the marker died inside the load, and one with
-it died afterwards; a second marker at ``atexit`` tells process-group teardown
-from interpreter exit, and ``faulthandler`` prints the Python stacks of an abort.
+failure and the count. The loading ranks are whole interpreters (spawned, not
+forked from the suite's forkserver) so that they finalize at exit, where the
+abort happened. Each rank prints a marker to stderr once its load returned, so
+a failure without the marker died inside the load, and one with it died
+afterwards; a second marker at ``atexit`` tells process-group teardown from
+interpreter exit, and ``faulthandler`` prints the Python stacks of an abort.
 
     python tools/loop_packed_reshard.py --runs 70
 """
@@ -54,7 +56,7 @@ def main() -> None:
     failures = 0
     for i in range(args.runs):
         try:
-            got = run_ranks(2, load_marked, path)
+            got = run_ranks(2, load_marked, path, whole_interpreters=True)
             assert got == [[], []], got
         except AssertionError as e:
             failures += 1
