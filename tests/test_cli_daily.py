@@ -45,7 +45,8 @@ def test_ls_json(zoo_ckpt):
     res = runner.invoke(app, ["ls", zoo_ckpt, "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert set(doc) == {"location", "world_size", "tensors", "values", "totals"}
+    assert set(doc) == {"location", "world_size", "tensors", "values", "totals", "reuse"}
+    assert doc["reuse"] is None  # a full save
     assert doc["location"] == zoo_ckpt and doc["world_size"] == 4
     assert doc["totals"] == {"tensors": 30, "values": 5, "nbytes": sum(t["nbytes"] for t in doc["tensors"])}
     t = {e["key"]: e for e in doc["tensors"]}["model.mesh2d"]
@@ -71,7 +72,9 @@ def test_info_json(zoo_ckpt):
     assert {"shape": [2, 2], "dim_names": ["dp", "tp"], "device_type": "cpu", "ranks": [0, 1, 2, 3]} in doc["meshes"]
     assert doc["torch_version"].startswith("2.") and doc["format_version"] >= 1
     assert set(doc) == {"location", "format_version", "tsckpt_version", "torch_version", "created", "world_size",
-                        "meshes", "tensors", "tensor_nbytes", "values", "layout", "files", "bytes_stored"}
+                        "meshes", "tensors", "tensor_nbytes", "values", "layout", "files", "bytes_stored",
+                        "content_hash", "reuse"}
+    assert doc["content_hash"] == "xxh3_128" and doc["reuse"] is None
 
 
 def test_verify_json_reports_damage_per_entry(zoo_ckpt, tmp_path):

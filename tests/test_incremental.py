@@ -212,3 +212,13 @@ def test_a_killed_incremental_save_leaves_its_base_whole(tmp_path, layout):
     assert [left.live for left in tsckpt.leftovers(tmp_path / "step_2")] == [False]
     tsckpt.clean(tmp_path / "step_2")
     assert tsckpt.verify(tmp_path / "step_1").ok
+
+
+def test_without_a_local_filesystem_nothing_is_reused_and_the_note_says_why():
+    tsckpt.save(_state(1), "memory://incremental/step_1")
+    tsckpt.save(_state(2), "memory://incremental/step_2", incremental=True)
+    reuse = tsckpt.open("memory://incremental/step_2").metadata.reuse
+    assert reuse.base == "memory://incremental/step_1" and reuse.chunks_reused == 0
+    assert "only checkpoints on a local filesystem share chunks" in reuse.note
+    assert reuse.bytes_written == 512 * 128 * 2 + 8 * 4 * 4
+    assert _same(_load("memory://incremental/step_2"), _state(2))
