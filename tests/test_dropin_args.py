@@ -305,6 +305,34 @@ def test_plan_caching_saves_twice_into_new_directories(tmp_path, planner):
         _assert_same(_load(tmp_path / str(step)), expect)
 
 
+class _CachingA(tsckpt.SavePlanner):
+    """Two planner classes: DCP keeps one plan cache per class."""
+
+
+class _CachingB(tsckpt.SavePlanner):
+    pass
+
+
+def test_two_caching_planners_in_turn_each_get_their_own_plans(tmp_path):
+    """A save whose plans DCP found unchanged gets its own planner's cached plans, not the other planner's."""
+    first = {"w": expected("w", (6, 4), torch.float32), "step": 1}
+    second = {"v": expected("v", (3, 5), torch.bfloat16), "h": expected("h", (9,), torch.float32)}
+    for round_ in range(3):
+        for name, sd, planner in (("a", first, _CachingA), ("b", second, _CachingB)):
+            dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(tmp_path / f"{name}{round_}",
+                                                                 compression="zstd" if round_ == 2 else None),
+                     planner=planner(enable_plan_caching=True))
+    for round_ in range(3):
+        for name, sd in (("a", first), ("b", second)):
+            doc = _doc(tmp_path / f"{name}{round_}")
+            assert set(doc["tensors"]) == {k for k, v in sd.items() if isinstance(v, torch.Tensor)}, (name, round_)
+            assert doc["array_options"]["compression"] == ("zstd" if round_ == 2 else None)
+            back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+            dcp.load(back, storage_reader=tsckpt.TensorStoreReader(tmp_path / f"{name}{round_}"))
+            for k, v in sd.items():
+                assert same_bits(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, (name, round_, k)
+
+
 # --- logging and warnings --------------------------------------------------------------
 
 
