@@ -35,7 +35,7 @@ from ..format.spec import read_error
 from ..location import DEFAULT_IO_CONCURRENCY, LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
-from .protocol import DecodedValue
+from .values import DecodedValue
 from .io import TensorStoreIO, done, region
 
 

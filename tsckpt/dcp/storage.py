@@ -1,13 +1,13 @@
 """DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays.
 
-It knows regions, dtypes and paths, never DTensors: placements arrive as JSON
-records from tsckpt's planner (:mod:`tsckpt.dcp.protocol`) or, with DCP's own
-planner, from :func:`tsckpt.dcp.planner.placement_records` as each rank writes.
-Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
-:mod:`tsckpt.format.spec`, and the commit from
-:func:`tsckpt.format.commit.commit_checkpoint`. The constructor takes
-``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`). See
-``docs/format.md`` for what ends up on disk.
+It knows regions, dtypes and paths, never DTensors: placement records arrive in
+the plans from tsckpt's planner. What the coordinator and the ranks tell each
+other, and in which order, is :mod:`tsckpt.dcp.contract`; the arrays are laid
+out by :mod:`tsckpt.dcp.global_layout` (chunk grids from
+:mod:`tsckpt.format.plan`), array specs come from :mod:`tsckpt.format.spec`,
+and the commit from :func:`tsckpt.format.commit.commit_checkpoint`. The
+constructor takes ``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`).
+See ``docs/format.md`` for what ends up on disk.
 """
 
 from __future__ import annotations
@@ -25,22 +25,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import PlanError, TsckptError, UnsupportedDtypeError
+from ..errors import PlanError, TsckptError
 from ..format import checksums, commit, dtypes, values, zarr_json
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
-from ..format.names import zarr_path
-from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
+from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
 from ..format.batch import RankBatch
 from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
 from ..location import Location, LocationLike
-from . import compat, logs, plan_cache
+from . import compat, logs
+from .contract import Prepickled, RankPlan, RankWrites, SummaryBuilder, WriteConfig, WrittenChunks
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
-from .planner import placement_records
-from .exchange import RankPlan, RankSummary
+from .global_layout import GlobalLayout
 from .io import TensorStoreIO, done, region
-from .protocol import Placements, encode_bytes
+from .plan_cache import CACHE
 from .staging import Stager
+from .values import encode_bytes
 
 
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
@@ -91,8 +91,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         layout: the storage layout, ``"plain"`` (one file or object per chunk;
             any Zarr reader opens it) or ``"packed"`` (per-rank OCDBT databases
             joined at commit; read through :func:`tsckpt.zarr_store`). ``None``:
-            ``$TSCKPT_LAYOUT`` if set, else plain. Only the coordinator's choice
-            counts in a multi-rank save.
+            ``$TSCKPT_LAYOUT`` if set, else plain.
         inner_chunk_bytes: outer chunks above this size are stored with Zarr's
             sharding codec and inner chunks of about this size, so later partial
             reads fetch only what they need. 0 disables it.
@@ -107,6 +106,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             reads included (TensorStore's software crc32c, about 2 GB/s per core).
         compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
             weights rarely compress enough to pay for it.
+
+    In a multi-rank save the coordinator's options decide how every rank writes
+    (layout, codecs, checksums, inner chunks, syncing); other ranks' writers
+    contribute only their own resources (``thread_count``/``io_concurrency``,
+    ``per_thread_copy_ahead``).
 
     ``dcp.save(..., use_collectives=False)`` is refused on more than one rank:
     a checkpoint is committed once, after every rank's data is written, which
@@ -149,21 +153,33 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.rank = 0
         self.save_id = uuid.uuid4().hex
         self._target: SaveTarget | None = None
-        self._data_store: Store | None = None
-        self._entries: dict[str, TensorEntry] = {}
-        self._placements: dict[str, Any] = {}
-        self._key_paths: dict[str, tuple[Any, ...]] = {}
-        self._full_plans: list[SavePlan] | None = None
+        self._data_store: tuple[tuple[Any, ...], Store] | None = None
+        self._layout: GlobalLayout | None = None
+
+    @property
+    def config(self) -> WriteConfig:
+        """How this writer would have every rank write, if it is the coordinator."""
+        return WriteConfig(layout=self.layout, array_options=self.array_options, checksums=self.checksums,
+                           inner_chunk_bytes=self.inner_chunk_bytes, sync_files=self.sync_files)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**TensorStoreIO.__getstate__(self), "_staged": None}  # never the staged copies
+        # Never the staged copies, nor open stores or a save's layout.
+        return {**TensorStoreIO.__getstate__(self), "_staged": None, "_layout": None}
 
-    def _open_store(self, location: Location) -> Store:
-        if not self.sync_files:
+    def _open_store(self, location: Location, config: WriteConfig | None = None) -> Store:
+        config = config or self.config
+        if not config.sync_files:
             # One context for every file of the save, so chunks, nodes and root all skip fsync
             # (and the filesystem flush before the commit, see location.unsynced_nodes).
             location = dataclasses.replace(location, context={**location.context, "file_io_sync": False})
-        return Store.open(location, io_concurrency=self.io_concurrency, layout=self.layout)
+        return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout)
+
+    def data_store(self, location: Location, config: WriteConfig) -> Store:
+        """This save's store: where and how the coordinator said to write (its staging directory, or in place)."""
+        key = (location, config.layout, config.sync_files)
+        if self._data_store is None or self._data_store[0] != key:
+            self._data_store = (key, self._open_store(location, config))
+        return self._data_store[1]
 
     def reset(self, checkpoint_id: LocationLike | None = None) -> None:
         # DCP asks for storage_meta() before set_up_storage_writer: the id must exist by then.
@@ -180,7 +196,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.is_coordinator = is_coordinator
         # The packed layout gives each rank its own database, so the rank must be right.
         self.rank = int(kwargs["rank"] if "rank" in kwargs else dist.get_rank() if dist.is_initialized() else 0)
-        self._target, self._data_store = None, None
+        self._target, self._data_store, self._layout = None, None, None
         if is_coordinator:
             # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
             assert self.location is not None
@@ -190,90 +206,54 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Choose every array's path and chunk grid from all ranks' regions."""
-        plans = self._full_plans = plan_cache.expand(plans, str(self.checkpoint_id))
-        self._placements, self._key_paths = {}, {}
-        for p in plans:
-            self._placements |= Placements.of(p)
-            self._key_paths |= {k: tuple(v) for k, v in (p.planner_data or {}).items()}
-        # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
-        # 2000 tensors this loop is most of the coordinator's planning time.
-        boxes: dict[str, list[Any]] = {}  # fqn -> [tensor write data, flat offsets+sizes, item count]
-        blobs: dict[str, str] = {}
-        for p in plans:
-            for item in p.items:
-                td = item.tensor_data
-                fqn = item.index.fqn
-                if td is None:  # BYTE_IO
-                    blobs[fqn] = zarr_path(self._key_path(fqn))
-                    continue
-                found = boxes.get(fqn)
-                if found is None:
-                    boxes[fqn] = found = [td, [], 0]
-                found[1].extend((*td.chunk.offsets, *td.chunk.sizes))
-                found[2] += 1
-        self._entries = {}
-        for fqn, (td, flat, count) in boxes.items():
-            try:
-                dtype = dtypes.from_torch(td.properties.dtype).zarr
-            except UnsupportedDtypeError as e:
-                raise UnsupportedDtypeError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
-            self._entries[fqn] = plan_tensor(fqn, self._key_path(fqn), td.size, dtype,
-                                             np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
-                                             inner_chunk_bytes=self.inner_chunk_bytes)
-        check_unique_paths([e.path for e in self._entries.values()] + list(blobs.values()),
-                           str(self.checkpoint_id))
-        # Every rank gets the same layouts (O(tensors), one object): a rank of
-        # an FSDP job writes part of nearly every tensor anyway.
+        """Lay out every array from all ranks' regions; give each rank its :class:`RankPlan` (contract, step 3)."""
+        where = str(self.checkpoint_id)
         if self._target is None:
-            raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
+            raise TsckptError(f"saving {where}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
-        told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
-                                    location=self._target.data_location, storage_layout=self.layout)
-                for describe in (False, True)}
-        return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
-
-    def _key_path(self, fqn: str) -> tuple[Any, ...]:
-        return self._key_paths.get(fqn, (fqn,))
-
-    def data_store(self, location: Location | None) -> Store:
-        """This save's store: where the coordinator said to write (its staging directory, or in place)."""
-        if location is None or location == self.location:
-            return self.store
-        if self._data_store is None or self._data_store.location.spec != location.spec:
-            self._data_store = self._open_store(location)
-        return self._data_store
+        full, key = CACHE.full_plans(plans, where)
+        layout = CACHE.layout(key, full, self.inner_chunk_bytes) or \
+            GlobalLayout.plan(full, self.inner_chunk_bytes, where)
+        self._layout = layout
+        orders = Prepickled((self.config, self._target.data_location))
+        rank_plans = [RankPlan(orders, table, objects) for table, objects in zip(layout.tables, layout.objects)]
+        if key is None:
+            return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(full, rank_plans)]
+        return CACHE.send(key, full, layout, rank_plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self.is_coordinator:
-            plan_cache.remember(self._full_plans, planner)
-            self._full_plans = None
-        rank_plan: RankPlan = plan.storage_data or RankPlan({}, {}, storage_layout=self.layout)
-        if rank_plan.storage_layout != self.layout:
-            # The coordinator's layout is the one its metadata will record.
-            self.layout, self._store, self._data_store = rank_plan.storage_layout, None, None
-        records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
-        store = self.data_store(rank_plan.location)
-        opened = {
-            fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options), self.rank)
-            for fqn, e in rank_plan.arrays.items()
-        }
+        """Write this rank's items as its :class:`RankPlan` says (contract, step 4)."""
+        where = str(self.checkpoint_id)
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, RankPlan):
+            raise PlanError(f"saving {where}: rank {self.rank}'s plan carries no layout from the coordinator "
+                            f"(was the global plan made by another storage writer?)")
+        config = rank_plan.config
+        store = self.data_store(rank_plan.location, config)
+        tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
+        arrays = rank_plan.arrays.value.entries(list(dict.fromkeys(tensors)), where)
+        opened = {fqn: store.create(e.path, zarr_json.tensor_metadata(e, config.array_options), self.rank)
+                  for fqn, (_, e) in arrays.items()}
         pending, results, keep_alive = [], [], []
-        batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, str(self.checkpoint_id))
-        summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
+        batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, where)
+        summary = SummaryBuilder(self.rank, config.checksums)
         copies = CopyWindow(self.per_thread_copy_ahead)
         later = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                summary.objects[fqn], fut = self._write_object(store, fqn, rank_plan.objects[fqn], data, batch)
+                fut = self._write_object(store, fqn, rank_plan.objects[fqn], data, batch, summary)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 if fut is not None:
                     pending.append((fqn, fut))
                 continue
+            number, entry = arrays[fqn]
             chunk = item.tensor_data.chunk
             tensor = data.detach()
+            if dtypes.from_torch(tensor.dtype).zarr != entry.dtype:
+                raise PlanError(f"saving {where}: tensor {fqn!r} is {tensor.dtype} on rank {self.rank}, but its "
+                                f"array was laid out as {entry.dtype}")
             nbytes = tensor.numel() * tensor.element_size()
             on_device = tensor.device.type != "cpu"
             if on_device:
@@ -289,22 +269,18 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             batch.wrote(fqn, nbytes)
             if on_device:
                 # Checksum the host copy now: the copy window may release it once written.
-                summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
+                summary.add(number, entry, chunk.offsets, source)
                 copies.add(nbytes, lambda fqn=fqn, fut=fut: self._wait(fqn, fut), hold=tensor)
             else:
                 keep_alive.append(tensor)
-                later.append((fqn, chunk.offsets, source))
+                later.append((number, entry, chunk.offsets, source))
         # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for fqn, offsets, source in later:
-            summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
+        for number, entry, offsets, source in later:
+            summary.add(number, entry, offsets, source)
         copies.drain()
         self._drain(pending)
         batch.commit()
-        if results:
-            # One record per rank rather than per item: the coordinator's finish then
-            # handles ranks, not ranks x tensors.
-            results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
-        return done(results)
+        return done(RankWrites(results, summary.done()))
 
     def _drain(self, pending: list[tuple[str, Any]]) -> None:
         for fqn, fut in pending:
@@ -317,65 +293,62 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         except Exception as e:
             raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
 
-    def _write_object(self, store: Store, fqn: str, path: str, data: Any, batch: RankBatch) -> tuple[dict[str, Any], Any]:
+    def _write_object(self, store: Store, fqn: str, path: str, data: Any, batch: RankBatch,
+                      summary: SummaryBuilder) -> Any:
         encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
-            return {"encoding": values.JSON, "value": payload}, None
+            summary.add_object(fqn, encoding, payload, 0)
+            return None
         blob = np.frombuffer(payload, dtype=np.uint8)
         arr = batch.bind(store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
         batch.wrote(fqn, blob.size)
-        return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
+        summary.add_object(fqn, encoding, None, int(blob.size))
+        return arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after all data is durable: gather each tensor's checksums, then commit and publish."""
-        summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
+        """Coordinator, after all data is durable: merge every rank's summary, then commit (contract, step 5)."""
+        where = str(self.checkpoint_id)
+        layout = self._layout
+        assert layout is not None and self._target is not None, "finish runs on the coordinator, after planning"
+        summaries = [RankWrites.summary_of(rank_results, where) for rank_results in results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
-        placements = dict(self._placements)
         for summary in summaries:
-            for fqn, record in summary["placements"].items():
-                placements.setdefault(fqn, record)
-            for fqn, info in summary["objects"].items():
+            for fqn, info in summary.objects.items():
                 if info["encoding"] == values.JSON:
-                    objs[fqn] = ObjectEntry(self._key_path(fqn), values.JSON, value=info["value"])
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.JSON, value=info["value"])
                 else:
-                    objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.TORCH, path=layout.blobs[fqn])
                     blob_sizes[fqn] = info["nbytes"]
-        chunks = RankSummary.merge(summaries, list(self._entries))
-        self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c[0])})
+        self._check_against(metadata, layout.entries)
+        names = list(layout.entries)
+        written = WrittenChunks.merge(summaries, layout.nchunks, names, self.checksums, where)
         meshes: list = []
         tensors, writers = {}, {}
-        for fqn, planned in self._entries.items():
-            indices, crcs, ranks = chunks[fqn]
-            by_chunk = np.full(planned.grid.nchunks, -1, dtype=np.int64)
-            by_chunk[indices] = ranks
+        for number, (fqn, planned) in enumerate(layout.entries.items()):
+            by_chunk, crcs = written.of(number)
             writers[fqn] = by_chunk.tolist()
             table = None
-            if self.checksums:
-                try:
-                    table = checksums.encode_table(planned.grid, indices, crcs)
-                except TsckptError as e:
-                    raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
+            if crcs is not None:
+                table = checksums.encode_table(planned.grid, np.arange(len(crcs)), crcs)
             tensors[fqn] = dataclasses.replace(
-                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
+                planned, placement=intern_placement(layout.placements.get(fqn), meshes, f"tensor {fqn!r}"),
                 checksums=table)
         extra: dict[str, Any] = {"save_id": self.save_id}
         if not self.sync_files:
             extra["synced"] = False
-        assert self._target is not None, "finish runs on the coordinator, after set-up"
         commit.commit_checkpoint(
-            self.data_store(self._target.data_location), world_size=len(results), tensors=tensors,
+            self.data_store(self._target.data_location, self.config), world_size=len(results), tensors=tensors,
             objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
             writers=writers, target=self._target)
         if logs.enabled():
-            logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
+            logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
                           seconds=time.perf_counter() - self._started, ranks=len(results))
 
-    def _check_against(self, metadata: Metadata, writes: dict[str, Any]) -> None:
+    def _check_against(self, metadata: Metadata, planned: dict[str, TensorEntry]) -> None:
         """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""
-        planned = set(self._entries)
         expected = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        odd = sorted((planned ^ expected) | (set(writes) - planned))
+        odd = sorted(set(planned) ^ expected)
         if odd:
             raise PlanError(f"saving {self.checkpoint_id}: tensor {odd[0]!r} is not in both DCP's plan and the "
                             f"planned arrays ({len(odd)} such keys); nothing was committed")

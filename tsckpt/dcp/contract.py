@@ -1,0 +1,337 @@
+"""The coordinator <-> rank contract of a save: what each side hands the other, beyond DCP's own plan items.
+
+DCP runs a save as four collectives around the storage writer's methods. With
+``TensorStoreWriter`` (and, optionally, tsckpt's :class:`~tsckpt.dcp.planner.SavePlanner`):
+
+1. ``reset(checkpoint_id)``, ``storage_meta()``, ``set_up_storage_writer(is_coordinator, rank=r)``
+   -- every rank. The coordinator alone begins the save
+   (:func:`~tsckpt.format.target.begin_save`): it refuses what must not be
+   replaced, fences off other saves and chooses where this save's data goes
+   (a staging directory beside the target on a local filesystem, the target
+   itself elsewhere). Nothing is written by any rank yet.
+2. ``planner.create_local_plan()``, then ``writer.prepare_local_plan(plan)`` -- every rank;
+   the plans are **gathered** to the coordinator. tsckpt's planner puts
+   :class:`PlannerNotes` in ``storage_data``: the placement records of the
+   tensors this rank describes. DCP's own planner puts nothing there.
+3. ``planner.create_global_plan(plans)``, then ``writer.prepare_global_plan(plans)`` -- the
+   coordinator only. (When DCP's plan cache found no plan changed, tsckpt's
+   planner marks the empty plans it returns with its cache key.) The writer
+   lays out every array from all ranks' regions
+   (:class:`~tsckpt.dcp.global_layout.GlobalLayout`) and returns, for each
+   rank, that rank's plan with a :class:`RankPlan` as ``storage_data``: the
+   whole :class:`WriteConfig`, the data location, and the layouts of the arrays
+   *that rank* writes, pre-pickled (:class:`Prepickled`) once per distinct set
+   of arrays. With DCP's plan caching, ranks whose plans did not change come
+   back unusable; since every save writes to a new location, the coordinator
+   sends them their cached plans again, pre-pickled (:mod:`tsckpt.dcp.plan_cache`).
+4. The plans are **scattered** (DCP pickles each rank's plan); every rank runs
+   ``planner.finish_plan(plan)``, then ``writer.write_data(plan, planner)``. A rank
+   writes only what its plan lists, only where its ``RankPlan`` says, and only
+   as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
+   sync options are not used. It returns :class:`RankWrites`: one
+   ``WriteResult`` per item, as DCP expects, and a columnar :class:`RankSummary`
+   (each chunk's tensor number, chunk index and crc32c; each value's encoding).
+5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
+   it merges the summaries (:class:`WrittenChunks`, linear in chunks), checks
+   that every chunk was written exactly once, writes every node and then the
+   root document: the commit.
+6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.
+
+What grows with the world size stays on the coordinator; what a rank receives
+grows with what it writes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import PlanError, TsckptError
+from ..format import checksums, values
+from ..format.layouts import LAYOUTS
+from ..format.metadata import ArrayOptions, TensorEntry
+from ..format.names import zarr_path
+from ..location import Location
+
+T = TypeVar("T")
+
+
+class Prepickled(Generic[T]):
+    """A value pickled once on the coordinator and shared by many ranks' plans.
+
+    DCP pickles every rank's plan separately; a shared value inside them would
+    be pickled again for each rank. This one is pickled when it is made, and
+    each rank's plan then only copies its bytes. The receiving rank unpickles
+    it on first use.
+    """
+
+    __slots__ = ("_blob", "_value", "_loaded")
+
+    def __init__(self, value: T):
+        self._value, self._loaded = value, True
+        self._blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrived, (self._blob,))
+
+    @property
+    def value(self) -> T:
+        if not self._loaded:
+            self._value, self._loaded = pickle.loads(self._blob), True
+        return self._value  # type: ignore[return-value]
+
+
+def _arrived(blob: bytes) -> Prepickled[Any]:
+    """A :class:`Prepickled` as a rank receives it: its bytes, unpickled on first use."""
+    obj: Prepickled[Any] = Prepickled.__new__(Prepickled)
+    obj._blob, obj._value, obj._loaded = blob, None, False
+    return obj
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    """How every rank of a save writes: the coordinator's writer options, sent to all ranks in their plans."""
+
+    layout: str
+    array_options: ArrayOptions = ArrayOptions()
+    checksums: bool = True
+    inner_chunk_bytes: int = 0
+    sync_files: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise TsckptError(f"unknown layout {self.layout!r}: expected one of {sorted(LAYOUTS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "array_options": self.array_options.to_dict(), "checksums": self.checksums,
+                "inner_chunk_bytes": self.inner_chunk_bytes, "sync_files": self.sync_files}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> WriteConfig:
+        return cls(layout=d["layout"], array_options=ArrayOptions.from_dict(d["array_options"]),
+                   checksums=d["checksums"], inner_chunk_bytes=d["inner_chunk_bytes"], sync_files=d["sync_files"])
+
+
+@dataclass(frozen=True)
+class PlannerNotes:
+    """What tsckpt's planner adds to the plans, in ``storage_data`` (steps 2 and 3).
+
+    ``placements``: in a rank's local plan, the placement record (mesh inline)
+    of each tensor this rank describes. ``cache_key``: on the empty plans DCP's
+    global planning returns when its plan cache found nothing changed, DCP's
+    cache key for this planner, so that the writer knows whose cached plans
+    these are.
+    """
+
+    placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    cache_key: str | None = None
+
+    @staticmethod
+    def of(plan: SavePlan) -> PlannerNotes:
+        data = plan.storage_data
+        return data if isinstance(data, PlannerNotes) else PlannerNotes()
+
+
+def fqn_digest(fqns: Sequence[str]) -> int:
+    """A crc32 of a sequence of keys, to check that two sides list the same keys in the same order."""
+    crc = 0
+    for fqn in fqns:
+        crc = zlib.crc32(fqn.encode("utf-8", "surrogatepass") + b"\0", crc)
+    return crc
+
+
+@dataclass(frozen=True)
+class ArrayTable:
+    """The layouts of the arrays one rank writes, in columns, in the order the rank's plan first names them.
+
+    ``ids`` are the coordinator's numbers for the tensors (the rank reports
+    chunks by them); ``dims[i]`` holds shape, chunk shape and inner chunk shape
+    of array ``i``, padded to the largest rank, and ``sharded[i]`` whether it
+    has inner chunks at all; ``digest`` is :func:`fqn_digest` of the keys in
+    order, which the rank checks against its plan.
+    """
+
+    ids: np.ndarray  # int32 [n]
+    ndims: np.ndarray  # uint8 [n]
+    dims: np.ndarray  # int64 [n, 3, max ndim]
+    sharded: np.ndarray  # bool [n]
+    dtypes: tuple[str, ...]  # Zarr data type names
+    key_paths: tuple[tuple[str | int, ...], ...]
+    digest: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ids": self.ids.tolist(), "ndims": self.ndims.tolist(), "dims": self.dims.tolist(),
+                "sharded": self.sharded.tolist(), "dtypes": list(self.dtypes),
+                "key_paths": [list(k) for k in self.key_paths], "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ArrayTable:
+        n = len(d["ids"])
+        return cls(np.asarray(d["ids"], np.int32), np.asarray(d["ndims"], np.uint8),
+                   np.asarray(d["dims"], np.int64).reshape(n, 3, -1), np.asarray(d["sharded"], bool),
+                   tuple(d["dtypes"]), tuple(tuple(k) for k in d["key_paths"]), int(d["digest"]))
+
+    def entries(self, fqns: Sequence[str], where: str) -> dict[str, tuple[int, TensorEntry]]:
+        """Each of ``fqns`` (the rank's tensors in plan order) with its coordinator number and array layout."""
+        if len(fqns) != len(self.ids) or fqn_digest(fqns) != self.digest:
+            raise PlanError(f"saving {where}: this rank's plan does not list the {len(self.ids)} tensors the "
+                            f"coordinator laid out for it (a planner changed the plan after global planning?)")
+        out = {}
+        for i, fqn in enumerate(fqns):
+            nd = int(self.ndims[i])
+            shape, chunk, inner = (tuple(int(x) for x in row[:nd]) for row in self.dims[i])
+            key_path = self.key_paths[i]
+            out[fqn] = (int(self.ids[i]), TensorEntry(
+                key_path=key_path, path=zarr_path(key_path), shape=shape, dtype=self.dtypes[i], chunk_shape=chunk,
+                inner_chunk_shape=inner if self.sharded[i] else None, placement=None))
+        return out
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the coordinator tells one rank (step 3): how to write, where, and the arrays it writes.
+
+    ``orders`` (the write configuration and this save's data location) is the
+    same object in every rank's plan; ``arrays`` is shared by ranks that write
+    the same tensors. ``objects``: path of each non-tensor value this rank writes.
+    """
+
+    orders: Prepickled[tuple[WriteConfig, Location]]
+    arrays: Prepickled[ArrayTable]
+    objects: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def config(self) -> WriteConfig:
+        return self.orders.value[0]
+
+    @property
+    def location(self) -> Location:
+        return self.orders.value[1]
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank wrote (step 4), in columns: one row per chunk, numbered as the coordinator numbered tensors.
+
+    ``crc`` is None when the plan's configuration turned checksums off.
+    ``objects``: each value's recorded encoding (and its JSON value, or blob size).
+    """
+
+    rank: int
+    tensor: np.ndarray  # int32
+    chunk: np.ndarray  # int64, flat index in the tensor's chunk grid
+    crc: np.ndarray | None  # uint32
+    objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "tensor": self.tensor.tolist(), "chunk": self.chunk.tolist(),
+                "crc": None if self.crc is None else self.crc.tolist(), "objects": dict(self.objects)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
+        crc = d["crc"]
+        return cls(int(d["rank"]), np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
+                   None if crc is None else np.asarray(crc, np.uint32), dict(d["objects"]))
+
+
+class SummaryBuilder:
+    """Collects a rank's :class:`RankSummary` while it writes."""
+
+    def __init__(self, rank: int, with_checksums: bool):
+        self.rank, self.with_checksums = rank, with_checksums
+        self.tensor: list[int] = []
+        self.chunk: list[int] = []
+        self.crc: list[int] = []
+        self.objects: dict[str, dict[str, Any]] = {}
+
+    def add(self, tensor_id: int, entry: TensorEntry, offsets: Sequence[int], source: np.ndarray) -> None:
+        """Record the chunks of a region written at ``offsets`` (and their crc32c, computed here)."""
+        grid = entry.grid
+        if self.with_checksums:
+            indices, crcs = checksums.region_checksums(source, grid, offsets)
+            self.crc += crcs
+        else:
+            indices = [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, source.shape)]
+        self.chunk += indices
+        self.tensor += [tensor_id] * len(indices)
+
+    def add_object(self, fqn: str, encoding: str, payload: Any, nbytes: int) -> None:
+        self.objects[fqn] = {"encoding": values.JSON, "value": payload} if encoding == values.JSON \
+            else {"encoding": encoding, "nbytes": nbytes}
+
+    def done(self) -> RankSummary:
+        return RankSummary(self.rank, np.asarray(self.tensor, np.int32), np.asarray(self.chunk, np.int64),
+                           np.asarray(self.crc, np.uint32) if self.with_checksums else None, self.objects)
+
+
+class RankWrites(list):
+    """One rank's answer to ``write_data``: DCP's ``WriteResult`` list, with the rank's summary beside it."""
+
+    def __init__(self, results: Sequence[WriteResult], summary: RankSummary):
+        super().__init__(results)
+        self.summary = summary
+
+    @staticmethod
+    def summary_of(results: Sequence[WriteResult], where: str) -> RankSummary:
+        summary = getattr(results, "summary", None)
+        if not isinstance(summary, RankSummary):
+            raise PlanError(f"saving {where}: a rank returned write results without tsckpt's summary "
+                            f"(its storage writer is not a TensorStoreWriter?)")
+        return summary
+
+
+@dataclass(frozen=True)
+class WrittenChunks:
+    """Every chunk of every tensor as the ranks reported it (step 5), flat over tensors in coordinator order.
+
+    Tensor ``t`` owns positions ``starts[t]:starts[t+1]``; ``writer`` is the
+    rank that wrote each chunk, ``crc`` its crc32c (None with checksums off).
+    """
+
+    starts: np.ndarray
+    writer: np.ndarray
+    crc: np.ndarray | None
+
+    @classmethod
+    def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
+              with_checksums: bool, where: str) -> WrittenChunks:
+        """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
+        starts = np.zeros(len(nchunks) + 1, np.int64)
+        np.cumsum(np.asarray(nchunks, np.int64), out=starts[1:])
+        total = int(starts[-1])
+        tensor = np.concatenate([s.tensor for s in summaries] or [np.zeros(0, np.int32)]).astype(np.int64)
+        chunk = np.concatenate([s.chunk for s in summaries] or [np.zeros(0, np.int64)])
+        if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(nchunks)):
+            raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
+        if len(chunk) and ((chunk < 0).any() or (chunk >= starts[tensor + 1] - starts[tensor]).any()):
+            raise PlanError(f"saving {where}: a rank reported a chunk outside its tensor's grid")
+        flat = starts[tensor] + chunk
+        counts = np.bincount(flat, minlength=total) if total else np.zeros(0, np.int64)
+        if (counts != 1).any():
+            bad = int(np.flatnonzero(counts != 1)[0])
+            t = int(np.searchsorted(starts, bad, side="right") - 1)
+            what = "was never written" if counts[bad] == 0 else f"was written by {int(counts[bad])} ranks"
+            raise PlanError(f"saving {where}: chunk {bad - int(starts[t])} of tensor {names[t]!r} {what}; "
+                            f"nothing was committed")
+        writer = np.empty(total, np.int64)
+        writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64),
+                                 [len(s.tensor) for s in summaries])
+        crc = None
+        if with_checksums:
+            if any(s.crc is None or len(s.crc) != len(s.tensor) for s in summaries):
+                raise PlanError(f"saving {where}: a rank wrote without the checksums the plan asked for")
+            crc = np.empty(total, np.uint32)
+            crc[flat] = np.concatenate([s.crc for s in summaries] or [np.zeros(0, np.uint32)])  # type: ignore[misc]
+        return cls(starts, writer, crc)
+
+    def of(self, t: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tensor ``t``'s writers and crc32c values, one per chunk in row-major grid order."""
+        a, b = int(self.starts[t]), int(self.starts[t + 1])
+        return self.writer[a:b], None if self.crc is None else self.crc[a:b]
