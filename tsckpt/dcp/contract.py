@@ -160,7 +160,7 @@ class ArrayTable:
 
     ids: np.ndarray  # int32 [n]
     ndims: np.ndarray  # uint8 [n]
-    dims: np.ndarray  # int64 [n, 3, max ndim]
+    dims: np.ndarray  # int32 or int64 [n, 3, max ndim]
     sharded: np.ndarray  # bool [n]
     dtypes: tuple[str, ...]  # Zarr data type names
     key_paths: tuple[tuple[str | int, ...], ...]

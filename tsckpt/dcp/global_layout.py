@@ -48,17 +48,16 @@ class GlobalLayout:
     @classmethod
     def plan(cls, plans: Sequence[SavePlan], inner_chunk_bytes: int, where: str) -> GlobalLayout:
         """Lay out every array from all ranks' full plans (one per rank, in rank order)."""
-        key_paths: dict[str, KeyPath] = {}
         placements: dict[str, Mapping[str, Any]] = {}
         for p in plans:
-            key_paths.update((k, tuple(v)) for k, v in (p.planner_data or {}).items())
-            placements.update(PlannerNotes.of(p).placements)
+            placements.update(PlannerNotes.of(p).placements)  # only the ranks that describe tensors have any
         # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
         # 2000 tensors this loop is most of the coordinator's planning time.
-        boxes: dict[str, list[Any]] = {}  # fqn -> [tensor write data, flat offsets+sizes, item count, number]
+        boxes: dict[str, list[Any]] = {}  # fqn -> [write data, flat offsets+sizes, item count, number, first rank]
+        first_holder: dict[str, int] = {}  # non-tensor value -> the first rank writing it
         rank_ids: list[list[int]] = []
         rank_objects: list[list[str]] = []
-        for p in plans:
+        for r, p in enumerate(plans):
             ids: list[int] = []
             objs: list[str] = []
             for item in p.items:
@@ -66,29 +65,39 @@ class GlobalLayout:
                 fqn = item.index.fqn
                 if td is None:  # BYTE_IO
                     objs.append(fqn)
+                    first_holder.setdefault(fqn, r)
                     continue
                 found = boxes.get(fqn)
                 if found is None:
-                    boxes[fqn] = found = [td, [], 0, len(boxes)]
+                    boxes[fqn] = found = [td, [], 0, len(boxes), r]
                 found[1].extend((*td.chunk.offsets, *td.chunk.sizes))
                 found[2] += 1
                 ids.append(found[3])
             rank_ids.append(ids)
             rank_objects.append(objs)
+        # A key's path in the state dict, as the first rank writing it maps it (DCP's planner_data):
+        # looked up per key, not merged over every rank's map.
+        first_holder.update((fqn, found[4]) for fqn, found in boxes.items())
+        key_paths = {fqn: _key_path(plans[r].planner_data, fqn) for fqn, r in first_holder.items()}
         entries: dict[str, TensorEntry] = {}
-        for fqn, (td, flat, count, _) in boxes.items():
+        for fqn, (td, flat, count, _, _) in boxes.items():
             try:
                 dtype = dtypes.from_torch(td.properties.dtype).zarr
             except UnsupportedDtypeError as e:
                 raise UnsupportedDtypeError(f"tensor {fqn!r} in {where}: {e}") from None
-            entries[fqn] = plan_tensor(fqn, key_paths.get(fqn, (fqn,)), td.size, dtype,
+            entries[fqn] = plan_tensor(fqn, key_paths[fqn], td.size, dtype,
                                        np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
                                        inner_chunk_bytes=inner_chunk_bytes)
-        blobs = {fqn: zarr_path(key_paths.get(fqn, (fqn,))) for objs in rank_objects for fqn in objs}
+        blobs = {fqn: zarr_path(key_paths[fqn]) for objs in rank_objects for fqn in objs}
         check_unique_paths([e.path for e in entries.values()] + list(blobs.values()), where)
         return cls(entries=entries, blobs=blobs, key_paths=key_paths, placements=placements,
                    tables=_rank_tables(entries, rank_ids), objects=[{f: blobs[f] for f in o} for o in rank_objects],
                    inner_chunk_bytes=inner_chunk_bytes)
+
+
+def _key_path(planner_data: Any, fqn: str) -> KeyPath:
+    found = planner_data.get(fqn) if isinstance(planner_data, Mapping) else None
+    return tuple(found) if found is not None else (fqn,)
 
 
 def _rank_tables(entries: Mapping[str, TensorEntry], rank_ids: Sequence[Sequence[int]]) -> list[Prepickled[ArrayTable]]:
@@ -103,6 +112,8 @@ def _rank_tables(entries: Mapping[str, TensorEntry], rank_ids: Sequence[Sequence
         dims[i, 2, :nd] = e.inner_chunk_shape or 0
     ndims = np.array([len(e.shape) for e in listed], np.uint8)
     sharded = np.array([e.inner_chunk_shape is not None for e in listed], bool)
+    if not dims.size or dims.max() < 2**31:
+        dims = dims.astype(np.int32)  # half the bytes, for the shapes that occur
     shared: dict[bytes, Prepickled[ArrayTable]] = {}
     out = []
     for ids in rank_ids:
