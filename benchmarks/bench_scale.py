@@ -13,9 +13,12 @@ collective work DCP does on the coordinator for it:
   summary) as ``gather_object`` does (``_tensor_to_object``), then ``finish``:
   for tsckpt the checksum tables, every ``zarr.json`` and the root document,
   for DCP its ``.metadata`` file;
-* ``cached plan`` / ``cached finish``: the same save repeated with DCP's plan
-  caching on and no plan changed (DCP's caches filled as
-  ``DefaultSavePlanner(enable_plan_caching=True)`` fills them);
+* ``plan, caching on: first save``: the plan phase of a first save with DCP's
+  plan caching on (DCP's cache filled as ``DefaultSavePlanner(enable_plan_caching=True)``
+  fills it), where tsckpt pickles each rank's items once and keeps them;
+* ``plan, cached: ...``: the plan phase of the save repeated with no plan
+  changed, made by DCP's planner (tsckpt re-sends the items it pickled) and by
+  tsckpt's (which sends each rank only this save's orders);
 * ``notes``: unpickling rank 0's placement notes among the gathered local
   plans (tsckpt's planner only; the plans themselves cost both the same).
 
@@ -23,8 +26,8 @@ Not timed: building the plans, DCP's planner (``create_global_plan``, the same
 for both writers), what ranks do. Also reported: the bytes each rank receives,
 and one rank's parse of the root document.
 
-    python benchmarks/bench_scale.py                        # 1000 ranks x 2000 tensors
-    python benchmarks/bench_scale.py --ranks 100 --tensors 200
+    PYTHONPATH=. python benchmarks/bench_scale.py                        # 1000 ranks x 2000 tensors
+    PYTHONPATH=. python benchmarks/bench_scale.py --ranks 100 --tensors 200
 
 Checkpoints go to ``--dir`` (a temporary directory under /dev/shm when it
 exists, so no disk time is counted) and are deleted at the end.
@@ -66,12 +69,13 @@ from tsckpt.format import commit
 from tsckpt.format.spec import Store
 from tsckpt.location import parse_location
 
-CACHE_KEY = "BenchScalePlanner"  # DCP keys its plan cache by planner class name
+# DCP keys its plan cache by planner class name
+DCP_KEY, TSCKPT_KEY = "BenchDefaultSavePlanner", "BenchTsckptSavePlanner"
 CPU = torch.device("cpu")
 
 
 def synthetic_plans(ranks: int, tensors: int, rows: int, cols: int) -> tuple[list[SavePlan], int]:
-    """One SavePlan per rank, as DCP's default planner hands the writer: every tensor row-split as torch.chunk splits it."""
+    """One SavePlan per rank as a planner hands the writer: every tensor row-split as torch.chunk splits it."""
     props = TensorProperties(dtype=torch.bfloat16)
     size = torch.Size([rows, cols])
     fqns = [f"model.layers.{t}.weight" for t in range(tensors)]
@@ -121,11 +125,12 @@ def tsckpt_results(plans: list[SavePlan], writer: TensorStoreWriter) -> list[Ran
             key = (entry.shape, entry.chunk_shape, tuple(c.offsets), tuple(c.sizes))
             found = found_for.get(key)
             if found is None:  # every tensor has the same grid here: computed once per rank
-                found = found_for[key] = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
+                found = found_for[key] = [entry.grid.flat_index(i)
+                                          for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
             chunk += found
             tensor += [numbers[item.index.fqn]] * len(found)
         crc = (np.arange(len(chunk), dtype=np.uint32) * np.uint32(2654435761) + np.uint32(r)).astype(np.uint32)
-        summary = RankSummary(r, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64), crc)
+        summary = RankSummary(r, writer.save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64), crc)
         sizes = [math.prod(item.tensor_data.chunk.sizes) * 2 for item in plan.items]
         out.append(RankWrites([WriteResult(index=item.index, size_in_bytes=s, storage_data=None)
                                for item, s in zip(plan.items, sizes)], summary))
@@ -174,14 +179,13 @@ def gather(results: list[Any], clock: Clock, phase: str) -> list[Any]:
 
 
 def save(writer: Any, global_plans: list[SavePlan], metadata: Metadata, make_results: Callable[[], list[Any]] | None,
-         clock: Clock, prefix: str) -> list[int]:
+         clock: Clock, phase: str) -> list[int]:
     """One save's coordinator phases (``finish`` only with ``make_results``); returns the bytes of each rank's plan."""
-    out = clock.time(f"{prefix}plan", lambda: writer.prepare_global_plan(global_plans))
-    sizes = clock.time(f"{prefix}plan", lambda: scatter(out))
-    del out
+    out = clock.time(phase, lambda: writer.prepare_global_plan(global_plans))
+    sizes = clock.time(phase, lambda o=out: scatter(o))
     if make_results is not None:
-        results = gather(make_results(), clock, f"{prefix}finish")
-        clock.time(f"{prefix}finish", lambda: writer.finish(metadata, results))
+        results = gather(make_results(), clock, "finish")
+        clock.time("finish", lambda: writer.finish(metadata, results))
     return sizes
 
 
@@ -210,25 +214,34 @@ def main() -> None:
     clocks = {"tsckpt": Clock(), "dcp": Clock()}
     received: dict[str, list[int]] = {}
     # What DCP's planner returns when its cache found no plan changed (tsckpt's planner marks them).
-    unusable = {"tsckpt": [SavePlan([], storage_data=PlannerNotes(cache_key=CACHE_KEY), usable=False)] * args.ranks,
-                "dcp": [SavePlan([], usable=False)] * args.ranks}
-    steps = [("", False), ("caching, first ", True), ("cached ", True)]
+    unusable = [SavePlan([], usable=False)] * args.ranks
+    marked = [SavePlan([], storage_data=PlannerNotes(cache_key=TSCKPT_KEY), usable=False)] * args.ranks
+    # DCP's own planner puts nothing in storage_data; tsckpt's puts placement notes (on rank 0 here).
+    dcp_planned = [SavePlan(p.items, planner_data=p.planner_data) for p in plans]
+    # name, what tsckpt's prepare_global_plan gets, what FileSystemWriter's gets, DCP's plan cache to fill first
+    # (as DefaultSavePlanner(enable_plan_caching=True) fills it: the plans it returns are the ones it keeps).
+    steps = [("plan", plans, plans, None),
+             ("plan, caching on: first save", dcp_planned, dcp_planned, (DCP_KEY, dcp_planned)),
+             ("plan, cached: DCP's planner", unusable, unusable, None),
+             ("plan, cached: tsckpt's planner", marked, unusable, (TSCKPT_KEY, plans))]
     try:
-        for step, (prefix, caching) in enumerate(steps):
-            if caching:
-                # DCP's plan cache as DefaultSavePlanner(enable_plan_caching=True) fills it on a first save:
-                # the global plans it returns are the very objects it keeps.
-                SavePlanner._cached_global_plan[CACHE_KEY] = plans
-            finish = step != 1  # the same as the first save's
+        for step, (phase, ts_in, dcp_in, cache) in enumerate(steps):
+            if cache is not None:
+                SavePlanner._cached_global_plan[cache[0]] = cache[1]
+            if cache is not None and cache[0] == TSCKPT_KEY:  # the first save with tsckpt's planner, not timed
+                warm = TensorStoreWriter(os.path.join(base, "warm"), overwrite=True)
+                warm.set_up_storage_writer(True, rank=0)
+                warm.prepare_global_plan(plans)
             for name, writer in (("tsckpt", TensorStoreWriter(os.path.join(base, f"tsckpt{step}"), overwrite=True)),
                                  ("dcp", FileSystemWriter(os.path.join(base, f"dcp{step}")))):
                 if name == "dcp":
                     os.makedirs(writer.path)  # each rank's prepare_local_plan does this
                 writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-                make = (lambda w=writer, p=plans: tsckpt_results(p, w)) if name == "tsckpt" else (lambda p=plans: dcp_results(p))
-                received[f"{name} {prefix}"] = save(writer, unusable[name] if prefix == "cached " else plans,
-                                                    metadata, make if finish else None, clocks[name], prefix)
-            print(f"{prefix or 'first '}save timed", flush=True)
+                make = (lambda w=writer, p=plans: tsckpt_results(p, w)) if name == "tsckpt" else \
+                    (lambda p=plans: dcp_results(p))
+                received[f"{name}, {phase}"] = save(writer, ts_in if name == "tsckpt" else dcp_in, metadata,
+                                                    make if step == 0 else None, clocks[name], phase)
+            print(f"{phase}: timed", flush=True)
         notes = _object_to_tensor(plans[0].storage_data, CPU, None)
         clocks["tsckpt"].time("notes", lambda: _tensor_to_object(notes[0], int(notes[1]), None))
         clocks["dcp"].wall["notes"] = clocks["dcp"].cpu["notes"] = 0.0
@@ -244,10 +257,11 @@ def main() -> None:
         tracemalloc.stop()
         dcp_md_bytes = os.path.getsize(os.path.join(base, "dcp0", ".metadata"))
     finally:
-        SavePlanner._cached_global_plan.pop(CACHE_KEY, None)
+        for key in (DCP_KEY, TSCKPT_KEY):
+            SavePlanner._cached_global_plan.pop(key, None)
         shutil.rmtree(base, ignore_errors=True)
 
-    phases = ["plan", "finish", "caching, first plan", "cached plan", "cached finish", "notes"]
+    phases = [step[0] for step in steps] + ["finish", "notes"]
     ts, dc = clocks["tsckpt"], clocks["dcp"]
     print(f"\n{args.ranks} ranks x {args.tensors} tensors of [{args.rows}, {args.cols}] bf16; coordinator seconds, "
           f"wall (CPU)\n")
@@ -259,13 +273,11 @@ def main() -> None:
     first = ["plan", "finish", "notes"]
     added = sum(ts.wall[p] - dc.wall[p] for p in first)
     added_cpu = sum(ts.cpu[p] - dc.cpu[p] for p in first)
-    cached_added = sum(ts.wall[p] - dc.wall[p] for p in ("cached plan", "cached finish"))
-    print(f"\ntsckpt adds {added:.2f} s wall ({added_cpu:.2f} s CPU) to a first save, "
-          f"{cached_added:.2f} s wall to a cached one")
+    print(f"\ntsckpt adds {added:.2f} s wall ({added_cpu:.2f} s CPU) to a save (plan, finish, notes)")
     print("\n| bytes a rank receives in its plan | min | median | max |")
     print("|---|---:|---:|---:|")
     for k, v in received.items():
-        print(f"| {k.strip()} | {min(v)} | {int(statistics.median(v))} | {max(v)} |")
+        print(f"| {k} | {min(v)} | {int(statistics.median(v))} | {max(v)} |")
 
     chunks = sum(e.grid.nchunks for e in md.tensors.values())
     bytes_per_rank = args.tensors * args.rows * args.cols * 2 / args.ranks
@@ -277,8 +289,7 @@ def main() -> None:
         "phases": {p: {"tsckpt_s": round(ts.wall[p], 3), "tsckpt_cpu_s": round(ts.cpu[p], 3),
                        "dcp_s": round(dc.wall[p], 3), "dcp_cpu_s": round(dc.cpu[p], 3)} for p in phases},
         "tsckpt_adds_s": round(added, 2), "tsckpt_adds_cpu_s": round(added_cpu, 2),
-        "tsckpt_adds_cached_s": round(cached_added, 2),
-        "plan_bytes_per_rank": {k.strip(): {"min": min(v), "median": int(statistics.median(v)), "max": max(v)}
+        "plan_bytes_per_rank": {k: {"min": min(v), "median": int(statistics.median(v)), "max": max(v)}
                                 for k, v in received.items()},
         "root_document_bytes": len(raw), "dcp_metadata_bytes": dcp_md_bytes,
         "metadata_parse_s": round(parse_s, 3), "metadata_parse_cpu_s": round(parse_cpu, 3),

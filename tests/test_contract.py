@@ -15,10 +15,11 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, WriteConfig, WrittenChunks
+from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig, WrittenChunks
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import PlanError
 from tsckpt.format.metadata import ArrayOptions
+from tsckpt.location import parse_location
 
 
 def _item(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
@@ -85,7 +86,7 @@ def test_a_plan_whose_tensors_changed_after_global_planning_is_refused():
 
 
 def _summary(rank: int, tensor: list[int], chunk: list[int], crc: list[int] | None = None) -> RankSummary:
-    return RankSummary(rank, np.array(tensor, np.int32), np.array(chunk, np.int64),
+    return RankSummary(rank, "s1", np.array(tensor, np.int32), np.array(chunk, np.int64),
                        None if crc is None else np.array(crc, np.uint32))
 
 
@@ -116,9 +117,20 @@ def test_checksums_asked_for_but_not_computed_stop_the_commit():
 def test_contract_records_round_trip_through_dicts():
     config = WriteConfig("packed", ArrayOptions(crc32c_codec=True, compression="zstd"), False, 1 << 20, False)
     assert WriteConfig.from_dict(config.to_dict()) == config
+    orders = SaveOrders(config, parse_location("memory://x"), "s1")
+    assert SaveOrders.from_dict(orders.to_dict()) == orders
     summary = _summary(3, [0, 1], [4, 5], [7, 8])
     back = RankSummary.from_dict(summary.to_dict())
     assert back.to_dict() == summary.to_dict()
     table = ArrayTable(np.array([2, 0], np.int32), np.array([2, 0], np.uint8), np.zeros((2, 3, 2), np.int64),
                        np.array([True, False]), ("float32", "bool"), (("m", "w"), ("step",)), 99)
     assert ArrayTable.from_dict(table.to_dict()).to_dict() == table.to_dict()
+
+
+def test_results_written_with_another_saves_orders_stop_the_commit():
+    results = RankWrites([], _summary(2, [], []))
+    assert RankWrites.summary_of(results, "s1", "ckpt").rank == 2
+    with pytest.raises(PlanError, match="rank 2 wrote with the orders of save s1, not of this save s2"):
+        RankWrites.summary_of(results, "s2", "ckpt")
+    with pytest.raises(PlanError, match="without tsckpt's summary"):
+        RankWrites.summary_of([], "s2", "ckpt")

@@ -402,6 +402,9 @@ def dropin_on_ranks(rank, world, path):
             state["only_on_1"] = torch.arange(4.0)  # rank 1's plan changes, rank 0's stays cached
         dcp.save(state, storage_writer=tsckpt.TensorStoreWriter(f"{path}/cached{step}"),
                  planner=DefaultSavePlanner(enable_plan_caching=True))
+        # tsckpt's planner, caching too: a repeated save sends each rank only the new save's orders.
+        dcp.save(state, storage_writer=tsckpt.TensorStoreWriter(f"{path}/tcached{step}"),
+                 planner=tsckpt.SavePlanner(enable_plan_caching=True))
     stager = tsckpt.TensorStoreWriter(cache_staged_state_dict=True)
     first = stager.stage(_dist_sd(rank, world, 0))
     second = stager.stage(_dist_sd(rank, world, 5))
@@ -440,18 +443,20 @@ def test_loads_on_ranks_and_logs_once_per_save_and_load_on_the_coordinator(dropi
     assert results[1]["lines"] == []
     ops = [(line["op"], os.path.basename(line["path"])) for line in results[0]["lines"]]
     assert ops == [("saved", "sync"), ("saved", "async"), ("loaded", "sync"),
-                   ("saved", "cached0"), ("saved", "cached1"), ("saved", "cached2")]
+                   ("saved", "cached0"), ("saved", "tcached0"), ("saved", "cached1"), ("saved", "tcached1"),
+                   ("saved", "cached2"), ("saved", "tcached2")]
     first = results[0]["lines"][0]
     assert first["ranks"] == 2 and first["bytes"] == 8 * 6 * 4 + 5 * 4
 
 
-def test_plan_caching_on_ranks_commits_every_tensor(dropin_run):
+@pytest.mark.parametrize("series", ["cached", "tcached"])
+def test_plan_caching_on_ranks_commits_every_tensor(dropin_run, series):
     path, _ = dropin_run
     for step in range(3):
         names = {"model.w", "model.b"} | ({"only_on_1"} if step == 2 else set())
-        assert set(_doc(f"{path}/cached{step}")["tensors"]) == names, step
+        assert set(_doc(f"{path}/{series}{step}")["tensors"]) == names, step
         back = {"model": {"w": torch.zeros(8, 6), "b": torch.zeros(5)}, "step": 0, "names": []}
-        dcp.load(back, storage_reader=tsckpt.TensorStoreReader(f"{path}/cached{step}"))
+        dcp.load(back, storage_reader=tsckpt.TensorStoreReader(f"{path}/{series}{step}"))
         assert same_bits(back["model"]["w"], expected("w", (8, 6), torch.float32) + step), step
         assert back["step"] == 7 + step
 

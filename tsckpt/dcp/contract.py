@@ -22,19 +22,23 @@ DCP runs a save as four collectives around the storage writer's methods. With
    whole :class:`WriteConfig`, the data location, and the layouts of the arrays
    *that rank* writes, pre-pickled (:class:`Prepickled`) once per distinct set
    of arrays. With DCP's plan caching, ranks whose plans did not change come
-   back unusable; since every save writes to a new location, the coordinator
-   sends them their cached plans again, pre-pickled (:mod:`tsckpt.dcp.plan_cache`).
+   back unusable. Every save writes to a new location, so each rank must
+   hear of it: with tsckpt's planner, the empty plans carry only this save's
+   :class:`NewOrders`; with another planner, the coordinator sends the ranks
+   their cached plans again, pre-pickled (:mod:`tsckpt.dcp.plan_cache`).
 4. The plans are **scattered** (DCP pickles each rank's plan); every rank runs
-   ``planner.finish_plan(plan)``, then ``writer.write_data(plan, planner)``. A rank
+   ``planner.finish_plan(plan)`` (tsckpt's applies :class:`NewOrders` to the
+   plan DCP cached), then ``writer.write_data(plan, planner)``. A rank
    writes only what its plan lists, only where its ``RankPlan`` says, and only
    as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
    sync options are not used. It returns :class:`RankWrites`: one
    ``WriteResult`` per item, as DCP expects, and a columnar :class:`RankSummary`
    (each chunk's tensor number, chunk index and crc32c; each value's encoding).
 5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
-   it merges the summaries (:class:`WrittenChunks`, linear in chunks), checks
-   that every chunk was written exactly once, writes every node and then the
-   root document: the commit.
+   it checks that every rank wrote with this save's orders, merges the
+   summaries (:class:`WrittenChunks`, linear in chunks), checks that every
+   chunk was written exactly once, writes every node and then the root
+   document: the commit.
 6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.
 
 What grows with the world size stays on the coordinator; what a rank receives
@@ -43,6 +47,7 @@ grows with what it writes.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import zlib
 from collections.abc import Mapping, Sequence
@@ -195,25 +200,62 @@ class ArrayTable:
 
 
 @dataclass(frozen=True)
-class RankPlan:
-    """What the coordinator tells one rank (step 3): how to write, where, and the arrays it writes.
+class SaveOrders:
+    """What every rank of one save is told alike: how to write, where, and which save this is."""
 
-    ``orders`` (the write configuration and this save's data location) is the
-    same object in every rank's plan; ``arrays`` is shared by ranks that write
-    the same tensors. ``objects``: path of each non-tensor value this rank writes.
+    config: WriteConfig
+    location: Location
+    save_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(),
+                "location": {"spec": dict(self.location.spec), "context": dict(self.location.context)},
+                "save_id": self.save_id}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SaveOrders:
+        return cls(WriteConfig.from_dict(d["config"]), Location(d["location"]["spec"], d["location"]["context"]),
+                   d["save_id"])
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the coordinator tells one rank (step 3): the save's orders and the arrays this rank writes.
+
+    ``orders`` is the same object in every rank's plan; ``arrays`` is shared by
+    ranks that write the same tensors. ``objects``: path of each non-tensor
+    value this rank writes.
     """
 
-    orders: Prepickled[tuple[WriteConfig, Location]]
+    orders: Prepickled[SaveOrders]
     arrays: Prepickled[ArrayTable]
     objects: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def config(self) -> WriteConfig:
-        return self.orders.value[0]
+        return self.orders.value.config
 
     @property
     def location(self) -> Location:
-        return self.orders.value[1]
+        return self.orders.value.location
+
+
+@dataclass(frozen=True)
+class NewOrders:
+    """Step 3 when DCP's cache found no plan changed and tsckpt's planner made them: only this save's orders.
+
+    It rides on the empty plan DCP sends each rank; tsckpt's planner puts it
+    into the rank's cached plan (whose arrays are still the coordinator's
+    layout) in ``finish_plan``. A few hundred bytes per rank, whatever it writes.
+    """
+
+    orders: Prepickled[SaveOrders]
+
+    def applied_to(self, cached: SavePlan) -> SavePlan | None:
+        """The rank's cached plan with these orders; None if it holds no :class:`RankPlan` to update."""
+        if not isinstance(cached.storage_data, RankPlan):
+            return None
+        return dataclasses.replace(cached, storage_data=dataclasses.replace(cached.storage_data, orders=self.orders))
 
 
 @dataclass(frozen=True)
@@ -225,27 +267,29 @@ class RankSummary:
     """
 
     rank: int
+    save_id: str  # from the orders the rank wrote with
     tensor: np.ndarray  # int32
     chunk: np.ndarray  # int64, flat index in the tensor's chunk grid
     crc: np.ndarray | None  # uint32
     objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "tensor": self.tensor.tolist(), "chunk": self.chunk.tolist(),
-                "crc": None if self.crc is None else self.crc.tolist(), "objects": dict(self.objects)}
+        return {"rank": self.rank, "save_id": self.save_id, "tensor": self.tensor.tolist(),
+                "chunk": self.chunk.tolist(), "crc": None if self.crc is None else self.crc.tolist(),
+                "objects": dict(self.objects)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
         crc = d["crc"]
-        return cls(int(d["rank"]), np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
+        return cls(int(d["rank"]), d["save_id"], np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
                    None if crc is None else np.asarray(crc, np.uint32), dict(d["objects"]))
 
 
 class SummaryBuilder:
     """Collects a rank's :class:`RankSummary` while it writes."""
 
-    def __init__(self, rank: int, with_checksums: bool):
-        self.rank, self.with_checksums = rank, with_checksums
+    def __init__(self, rank: int, orders: SaveOrders):
+        self.rank, self.save_id, self.with_checksums = rank, orders.save_id, orders.config.checksums
         self.tensor: list[int] = []
         self.chunk: list[int] = []
         self.crc: list[int] = []
@@ -267,7 +311,7 @@ class SummaryBuilder:
             else {"encoding": encoding, "nbytes": nbytes}
 
     def done(self) -> RankSummary:
-        return RankSummary(self.rank, np.asarray(self.tensor, np.int32), np.asarray(self.chunk, np.int64),
+        return RankSummary(self.rank, self.save_id, np.asarray(self.tensor, np.int32), np.asarray(self.chunk, np.int64),
                            np.asarray(self.crc, np.uint32) if self.with_checksums else None, self.objects)
 
 
@@ -279,11 +323,15 @@ class RankWrites(list):
         self.summary = summary
 
     @staticmethod
-    def summary_of(results: Sequence[WriteResult], where: str) -> RankSummary:
+    def summary_of(results: Sequence[WriteResult], save_id: str, where: str) -> RankSummary:
+        """The summary of one rank's results, checked to be this save's."""
         summary = getattr(results, "summary", None)
         if not isinstance(summary, RankSummary):
             raise PlanError(f"saving {where}: a rank returned write results without tsckpt's summary "
                             f"(its storage writer is not a TensorStoreWriter?)")
+        if summary.save_id != save_id:
+            raise PlanError(f"saving {where}: rank {summary.rank} wrote with the orders of save {summary.save_id}, "
+                            f"not of this save {save_id} (a stale cached plan?); nothing was committed")
         return summary
 
 

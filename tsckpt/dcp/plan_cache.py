@@ -10,6 +10,9 @@ options. So the coordinator sends every rank a usable plan on every save: the
 rank's cached plan items with fresh storage data. The items were pickled once,
 when they were first sent (:class:`PrepickledPlan`); sending them again copies
 bytes, so a repeated save costs the coordinator about what it costs DCP.
+tsckpt's own planner does better: it applies this save's orders to the plan
+each rank holds (:class:`~tsckpt.dcp.contract.NewOrders`), so a repeated save
+sends each rank a few hundred bytes.
 
 The cache is keyed as DCP keys its own (the planner's ``_cached_plans_key``,
 its class name) and trusts only what DCP still holds: an entry is used while
@@ -59,7 +62,7 @@ def _dcp_cache() -> dict[str, list[SavePlan]]:
     return getattr(SavePlanner, "_cached_global_plan", None) or {}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CachedSave:
     """The last save made from one cached set of DCP global plans."""
 
@@ -106,6 +109,15 @@ class PlanCache:
                 "and DCP's cache holds no plans for them"
             raise PlanError(f"saving {where}: DCP's plan cache sent no plan for rank(s) {stale[:8]}: {why}")
         return cache[keys[0]], keys[0]
+
+    @staticmethod
+    def ranks_keep_their_plans(plans: list[SavePlan]) -> bool:
+        """Whether DCP found no plan changed and tsckpt's planner made them, which updates each rank's cached plan.
+
+        Its ``finish_plan`` then applies :class:`~tsckpt.dcp.contract.NewOrders`
+        to the plan the rank holds; DCP's own planner would write with the old orders.
+        """
+        return all(not p.usable and PlannerNotes.of(p).cache_key is not None for p in plans)
 
     def layout(self, key: str | None, plans: list[SavePlan], inner_chunk_bytes: int) -> GlobalLayout | None:
         """The layout made from these very plans, if one was kept."""

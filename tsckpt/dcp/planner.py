@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from ..errors import LoadMismatchError
+from ..errors import LoadMismatchError, PlanError
 from ..format import values
-from .contract import PlannerNotes
+from .contract import NewOrders, PlannerNotes
 from .values import DecodedValue, EncodedValue
 
 
@@ -139,6 +139,17 @@ class SavePlanner(DefaultSavePlanner):
             # DCP's cache found nothing changed: tell the writer whose cached plans these are.
             plans = [dataclasses.replace(p, storage_data=PlannerNotes(cache_key=self._cached_plans_key)) for p in plans]
         return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        if not new_plan.usable and isinstance(new_plan.storage_data, NewOrders):
+            # DCP's cache kept this rank's plan; the writer sent only this save's orders for it.
+            updated = new_plan.storage_data.applied_to(plan)
+            if updated is None:
+                raise PlanError("the plan DCP cached on this rank carries no layout from tsckpt's writer; save once "
+                                "with a planner that does not cache")
+            self.plan = plan = updated
+        return plan
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type != WriteItemType.BYTE_IO:

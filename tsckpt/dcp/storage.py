@@ -34,7 +34,8 @@ from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
 from ..location import Location, LocationLike
 from . import compat, logs
-from .contract import Prepickled, RankPlan, RankWrites, SummaryBuilder, WriteConfig, WrittenChunks
+from .contract import (NewOrders, Prepickled, RankPlan, RankWrites, SaveOrders, SummaryBuilder, WriteConfig,
+                       WrittenChunks)
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .global_layout import GlobalLayout
 from .io import TensorStoreIO, done, region
@@ -212,10 +213,13 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             raise TsckptError(f"saving {where}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
         full, key = CACHE.full_plans(plans, where)
-        layout = CACHE.layout(key, full, self.inner_chunk_bytes) or \
-            GlobalLayout.plan(full, self.inner_chunk_bytes, where)
+        kept = CACHE.layout(key, full, self.inner_chunk_bytes)
+        layout = kept or GlobalLayout.plan(full, self.inner_chunk_bytes, where)
         self._layout = layout
-        orders = Prepickled((self.config, self._target.data_location))
+        orders = Prepickled(SaveOrders(self.config, self._target.data_location, self.save_id))
+        if kept is not None and CACHE.ranks_keep_their_plans(plans):
+            # Every rank still holds the plan it was sent with this layout: this save's orders are all it needs.
+            return [SavePlan([], storage_data=NewOrders(orders), usable=False)] * len(plans)
         rank_plans = [RankPlan(orders, table, objects) for table, objects in zip(layout.tables, layout.objects)]
         if key is None:
             return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(full, rank_plans)]
@@ -236,7 +240,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                   for fqn, (_, e) in arrays.items()}
         pending, results, keep_alive = [], [], []
         batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, where)
-        summary = SummaryBuilder(self.rank, config.checksums)
+        summary = SummaryBuilder(self.rank, rank_plan.orders.value)
         copies = CopyWindow(self.per_thread_copy_ahead)
         later = []
         for item in plan.items:
@@ -310,7 +314,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         where = str(self.checkpoint_id)
         layout = self._layout
         assert layout is not None and self._target is not None, "finish runs on the coordinator, after planning"
-        summaries = [RankWrites.summary_of(rank_results, where) for rank_results in results]
+        summaries = [RankWrites.summary_of(rank_results, self.save_id, where) for rank_results in results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
         for summary in summaries:
