@@ -306,6 +306,34 @@ def test_plan_caching_saves_twice_into_new_directories(tmp_path, planner):
         _assert_same(_load(tmp_path / str(step)), expect)
 
 
+class _CachingA(tsckpt.SavePlanner):
+    """Two planner classes: DCP keeps one plan cache per class."""
+
+
+class _CachingB(tsckpt.SavePlanner):
+    pass
+
+
+def test_two_caching_planners_in_turn_each_get_their_own_plans(tmp_path):
+    """A save whose plans DCP found unchanged gets its own planner's cached plans, not the other planner's."""
+    first = {"w": expected("w", (6, 4), torch.float32), "step": 1}
+    second = {"v": expected("v", (3, 5), torch.bfloat16), "h": expected("h", (9,), torch.float32)}
+    for round_ in range(3):
+        for name, sd, planner in (("a", first, _CachingA), ("b", second, _CachingB)):
+            dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(tmp_path / f"{name}{round_}",
+                                                                 compression="zstd" if round_ == 2 else None),
+                     planner=planner(enable_plan_caching=True))
+    for round_ in range(3):
+        for name, sd in (("a", first), ("b", second)):
+            doc = _doc(tmp_path / f"{name}{round_}")
+            assert set(doc["tensors"]) == {k for k, v in sd.items() if isinstance(v, torch.Tensor)}, (name, round_)
+            assert doc["array_options"]["compression"] == ("zstd" if round_ == 2 else None)
+            back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+            dcp.load(back, storage_reader=tsckpt.TensorStoreReader(tmp_path / f"{name}{round_}"))
+            for k, v in sd.items():
+                assert same_bits(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, (name, round_, k)
+
+
 # --- logging and warnings --------------------------------------------------------------
 
 
@@ -375,6 +403,9 @@ def dropin_on_ranks(rank, world, path):
             state["only_on_1"] = torch.arange(4.0)  # rank 1's plan changes, rank 0's stays cached
         dcp.save(state, storage_writer=tsckpt.TensorStoreWriter(f"{path}/cached{step}"),
                  planner=DefaultSavePlanner(enable_plan_caching=True))
+        # tsckpt's planner, caching too: a repeated save sends each rank only the new save's orders.
+        dcp.save(state, storage_writer=tsckpt.TensorStoreWriter(f"{path}/tcached{step}"),
+                 planner=tsckpt.SavePlanner(enable_plan_caching=True))
     stager = tsckpt.TensorStoreWriter(cache_staged_state_dict=True)
     first = stager.stage(_dist_sd(rank, world, 0))
     second = stager.stage(_dist_sd(rank, world, 5))
@@ -398,6 +429,7 @@ def dropin_run(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_default_planner_records_placements_and_json_values_on_ranks(dropin_run, mode):
+    """DCP's planner puts no placements in its plans: each rank reports those it describes in its summary."""
     path, _ = dropin_run
     doc = _doc(f"{path}/{mode}")
     assert doc["meshes"] == [{"shape": [2], "dim_names": None, "device_type": "cpu", "ranks": [0, 1]}]
@@ -415,18 +447,20 @@ def test_loads_on_ranks_and_logs_once_per_save_and_load_on_the_coordinator(dropi
     assert results[1]["lines"] == []
     ops = [(line["op"], os.path.basename(line["path"])) for line in results[0]["lines"]]
     assert ops == [("saved", "sync"), ("saved", "async"), ("loaded", "sync"),
-                   ("saved", "cached0"), ("saved", "cached1"), ("saved", "cached2")]
+                   ("saved", "cached0"), ("saved", "tcached0"), ("saved", "cached1"), ("saved", "tcached1"),
+                   ("saved", "cached2"), ("saved", "tcached2")]
     first = results[0]["lines"][0]
     assert first["ranks"] == 2 and first["bytes"] == 8 * 6 * 4 + 5 * 4
 
 
-def test_plan_caching_on_ranks_commits_every_tensor(dropin_run):
+@pytest.mark.parametrize("series", ["cached", "tcached"])
+def test_plan_caching_on_ranks_commits_every_tensor(dropin_run, series):
     path, _ = dropin_run
     for step in range(3):
         names = {"model.w", "model.b"} | ({"only_on_1"} if step == 2 else set())
-        assert set(_doc(f"{path}/cached{step}")["tensors"]) == names, step
+        assert set(_doc(f"{path}/{series}{step}")["tensors"]) == names, step
         back = {"model": {"w": torch.zeros(8, 6), "b": torch.zeros(5)}, "step": 0, "names": []}
-        dcp.load(back, storage_reader=tsckpt.TensorStoreReader(f"{path}/cached{step}"))
+        dcp.load(back, storage_reader=tsckpt.TensorStoreReader(f"{path}/{series}{step}"))
         assert same_bits(back["model"]["w"], expected("w", (8, 6), torch.float32) + step), step
         assert back["step"] == 7 + step
 

@@ -142,3 +142,45 @@ def test_slash_separated_chunk_keys_still_load_and_verify(tmp_path):
     (tmp_path / "c" / "w" / "c" / "0" / "0").unlink()
     report = verify(tmp_path / "c")
     assert not report.ok and "c/0/0" in str(report.to_dict())
+
+
+# --- ranks whose writers were given different options -------------------------------------------
+
+_RANK_OPTIONS = [
+    {"checksums": True, "layout": "plain", "inner_chunk_bytes": 16 << 10},  # the coordinator's: what counts
+    {"checksums": False, "layout": "packed", "compression": "zstd", "crc32c_codec": True, "inner_chunk_bytes": 0},
+]
+
+
+def _mixed_sd(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _state_dict().items() if k != "mask"}
+
+
+def save_with_rank_options(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_mixed_sd(rank, world), storage_writer=tsckpt.TensorStoreWriter(path, **_RANK_OPTIONS[rank]))
+
+
+def test_every_rank_writes_with_the_coordinators_options(tmp_path):
+    """Each rank's own writer options would give chunks the metadata does not describe: the plan overrides them."""
+    from dist import run_ranks
+
+    path = str(tmp_path / "c")
+    run_ranks(2, save_with_rank_options, path)
+    root = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
+    assert root["layout"] == "plain" and root["array_options"] == {"crc32c_codec": False, "compression": None}
+    assert all(t["checksums"] is not None for t in root["tensors"].values())
+    assert _codec_names(json.loads(read_key(tmp_path / "c", "big/zarr.json"))["codecs"])[0] == "sharding_indexed"
+    sd = {k: v for k, v in _state_dict().items() if k != "mask"}
+    back = {k: torch.empty_like(v) for k, v in sd.items()}
+    tsckpt.load(back, path)
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+    np.testing.assert_array_equal(zarr.open_array(tsckpt.zarr_store(path), path="w", mode="r")[...], sd["w"].numpy())
+    report = verify(path)
+    assert report.ok, report

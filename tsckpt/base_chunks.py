@@ -33,7 +33,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -47,9 +47,6 @@ from .storage.packed_reuse import KeptChunks
 from .format.reuse import Reuse
 from .storage.store import Store
 from .storage.location import Location, LocationLike, parse_location
-
-if TYPE_CHECKING:
-    from .dcp.exchange import MergedChunks
 
 #: How a rank takes a chunk from the base.
 LINK, PACKED = "link", "packed"
@@ -197,14 +194,17 @@ def _path(location: Location) -> str:
 
 
 def reuse_outcome(choice: BaseChoice | None, tensors: Mapping[str, TensorEntry],
-                  merged: Mapping[str, MergedChunks], blob_bytes: int) -> tuple[Reuse | None, KeptChunks | None]:
-    """Coordinator, at commit: the document's ``reuse`` record and, packed, the base's keys to keep."""
+                  reused: Mapping[str, np.ndarray], blob_bytes: int) -> tuple[Reuse | None, KeptChunks | None]:
+    """Coordinator, at commit: the document's ``reuse`` record and, packed, the base's keys to keep.
+
+    ``reused[fqn]`` marks, in row-major grid order, the chunks the ranks took from the base.
+    """
     if choice is None:
         return None, None
     reused_bytes = reused_chunks = 0
     keys = []
     for fqn, entry in tensors.items():
-        flat = merged[fqn].indices[merged[fqn].reused]
+        flat = np.flatnonzero(reused[fqn])
         if not len(flat):
             continue
         grid, itemsize = entry.grid, dtypes.from_zarr(entry.dtype).itemsize

@@ -2,15 +2,18 @@
 
 Planning is separate from storage (as in DCP): this module looks at DTensors,
 ShardedTensors and plain values and turns them into write items annotated with
-JSON-able placement records (:mod:`tsckpt.dcp.protocol`); the storage layer never sees a DTensor.
+JSON-able placement records (:class:`~tsckpt.dcp.contract.PlannerNotes`); the
+storage layer never sees a DTensor.
 
 Save: DCP's default planning already yields one item per DTensor local shard,
 per ShardedTensor shard and per plain value, and deduplicates replicas by
 giving each duplicate to the rank with the fewest bytes so far, which spreads
 replicated writes over the replicas. On top of that tsckpt records each
-tensor's mesh and placements, and stores plain values as readable JSON.
-With DCP's own planner the writer gets the same records from
-:func:`placement_records` while it writes, and decodes plain values itself.
+tensor's mesh and placements, and stores plain values as readable JSON. Each
+distributed tensor is described by one rank (the lowest of its mesh, or the
+holder of its first shard), so what the coordinator gathers does not grow
+with ranks x tensors. With DCP's own planner the plans carry no records and
+tensors are saved without a placement; the writer still decodes plain values.
 
 Load: DCP asks for each local shard's hyperslab in global coordinates (the
 reader reports every tensor as one whole chunk); tsckpt's load planner adds
@@ -22,21 +25,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from ..errors import LoadMismatchError
+from ..errors import LoadMismatchError, PlanError
 from ..format import values
-from .protocol import DecodedValue, EncodedValue, Placements
+from .contract import NewOrders, PlannerNotes
+from .values import DecodedValue, EncodedValue
 
 
 def _placement_record(p: Any) -> dict[str, Any]:
@@ -100,19 +105,37 @@ def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:
     return info.bits - (1 if info.min < 0 else 0) <= digits
 
 
-def placement_records(planner: Any, fqns: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The placement records of ``fqns``, read from the state dict a planner writes from.
+def describes(obj: Any, rank: int) -> bool:
+    """Whether ``rank`` is the one rank that describes ``obj``'s placement (every rank, for a plain tensor)."""
+    if isinstance(obj, DTensor):
+        return int(obj.device_mesh.mesh.min()) == rank
+    if isinstance(obj, ShardedTensor):
+        shards = obj.metadata().shards_metadata
+        return not shards or shards[0].placement is None or shards[0].placement.rank() == rank
+    return True
 
-    For plans that carry none (DCP's default planner): that planner keeps the
-    flattened state dict as ``planner.state_dict``. A planner without one
-    yields no records, and those tensors are saved without a placement.
+
+def placement_records(planner: Any, rank: int) -> dict[str, dict[str, Any]]:
+    """The placement records of the tensors ``rank`` describes, read from a planner's state dict.
+
+    For DCP's own planner, whose plans carry no placements: it keeps the
+    flattened state dict it plans from as ``planner.state_dict``, and the writer
+    reports these records in the rank's summary (:mod:`tsckpt.dcp.contract`,
+    step 4). One rank describes each tensor (:func:`describes`), so what the
+    coordinator gathers does not grow with ranks x tensors. A planner without
+    a state dict yields none, and those tensors are saved without a placement.
     """
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
         return {}
     meshes: dict[int, dict[str, Any]] = {}
-    records = {fqn: describe(state.get(fqn), meshes) for fqn in fqns}
-    return {fqn: r for fqn, r in records.items() if r is not None}
+    out = {}
+    for fqn, obj in state.items():  # not only what this rank writes: replicas are written by one rank
+        if describes(obj, rank):
+            record = describe(obj, meshes)
+            if record is not None:
+                out[fqn] = record
+    return out
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -120,14 +143,36 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
+        if not plan.usable:  # unchanged since DCP cached it
+            return plan
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         placements: dict[str, Any] = {}
         meshes: dict[int, dict[str, Any]] = {}
         for fqn, obj in self.state_dict.items():
-            record = describe(obj, meshes)
-            if record is not None:
-                placements[fqn] = record
-        plan = dataclasses.replace(plan, storage_data=Placements(placements))
+            if describes(obj, rank):
+                record = describe(obj, meshes)
+                if record is not None:
+                    placements[fqn] = record
+        plan = dataclasses.replace(plan, storage_data=PlannerNotes(placements))
         self.plan = plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        if not any(p.usable for p in plans):
+            # DCP's cache found nothing changed: tell the writer whose cached plans these are.
+            plans = [dataclasses.replace(p, storage_data=PlannerNotes(cache_key=self._cached_plans_key)) for p in plans]
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        if not new_plan.usable and isinstance(new_plan.storage_data, NewOrders):
+            # DCP's cache kept this rank's plan; the writer sent only this save's orders for it.
+            updated = new_plan.storage_data.applied_to(plan)
+            if updated is None:
+                raise PlanError("the plan DCP cached on this rank carries no layout from tsckpt's writer; save once "
+                                "with a planner that does not cache")
+            self.plan = plan = updated
         return plan
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:

@@ -37,7 +37,7 @@ from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
-from .protocol import DecodedValue
+from .values import DecodedValue
 from .io import TensorStoreIO, done, region
 
 

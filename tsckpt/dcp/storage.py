@@ -1,13 +1,13 @@
 """DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays.
 
-It knows regions, dtypes and paths, never DTensors: placements arrive as JSON
-records from tsckpt's planner (:mod:`tsckpt.dcp.protocol`) or, with DCP's own
-planner, from :func:`tsckpt.dcp.planner.placement_records` as each rank writes.
-Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
-:mod:`tsckpt.storage.store`, and the commit from
-:func:`tsckpt.commit.protocol.commit_checkpoint`. The constructor takes
-``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`). See
-``docs/format.md`` for what ends up on disk.
+It knows regions, dtypes and paths, never DTensors: placement records arrive in
+the plans from tsckpt's planner. What the coordinator and the ranks tell each
+other, and in which order, is :mod:`tsckpt.dcp.contract`; the arrays are laid
+out by :mod:`tsckpt.dcp.global_layout` (chunk grids from
+:mod:`tsckpt.format.plan`), array specs come from :mod:`tsckpt.storage.store`,
+and the commit from :func:`tsckpt.commit.protocol.commit_checkpoint`. The
+constructor takes ``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`).
+See ``docs/format.md`` for what ends up on disk.
 """
 
 from __future__ import annotations
@@ -25,25 +25,27 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import PlanError, TsckptError, UnsupportedDtypeError
 from ..base_chunks import BaseChoice, BaseChunks, choose_base, reuse_outcome
-from ..format import checksums, content_hashes, dtypes, values
 from ..commit import protocol as commit
-from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
-from ..format.names import zarr_path
-from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
-from ..storage.store import Store
-from ..commit.target import SaveTarget
 from ..commit.publication import begin_save
-from ..storage.location import Location, LocationLike
+from ..commit.target import SaveTarget
+from ..errors import PlanError, TsckptError
+from ..format import checksums, content_hashes, dtypes, values
+from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
+from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
 from ..rank_writer import RankWriter
-from . import compat, logs, plan_cache
+from ..storage.location import Location, LocationLike
+from ..storage.store import Store
+from . import compat, logs
+from .contract import MergedChunks, NewOrders, Prepickled, RankPlan, RankWrites, SaveOrders, SummaryBuilder, WriteConfig
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
-from .planner import placement_records
-from .exchange import RankPlan, RankSummary
+from .global_layout import GlobalLayout
 from .io import TensorStoreIO, done
-from .protocol import Placements, encode_bytes
+from .plan_cache import CACHE
+from .planner import SavePlanner as TsckptSavePlanner
+from .planner import placement_records
 from .staging import Stager
+from .values import encode_bytes
 
 
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
@@ -119,6 +121,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             beside ``path`` (in its parent directory), i.e. the previous save
             of a training loop; a full save when there is none.
 
+    In a multi-rank save the coordinator's options decide how every rank writes
+    (layout, codecs, checksums, inner chunks, syncing); other ranks' writers
+    contribute only their own resources (``thread_count``/``io_concurrency``,
+    ``per_thread_copy_ahead``).
+
     ``dcp.save(..., use_collectives=False)`` is refused on more than one rank:
     a checkpoint is committed once, after every rank's data is written, which
     needs the ranks to coordinate.
@@ -159,26 +166,38 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.inner_chunk_bytes = inner_chunk_bytes
         self.checksums = checksums
         self.base, self.incremental = base, bool(incremental)
-        self._base: BaseChoice | None = None
         self.is_coordinator = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex
         self._target: SaveTarget | None = None
-        self._data_store: Store | None = None
-        self._entries: dict[str, TensorEntry] = {}
-        self._placements: dict[str, Any] = {}
-        self._key_paths: dict[str, tuple[Any, ...]] = {}
-        self._full_plans: list[SavePlan] | None = None
+        self._data_store: tuple[tuple[Any, ...], Store] | None = None
+        self._layout: GlobalLayout | None = None
+        self._base: BaseChoice | None = None
+
+    @property
+    def config(self) -> WriteConfig:
+        """How this writer would have every rank write, if it is the coordinator."""
+        return WriteConfig(layout=self.layout, array_options=self.array_options, checksums=self.checksums,
+                           inner_chunk_bytes=self.inner_chunk_bytes, sync_files=self.sync_files)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**TensorStoreIO.__getstate__(self), "_staged": None}  # never the staged copies
+        # Never the staged copies, nor open stores or a save's layout.
+        return {**TensorStoreIO.__getstate__(self), "_staged": None, "_layout": None}
 
-    def _open_store(self, location: Location) -> Store:
-        if not self.sync_files:
+    def _open_store(self, location: Location, config: WriteConfig | None = None) -> Store:
+        config = config or self.config
+        if not config.sync_files:
             # One context for every file of the save, so chunks, nodes and root all skip fsync
             # (and the filesystem flush before the commit, see location.unsynced_nodes).
             location = dataclasses.replace(location, context={**location.context, "file_io_sync": False})
-        return Store.open(location, io_concurrency=self.io_concurrency, layout=self.layout)
+        return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout)
+
+    def data_store(self, location: Location, config: WriteConfig) -> Store:
+        """This save's store: where and how the coordinator said to write (its staging directory, or in place)."""
+        key = (location, config.layout, config.sync_files)
+        if self._data_store is None or self._data_store[0] != key:
+            self._data_store = (key, self._open_store(location, config))
+        return self._data_store[1]
 
     def reset(self, checkpoint_id: LocationLike | None = None) -> None:
         # DCP asks for storage_meta() before set_up_storage_writer: the id must exist by then.
@@ -195,7 +214,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self.is_coordinator = is_coordinator
         # The packed layout gives each rank its own database, so the rank must be right.
         self.rank = int(kwargs["rank"] if "rank" in kwargs else dist.get_rank() if dist.is_initialized() else 0)
-        self._target, self._data_store = None, None
+        self._target, self._data_store, self._layout, self._base = None, None, None, None
         if is_coordinator:
             # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
             assert self.location is not None
@@ -207,157 +226,124 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Choose every array's path and chunk grid from all ranks' regions."""
-        plans = self._full_plans = plan_cache.expand(plans, str(self.checkpoint_id))
-        self._placements, self._key_paths = {}, {}
-        for p in plans:
-            self._placements |= Placements.of(p)
-            self._key_paths |= {k: tuple(v) for k, v in (p.planner_data or {}).items()}
-        # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
-        # 2000 tensors this loop is most of the coordinator's planning time.
-        boxes: dict[str, list[Any]] = {}  # fqn -> [tensor write data, flat offsets+sizes, item count]
-        blobs: dict[str, str] = {}
-        for p in plans:
-            for item in p.items:
-                td = item.tensor_data
-                fqn = item.index.fqn
-                if td is None:  # BYTE_IO
-                    blobs[fqn] = zarr_path(self._key_path(fqn))
-                    continue
-                found = boxes.get(fqn)
-                if found is None:
-                    boxes[fqn] = found = [td, [], 0]
-                found[1].extend((*td.chunk.offsets, *td.chunk.sizes))
-                found[2] += 1
-        self._entries = {}
-        for fqn, (td, flat, count) in boxes.items():
-            try:
-                dtype = dtypes.from_torch(td.properties.dtype).zarr
-            except UnsupportedDtypeError as e:
-                raise UnsupportedDtypeError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
-            self._entries[fqn] = plan_tensor(fqn, self._key_path(fqn), td.size, dtype,
-                                             np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
-                                             inner_chunk_bytes=self.inner_chunk_bytes)
-        check_unique_paths([e.path for e in self._entries.values()] + list(blobs.values()),
-                           str(self.checkpoint_id))
-        # Every rank gets the same layouts (O(tensors), one object): a rank of
-        # an FSDP job writes part of nearly every tensor anyway.
+        """Lay out every array from all ranks' regions; give each rank its :class:`RankPlan` (contract, step 3)."""
+        where = str(self.checkpoint_id)
         if self._target is None:
-            raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
+            raise TsckptError(f"saving {where}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
-        told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
-                                    location=self._target.data_location, storage_layout=self.layout,
-                                    base=self._base)
-                for describe in (False, True)}
-        return [dataclasses.replace(p, storage_data=told[not Placements.of(p)]) for p in plans]
-
-    def _key_path(self, fqn: str) -> tuple[Any, ...]:
-        return self._key_paths.get(fqn, (fqn,))
-
-    def data_store(self, location: Location | None) -> Store:
-        """This save's store: where the coordinator said to write (its staging directory, or in place)."""
-        if location is None or location == self.location:
-            return self.store
-        if self._data_store is None or self._data_store.location.spec != location.spec:
-            self._data_store = self._open_store(location)
-        return self._data_store
+        full, key = CACHE.full_plans(plans, where)
+        kept = CACHE.layout(key, full, self.inner_chunk_bytes)
+        layout = kept or GlobalLayout.plan(full, self.inner_chunk_bytes, where)
+        self._layout = layout
+        orders = Prepickled(SaveOrders(self.config, self._target.data_location, self.save_id, self._base))
+        if kept is not None and CACHE.ranks_keep_their_plans(plans):
+            # Every rank still holds the plan it was sent with this layout: this save's orders are all it needs.
+            return [SavePlan([], storage_data=NewOrders(orders), usable=False)] * len(plans)
+        rank_plans = [RankPlan(orders, table, objects) for table, objects in zip(layout.tables, layout.objects)]
+        if key is None:
+            return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(full, rank_plans)]
+        return CACHE.send(key, full, layout, rank_plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self.is_coordinator:
-            plan_cache.remember(self._full_plans, planner)
-            self._full_plans = None
-        rank_plan: RankPlan = plan.storage_data or RankPlan({}, {}, storage_layout=self.layout)
-        if rank_plan.storage_layout != self.layout:
-            # The coordinator's layout is the one its metadata will record.
-            self.layout, self._store, self._data_store = rank_plan.storage_layout, None, None
-        records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
-        store = self.data_store(rank_plan.location)
-        base = rank_plan.base
-        writer = RankWriter(store, self.rank, str(self.checkpoint_id), options=self.array_options,
-                            checksums=self.checksums, window=self.per_thread_copy_ahead,
+        """Write this rank's items as its :class:`RankPlan` says (contract, step 4)."""
+        where = str(self.checkpoint_id)
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, RankPlan):
+            raise PlanError(f"saving {where}: rank {self.rank}'s plan carries no layout from the coordinator "
+                            f"(was the global plan made by another storage writer?)")
+        orders = rank_plan.orders.value
+        config = orders.config
+        store = self.data_store(orders.location, config)
+        tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
+        arrays = rank_plan.arrays.value.entries(list(dict.fromkeys(tensors)), where)
+        base = orders.base
+        writer = RankWriter(store, self.rank, where, options=config.array_options, checksums=config.checksums,
+                            window=self.per_thread_copy_ahead,
                             base=BaseChunks(base, store) if base is not None and base.mode else None)
-        writer.open(rank_plan.arrays)
-        summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
+        writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})
+        summary = SummaryBuilder(self.rank, orders)
+        if not isinstance(planner, TsckptSavePlanner):
+            # DCP's own planner puts no placements in the plans: this rank describes its share here.
+            summary.placements.update(placement_records(planner, self.rank))
         results = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                summary.objects[fqn] = self._write_object(writer, fqn, rank_plan.objects[fqn], data)
+                self._write_object(writer, fqn, rank_plan.objects[fqn], data, summary)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 continue
+            entry = arrays[fqn][1]
+            if dtypes.from_torch(data.dtype).zarr != entry.dtype:
+                raise PlanError(f"saving {where}: tensor {fqn!r} is {data.dtype} on rank {self.rank}, but its "
+                                f"array was laid out as {entry.dtype}")
             nbytes = writer.write(fqn, item.tensor_data.chunk.offsets, data)
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
         writer.finish()
         for fqn, chunks in writer.written.items():
-            summary.add(fqn, chunks)
-        if results:
-            # One record per rank rather than per item: the coordinator's finish then
-            # handles ranks, not ranks x tensors.
-            results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
-        return done(results)
+            summary.add(arrays[fqn][0], chunks)
+        return done(RankWrites(results, summary.done()))
 
     @staticmethod
-    def _write_object(writer: RankWriter, fqn: str, path: str, data: Any) -> dict[str, Any]:
+    def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:
         encoding, payload = encode_bytes(data)
         if encoding == values.JSON:
-            return {"encoding": values.JSON, "value": payload}
+            summary.add_object(fqn, encoding, payload, 0)
+            return
         writer.write_blob(fqn, path, payload)
-        return {"encoding": values.TORCH, "nbytes": len(payload)}
+        summary.add_object(fqn, encoding, None, len(payload))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after all data is durable: gather each tensor's checksums, then commit and publish."""
-        summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
+        """Coordinator, after all data is durable: merge every rank's summary, then commit (contract, step 5)."""
+        where = str(self.checkpoint_id)
+        layout = self._layout
+        assert layout is not None and self._target is not None, "finish runs on the coordinator, after planning"
+        summaries = [RankWrites.summary_of(rank_results, self.save_id, where) for rank_results in results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
-        placements = dict(self._placements)
+        placements = dict(layout.placements)
         for summary in summaries:
-            for fqn, record in summary["placements"].items():
+            for fqn, record in summary.placements.items():
                 placements.setdefault(fqn, record)
-            for fqn, info in summary["objects"].items():
+            for fqn, info in summary.objects.items():
                 if info["encoding"] == values.JSON:
-                    objs[fqn] = ObjectEntry(self._key_path(fqn), values.JSON, value=info["value"])
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.JSON, value=info["value"])
                 else:
-                    objs[fqn] = ObjectEntry(self._key_path(fqn), values.TORCH, path=zarr_path(self._key_path(fqn)))
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.TORCH, path=layout.blobs[fqn])
                     blob_sizes[fqn] = info["nbytes"]
-        chunks = RankSummary.merge(summaries, list(self._entries))
-        self._check_against(metadata, {fqn for fqn, c in chunks.items() if len(c.indices)})
+        self._check_against(metadata, layout.entries)
+        names = list(layout.entries)
+        written = MergedChunks.merge(summaries, layout.nchunks, names, self.checksums, where)
         meshes: list = []
-        tensors, writers = {}, {}
-        for fqn, planned in self._entries.items():
-            merged = chunks[fqn]
-            by_chunk = np.full(planned.grid.nchunks, -1, dtype=np.int64)
-            by_chunk[merged.indices] = merged.ranks
-            writers[fqn] = by_chunk.tolist()
+        tensors, writers, reused = {}, {}, {}
+        for number, (fqn, planned) in enumerate(layout.entries.items()):
+            chunks = written.of(number)
+            writers[fqn] = chunks.writer.tolist()
+            reused[fqn] = chunks.reused
             table = hashes = None
-            if self.checksums:
-                try:
-                    table = checksums.encode_table(planned.grid, merged.indices, merged.crcs)
-                    hashes = content_hashes.encode_table(planned.grid, merged.indices, merged.digests)
-                except TsckptError as e:
-                    raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
+            if chunks.crc is not None:
+                table = checksums.encode_table(planned.grid, np.arange(len(chunks.crc)), chunks.crc)
+                hashes = content_hashes.encode_table(planned.grid, np.arange(len(chunks.crc)), chunks.digest)
             tensors[fqn] = dataclasses.replace(
                 planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
                 checksums=table, content_hashes=hashes)
-        reuse, kept = reuse_outcome(self._base, tensors, chunks, sum(blob_sizes.values()))
+        reuse, kept = reuse_outcome(self._base, tensors, reused, sum(blob_sizes.values()))
         extra: dict[str, Any] = {"save_id": self.save_id}
         if not self.sync_files:
             extra["synced"] = False
-        assert self._target is not None, "finish runs on the coordinator, after set-up"
         commit.commit_checkpoint(
-            self.data_store(self._target.data_location), world_size=len(results), tensors=tensors,
+            self.data_store(self._target.data_location, self.config), world_size=len(results), tensors=tensors,
             objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
             writers=writers, target=self._target,
             content_hash=content_hashes.ALGORITHM if self.checksums else None, reuse=reuse, kept=kept)
         if logs.enabled():
-            logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
+            logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
                           seconds=time.perf_counter() - self._started, ranks=len(results), reuse=reuse)
 
-    def _check_against(self, metadata: Metadata, writes: dict[str, Any]) -> None:
+    def _check_against(self, metadata: Metadata, planned: dict[str, TensorEntry]) -> None:
         """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""
-        planned = set(self._entries)
         expected = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        odd = sorted((planned ^ expected) | (set(writes) - planned))
+        odd = sorted(set(planned) ^ expected)
         if odd:
             raise PlanError(f"saving {self.checkpoint_id}: tensor {odd[0]!r} is not in both DCP's plan and the "
                             f"planned arrays ({len(odd)} such keys); nothing was committed")

@@ -1,30 +1,20 @@
-"""What tsckpt's planners and its storage layer hand each other, beyond DCP's own plan items.
+"""Non-tensor values between a rank's planner and its storage layer, in both directions.
 
-Three things travel between :mod:`tsckpt.dcp.planner` and :mod:`tsckpt.dcp.storage`:
-
-* :class:`EncodedValue`: a non-tensor value the save planner serialized, tagged
-  with the encoding the writer records (DCP's default planner passes a plain
+* :class:`EncodedValue`: a value tsckpt's save planner serialized, tagged with
+  the encoding the writer records (DCP's default planner passes a plain
   ``io.BytesIO`` of ``torch.save`` bytes instead, which :func:`encode_bytes`
   decodes safely so that plain data is stored as JSON all the same);
-* :class:`DecodedValue`: a value the reader already restored safely, so the load
-  planner does not unpickle it again;
-* :class:`Placements`: the placement record of each tensor of one rank, carried
-  in the local plan's ``storage_data`` to the writer's global planning. DCP's
-  ``planner_data`` stays DCP's own key-path map, which its global planning
-  merges. With DCP's default planner there are none in the plans; the writer
-  asks each rank for them while it writes (:func:`tsckpt.dcp.planner.placement_records`).
+* :class:`DecodedValue`: a value the reader already restored safely, so the
+  load planner does not unpickle it again.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.planner import SavePlan
 
 from ..format import values
 
@@ -64,16 +54,3 @@ class DecodedValue(io.BytesIO):
         torch.save(value, buf)
         super().__init__(buf.getvalue())
         self.value = value
-
-
-@dataclass(frozen=True)
-class Placements:
-    """One rank's placement records (flat key -> JSON record, mesh inline), from planner to writer."""
-
-    records: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-
-    @staticmethod
-    def of(plan: SavePlan) -> Mapping[str, Mapping[str, Any]]:
-        """The records a local plan carries; none when another planner made it."""
-        data = plan.storage_data
-        return data.records if isinstance(data, Placements) else {}

@@ -1,0 +1,143 @@
+"""The coordinator <-> rank contract: what each rank is sent, and how the coordinator reads what comes back.
+
+The coordinator's side runs in this process on DCP-shaped plans, as DCP would
+call it; plans cross a real pickle, as DCP's scatter sends them. Whole saves on
+real ranks are in test_distributed.py, test_dropin_args.py and test_writer_options.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from tsckpt.base_chunks import BaseChoice
+from tsckpt.dcp.contract import ArrayTable, MergedChunks, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
+from tsckpt.dcp.storage import TensorStoreWriter
+from tsckpt.errors import PlanError
+from tsckpt.format.metadata import ArrayOptions
+from tsckpt.storage.location import parse_location
+
+
+def _item(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    return WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32),
+                                                 size=torch.Size(shape)))
+
+
+def _stage_plans(world: int, per_rank: int) -> list[SavePlan]:
+    """Pipeline-style: each rank writes its own ``per_rank`` whole tensors, plus its row of one shared tensor."""
+    plans = []
+    for r in range(world):
+        items = [_item(f"stage{r}.layer{t}.weight", (16, 8), (0, 0), (16, 8)) for t in range(per_rank)]
+        items.append(_item("embed.weight", (world * 2, 4), (2 * r, 0), (2, 4)))
+        plans.append(SavePlan(items, planner_data={it.index.fqn: ("model", it.index.fqn) for it in items}))
+    return plans
+
+
+def _coordinator(tmp_name: str) -> TensorStoreWriter:
+    writer = TensorStoreWriter(f"memory://{tmp_name}", overwrite=True, compression="zstd", checksums=False)
+    writer.set_up_storage_writer(True, rank=0)
+    return writer
+
+
+def _received(plan: SavePlan) -> tuple[SavePlan, int]:
+    """The plan as its rank unpickles it, and how many bytes it was."""
+    blob = pickle.dumps(plan)
+    return pickle.loads(blob), len(blob)
+
+
+def test_each_rank_is_sent_the_coordinators_options_and_only_the_arrays_it_writes():
+    writer = _coordinator("contract-only-own")
+    sent = writer.prepare_global_plan(_stage_plans(4, 3))
+    for r, plan in enumerate(sent):
+        got, _ = _received(plan)
+        rank_plan = got.storage_data
+        assert isinstance(rank_plan, RankPlan)
+        assert rank_plan.config == writer.config and rank_plan.config.array_options.compression == "zstd"
+        fqns = list(dict.fromkeys(i.index.fqn for i in got.items))
+        arrays = rank_plan.arrays.value.entries(fqns, "here")
+        assert set(arrays) == {f"stage{r}.layer{t}.weight" for t in range(3)} | {"embed.weight"}
+        for fqn, (number, entry) in arrays.items():
+            assert list(writer._layout.entries)[number] == fqn
+            assert entry == writer._layout.entries[fqn]
+    # The options and location are one shared payload, not a copy per rank.
+    assert len({id(p.storage_data.orders) for p in sent}) == 1
+
+
+def test_what_a_rank_receives_grows_with_what_it_writes_not_with_the_world():
+    sizes = {}
+    for world in (4, 64):
+        writer = _coordinator(f"contract-grow-{world}")
+        sizes[world] = max(_received(p)[1] for p in writer.prepare_global_plan(_stage_plans(world, 5)))
+    assert sizes[64] < 1.1 * sizes[4], sizes
+
+
+def test_a_plan_whose_tensors_changed_after_global_planning_is_refused():
+    writer = _coordinator("contract-changed")
+    got, _ = _received(writer.prepare_global_plan(_stage_plans(2, 2))[1])
+    fqns = list(dict.fromkeys(i.index.fqn for i in got.items))
+    with pytest.raises(PlanError, match="does not list the 3 tensors the coordinator laid out"):
+        got.storage_data.arrays.value.entries(list(reversed(fqns)), "ckpt")
+
+
+def _summary(rank: int, tensor: list[int], chunk: list[int], crc: list[int] | None = None) -> RankSummary:
+    """A rank's summary; its content hashes are its crc32c values repeated, so each chunk's is told apart."""
+    digest = None if crc is None else np.repeat(np.array(crc, np.uint8)[:, None], 16, axis=1)
+    return RankSummary(rank, "s1", np.array(tensor, np.int32), np.array(chunk, np.int64),
+                       None if crc is None else np.array(crc, np.uint32), digest,
+                       np.array([c == 12 for c in chunk] if crc else [False] * len(chunk), bool))
+
+
+def test_written_chunks_are_placed_per_tensor_in_grid_order():
+    merged = MergedChunks.merge([_summary(1, [1, 0, 1], [1, 0, 0], [11, 20, 10]), _summary(0, [1], [2], [12])],
+                                [1, 3], ["a", "b"], True, "ckpt")
+    b = merged.of(1)
+    assert b.writer.tolist() == [1, 1, 0] and b.crc.tolist() == [10, 11, 12]
+    assert b.digest[:, 0].tolist() == [10, 11, 12] and b.reused.tolist() == [False, False, False]
+    assert merged.of(0).writer.tolist() == [1]
+
+
+@pytest.mark.parametrize("summaries, message", [
+    ([_summary(0, [0], [0])], "chunk 1 of tensor 'a' was never written"),
+    ([_summary(0, [0, 0], [0, 1]), _summary(1, [0], [1])], "chunk 1 of tensor 'a' was written by 2 ranks"),
+    ([_summary(0, [0, 0], [0, 2])], "outside its tensor's grid"),
+    ([_summary(0, [0, 1], [0, 1])], "a tensor the coordinator did not lay out"),
+])
+def test_a_missing_doubled_or_stray_chunk_stops_the_commit(summaries, message):
+    with pytest.raises(PlanError, match=message):
+        MergedChunks.merge(summaries, [2], ["a"], False, "ckpt")
+
+
+def test_checksums_asked_for_but_not_computed_stop_the_commit():
+    with pytest.raises(PlanError, match="without the checksums the plan asked for"):
+        MergedChunks.merge([_summary(0, [0], [0])], [1], ["a"], True, "ckpt")
+
+
+def test_contract_records_round_trip_through_dicts():
+    config = WriteConfig("packed", ArrayOptions(crc32c_codec=True, compression="zstd"), False, 1 << 20, False)
+    assert WriteConfig.from_dict(config.to_dict()) == config
+    orders = SaveOrders(config, parse_location("memory://x"), "s1")
+    assert SaveOrders.from_dict(orders.to_dict()) == orders
+    based = SaveOrders(config, parse_location("memory://x"), "s1", BaseChoice(parse_location("memory://b"), "s0", None, "why"))
+    assert SaveOrders.from_dict(based.to_dict()) == based
+    summary = _summary(3, [0, 1], [4, 5], [7, 8])
+    back = RankSummary.from_dict(summary.to_dict())
+    assert back.to_dict() == summary.to_dict()
+    table = ArrayTable(np.array([2, 0], np.int32), np.array([2, 0], np.uint8), np.zeros((2, 3, 2), np.int64),
+                       np.array([True, False]), ("float32", "bool"), (("m", "w"), ("step",)), 99)
+    assert ArrayTable.from_dict(table.to_dict()).to_dict() == table.to_dict()
+
+
+def test_results_written_with_another_saves_orders_stop_the_commit():
+    results = RankWrites([], _summary(2, [], []))
+    assert RankWrites.summary_of(results, "s1", "ckpt").rank == 2
+    with pytest.raises(PlanError, match="rank 2 wrote with the orders of save s1, not of this save s2"):
+        RankWrites.summary_of(results, "s2", "ckpt")
+    with pytest.raises(PlanError, match="without tsckpt's summary"):
+        RankWrites.summary_of([], "s2", "ckpt")

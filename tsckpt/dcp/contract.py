@@ -1,0 +1,439 @@
+"""The coordinator <-> rank contract of a save: what each side hands the other, beyond DCP's own plan items.
+
+DCP runs a save as four collectives around the storage writer's methods. With
+``TensorStoreWriter`` (and, optionally, tsckpt's :class:`~tsckpt.dcp.planner.SavePlanner`):
+
+1. ``reset(checkpoint_id)``, ``storage_meta()``, ``set_up_storage_writer(is_coordinator, rank=r)``
+   -- every rank. The coordinator alone begins the save
+   (:func:`~tsckpt.commit.target.begin_save`): it refuses what must not be
+   replaced, fences off other saves and chooses where this save's data goes
+   (a staging directory beside the target on a local filesystem, the target
+   itself elsewhere). Nothing is written by any rank yet.
+2. ``planner.create_local_plan()``, then ``writer.prepare_local_plan(plan)`` -- every rank;
+   the plans are **gathered** to the coordinator. tsckpt's planner puts
+   :class:`PlannerNotes` in ``storage_data``: the placement records of the
+   tensors this rank describes. DCP's own planner puts nothing there.
+3. ``planner.create_global_plan(plans)``, then ``writer.prepare_global_plan(plans)`` -- the
+   coordinator only. (When DCP's plan cache found no plan changed, tsckpt's
+   planner marks the empty plans it returns with its cache key.) The writer
+   lays out every array from all ranks' regions
+   (:class:`~tsckpt.dcp.global_layout.GlobalLayout`) and returns, for each
+   rank, that rank's plan with a :class:`RankPlan` as ``storage_data``: the
+   whole :class:`WriteConfig`, the data location, and the layouts of the arrays
+   *that rank* writes, pre-pickled (:class:`Prepickled`) once per distinct set
+   of arrays. With DCP's plan caching, ranks whose plans did not change come
+   back unusable. Every save writes to a new location, so each rank must
+   hear of it: with tsckpt's planner, the empty plans carry only this save's
+   :class:`NewOrders`; with another planner, the coordinator sends the ranks
+   their cached plans again, pre-pickled (:mod:`tsckpt.dcp.plan_cache`).
+4. The plans are **scattered** (DCP pickles each rank's plan); every rank runs
+   ``planner.finish_plan(plan)`` (tsckpt's applies :class:`NewOrders` to the
+   plan DCP cached), then ``writer.write_data(plan, planner)``. A rank
+   writes only what its plan lists, only where its ``RankPlan`` says, and only
+   as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
+   sync options are not used. It returns :class:`RankWrites`: one
+   ``WriteResult`` per item, as DCP expects, and a columnar :class:`RankSummary`
+   (each chunk's tensor number, chunk index and crc32c; each value's encoding).
+5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
+   it checks that every rank wrote with this save's orders, merges the
+   summaries (:class:`WrittenChunks`, linear in chunks), checks that every
+   chunk was written exactly once, writes every node and then the root
+   document: the commit.
+6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.
+
+What grows with the world size stays on the coordinator; what a rank receives
+grows with what it writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import PlanError, TsckptError
+from ..base_chunks import BaseChoice
+from ..format import content_hashes, values
+from ..rank_writer import WrittenChunks as SavedChunks
+from ..storage.layouts import LAYOUTS
+from ..format.metadata import ArrayOptions, TensorEntry
+from ..format.names import zarr_path
+from ..storage.location import Location
+
+T = TypeVar("T")
+
+
+class Prepickled(Generic[T]):
+    """A value pickled once on the coordinator and shared by many ranks' plans.
+
+    DCP pickles every rank's plan separately; a shared value inside them would
+    be pickled again for each rank. This one is pickled when it is made, and
+    each rank's plan then only copies its bytes. The receiving rank unpickles
+    it on first use.
+    """
+
+    __slots__ = ("_blob", "_value", "_loaded")
+
+    def __init__(self, value: T):
+        self._value, self._loaded = value, True
+        self._blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrived, (self._blob,))
+
+    @property
+    def value(self) -> T:
+        if not self._loaded:
+            self._value, self._loaded = pickle.loads(self._blob), True
+        return self._value  # type: ignore[return-value]
+
+
+def _arrived(blob: bytes) -> Prepickled[Any]:
+    """A :class:`Prepickled` as a rank receives it: its bytes, unpickled on first use."""
+    obj: Prepickled[Any] = Prepickled.__new__(Prepickled)
+    obj._blob, obj._value, obj._loaded = blob, None, False
+    return obj
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    """How every rank of a save writes: the coordinator's writer options, sent to all ranks in their plans."""
+
+    layout: str
+    array_options: ArrayOptions = ArrayOptions()
+    checksums: bool = True
+    inner_chunk_bytes: int = 0
+    sync_files: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise TsckptError(f"unknown layout {self.layout!r}: expected one of {sorted(LAYOUTS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "array_options": self.array_options.to_dict(), "checksums": self.checksums,
+                "inner_chunk_bytes": self.inner_chunk_bytes, "sync_files": self.sync_files}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> WriteConfig:
+        return cls(layout=d["layout"], array_options=ArrayOptions.from_dict(d["array_options"]),
+                   checksums=d["checksums"], inner_chunk_bytes=d["inner_chunk_bytes"], sync_files=d["sync_files"])
+
+
+@dataclass(frozen=True)
+class PlannerNotes:
+    """What tsckpt's planner adds to the plans, in ``storage_data`` (steps 2 and 3).
+
+    ``placements``: in a rank's local plan, the placement record (mesh inline)
+    of each tensor this rank describes. ``cache_key``: on the empty plans DCP's
+    global planning returns when its plan cache found nothing changed, DCP's
+    cache key for this planner, so that the writer knows whose cached plans
+    these are.
+    """
+
+    placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    cache_key: str | None = None
+
+    @staticmethod
+    def of(plan: SavePlan) -> PlannerNotes:
+        data = plan.storage_data
+        return data if isinstance(data, PlannerNotes) else PlannerNotes()
+
+
+def fqn_digest(fqns: Sequence[str]) -> int:
+    """A crc32 of a sequence of keys, to check that two sides list the same keys in the same order."""
+    crc = 0
+    for fqn in fqns:
+        crc = zlib.crc32(fqn.encode("utf-8", "surrogatepass") + b"\0", crc)
+    return crc
+
+
+@dataclass(frozen=True)
+class ArrayTable:
+    """The layouts of the arrays one rank writes, in columns, in the order the rank's plan first names them.
+
+    ``ids`` are the coordinator's numbers for the tensors (the rank reports
+    chunks by them); ``dims[i]`` holds shape, chunk shape and inner chunk shape
+    of array ``i``, padded to the largest rank, and ``sharded[i]`` whether it
+    has inner chunks at all; ``digest`` is :func:`fqn_digest` of the keys in
+    order, which the rank checks against its plan.
+    """
+
+    ids: np.ndarray  # int32 [n]
+    ndims: np.ndarray  # uint8 [n]
+    dims: np.ndarray  # int32 or int64 [n, 3, max ndim]
+    sharded: np.ndarray  # bool [n]
+    dtypes: tuple[str, ...]  # Zarr data type names
+    key_paths: tuple[tuple[str | int, ...], ...]
+    digest: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ids": self.ids.tolist(), "ndims": self.ndims.tolist(), "dims": self.dims.tolist(),
+                "sharded": self.sharded.tolist(), "dtypes": list(self.dtypes),
+                "key_paths": [list(k) for k in self.key_paths], "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ArrayTable:
+        n = len(d["ids"])
+        return cls(np.asarray(d["ids"], np.int32), np.asarray(d["ndims"], np.uint8),
+                   np.asarray(d["dims"], np.int64).reshape(n, 3, -1), np.asarray(d["sharded"], bool),
+                   tuple(d["dtypes"]), tuple(tuple(k) for k in d["key_paths"]), int(d["digest"]))
+
+    def entries(self, fqns: Sequence[str], where: str) -> dict[str, tuple[int, TensorEntry]]:
+        """Each of ``fqns`` (the rank's tensors in plan order) with its coordinator number and array layout."""
+        if len(fqns) != len(self.ids) or fqn_digest(fqns) != self.digest:
+            raise PlanError(f"saving {where}: this rank's plan does not list the {len(self.ids)} tensors the "
+                            f"coordinator laid out for it (a planner changed the plan after global planning?)")
+        out = {}
+        for i, fqn in enumerate(fqns):
+            nd = int(self.ndims[i])
+            shape, chunk, inner = (tuple(int(x) for x in row[:nd]) for row in self.dims[i])
+            key_path = self.key_paths[i]
+            out[fqn] = (int(self.ids[i]), TensorEntry(
+                key_path=key_path, path=zarr_path(key_path), shape=shape, dtype=self.dtypes[i], chunk_shape=chunk,
+                inner_chunk_shape=inner if self.sharded[i] else None, placement=None))
+        return out
+
+
+@dataclass(frozen=True)
+class SaveOrders:
+    """What every rank of one save is told alike: how to write, where, and which save this is."""
+
+    config: WriteConfig
+    location: Location
+    save_id: str
+    #: The base of an incremental save (:mod:`tsckpt.base_chunks`), when one was given.
+    base: BaseChoice | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "location": _location_dict(self.location),
+                "save_id": self.save_id,
+                "base": None if self.base is None else {**dataclasses.asdict(self.base),
+                                                        "location": _location_dict(self.base.location)}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SaveOrders:
+        base = d.get("base")
+        return cls(WriteConfig.from_dict(d["config"]), _location(d["location"]), d["save_id"],
+                   None if base is None else BaseChoice(**{**base, "location": _location(base["location"])}))
+
+
+def _location_dict(location: Location) -> dict[str, Any]:
+    return {"spec": dict(location.spec), "context": dict(location.context)}
+
+
+def _location(d: Mapping[str, Any]) -> Location:
+    return Location(d["spec"], d["context"])
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the coordinator tells one rank (step 3): the save's orders and the arrays this rank writes.
+
+    ``orders`` is the same object in every rank's plan; ``arrays`` is shared by
+    ranks that write the same tensors. ``objects``: path of each non-tensor
+    value this rank writes.
+    """
+
+    orders: Prepickled[SaveOrders]
+    arrays: Prepickled[ArrayTable]
+    objects: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def config(self) -> WriteConfig:
+        return self.orders.value.config
+
+    @property
+    def location(self) -> Location:
+        return self.orders.value.location
+
+
+@dataclass(frozen=True)
+class NewOrders:
+    """Step 3 when DCP's cache found no plan changed and tsckpt's planner made them: only this save's orders.
+
+    It rides on the empty plan DCP sends each rank; tsckpt's planner puts it
+    into the rank's cached plan (whose arrays are still the coordinator's
+    layout) in ``finish_plan``. A few hundred bytes per rank, whatever it writes.
+    """
+
+    orders: Prepickled[SaveOrders]
+
+    def applied_to(self, cached: SavePlan) -> SavePlan | None:
+        """The rank's cached plan with these orders; None if it holds no :class:`RankPlan` to update."""
+        if not isinstance(cached.storage_data, RankPlan):
+            return None
+        return dataclasses.replace(cached, storage_data=dataclasses.replace(cached.storage_data, orders=self.orders))
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank wrote (step 4), in columns: one row per chunk, numbered as the coordinator numbered tensors.
+
+    ``crc`` and ``digest`` (crc32c and 128-bit content hash of each chunk) are
+    None when the plan's configuration turned checksums off; ``reused`` marks
+    the chunks taken from an incremental save's base instead of written.
+    ``objects``: each value's recorded encoding (and its JSON value, or blob size).
+    ``placements``: with DCP's own planner, whose plans carry none, the
+    placement records of the tensors this rank describes.
+    """
+
+    rank: int
+    save_id: str  # from the orders the rank wrote with
+    tensor: np.ndarray  # int32
+    chunk: np.ndarray  # int64, flat index in the tensor's chunk grid
+    crc: np.ndarray | None  # uint32
+    digest: np.ndarray | None = None  # uint8 [n, content_hashes.WIDTH]
+    reused: np.ndarray | None = None  # bool
+    objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "save_id": self.save_id, "tensor": self.tensor.tolist(),
+                "chunk": self.chunk.tolist(), "crc": None if self.crc is None else self.crc.tolist(),
+                "digest": None if self.digest is None else [bytes(d).hex() for d in self.digest],
+                "reused": None if self.reused is None else self.reused.tolist(),
+                "objects": dict(self.objects), "placements": dict(self.placements)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
+        crc, digest, reused = d["crc"], d.get("digest"), d.get("reused")
+        return cls(int(d["rank"]), d["save_id"], np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
+                   None if crc is None else np.asarray(crc, np.uint32),
+                   None if digest is None else np.frombuffer(b"".join(bytes.fromhex(h) for h in digest),
+                                                             np.uint8).reshape(-1, content_hashes.WIDTH),
+                   None if reused is None else np.asarray(reused, bool),
+                   dict(d["objects"]), dict(d.get("placements") or {}))
+
+
+class SummaryBuilder:
+    """Collects a rank's :class:`RankSummary` from what its :class:`~tsckpt.rank_writer.RankWriter` saved."""
+
+    def __init__(self, rank: int, orders: SaveOrders):
+        self.rank, self.save_id, self.with_checksums = rank, orders.save_id, orders.config.checksums
+        self.tensor: list[int] = []
+        self.chunk: list[int] = []
+        self.crc: list[int] = []
+        self.digests: list[bytes] = []
+        self.reused: list[bool] = []
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.placements: dict[str, dict[str, Any]] = {}
+
+    def add(self, tensor_id: int, chunks: SavedChunks) -> None:
+        """Record the outer chunks of tensor ``tensor_id`` this rank saved: indices, checksums, reuse."""
+        self.chunk += chunks.indices
+        self.crc += chunks.crcs
+        self.digests += chunks.digests
+        self.reused += chunks.reused or [False] * len(chunks.indices)
+        self.tensor += [tensor_id] * len(chunks.indices)
+
+    def add_object(self, fqn: str, encoding: str, payload: Any, nbytes: int) -> None:
+        self.objects[fqn] = {"encoding": values.JSON, "value": payload} if encoding == values.JSON \
+            else {"encoding": encoding, "nbytes": nbytes}
+
+    def done(self) -> RankSummary:
+        crc = digest = None
+        if self.with_checksums:
+            crc = np.asarray(self.crc, np.uint32)
+            digest = np.frombuffer(b"".join(self.digests), np.uint8).reshape(-1, content_hashes.WIDTH)
+        return RankSummary(self.rank, self.save_id, np.asarray(self.tensor, np.int32),
+                           np.asarray(self.chunk, np.int64), crc, digest, np.asarray(self.reused, bool),
+                           self.objects, self.placements)
+
+
+class RankWrites(list):
+    """One rank's answer to ``write_data``: DCP's ``WriteResult`` list, with the rank's summary beside it."""
+
+    def __init__(self, results: Sequence[WriteResult], summary: RankSummary):
+        super().__init__(results)
+        self.summary = summary
+
+    @staticmethod
+    def summary_of(results: Sequence[WriteResult], save_id: str, where: str) -> RankSummary:
+        """The summary of one rank's results, checked to be this save's."""
+        summary = getattr(results, "summary", None)
+        if not isinstance(summary, RankSummary):
+            raise PlanError(f"saving {where}: a rank returned write results without tsckpt's summary "
+                            f"(its storage writer is not a TensorStoreWriter?)")
+        if summary.save_id != save_id:
+            raise PlanError(f"saving {where}: rank {summary.rank} wrote with the orders of save {summary.save_id}, "
+                            f"not of this save {save_id} (a stale cached plan?); nothing was committed")
+        return summary
+
+
+@dataclass(frozen=True)
+class TensorChunks:
+    """One tensor's chunks in row-major grid order, as :meth:`MergedChunks.of` returns them."""
+
+    writer: np.ndarray
+    crc: np.ndarray | None
+    digest: np.ndarray | None
+    reused: np.ndarray
+
+
+@dataclass(frozen=True)
+class MergedChunks:
+    """Every chunk of every tensor as the ranks reported it (step 5), flat over tensors in coordinator order.
+
+    Tensor ``t`` owns positions ``starts[t]:starts[t+1]``; ``writer`` is the
+    rank that wrote each chunk, ``crc`` and ``digest`` its checksums (None with
+    checksums off), ``reused`` whether it was taken from an incremental base.
+    """
+
+    starts: np.ndarray
+    writer: np.ndarray
+    crc: np.ndarray | None
+    digest: np.ndarray | None
+    reused: np.ndarray
+
+    @classmethod
+    def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
+              with_checksums: bool, where: str) -> MergedChunks:
+        """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
+        starts = np.zeros(len(nchunks) + 1, np.int64)
+        np.cumsum(np.asarray(nchunks, np.int64), out=starts[1:])
+        total = int(starts[-1])
+        tensor = np.concatenate([s.tensor for s in summaries] or [np.zeros(0, np.int32)]).astype(np.int64)
+        chunk = np.concatenate([s.chunk for s in summaries] or [np.zeros(0, np.int64)])
+        if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(nchunks)):
+            raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
+        if len(chunk) and ((chunk < 0).any() or (chunk >= starts[tensor + 1] - starts[tensor]).any()):
+            raise PlanError(f"saving {where}: a rank reported a chunk outside its tensor's grid")
+        flat = starts[tensor] + chunk
+        counts = np.bincount(flat, minlength=total) if total else np.zeros(0, np.int64)
+        if (counts != 1).any():
+            bad = int(np.flatnonzero(counts != 1)[0])
+            t = int(np.searchsorted(starts, bad, side="right") - 1)
+            what = "was never written" if counts[bad] == 0 else f"was written by {int(counts[bad])} ranks"
+            raise PlanError(f"saving {where}: chunk {bad - int(starts[t])} of tensor {names[t]!r} {what}; "
+                            f"nothing was committed")
+        writer = np.empty(total, np.int64)
+        writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64),
+                                 [len(s.tensor) for s in summaries])
+        reused = np.zeros(total, bool)
+        for s, part in zip(summaries, np.split(flat, np.cumsum([len(s.tensor) for s in summaries])[:-1])):
+            if s.reused is not None and len(s.reused) == len(part):
+                reused[part] = s.reused
+        crc = digest = None
+        if with_checksums:
+            if any(s.crc is None or len(s.crc) != len(s.tensor) or s.digest is None or len(s.digest) != len(s.tensor)
+                   for s in summaries):
+                raise PlanError(f"saving {where}: a rank wrote without the checksums the plan asked for")
+            crc = np.empty(total, np.uint32)
+            crc[flat] = np.concatenate([s.crc for s in summaries] or [np.zeros(0, np.uint32)])  # type: ignore[misc]
+            digest = np.empty((total, content_hashes.WIDTH), np.uint8)
+            digest[flat] = np.concatenate([s.digest for s in summaries]  # type: ignore[misc]
+                                          or [np.zeros((0, content_hashes.WIDTH), np.uint8)])
+        return cls(starts, writer, crc, digest, reused)
+
+    def of(self, t: int) -> TensorChunks:
+        """Tensor ``t``'s chunks, one row each in row-major grid order."""
+        a, b = int(self.starts[t]), int(self.starts[t + 1])
+        return TensorChunks(self.writer[a:b], None if self.crc is None else self.crc[a:b],
+                            None if self.digest is None else self.digest[a:b], self.reused[a:b])

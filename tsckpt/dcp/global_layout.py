@@ -1,0 +1,129 @@
+"""The coordinator's decision: which array each tensor of a save becomes, and which arrays each rank writes.
+
+Made once per save from every rank's full plan (or kept from an earlier save
+while DCP's plan cache says nothing changed, :mod:`tsckpt.dcp.plan_cache`). One
+pass over all ranks' items collects each tensor's regions; each tensor is then
+laid out by :func:`~tsckpt.format.plan.plan_tensor`, as a conversion lays it
+out. Ranks that write the same tensors share one pre-pickled
+:class:`~tsckpt.dcp.contract.ArrayTable`: in an FSDP job that is every rank,
+so the layouts are pickled once, whatever the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.planner import SavePlan
+
+from ..errors import UnsupportedDtypeError
+from ..format import dtypes
+from ..format.metadata import TensorEntry
+from ..format.names import KeyPath, zarr_path
+from ..format.plan import check_unique_paths, plan_tensor
+from .contract import ArrayTable, PlannerNotes, Prepickled, fqn_digest
+
+
+@dataclass(frozen=True)
+class GlobalLayout:
+    """Every array of a save and what each rank writes; tensors are numbered in the order of ``entries``."""
+
+    entries: dict[str, TensorEntry]
+    blobs: dict[str, str]  # non-tensor value -> its blob's path
+    key_paths: dict[str, KeyPath]
+    placements: dict[str, Mapping[str, Any]]
+    tables: list[Prepickled[ArrayTable]]  # per rank
+    objects: list[dict[str, str]]  # per rank: the values it writes, with their paths
+    inner_chunk_bytes: int
+
+    @property
+    def nchunks(self) -> list[int]:
+        return [e.grid.nchunks for e in self.entries.values()]
+
+    def key_path(self, fqn: str) -> KeyPath:
+        return self.key_paths.get(fqn, (fqn,))
+
+    @classmethod
+    def plan(cls, plans: Sequence[SavePlan], inner_chunk_bytes: int, where: str) -> GlobalLayout:
+        """Lay out every array from all ranks' full plans (one per rank, in rank order)."""
+        placements: dict[str, Mapping[str, Any]] = {}
+        for p in plans:
+            placements.update(PlannerNotes.of(p).placements)  # only the ranks that describe tensors have any
+        # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
+        # 2000 tensors this loop is most of the coordinator's planning time.
+        boxes: dict[str, list[Any]] = {}  # fqn -> [write data, flat offsets+sizes, item count, number, first rank]
+        first_holder: dict[str, int] = {}  # non-tensor value -> the first rank writing it
+        rank_ids: list[list[int]] = []
+        rank_objects: list[list[str]] = []
+        for r, p in enumerate(plans):
+            ids: list[int] = []
+            objs: list[str] = []
+            for item in p.items:
+                td = item.tensor_data
+                fqn = item.index.fqn
+                if td is None:  # BYTE_IO
+                    objs.append(fqn)
+                    first_holder.setdefault(fqn, r)
+                    continue
+                found = boxes.get(fqn)
+                if found is None:
+                    boxes[fqn] = found = [td, [], 0, len(boxes), r]
+                found[1].extend((*td.chunk.offsets, *td.chunk.sizes))
+                found[2] += 1
+                ids.append(found[3])
+            rank_ids.append(ids)
+            rank_objects.append(objs)
+        # A key's path in the state dict, as the first rank writing it maps it (DCP's planner_data):
+        # looked up per key, not merged over every rank's map.
+        first_holder.update((fqn, found[4]) for fqn, found in boxes.items())
+        key_paths = {fqn: _key_path(plans[r].planner_data, fqn) for fqn, r in first_holder.items()}
+        entries: dict[str, TensorEntry] = {}
+        for fqn, (td, flat, count, _, _) in boxes.items():
+            try:
+                dtype = dtypes.from_torch(td.properties.dtype).zarr
+            except UnsupportedDtypeError as e:
+                raise UnsupportedDtypeError(f"tensor {fqn!r} in {where}: {e}") from None
+            entries[fqn] = plan_tensor(fqn, key_paths[fqn], td.size, dtype,
+                                       np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
+                                       inner_chunk_bytes=inner_chunk_bytes)
+        blobs = {fqn: zarr_path(key_paths[fqn]) for objs in rank_objects for fqn in objs}
+        check_unique_paths([e.path for e in entries.values()] + list(blobs.values()), where)
+        return cls(entries=entries, blobs=blobs, key_paths=key_paths, placements=placements,
+                   tables=_rank_tables(entries, rank_ids), objects=[{f: blobs[f] for f in o} for o in rank_objects],
+                   inner_chunk_bytes=inner_chunk_bytes)
+
+
+def _key_path(planner_data: Any, fqn: str) -> KeyPath:
+    found = planner_data.get(fqn) if isinstance(planner_data, Mapping) else None
+    return tuple(found) if found is not None else (fqn,)
+
+
+def _rank_tables(entries: Mapping[str, TensorEntry], rank_ids: Sequence[Sequence[int]]) -> list[Prepickled[ArrayTable]]:
+    """Each rank's table of the arrays it writes; ranks writing the same tensors in the same order share one."""
+    names = list(entries)
+    listed = list(entries.values())
+    maxnd = max((len(e.shape) for e in listed), default=0)
+    dims = np.zeros((len(listed), 3, maxnd), np.int64)
+    for i, e in enumerate(listed):
+        nd = len(e.shape)
+        dims[i, 0, :nd], dims[i, 1, :nd] = e.shape, e.chunk_shape
+        dims[i, 2, :nd] = e.inner_chunk_shape or 0
+    ndims = np.array([len(e.shape) for e in listed], np.uint8)
+    sharded = np.array([e.inner_chunk_shape is not None for e in listed], bool)
+    if not dims.size or dims.max() < 2**31:
+        dims = dims.astype(np.int32)  # half the bytes, for the shapes that occur
+    shared: dict[bytes, Prepickled[ArrayTable]] = {}
+    out = []
+    for ids in rank_ids:
+        unique = dict.fromkeys(ids)  # a rank with several shards of one tensor writes its array once
+        order = np.fromiter(unique, np.int32, len(unique))
+        table = shared.get(order.tobytes())
+        if table is None:
+            table = shared[order.tobytes()] = Prepickled(ArrayTable(
+                ids=order, ndims=ndims[order], dims=dims[order], sharded=sharded[order],
+                dtypes=tuple(listed[i].dtype for i in order), key_paths=tuple(listed[i].key_path for i in order),
+                digest=fqn_digest([names[i] for i in order])))
+        out.append(table)
+    return out
