@@ -72,3 +72,10 @@ class StorageError(TsckptError):
 
 class FileInTheWayError(NotACheckpointError, ForeignContentError):
     """A regular file sits where the checkpoint directory should be (refused unless overwriting)."""
+
+
+class SaveFailedError(TsckptError):
+    """A save failed on one or more ranks; nothing was committed and the save's staged data was removed.
+
+    The first line names the location, the rank and the problem.
+    """

@@ -9,6 +9,7 @@ an endpoint that never answered within the retries, a path through a file.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -35,6 +36,20 @@ def storage_error(e: Exception, doing: str) -> TsckptError:
     if "non-directory" in text or "Not a directory" in text:
         return NotACheckpointError(f"{doing}: a part of the path is a file, not a directory")
     return StorageError(f"{doing}: {one_line(text)}")
+
+
+def problem(e: Exception | str) -> str:
+    """What went wrong in a TensorStore I/O error, in a few words: "no space left on device", or its one line.
+
+    The file named in an operating-system error is a chunk of a save's staging
+    area, which tells a user nothing the tensor's name does not.
+    """
+    text = str(e)
+    code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
+    if code:
+        reason = os.strerror(int(code.group(1)))
+        return reason[:1].lower() + reason[1:]
+    return one_line(text)
 
 
 def one_line(e: Exception | str) -> str:

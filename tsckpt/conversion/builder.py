@@ -102,7 +102,7 @@ class CheckpointBuilder:
         self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
         self.location = self.target.location
         self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout or default_layout())
-        self._batch = RankBatch(self.store.layout, self.flush, 0, self.url)
+        self._batch = RankBatch(self.store.layout, self.flush, self.url)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})

@@ -26,15 +26,17 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import PlanError, TsckptError, UnsupportedDtypeError
+from ..kvio import problem
 from ..format import checksums, commit, dtypes, values, zarr_json
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.batch import RankBatch
+from ..format.layouts import get_layout
 from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
 from ..location import Location, LocationLike
-from . import compat, logs, plan_cache
+from . import compat, failure, logs, plan_cache
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .planner import placement_records
 from .exchange import RankPlan, RankSummary
@@ -228,6 +230,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if self._target is None:
             raise TsckptError(f"saving to {self.checkpoint_id}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
+        self._target.record_writes(get_layout(self.layout).rank_prefixes(
+            [e.path for e in self._entries.values()] + list(blobs.values()), len(plans)))
         told = {describe: RankPlan(arrays=self._entries, objects=blobs, describe=describe,
                                     location=self._target.data_location, storage_layout=self.layout)
                 for describe in (False, True)}
@@ -248,6 +252,21 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if self.is_coordinator:
             plan_cache.remember(self._full_plans, planner)
             self._full_plans = None
+        pending: list[tuple[str, Any]] = []
+        batches: list[RankBatch] = []
+        try:
+            return done(self._write(plan, planner, pending, batches))
+        except Exception as e:
+            # Reported, not raised: only the coordinator's finish can remove what this save
+            # staged, and DCP calls it only when no rank raised (see failure.py).
+            failure.settle(fut for _, fut in pending)
+            for batch in batches:
+                batch.abandon()
+            return done(failure.failed_results(plan, failure.RankFailure.of(self.rank, e)))
+
+    def _write(self, plan: SavePlan, planner: SavePlanner, pending: list[tuple[str, Any]],
+               batches: list[RankBatch]) -> list[WriteResult]:
+        """Write this rank's items; every write started is in ``pending`` (and ``batches``) should one fail."""
         rank_plan: RankPlan = plan.storage_data or RankPlan({}, {}, storage_layout=self.layout)
         if rank_plan.storage_layout != self.layout:
             # The coordinator's layout is the one its metadata will record.
@@ -258,8 +277,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options), self.rank)
             for fqn, e in rank_plan.arrays.items()
         }
-        pending, results, keep_alive = [], [], []
-        batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, str(self.checkpoint_id))
+        results, keep_alive = [], []
+        # No location in its errors: the coordinator's SaveFailedError names it, and the rank.
+        batch = RankBatch(store.layout, lambda: self._drain(pending))
+        batches.append(batch)
         summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = CopyWindow(self.per_thread_copy_ahead)
         later = []
@@ -304,7 +325,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             # One record per rank rather than per item: the coordinator's finish then
             # handles ranks, not ranks x tensors.
             results[0] = dataclasses.replace(results[0], storage_data=summary.packed())
-        return done(results)
+        return results
 
     def _drain(self, pending: list[tuple[str, Any]]) -> None:
         for fqn, fut in pending:
@@ -315,7 +336,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         try:
             fut.result()
         except Exception as e:
-            raise TsckptError(f"writing {fqn!r} to {self.checkpoint_id} failed: {e}") from e
+            raise TsckptError(f"{problem(e)} writing {fqn!r}") from e
 
     def _write_object(self, store: Store, fqn: str, path: str, data: Any, batch: RankBatch) -> tuple[dict[str, Any], Any]:
         encoding, payload = encode_bytes(data)
@@ -327,8 +348,33 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         return {"encoding": values.TORCH, "nbytes": int(blob.size)}, arr.write(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after all data is durable: gather each tensor's checksums, then commit and publish."""
+        """Coordinator, after every rank wrote or failed: commit and publish, or remove what the save staged.
+
+        A rank that failed reported it in its results (see :mod:`tsckpt.dcp.failure`):
+        then nothing is committed, the save's staged data is removed, and
+        :class:`~tsckpt.errors.SaveFailedError` names the rank and the problem.
+        """
+        assert self._target is not None, "finish runs on the coordinator, after set-up"
         summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
+        failures = failure.failures_in(summaries)
+        if failures:
+            raise failure.save_failed(str(self.checkpoint_id), failures, self._abort())
+        try:
+            self._commit(metadata, summaries, world_size=len(results))
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> str | None:
+        """Remove what this save staged; None when done, else why it could not be."""
+        assert self._target is not None
+        try:
+            return self._target.abort()
+        except (OSError, ValueError, TsckptError) as e:
+            return problem(e)
+
+    def _commit(self, metadata: Metadata, summaries: list[dict[str, Any]], world_size: int) -> None:
+        """Gather each tensor's checksums from the ranks' summaries, then commit and publish."""
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
         placements = dict(self._placements)
@@ -362,14 +408,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         extra: dict[str, Any] = {"save_id": self.save_id}
         if not self.sync_files:
             extra["synced"] = False
-        assert self._target is not None, "finish runs on the coordinator, after set-up"
+        assert self._target is not None
         commit.commit_checkpoint(
-            self.data_store(self._target.data_location), world_size=len(results), tensors=tensors,
+            self.data_store(self._target.data_location), world_size=world_size, tensors=tensors,
             objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
             writers=writers, target=self._target)
         if logs.enabled():
             logs.log_save(str(self.checkpoint_id), tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
-                          seconds=time.perf_counter() - self._started, ranks=len(results))
+                          seconds=time.perf_counter() - self._started, ranks=world_size)
 
     def _check_against(self, metadata: Metadata, writes: dict[str, Any]) -> None:
         """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""

@@ -32,8 +32,9 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import CheckpointExistsError, ConcurrentSaveError, FileInTheWayError, ForeignContentError, TsckptError
-from ..kvio import storage_error
+from ..kvio import one_line, storage_error
 from ..location import Location, LocationLike, make_context, open_kvstore, parse_location
+from .packed import prefix_range
 
 ROOT = "zarr.json"
 ATTRIBUTE = "tsckpt"
@@ -193,8 +194,19 @@ class SaveTarget(ABC):
         or join databases into what the other save committed.
         """
 
-    def abort(self) -> None:
-        """Best effort, after a failure this process knows of: drop what only this save used."""
+    #: Key prefixes under :attr:`data_location` that this save's ranks write before its commit.
+    written: tuple[str, ...] = ()
+
+    def record_writes(self, prefixes: tuple[str, ...]) -> None:
+        """Coordinator, before any rank writes: where the data will go, for :meth:`abort` to remove."""
+        self.written = tuple(prefixes)
+
+    def abort(self) -> str | None:
+        """Best effort, after a failure this process knows of: drop what only this save used.
+
+        Returns None when what the save wrote is gone, else what is left and why.
+        """
+        return None
 
     @classmethod
     @abstractmethod
@@ -245,10 +257,11 @@ class InPlaceTarget(SaveTarget):
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
         try:
             written = kv.write(CLAIM, self._claim_document(), if_equal=claim.stamp.generation).result()
-            if not written.generation:
+            generation = written.generation or self._own_generation(kv, CLAIM)
+            if not generation:
                 raise ConcurrentSaveError(f"{self.url}: another save claimed this location at the same time as "
                                           f"save {self.save_id}; nothing was written")
-            self._claim_generation = written.generation
+            self._claim_generation = generation
             if found.state != ABSENT:
                 # Un-commit first: from here on the location is incomplete, never a mix.
                 kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
@@ -273,7 +286,7 @@ class InPlaceTarget(SaveTarget):
         raw, generation = read_root(kv, self.url)
         if raw is not None:
             refuse(describe_root(raw), self.url, overwrite=False, save_id=self.save_id, at_commit=True)
-        if not kv.write(ROOT, root, if_equal=generation).result().generation:
+        if not kv.write(ROOT, root, if_equal=generation).result().generation and not self._own_generation(kv, ROOT):
             raw, _ = read_root(kv, self.url)
             found = describe_root(raw) if raw is not None else Found(COMMITTED, "another save's commit")
             refuse(found, self.url, overwrite=False, save_id=self.save_id, at_commit=True)
@@ -281,16 +294,46 @@ class InPlaceTarget(SaveTarget):
                                       f"committed; it was not committed")
         self._release()
 
+    def _own_generation(self, kv: ts.KvStore, key: str) -> bytes | None:
+        """After a conditional write of ``key`` reported "not written": its generation if it is this save's anyway.
+
+        An object store's answer can be lost after the write took effect; the
+        retried request then fails its condition against the write's own result.
+        """
+        found = _read(kv, key, self.url)
+        if found.state != "value":
+            return None
+        owner = describe_root(found.value).save_id if key == ROOT else _claim_save_id(found.value)
+        return found.stamp.generation if owner == self.save_id else None
+
     def _release(self) -> None:
         if self._claim_generation is not None:
             self.kv.write(CLAIM, None, if_equal=self._claim_generation).result()
             self._claim_generation = None
 
-    def abort(self) -> None:
+    def abort(self) -> str | None:
+        """Delete the data this save wrote in place (while its claim still fences the location), then the claim.
+
+        Nothing is deleted when another save overtook this one (it may be
+        writing the same keys), nor when the root document commits this save
+        after all (the write that seemed to fail took effect).
+        """
+        left = None
+        try:
+            if self.written and self._claim_generation is not None:
+                self.check_current()
+                raw, _ = read_root(self.kv, self.url)
+                if raw is not None and describe_root(raw).save_id == self.save_id:
+                    return None
+                for prefix in self.written:
+                    self.kv.delete_range(prefix_range(prefix)).result()
+        except (ValueError, TsckptError) as e:
+            left = f"{len(self.written)} prefix(es) of save {self.save_id} under {self.url}: {one_line(e)}"
         try:
             self._release()
         except ValueError:
             pass
+        return left
 
     @classmethod
     def leftovers(cls, location: Location) -> list[Leftover]:
@@ -311,6 +354,14 @@ class InPlaceTarget(SaveTarget):
         else:
             kv.write(CLAIM, None).result()
         return found
+
+
+def _claim_save_id(raw: bytes) -> str | None:
+    try:
+        save_id = json.loads(raw).get("save_id")
+    except (ValueError, AttributeError):
+        return None
+    return save_id if isinstance(save_id, str) else None
 
 
 def describe_claim(raw: bytes) -> str:

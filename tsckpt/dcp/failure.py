@@ -1,0 +1,101 @@
+"""A save that failed on some rank: what the rank reports, and the one error every rank then raises.
+
+DCP gathers an exception raised in a rank's ``write_data`` into its
+``CheckpointException`` and never calls the writer's ``finish``: the
+coordinator would not learn of the failure, and what the save staged (a
+staging directory, or objects written in place) would stay until the next
+save or ``tsckpt clean``, keeping a full disk full. So a rank that fails
+while writing waits for every write it started, then reports the failure as
+its write result (:func:`failed_results`) instead of raising. The
+coordinator's ``finish`` sees every rank's report, removes what the save
+staged, and raises :class:`~tsckpt.errors.SaveFailedError` (:func:`save_failed`),
+whose first line says where the save went, on which rank it failed and why:
+
+    save to /data/ck failed on rank 3: no space left on device writing 'model.w'
+
+DCP raises that on every rank, inside its ``CheckpointException`` (whose own
+first line names the coordinator, where the failure was raised);
+``tsckpt.save`` raises it as itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import SaveFailedError, TsckptError
+from ..kvio import one_line
+
+#: The member of a rank's summary (its first write result's ``storage_data``) that carries its failure.
+FAILURE = "failure"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank could not write its part of a save."""
+
+    rank: int
+    #: One line: what failed and on what, e.g. "no space left on device writing 'model.w'".
+    problem: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "problem": self.problem}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> RankFailure:
+        return cls(rank=int(doc["rank"]), problem=str(doc["problem"]))
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> RankFailure:
+        """The failure ``error`` describes; tsckpt's own errors are already one clear line."""
+        if isinstance(error, TsckptError):
+            return cls(rank, one_line(error))
+        return cls(rank, f"{type(error).__name__}: {one_line(error)}")
+
+
+def settle(futures: Iterable[Any]) -> None:
+    """Wait for every write a failing rank started, ignoring their outcome.
+
+    The coordinator removes the save's data once every rank has reported:
+    no write of this rank may still be landing in it then.
+    """
+    for fut in futures:
+        try:
+            fut.result()
+        except Exception:  # noqa: BLE001 - the first failure is the one reported
+            pass
+
+
+def failed_results(plan: SavePlan, failure: RankFailure) -> list[WriteResult]:
+    """The write results a failing rank returns: one that carries the failure to the coordinator's ``finish``."""
+    index = plan.items[0].index if plan.items else MetadataIndex(fqn="")
+    return [WriteResult(index=index, size_in_bytes=0, storage_data={"rank": failure.rank,
+                                                                     FAILURE: failure.to_dict()})]
+
+
+def failures_in(summaries: Iterable[Mapping[str, Any]]) -> list[RankFailure]:
+    """The failures the ranks reported, by rank."""
+    found = [RankFailure.from_dict(s[FAILURE]) for s in summaries if FAILURE in s]
+    return sorted(found, key=lambda f: f.rank)
+
+
+def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> SaveFailedError:
+    """The error every rank raises: the first failing rank's problem first, then the others, then the cleanup.
+
+    ``cleanup`` is None when the save's staged data was removed, else why it was not.
+    """
+    first, others = failures[0], failures[1:]
+    lines = [f"save to {url} failed on rank {first.rank}: {first.problem}"
+             + (f" (and on {len(others)} other rank{'s' if len(others) > 1 else ''})" if others else "")]
+    lines += [f"  rank {f.rank}: {f.problem}" for f in others]
+    if cleanup is None:
+        lines.append("nothing was committed; what the save had written was removed")
+    else:
+        lines.append(f"nothing was committed; what the save had written could not be removed ({cleanup}): "
+                     f"`tsckpt clean {url}` removes it")
+    return SaveFailedError("\n".join(lines))
