@@ -86,13 +86,13 @@ def test_unreachable_s3_endpoint_gives_up_with_a_clear_error(monkeypatch):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     location = {"url": "s3://bucket/run", "endpoint": endpoint,
                 "context": {"s3_request_retries": {"max_retries": 1, "initial_delay": "10ms"}}}
-    with pytest.raises(StorageError, match=rf"s3://bucket/run.*no answer after 1 retries.*{S3_RETRIES_ENV}"):
+    with pytest.raises(StorageError, match=rf"s3://bucket/run.*gave up after 1 retry.*{S3_RETRIES_ENV}"):
         tsckpt.open(location)
-    with pytest.raises(StorageError, match="no answer after 1 retries"):
+    with pytest.raises(StorageError, match="gave up after 1 retry"):
         tsckpt.save({"w": torch.zeros(2)}, location)
     line = one_line_error(cli("ls", "s3://bucket/run",
                               env={**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, S3_RETRIES_ENV: "1"}))
-    assert "s3://bucket/run" in line and "no answer after 1 retries" in line and "Could not connect" in line
+    assert "s3://bucket/run" in line and "gave up after 1 retry" in line and "Could not connect" in line
 
 
 def test_s3_retries_default_to_about_a_minute_and_follow_the_environment(monkeypatch):

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import SaveFailedError, TsckptError
-from ..kvio import one_line
+from ..kvio import one_line, problem
 
 #: The member of a rank's summary (its first write result's ``storage_data``) that carries its failure.
 FAILURE = "failure"
@@ -55,6 +55,8 @@ class RankFailure:
         """The failure ``error`` describes; tsckpt's own errors are already one clear line."""
         if isinstance(error, TsckptError):
             return cls(rank, one_line(error))
+        if isinstance(error, ValueError):  # how TensorStore reports a failed request
+            return cls(rank, problem(error))
         return cls(rank, f"{type(error).__name__}: {one_line(error)}")
 
 
@@ -87,7 +89,7 @@ def failures_in(summaries: Iterable[Mapping[str, Any]]) -> list[RankFailure]:
 def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> SaveFailedError:
     """The error every rank raises: the first failing rank's problem first, then the others, then the cleanup.
 
-    ``cleanup`` is None when the save's staged data was removed, else why it was not.
+    ``cleanup`` is None when the save's staged data was removed, else why it was not and how to remove it.
     """
     first, others = failures[0], failures[1:]
     lines = [f"save to {url} failed on rank {first.rank}: {first.problem}"
@@ -96,6 +98,5 @@ def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> S
     if cleanup is None:
         lines.append("nothing was committed; what the save had written was removed")
     else:
-        lines.append(f"nothing was committed; what the save had written could not be removed ({cleanup}): "
-                     f"`tsckpt clean {url}` removes it")
+        lines.append(f"nothing was committed; what the save had written could not be removed: {cleanup}")
     return SaveFailedError("\n".join(lines))

@@ -361,6 +361,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             raise failure.save_failed(str(self.checkpoint_id), failures, self._abort())
         try:
             self._commit(metadata, summaries, world_size=len(results))
+        except TsckptError:
+            self._abort()
+            raise
+        except Exception as e:  # how TensorStore reports a failed request: ValueError
+            cleanup = self._abort()
+            reason = failure.RankFailure.of(self.rank, e)
+            raise failure.save_failed(str(self.checkpoint_id), [dataclasses.replace(
+                reason, problem=f"{reason.problem} (while committing)")], cleanup) from None
         except BaseException:
             self._abort()
             raise
@@ -371,7 +379,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         try:
             return self._target.abort()
         except (OSError, ValueError, TsckptError) as e:
-            return problem(e)
+            return f"{problem(e)}; `tsckpt clean {self.checkpoint_id}` removes it"
 
     def _commit(self, metadata: Metadata, summaries: list[dict[str, Any]], world_size: int) -> None:
         """Gather each tensor's checksums from the ranks' summaries, then commit and publish."""

@@ -32,7 +32,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import CheckpointExistsError, ConcurrentSaveError, FileInTheWayError, ForeignContentError, TsckptError
-from ..kvio import one_line, storage_error
+from ..kvio import problem, storage_error
 from ..location import Location, LocationLike, make_context, open_kvstore, parse_location
 from .packed import prefix_range
 
@@ -268,7 +268,7 @@ class InPlaceTarget(SaveTarget):
                 kv.delete_range(ts.KvStore.KeyRange("", CLAIM)).result()
                 kv.delete_range(ts.KvStore.KeyRange(CLAIM + "\0", "")).result()
         except ValueError as e:
-            raise TsckptError(f"cannot prepare {self.url} for save {self.save_id}: {e}") from None
+            raise storage_error(e, f"cannot prepare {self.url} for save {self.save_id}") from None
 
     def _claim_document(self) -> bytes:
         return json.dumps({"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(),
@@ -292,7 +292,10 @@ class InPlaceTarget(SaveTarget):
             refuse(found, self.url, overwrite=False, save_id=self.save_id, at_commit=True)
             raise ConcurrentSaveError(f"{self.url}: the root document changed while save {self.save_id} "
                                       f"committed; it was not committed")
-        self._release()
+        try:
+            self._release()
+        except ValueError:
+            pass  # committed all the same; the claim left behind is reported, and cleaned with --force
 
     def _own_generation(self, kv: ts.KvStore, key: str) -> bytes | None:
         """After a conditional write of ``key`` reported "not written": its generation if it is this save's anyway.
@@ -328,7 +331,8 @@ class InPlaceTarget(SaveTarget):
                 for prefix in self.written:
                     self.kv.delete_range(prefix_range(prefix)).result()
         except (ValueError, TsckptError) as e:
-            left = f"{len(self.written)} prefix(es) of save {self.save_id} under {self.url}: {one_line(e)}"
+            left = (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
+                    f"removes it")
         try:
             self._release()
         except ValueError:
