@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import tensorstore as ts
 
 from ..errors import TsckptError
-from ..kvio import kv_name
+from ..kvio import kv_name, problem
 from ..location import Location
 
 #: Rank ``r`` writes its database under ``ocdbt.process_<r>/`` (the name Orbax uses).
@@ -234,7 +234,7 @@ class PackedLayout:
                 copy.result()
             except ValueError as e:
                 raise TsckptError(f"joining rank {rank}'s database {PROCESS_PREFIX}{rank}/ into the "
-                                  f"checkpoint at {where} failed: {e}") from None
+                                  f"checkpoint at {where} failed: {problem(e)}") from None
 
         def flush() -> None:
             try:
@@ -247,7 +247,7 @@ class PackedLayout:
                           for r in range(world_size)]:
                     f.result()
             except ValueError as e:
-                raise TsckptError(f"committing the joined database of {where} failed: {e}") from None
+                raise TsckptError(f"committing the joined database of {where} failed: {problem(e)}") from None
 
         return nodes, flush
 

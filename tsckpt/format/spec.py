@@ -30,6 +30,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import TsckptError
+from ..kvio import problem
 from ..location import DEFAULT_IO_CONCURRENCY, Location, LocationLike, make_context, open_kvstore, parse_location
 from . import checksums, zarr_json
 from .layouts import PLAIN, KvLayout, get_layout, layout_for
@@ -245,7 +246,7 @@ class Store:
         try:
             return self.open_blob(path).result().read().result().tobytes()
         except ValueError as e:
-            raise TsckptError(f"reading value {key!r} from {self.url}/{path} failed: {e}") from None
+            raise TsckptError(f"reading value {key!r} from {self.url}/{path} failed: {problem(e)}") from None
 
     def read_tensor(self, key: str, entry: TensorEntry) -> Any:
         """The whole tensor as numpy, or a clear error naming the tensor (and the chunk, when one is missing)."""
@@ -259,4 +260,4 @@ class Store:
 
 def read_error(key: str, url: str, e: Exception) -> TsckptError:
     """The error for a tensor whose array could not be opened or read (TensorStore's text names the chunk)."""
-    return TsckptError(f"reading tensor {key!r} from {url} failed: {e}")
+    return TsckptError(f"reading tensor {key!r} from {url} failed: {problem(e)}")

@@ -23,6 +23,7 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..errors import TsckptError
+from ..kvio import problem
 from ..format import commit, packed
 from ..format.layouts import PACKED, PLAIN, get_layout, layout_for
 from ..format.spec import Store as SpecStore
@@ -210,7 +211,7 @@ class TensorStoreZarrStore(Store):
                           f"cannot change {key!r}")
 
     def _error(self, key: str, e: Exception) -> TsckptError:
-        return TsckptError(f"reading {key!r} from {self.location.url} failed: {e}")
+        return TsckptError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
 
     @staticmethod
     def _buffer(prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
