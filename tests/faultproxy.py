@@ -15,7 +15,9 @@ requests (``rate``, drawn from a seeded generator) meets one of these faults:
     nothing is answered for ``stall_seconds``, then the connection is reset;
 ``corrupt``
     the answer to a GET arrives complete, with one byte of its body flipped
-    (only when asked for: it is not a fault retries can see).
+    (only when asked for: it is not a fault retries can see);
+``denied``
+    a 403 ``AccessDenied`` answer, as for missing or wrong credentials (only when asked for).
 
 ``counts`` says how many requests came and how many met each fault. The
 proxy runs in threads of the test process; spawned ranks reach it over
@@ -43,7 +45,8 @@ HOST = "127.0.0.1"
 #: The faults that a client's retries are meant to ride out.
 TRANSIENT = ("refuse", "500", "503", "reset", "stall")
 _S3_ERRORS = {"500": (500, "InternalError", "We encountered an internal error. Please try again."),
-              "503": (503, "SlowDown", "Please reduce your request rate.")}
+              "503": (503, "SlowDown", "Please reduce your request rate."),
+              "denied": (403, "AccessDenied", "Access Denied")}
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "expect", "upgrade", "te"}
 
 

@@ -149,6 +149,23 @@ def test_a_stalled_store_fails_in_bounded_time_with_one_line(s3):
         assert "retries" in line and f"s3://{BUCKET}/stalled" in line
 
 
+def test_refused_credentials_are_one_line_that_says_so_without_the_sdks_log(s3, monkeypatch):
+    # No credentials anywhere: the AWS SDK inside TensorStore logs its whole credentials chain to stderr
+    # (missing ~/.aws files, the instance metadata service) before the store says 403 AccessDenied.
+    # The command line keeps those lines off its stderr and names the credentials as the cause.
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    with FaultProxy(s3.endpoint, rate=1.0, kinds=("denied",)) as proxy:
+        result = run_cli("ls", f"s3://{BUCKET}/denied", env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        line = one_line_error(result)  # exactly one line on stderr
+        assert line.startswith(f"error: cannot read 'zarr.json' at s3://{BUCKET}/denied: ")
+        assert "AccessDenied" in line and "check the credentials" in line
+        kept = run_cli("ls", f"s3://{BUCKET}/denied", env={"AWS_ENDPOINT_URL": proxy.endpoint,
+                                                            "TSCKPT_NATIVE_LOGS": "1"})
+        print(f"\n403 on every request: {proxy.summary()}; `tsckpt ls` said: {line}")
+    assert kept.returncode == 2 and line in kept.stderr
+
+
 @pytest.mark.parametrize("after", [1, 3, 5, 7, 9, 11, 13, 15])
 def test_a_store_lost_mid_save_never_commits_missing_data(s3, after):
     # A save here takes about 17 requests: the store goes away before, during or after its data, or at

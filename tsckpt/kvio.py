@@ -16,6 +16,7 @@ from typing import Any
 import tensorstore as ts
 
 from .errors import ChecksumError, MetadataError, NotACheckpointError, StorageError, TsckptError
+from .storage_hints import hint
 
 #: The environment variable that sets how often a failed S3 request is retried.
 S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"
@@ -24,6 +25,9 @@ S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"
 def storage_error(e: Exception, doing: str) -> TsckptError:
     """One clear line for a TensorStore storage failure; ``doing`` says what failed and where."""
     text = str(e)
+    remedy = hint(text)
+    if remedy:  # waiting longer would not help: say what to change
+        return StorageError(f"{doing}: {problem(text)}; {remedy}")
     if _RETRIES.search(text):
         return StorageError(f"{doing}: {problem(text)}; on S3, set {S3_RETRIES_ENV} or the location's context "
                             f"'s3_request_retries' to wait longer")

@@ -17,6 +17,7 @@ from typing import Any
 from ..format import dtypes
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from ..format.names import parent_groups
+from ..wording import count
 
 logger = logging.getLogger("tsckpt")
 logger.addHandler(logging.NullHandler())
@@ -35,9 +36,9 @@ def log_transfer(verb: str, url: str, *, nbytes: int, seconds: float, files: int
     rate = nbytes / 1e9 / seconds if seconds > 0 else 0.0
     fields = {"op": verb, "path": url, "bytes": nbytes, "seconds": seconds, "gb_per_s": rate,
               "files": files, "ranks": ranks}
-    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %d files, %d ranks",
-                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, files, ranks,
-                extra={"tsckpt": fields})
+    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %s, %s",
+                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, count(files, "file"),
+                count(ranks, "rank"), extra={"tsckpt": fields})
 
 
 def log_save(url: str, tensors: Mapping[str, TensorEntry], blob_paths: Sequence[str | None],
