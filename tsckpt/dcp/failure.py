@@ -20,7 +20,7 @@ first line names the coordinator, where the failure was raised);
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import SaveFailedError, TsckptError
+from ..format.target import SaveTarget
 from ..kvio import one_line, problem
 
 #: The member of a rank's summary (its first write result's ``storage_data``) that carries its failure.
@@ -84,6 +85,37 @@ def failures_in(summaries: Iterable[Mapping[str, Any]]) -> list[RankFailure]:
     """The failures the ranks reported, by rank."""
     found = [RankFailure.from_dict(s[FAILURE]) for s in summaries if FAILURE in s]
     return sorted(found, key=lambda f: f.rank)
+
+
+def commit_or_clean_up(target: SaveTarget, rank: int, summaries: list[Mapping[str, Any]],
+                       commit: Callable[[], None]) -> None:
+    """Coordinator: ``commit()`` unless a rank failed; a failure, a rank's or the commit's, removes what was staged.
+
+    ``rank`` is the coordinator's, named when the commit itself fails.
+    """
+    failures = failures_in(summaries)
+    if failures:
+        raise save_failed(target.url, failures, clean_up(target))
+    try:
+        commit()
+    except TsckptError:
+        clean_up(target)
+        raise
+    except Exception as e:  # how TensorStore reports a failed request: ValueError
+        cleanup = clean_up(target)
+        reason = RankFailure.of(rank, e)
+        raise save_failed(target.url, [RankFailure(rank, f"{reason.problem} (while committing)")], cleanup) from None
+    except BaseException:
+        clean_up(target)
+        raise
+
+
+def clean_up(target: SaveTarget) -> str | None:
+    """Remove what the save staged; None when done, else what is left and how to remove it."""
+    try:
+        return target.abort()
+    except (OSError, ValueError, TsckptError) as e:
+        return f"{problem(e)}; `tsckpt clean {target.url}` removes it"
 
 
 def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> SaveFailedError:

@@ -356,30 +356,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         """
         assert self._target is not None, "finish runs on the coordinator, after set-up"
         summaries = [rank_results[0].storage_data for rank_results in results if rank_results]
-        failures = failure.failures_in(summaries)
-        if failures:
-            raise failure.save_failed(str(self.checkpoint_id), failures, self._abort())
-        try:
-            self._commit(metadata, summaries, world_size=len(results))
-        except TsckptError:
-            self._abort()
-            raise
-        except Exception as e:  # how TensorStore reports a failed request: ValueError
-            cleanup = self._abort()
-            reason = failure.RankFailure.of(self.rank, e)
-            raise failure.save_failed(str(self.checkpoint_id), [dataclasses.replace(
-                reason, problem=f"{reason.problem} (while committing)")], cleanup) from None
-        except BaseException:
-            self._abort()
-            raise
-
-    def _abort(self) -> str | None:
-        """Remove what this save staged; None when done, else why it could not be."""
-        assert self._target is not None
-        try:
-            return self._target.abort()
-        except (OSError, ValueError, TsckptError) as e:
-            return f"{problem(e)}; `tsckpt clean {self.checkpoint_id}` removes it"
+        failure.commit_or_clean_up(self._target, self.rank, summaries,
+                                   lambda: self._commit(metadata, summaries, world_size=len(results)))
 
     def _commit(self, metadata: Metadata, summaries: list[dict[str, Any]], world_size: int) -> None:
         """Gather each tensor's checksums from the ranks' summaries, then commit and publish."""
