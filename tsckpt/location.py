@@ -55,7 +55,9 @@ DEFAULT_S3_REGION = "us-east-1"
 #: TensorStore's own default (32, with delays up to 32 s) keeps an unreachable
 #: endpoint hanging for about 15 minutes; 6 retries with delays of 1, 2, 4, 8, 16
 #: and 16 s give up after about a minute while still riding out throttling.
-#: ``TSCKPT_S3_RETRIES`` or a location's ``context`` member changes it.
+#: ``TSCKPT_S3_RETRIES`` or a location's ``context`` member changes it. A request that gets no
+#: answer at all counts as failed after TensorStore's low-speed limit (no byte for 60 s,
+#: ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``), so a store that hangs fails in about 8 minutes.
 DEFAULT_S3_RETRIES = 6
 
 

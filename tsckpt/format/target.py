@@ -326,10 +326,9 @@ class InPlaceTarget(SaveTarget):
             if self.written and self._claim_generation is not None:
                 self.check_current()
                 raw, _ = read_root(self.kv, self.url)
-                if raw is not None and describe_root(raw).save_id == self.save_id:
-                    return None
-                for prefix in self.written:
-                    self.kv.delete_range(prefix_range(prefix)).result()
+                if raw is None or describe_root(raw).save_id != self.save_id:
+                    for prefix in self.written:
+                        self.kv.delete_range(prefix_range(prefix)).result()
         except (ValueError, TsckptError) as e:
             left = (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
                     f"removes it")
