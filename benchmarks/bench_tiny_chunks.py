@@ -68,7 +68,7 @@ def one(layout: str, root: str, entry, data: np.ndarray, regions: np.ndarray) ->
     # Every rank's region written as its rank would, each into its own database when packed.
     for rank, (lo, size) in enumerate(regions):
         arr = store.create(entry.path, meta, rank).result()
-        batch = RankBatch(store.layout, lambda: None, rank, path)
+        batch = RankBatch(store.layout, lambda: None, path)
         sl = tuple(slice(o, o + s) for o, s in zip(lo, size))
         batch.bind(arr)[sl].write(data[sl]).result()
         batch.commit()

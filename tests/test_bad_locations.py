@@ -88,13 +88,44 @@ def test_unreachable_s3_endpoint_gives_up_with_a_clear_error(monkeypatch):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     location = {"url": "s3://bucket/run", "endpoint": endpoint,
                 "context": {"s3_request_retries": {"max_retries": 1, "initial_delay": "10ms"}}}
-    with pytest.raises(StorageError, match=rf"s3://bucket/run.*no answer after 1 retries.*{S3_RETRIES_ENV}"):
+    refused = rf"s3://bucket/run.*gave up after 1 retry.*nothing answers at 127\.0\.0\.1:\d+: check the endpoint"
+    with pytest.raises(StorageError, match=refused):
         tsckpt.open(location)
-    with pytest.raises(StorageError, match="no answer after 1 retries"):
+    with pytest.raises(StorageError, match="gave up after 1 retry"):
         tsckpt.save({"w": torch.zeros(2)}, location)
     line = one_line_error(cli("ls", "s3://bucket/run",
                               env={**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, S3_RETRIES_ENV: "1"}))
-    assert "s3://bucket/run" in line and "no answer after 1 retries" in line and "Could not connect" in line
+    assert "s3://bucket/run" in line and "gave up after 1 retry" in line and "Could not connect" in line
+    assert "check the endpoint (AWS_ENDPOINT_URL" in line
+
+
+def test_the_command_line_gives_up_on_an_unknown_host_within_a_few_retries():
+    # An endpoint whose host cannot resolve (".invalid" never does): the command line retries twice,
+    # not the library's six times over a minute, and says which host it tried.
+    line = one_line_error(cli("ls", "s3://bucket/run", env={**CREDENTIALS,
+                                                             "AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000"}))
+    assert line.startswith("error: cannot read 'zarr.json' at s3://bucket/run: gave up after 2 retries")
+    assert "cannot resolve no-such-host.invalid: check the endpoint's host name and the network" in line
+
+
+def test_s3_errors_name_the_endpoint_or_the_credentials_behind_them(tmp_path):
+    from tsckpt.storage.hints import hint
+
+    dns = "CURL error Could not resolve hostname: Could not resolve host: bucket.s3.amazonaws.com"
+    assert hint(dns, {"AWS_ACCESS_KEY_ID": "k"}) == (
+        "cannot resolve bucket.s3.amazonaws.com: without an endpoint, s3:// goes to AWS; to reach another S3 "
+        "server set AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or 'endpoint' in a JSON location")
+    nowhere = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert hint(dns, nowhere).endswith("; no AWS credentials were found either (set AWS_ACCESS_KEY_ID and "
+                                       "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+    denied = "PERMISSION_DENIED: AccessDenied: Access Denied"
+    assert hint(denied, nowhere) == ("the store refused the request: check the credentials (none found: set "
+                                     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the endpoint")
+    assert "(using profile 'ml' (AWS_PROFILE))" in hint("SignatureDoesNotMatch", {"AWS_PROFILE": "ml"})
+    (tmp_path / "credentials").write_text("[default]\n")
+    assert f"using the default profile of {tmp_path / 'credentials'}" in hint(
+        denied, {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials")})
+    assert hint("NOT_FOUND: something else", nowhere) is None
 
 
 def test_s3_retries_default_to_about_a_minute_and_follow_the_environment(monkeypatch):

@@ -7,6 +7,7 @@ comparison it relies on is checked separately to fail on a single flipped bit.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ def test_demo_saves_on_4_ranks_and_reloads_bit_exact_on_2(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ok = [line for line in proc.stdout.splitlines() if line.startswith("OK: ")]
     assert len(ok) == 1 and ok[0].startswith("OK: reloaded on 2 ranks, all ") and ok[0].endswith(" tensors bit-exact")
+    assert f"the checkpoint stays in {path}: `tsckpt ls {path}` lists it" in proc.stdout
 
     md = json.loads((path / "zarr.json").read_text())["attributes"]["tsckpt"]
     assert md["world_size"] == 4
@@ -62,6 +64,19 @@ def test_compare_catches_one_flipped_bit_and_changed_values():
     _, problems = demo._compare(saved, {"w": a.astype(np.float64), "step": 3})
     assert any(p.startswith("w: saved float32[3, 4], reloaded float64") for p in problems)
     assert "groups: saved but not reloaded" in problems
+
+
+def test_demo_says_where_its_checkpoint_stays_and_how_to_remove_a_temporary_one(tmp_path):
+    path, temporary = demo._prepare_path(None)
+    try:
+        assert temporary and os.path.basename(path) == "ckpt"
+        line = demo.where_it_stays(path, temporary)
+        assert line == (f"the checkpoint stays in {path}: `tsckpt ls {path}` lists it; it is in a temporary "
+                        f"directory, `rm -r {os.path.dirname(path)}` removes it")
+    finally:
+        os.rmdir(os.path.dirname(path))
+    mine, temporary = demo._prepare_path(str(tmp_path / "mine"))
+    assert not temporary and demo.where_it_stays(mine, temporary).endswith("lists it")
 
 
 def test_demo_refuses_a_non_empty_directory(tmp_path):

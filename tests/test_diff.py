@@ -126,3 +126,31 @@ def test_diff_shows_plain_values_and_applies_tolerances(tmp_path):
     assert "equal within tolerance: 2 entries, 1 close" in close.stdout
     assert runner.invoke(app, ["diff", c, d, "--rtol", "-1"]).exit_code == 2
     assert np.isclose(tsckpt.diff(c, d).entries[0].max_abs_diff, 1e-3, rtol=1e-2)
+
+
+class Uncomparable:
+    """A value whose ``==`` raises, as some third-party objects' do."""
+
+    def __eq__(self, other):
+        raise RuntimeError("cannot compare Uncomparable")
+
+
+def test_values_compare_by_content_and_a_failed_comparison_is_an_error_not_a_difference(tmp_path):
+    arrays = {"mask": np.arange(6).reshape(2, 3), "nested": {"t": torch.ones(2), "lst": [np.zeros(2), 1.5]},
+              "loss": float("nan")}
+    torch.save(arrays, tmp_path / "a.pt")
+    torch.save({k: v for k, v in arrays.items()}, tmp_path / "b.pt")
+    same = diff(tmp_path / "a.pt", tmp_path / "b.pt", trust_pickle=True)
+    assert {e.key: e.status for e in same.entries} == {
+        "mask": "equal", "nested.t": "equal", "nested.lst": "equal", "loss": "equal"}
+    changed = dict(arrays, mask=np.arange(6).reshape(3, 2), nested={"t": torch.ones(2), "lst": [np.ones(2), 1.5]})
+    torch.save(changed, tmp_path / "c.pt")
+    assert {e.key for e in diff(tmp_path / "a.pt", tmp_path / "c.pt", trust_pickle=True).differences} == {
+        "mask", "nested.lst"}
+
+    torch.save({"odd": Uncomparable()}, tmp_path / "d.pt")
+    torch.save({"odd": Uncomparable()}, tmp_path / "e.pt")
+    with pytest.raises(tsckpt.TsckptError, match=r"cannot compare the values of 'odd'.*RuntimeError"):
+        diff(tmp_path / "d.pt", tmp_path / "e.pt", trust_pickle=True)
+    res = runner.invoke(app, ["diff", str(tmp_path / "d.pt"), str(tmp_path / "e.pt"), "--trust-pickle"])
+    assert res.exit_code == 2 and "cannot compare the values of 'odd'" in res.output

@@ -355,7 +355,7 @@ def test_one_info_line_per_save_and_load_and_none_by_default(tmp_path, caplog, c
     # 2 chunk files, 2 array nodes and the root written; 1 chunk file, its node and the root read
     assert (saved["files"], loaded["files"]) == (5, 3) and saved["ranks"] == loaded["ranks"] == 1
     assert lines[0].getMessage().startswith(f"saved 106 bytes to {tmp_path / 'c'} in ")
-    assert "GB/s), 5 files, 1 ranks" in lines[0].getMessage()
+    assert "GB/s), 5 files, 1 rank" in lines[0].getMessage()
 
 
 def test_dcp_save_with_use_collectives_false_in_one_process_works(tmp_path):

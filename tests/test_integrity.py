@@ -157,3 +157,31 @@ def test_cli_refuses_incomplete_checkpoint(ckpt):
     result = _cli("verify", str(ckpt))
     assert result.returncode == 2
     assert "incomplete" in result.stderr
+
+
+
+def _save_many_chunks(rank, world, path):
+    """A 64-row tensor saved as a ShardedTensor of 64 one-row shards: 64 outer chunks."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rows = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    shards = [Shard(rows[i:i + 1].clone(), ShardMetadata([i, 0], [1, 16], f"rank:{rank}/cpu")) for i in range(64)]
+    tsckpt.save({"emb": init_from_local_shards(shards, 64, 16), "b": torch.ones(3)}, path)
+
+
+def test_verify_decodes_each_checksum_table_once(tmp_path, monkeypatch):
+    # Decoding a tensor's table for every chunk costs chunks x chunks: about a minute for a
+    # 50,257-chunk embedding. Count the decodes, not the time.
+    import dist
+    from tsckpt.format import checksums
+
+    dist.run_ranks(1, _save_many_chunks, str(tmp_path / "ck"))
+    md = commit.open_committed(tmp_path / "ck")[1]
+    assert md.tensors["emb"].grid.nchunks == 64
+    decoded = []
+    real = checksums.decode_table
+    monkeypatch.setattr(checksums, "decode_table", lambda *a, **k: decoded.append(a[2]) or real(*a, **k))
+    report = verify(tmp_path / "ck")
+    assert report.ok and report.checksummed == 65
+    assert len(decoded) == 2, decoded

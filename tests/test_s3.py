@@ -168,6 +168,21 @@ def test_s3_context_options_reach_tensorstore(s3):
     assert torch.equal(out["b"], torch.ones(3, dtype=torch.bfloat16))
 
 
+def test_a_json_location_on_the_command_line(s3):
+    import json
+
+    location = s3.location(BUCKET, "runs/json")
+    tsckpt.save(small_state_dict(), location)
+    text = json.dumps(location)  # {"url": "s3://...", "endpoint": ..., "aws_region": ...}
+    listed = run_cli("ls", text)
+    assert listed.returncode == 0, listed.stderr
+    assert "2 tensors" in listed.stdout and "1 value;" in listed.stdout
+    assert run_cli("verify", text).returncode == 0
+    assert tsckpt.open(text).metadata.world_size == 1  # the library takes the same text
+    line = one_line_error(run_cli("ls", '{"url": "s3://bucket/x", "endpoint": '))
+    assert "starts with '{' but is not valid JSON" in line
+
+
 def test_missing_bucket_fails_with_the_location_in_the_message(s3):
     with pytest.raises(tsckpt.TsckptError, match="no-such-bucket"):
         tsckpt.save(small_state_dict(), s3.location("no-such-bucket", "x"))

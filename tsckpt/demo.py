@@ -37,6 +37,7 @@ from .errors import TsckptError
 from .storage.layouts import PLAIN
 from .format.metadata import TensorEntry
 from .read import checkpoint
+from .wording import count
 
 SEED = 0
 STEPS = 3
@@ -279,13 +280,22 @@ def _read_with_zarr(path: str, layout: str, entry: TensorEntry, saved: np.ndarra
                         f"which is not the saved float32{list(saved.shape)}")
 
 
-def _prepare_path(path: str | None) -> str:
+def _prepare_path(path: str | None) -> tuple[str, bool]:
+    """Where the demo saves, and whether that is a temporary directory it made."""
     if path is None:
-        return os.path.join(tempfile.mkdtemp(prefix="tsckpt-demo-"), "ckpt")
+        return os.path.join(tempfile.mkdtemp(prefix="tsckpt-demo-"), "ckpt"), True
     path = os.path.abspath(path)
     if os.path.isdir(path) and os.listdir(path):
         raise DemoError(f"{path} is not empty; the demo writes a new checkpoint and needs an empty or new directory")
-    return path
+    return path, False
+
+
+def where_it_stays(path: str, temporary: bool) -> str:
+    """The closing line about the checkpoint the demo leaves behind, and how to look at it or remove it."""
+    line = f"the checkpoint stays in {path}: `tsckpt ls {path}` lists it"
+    if temporary:
+        line += f"; it is in a temporary directory, `rm -r {os.path.dirname(path)}` removes it"
+    return line
 
 
 def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> DemoResult:
@@ -295,7 +305,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     """
     if save_ranks < 1 or load_ranks < 1:
         raise DemoError(f"need at least one rank to save and one to load, got {save_ranks} and {load_ranks}")
-    path = _prepare_path(path)
+    path, temporary = _prepare_path(path)
     print(f"checkpoint: {path}")
     print(f"save on {save_ranks} CPU ranks, reload on {load_ranks}: TinyLM (vocab {VOCAB}, dim {DIM}, "
           f"{LAYERS} blocks) sharded with FSDP2 fully_shard, AdamW, {STEPS} steps")
@@ -309,7 +319,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     md = ck.metadata
     tensor_bytes = sum(t.nbytes for t in md.tensors.values())
     losses = saved[0]["losses"]
-    print(f"trained on {save_ranks} ranks, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(f"trained on {count(save_ranks, 'rank')}, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     print(f"saved {len(md.tensors)} tensors ({tensor_bytes / 1e6:.2f} MB) and {len(md.objects)} other values "
           f"in {save_s:.2f} s: {files} files, {disk / 1e6:.2f} MB on disk")
     embed = md.tensors[_PROBE]
@@ -320,13 +330,13 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
 
     loaded = _spawn(load_ranks, _load_rank, path)
     load_s = max(r["seconds"] for r in loaded)
-    print(f"loaded on {load_ranks} ranks (tsckpt.load + set_state_dict) in {load_s:.2f} s")
+    print(f"loaded on {count(load_ranks, 'rank')} (tsckpt.load + set_state_dict) in {load_s:.2f} s")
     tensors, problems = _compare(saved_full, loaded[0]["full"])
     if problems:
         shown = "\n  ".join(problems[:20])
         raise DemoError(f"{len(problems)} value(s) of {path} differ after reloading on {load_ranks} ranks:\n  {shown}")
     _read_with_zarr(path, md.layout, embed, saved_full[_PROBE])
     print(f"zarr-python read {embed.path!r} as float32{list(embed.shape)}: identical to the saved tensor")
-    print(f"checkpoint: {path} (total {time.perf_counter() - started:.1f} s)")
-    print(f"OK: reloaded on {load_ranks} ranks, all {tensors} tensors bit-exact")
+    print(f"total {time.perf_counter() - started:.1f} s; {where_it_stays(path, temporary)}")
+    print(f"OK: reloaded on {count(load_ranks, 'rank')}, all {tensors} tensors bit-exact")
     return DemoResult(path, save_ranks, load_ranks, tensors, tensor_bytes, disk, files, save_s, load_s)

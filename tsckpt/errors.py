@@ -87,3 +87,10 @@ class LocationError(TsckptError, ValueError):
 
 class ConversionError(TsckptError):
     """A conversion source or target cannot be read or written in the format asked for."""
+
+
+class SaveFailedError(TsckptError):
+    """A save failed on one or more ranks; nothing was committed and the save's staged data was removed.
+
+    The first line names the location, the rank and the problem.
+    """

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .dcp.copy_window import CopyWindow
-from .errors import TsckptError
+from .errors import StorageError
 from .format import checksums, content_hashes, dtypes, zarr_json
 from .storage.batch import RankBatch
+from .storage.kvio import problem
 from .format.grid import ChunkGrid
 from .format.metadata import ArrayOptions, TensorEntry
 from .storage.store import Store
@@ -80,7 +81,8 @@ class RankWriter:
     Args:
         store: where this save's data goes (its staging location, or in place).
         rank: the rank writing (the packed layout gives each rank a database).
-        where: the checkpoint, as named in errors.
+        where: the checkpoint, as named in errors; empty where the caller names it (a DCP save's
+            coordinator reports a rank's failure with the location and the rank).
         options: the codecs of every tensor array.
         checksums: compute a crc32c of every outer chunk written.
         window: bytes of host data kept in flight (:class:`CopyWindow`'s limit;
@@ -108,7 +110,7 @@ class RankWriter:
         self._later: list[tuple[str, Sequence[int], np.ndarray]] = []
         self._held: list[Any] = []
         self._window = CopyWindow(window)
-        self._batch = RankBatch(store.layout, self._drain, rank, where)
+        self._batch = RankBatch(store.layout, self._drain, where)
         self.base = base
         self._checks = CopyWindow(CHECK_WINDOW)
 
@@ -282,4 +284,4 @@ class RankWriter:
         try:
             fut.result()
         except Exception as e:
-            raise TsckptError(f"writing {name!r} to {self.where} failed: {e}") from e
+            raise StorageError(f"{problem(e)} writing {name!r}" + (f" to {self.where}" if self.where else "")) from e

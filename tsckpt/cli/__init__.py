@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
 from ..errors import TsckptError
 from .exits import ERROR
 
-app = typer.Typer(
+
+class _Command(TyperCommand):
+    """A command whose ``--help`` row, like every flag's, shows no ``<bool>``."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class _App(typer.Typer):
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("cls", _Command)
+        return super().command(*args, **kwargs)
+
+
+app = _App(
     name="tsckpt",
     help="Inspect, verify and convert tsckpt (Zarr v3) PyTorch checkpoints.",
     no_args_is_help=True,
@@ -18,16 +38,34 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def flag(default: bool | None, *param_decls: str, **kwargs: Any) -> Any:
+    """A typer option that is an on/off flag: its help row shows no ``<bool>``, since a flag takes no value."""
+    return typer.Option(default, *param_decls, metavar="", **kwargs)
+
+
 # Modules that register commands on ``app`` when imported.
 COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "steps", "clean"]
 
 
+#: How often the command line retries a failed S3 request unless ``$TSCKPT_S3_RETRIES`` says otherwise:
+#: a person waits at the terminal, and an unreachable store or a wrong endpoint should say so in seconds,
+#: not after the library's minute of retries.
+CLI_S3_RETRIES = 2
+
+
 def main() -> None:
     """Entry point: a tsckpt error is one line on stderr and exit status 2 (:mod:`.exits`), never a traceback."""
+    from ..storage.kvio import S3_RETRIES_ENV
+    from .messages import for_cli
+    from .native_logs import native_logs_filtered
+
+    os.environ.setdefault(S3_RETRIES_ENV, str(CLI_S3_RETRIES))
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}")
-    try:
-        app()
-    except TsckptError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(ERROR)
+    with native_logs_filtered():
+        try:
+            app()
+        except TsckptError as e:
+            print(f"error: {for_cli(str(e))}", file=sys.stderr)
+            sys.exit(ERROR)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from . import app
-from .exits import ERROR
+from . import app, flag
+from .messages import failed
 
 if TYPE_CHECKING:
     from ..commit.target import Leftover
@@ -45,7 +45,7 @@ def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
 @app.command()
 def clean(
     path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    force: bool = typer.Option(False, "--force",
+    force: bool = flag(False, "--force",
                                help="also remove leftovers that cannot be told apart from a running save "
                                     "(claims on object stores, staging on filesystems without locks)"),
 ) -> None:
@@ -55,13 +55,12 @@ def clean(
     from ..errors import TsckptError
     from ..commit.publication import clean as run_clean
 
-    out, err = Console(), Console(stderr=True)
+    out = Console()
     try:
         removed = run_clean(path, force=force)
         remaining = leftover_line(path)
     except TsckptError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
-        raise typer.Exit(ERROR) from None
+        raise failed(e) from None
     for item in removed:
         out.print(f"removed {item.path}: {item.what}, {_size(item.nbytes)}", highlight=False, markup=False)
     out.print(f"{len(removed)} leftover(s) removed ({_size(sum(i.nbytes for i in removed))})",

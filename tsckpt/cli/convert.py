@@ -13,8 +13,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import TsckptError
-from . import app
-from .exits import ERROR, FOUND, OK
+from ..wording import count
+from . import app, flag
+from .exits import FOUND, OK
+from .messages import failed
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -28,11 +30,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _fail(e: TsckptError) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-    return typer.Exit(ERROR)
-
-
 @app.command("convert")
 def convert_cmd(
     src: str = typer.Argument(..., help="tsckpt dir, DCP dir, torch.save file, .safetensors or HF shard dir"),
@@ -40,13 +37,13 @@ def convert_cmd(
     to: str = typer.Option("", "--to", help="tsckpt, dcp, torch or safetensors (default: from DST's suffix: "
                                           ".safetensors, .pt/.pth/.bin, else tsckpt)"),
     max_shard_size: str = typer.Option("", help="safetensors shard limit, e.g. 5GB: writes an HF directory"),
-    trust_pickle: bool = typer.Option(False, "--trust-pickle",
+    trust_pickle: bool = flag(False, "--trust-pickle",
                                       help="allow unpickling SRC (needed for DCP .metadata); can run code from it"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace what is at DST"),
+    overwrite: bool = flag(False, "--overwrite", help="replace what is at DST"),
     layout: str = typer.Option("", "--layout",
                                help="tsckpt target storage: plain (a file per chunk) or packed (few large files); "
                                     "default: $TSCKPT_LAYOUT, else plain"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    quiet: bool = flag(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
     from ..conversion.convert import ConversionWarning, convert
@@ -60,12 +57,12 @@ def convert_cmd(
                              overwrite=overwrite, max_shard_size=shard, layout=layout or None,
                              progress=not quiet and err.is_terminal)
     except TsckptError as e:
-        raise _fail(e) from None
+        raise failed(e) from None
     for note in result.warnings:
         err.print(f"[yellow]warning:[/yellow] {note}", highlight=False, soft_wrap=True)
-    err.print(f"{result.source_format} -> {result.target_format}: {result.tensors} tensors, {result.objects} "
-              f"values, {result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s ({result.mb_per_s:.0f} MB/s)",
-              highlight=False)
+    err.print(f"{result.source_format} -> {result.target_format}: {count(result.tensors, 'tensor')}, "
+              f"{count(result.objects, 'value')}, {result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s "
+              f"({result.mb_per_s:.0f} MB/s)", highlight=False)
 
 
 def _side(e: Any, which: str) -> str:
@@ -82,8 +79,8 @@ def _side(e: Any, which: str) -> str:
 def diff_cmd(
     a: str = typer.Argument(..., help="first checkpoint (any supported format)"),
     b: str = typer.Argument(..., help="second checkpoint (any supported format)"),
-    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="allow unpickling (needed for DCP dirs)"),
-    show_equal: bool = typer.Option(False, "--all", help="list equal entries too"),
+    trust_pickle: bool = flag(False, "--trust-pickle", help="allow unpickling (needed for DCP dirs)"),
+    show_equal: bool = flag(False, "--all", help="list equal entries too"),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance for tensors: |A-B| <= atol + rtol*|B|"),
     atol: float = typer.Option(0.0, "--atol", min=0.0, help="absolute tolerance for tensors"),
 ) -> None:
@@ -97,7 +94,7 @@ def diff_cmd(
     try:
         result = diff(a, b, trust_pickle=trust_pickle, rtol=rtol, atol=atol)
     except TsckptError as e:
-        raise _fail(e) from None
+        raise failed(e) from None
     out = Console()
     rows = result.entries if show_equal else result.differences
     if rows:

@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import TsckptError
-from . import app
-from .exits import ERROR
+from ..wording import count
+from . import app, flag
+from .messages import failed
 
 out = Console()
 err = Console(stderr=True)
@@ -37,8 +38,7 @@ def _clean_errors() -> Iterator[None]:
     try:
         yield
     except TsckptError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
-        raise typer.Exit(ERROR) from None
+        raise failed(e) from None
 
 
 def _open(path: str) -> Any:
@@ -54,20 +54,33 @@ def _short(value: Any, width: int = 48) -> str:
 
 @app.command("ls")
 def ls(
-    path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    as_json: bool = typer.Option(False, "--json", help="print the listing as JSON (keys: see tsckpt.cli.summary)"),
+    path: str = typer.Argument(..., help="checkpoint directory or URL, or a directory of step checkpoints"),
+    as_json: bool = flag(False, "--json", help="print the listing as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
-    """List tensors and values as a tree, with shape, dtype, size and placement."""
+    """List tensors and values as a tree, with shape, dtype, size and placement.
+
+    On a directory of step checkpoints (ckpt/step_1000, ...), list the steps: state, size and time.
+    """
     with _clean_errors():
-        ck = _open(path)
+        try:
+            ck = _open(path)
+        except TsckptError as e:
+            from .steps import list_steps
+
+            try:
+                if list_steps(path, as_json):
+                    return
+            except TsckptError:
+                pass
+            raise e from None
         if as_json:
             from . import summary
 
             _print_json(summary.listing(ck))
             return
         _print_wide(_tree_table(ck, list(ck), title=ck.url))
-        out.print(f"{len(ck.metadata.tensors)} tensors, {human_bytes(ck.nbytes)}; "
-                  f"{len(ck.metadata.objects)} values; world size {ck.world_size}", highlight=False)
+        out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
+                  f"{count(len(ck.metadata.objects), 'value')}; world size {ck.world_size}", highlight=False)
 
 
 def _tree_table(ck: Any, keys: list[str], title: str) -> Table:
@@ -135,7 +148,7 @@ def show(
     key: str = typer.Argument(..., help="flat key (model.layers.0.weight) or a group (model.layers) to list"),
     index: str = typer.Argument("", metavar="[SLICE]",
                                 help='numpy-style selection, e.g. "0:4,2" or -1; also for lists, tuples, strings'),
-    allow_pickle: bool = typer.Option(False, help="decode values that need arbitrary unpickling"),
+    allow_pickle: bool = flag(False, help="decode values that need arbitrary unpickling"),
 ) -> None:
     """Print a tensor (or a slice of it) with min/max/mean/std, a value, or what is under a group."""
     from . import summary
@@ -172,7 +185,7 @@ def show(
 @app.command("info")
 def info(
     path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    as_json: bool = typer.Option(False, "--json", help="print the facts as JSON (keys: see tsckpt.cli.summary)"),
+    as_json: bool = flag(False, "--json", help="print the facts as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
     """Mesh, world size, versions, file count and bytes of a checkpoint."""
     with _clean_errors():

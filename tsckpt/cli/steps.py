@@ -1,20 +1,30 @@
-"""``tsckpt latest ROOT`` and ``tsckpt prune ROOT --keep K``: chores on a directory of step checkpoints."""
+"""``tsckpt latest ROOT`` and ``tsckpt prune ROOT --keep K``: chores on a directory of step checkpoints.
+
+``tsckpt ls ROOT`` on such a directory lists its steps with :func:`list_steps`.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from . import app
+from ..wording import count
+from . import app, flag
 from .exits import FOUND
+
+if TYPE_CHECKING:
+    from ..steps import StepCheckpoint
 
 
 @app.command("latest")
 def latest_cmd(
     root: str = typer.Argument(..., help="directory or URL holding step checkpoints (ckpt/step_1000, ...)"),
-    as_json: bool = typer.Option(False, "--json", help="print every step entry with its state, and the latest, "
+    as_json: bool = flag(False, "--json", help="print every step entry with its state, and the latest, "
                                                        "as JSON"),
 ) -> None:
     """Print the newest committed checkpoint under ROOT; exit 1 when there is none.
@@ -46,8 +56,8 @@ def latest_cmd(
 def prune_cmd(
     root: str = typer.Argument(..., help="directory or URL holding step checkpoints"),
     keep: int = typer.Option(..., "--keep", "-k", min=1, help="committed checkpoints to keep, newest first"),
-    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="only print what would be removed"),
-    remove_incomplete: bool = typer.Option(
+    dry_run: bool = flag(False, "--dry-run", "-n", help="only print what would be removed"),
+    remove_incomplete: bool = flag(
         False, "--remove-incomplete",
         help="also remove saves that never committed and are older than the newest committed checkpoint "
              "(dead saves); only when no save to an older step can be running"),
@@ -65,3 +75,59 @@ def prune_cmd(
         print(f"{'would remove' if dry_run else 'removed'} {url}")
     if not removed:
         print("nothing to remove")
+
+
+def _details(entry: StepCheckpoint) -> dict[str, Any]:
+    """Bytes and time of one step: a committed one's tensor bytes and creation time, else what is on disk."""
+    from ..errors import TsckptError
+    from ..read import checkpoint
+    from ..steps import COMMITTED
+
+    if entry.state == COMMITTED:
+        try:
+            ck = checkpoint.open(entry.location)
+            return {"nbytes": ck.nbytes, "time": ck.metadata.created}
+        except TsckptError:
+            pass
+    if isinstance(entry.location, str) and "://" not in entry.location and os.path.isdir(entry.location):
+        total, newest = 0, 0.0
+        for dirpath, _, files in os.walk(entry.location):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue
+                total, newest = total + st.st_size, max(newest, st.st_mtime)
+        stamp = datetime.datetime.fromtimestamp(newest or os.path.getmtime(entry.location), datetime.timezone.utc)
+        return {"nbytes": total, "time": stamp.isoformat(timespec="seconds")}
+    return {"nbytes": None, "time": None}  # an object store lists keys, not sizes: not worth a request per key
+
+
+def list_steps(root: str, as_json: bool) -> bool:
+    """Print the step checkpoints under ``root`` (state, size, time); False when it holds none of tsckpt's."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..steps import FOREIGN, scan
+    from .inspect import human_bytes
+
+    entries = scan(root)
+    if all(e.state == FOREIGN for e in entries):
+        return False  # names with numbers in them, none of them a tsckpt save: not a directory of steps
+    rows = [entry.to_dict() | _details(entry) for entry in entries]
+    if as_json:
+        print(json.dumps({"root": root, "steps": rows}, indent=1))
+        return True
+    table = Table(title=f"{root}: step checkpoints", title_justify="left")
+    for name, justify in (("step", "right"), ("name", "left"), ("state", "left"), ("size", "right"),
+                          ("time", "left")):
+        table.add_column(name, justify=justify)
+    for row in rows:
+        table.add_row(str(row["step"]), escape(row["name"]), row["state"], human_bytes(row["nbytes"]),
+                      row["time"] or "?")
+    Console().print(table, highlight=False)
+    committed = [r for r in rows if r["state"] == "committed"]
+    print(f"{count(len(rows), 'step')}, {len(committed)} committed"
+          + (f"; the newest committed: {committed[-1]['url']}" if committed else ""))
+    return True

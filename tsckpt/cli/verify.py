@@ -6,16 +6,17 @@ import json
 
 import typer
 
-from . import app
-from .exits import ERROR, FOUND
+from . import app, flag
+from .exits import FOUND
+from .messages import failed
 
 
 @app.command()
 def verify(
     path: str = typer.Argument(..., help="checkpoint directory or file:// URL"),
-    progress: bool = typer.Option(None, "--progress/--no-progress",
+    progress: bool = flag(None, "--progress/--no-progress",
                                   help="progress bar (default: on for large checkpoints in a terminal)"),
-    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON (keys: see tsckpt.cli.summary)"),
+    as_json: bool = flag(False, "--json", help="print the full report as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
     """Check that every tensor's chunks exist, decode and pass their crc32c checksums."""
     from rich.console import Console
@@ -26,13 +27,12 @@ def verify(
     from .summary import verification
     from .clean import leftover_line
 
-    out, err = Console(), Console(stderr=True)
+    out = Console()
     try:
         report = run_verify(path, progress=progress)
         items = leftovers(path)
     except TsckptError as e:
-        err.print(f"[bold red]FAILED[/] {e}", markup=True, highlight=False, soft_wrap=True)
-        raise typer.Exit(ERROR) from None
+        raise failed(e, "FAILED") from None
     if as_json:
         print(json.dumps(verification(report) | {"leftovers": [i.to_dict() for i in items]}, indent=1))
     else:

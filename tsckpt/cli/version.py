@@ -7,7 +7,7 @@ from importlib import metadata
 
 import typer
 
-from . import app
+from . import app, flag
 
 #: Distributions whose versions decide how a checkpoint is written and read.
 STACK = ("torch", "tensorstore", "zarr", "numpy")
@@ -34,7 +34,7 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+    version: bool = flag(False, "--version", callback=_print_version, is_eager=True,
                                  help="print tsckpt's version and its stack's, then exit"),
 ) -> None:
     """Inspect, verify and convert tsckpt (Zarr v3) PyTorch checkpoints."""

@@ -15,8 +15,10 @@ import socket
 
 import tensorstore as ts
 
-from ..errors import ConcurrentSaveError
+from ..errors import ConcurrentSaveError, TsckptError
 from ..storage.context import make_context, open_kvstore
+from ..storage.kvio import problem, storage_error
+from ..storage.packed import prefix_range
 from ..storage.location import Location
 from .states import (
     ABSENT,
@@ -33,7 +35,6 @@ from .states import (
     read_root,
     refuse,
 )
-from ..storage.kvio import storage_error
 from .target import Leftover, SaveTarget
 
 
@@ -73,10 +74,11 @@ class InPlaceTarget(SaveTarget):
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
         try:
             written = kv.write(CLAIM, self._claim_document(), if_equal=claim.stamp.generation).result()
-            if not written.generation:
+            generation = written.generation or self._own_generation(kv, CLAIM)
+            if not generation:
                 raise ConcurrentSaveError(f"{self.url}: another save claimed this location at the same time as "
                                           f"save {self.save_id}; nothing was written")
-            self._claim_generation = written.generation
+            self._claim_generation = generation
             if found.state != ABSENT:
                 # Un-commit first: from here on the location is incomplete, never a mix. Keys are
                 # deleted one by one, never by range, so what appeared since the listing survives.
@@ -101,24 +103,57 @@ class InPlaceTarget(SaveTarget):
         raw, generation = read_root(kv, self.url)
         if raw is not None:
             refuse(describe_root(raw), self.url, overwrite=False, save_id=self.save_id, at_commit=True)
-        if not kv.write(ROOT, root, if_equal=generation).result().generation:
+        if not kv.write(ROOT, root, if_equal=generation).result().generation and not self._own_generation(kv, ROOT):
             raw, _ = read_root(kv, self.url)
             found = describe_root(raw) if raw is not None else Found(COMMITTED, "another save's commit")
             refuse(found, self.url, overwrite=False, save_id=self.save_id, at_commit=True)
             raise ConcurrentSaveError(f"{self.url}: the root document changed while save {self.save_id} "
                                       f"committed; it was not committed")
-        self._release()
+        try:
+            self._release()
+        except ValueError:
+            pass  # committed all the same; the claim left behind is reported, and cleaned with --force
+
+    def _own_generation(self, kv: ts.KvStore, key: str) -> bytes | None:
+        """After a conditional write of ``key`` reported "not written": its generation if it is this save's anyway.
+
+        An object store's answer can be lost after the write took effect; the
+        retried request then fails its condition against the write's own result.
+        """
+        found = read_key(kv, key, self.url)
+        if found.state != "value":
+            return None
+        owner = describe_root(found.value).save_id if key == ROOT else _claim_save_id(found.value)
+        return found.stamp.generation if owner == self.save_id else None
 
     def _release(self) -> None:
         if self._claim_generation is not None:
             self.kv.write(CLAIM, None, if_equal=self._claim_generation).result()
             self._claim_generation = None
 
-    def abort(self) -> None:
+    def abort(self) -> str | None:
+        """Delete the data this save wrote in place (while its claim still fences the location), then the claim.
+
+        Nothing is deleted when another save overtook this one (it may be
+        writing the same keys), nor when the root document commits this save
+        after all (the write that seemed to fail took effect).
+        """
+        left = None
+        try:
+            if self.written and self._claim_generation is not None:
+                self.check_current()
+                raw, _ = read_root(self.kv, self.url)
+                if raw is None or describe_root(raw).save_id != self.save_id:
+                    for prefix in self.written:
+                        self.kv.delete_range(prefix_range(prefix)).result()
+        except (ValueError, TsckptError) as e:
+            left = (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
+                    f"removes it")
         try:
             self._release()
         except ValueError:
             pass
+        return left
 
     @classmethod
     def leftovers(cls, location: Location) -> list[Leftover]:
@@ -139,6 +174,14 @@ class InPlaceTarget(SaveTarget):
         else:
             kv.write(CLAIM, None).result()
         return found
+
+
+def _claim_save_id(raw: bytes) -> str | None:
+    try:
+        save_id = json.loads(raw).get("save_id")
+    except (ValueError, AttributeError):
+        return None
+    return save_id if isinstance(save_id, str) else None
 
 
 def describe_claim(raw: bytes) -> str:

@@ -40,7 +40,7 @@ from ..format.names import parent_groups
 from ..storage.packed_reuse import KeptChunks
 from ..format.reuse import Reuse
 from ..storage.store import Store
-from .states import ATTRIBUTE, ROOT
+from .states import ATTRIBUTE, ROOT, is_own_key
 from .target import SaveTarget
 
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
@@ -196,6 +196,12 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
             raise NotACheckpointError(
                 f"{url} is a DCP FileSystemWriter checkpoint, not a tsckpt one; convert it with "
                 f"`tsckpt convert --trust-pickle {url} DST` (its .metadata is a pickle: trust it first)")
+        foreign = sorted(k.decode("utf-8", "replace") for k in keys if not is_own_key(k.decode("utf-8", "replace")))
+        if doc is None and foreign:
+            # Files no save writes: not a save that died, but something else (or a directory of them).
+            raise NotACheckpointError(
+                f"no checkpoint at {url}: it holds {len(foreign)} file(s) tsckpt did not write, e.g. "
+                f"{foreign[0]!r}, and no committed metadata in {ROOT}")
         raise IncompleteCheckpointError(
             f"{url} is an incomplete checkpoint: the save did not finish "
             f"(no committed metadata in {ROOT}); it cannot be loaded"

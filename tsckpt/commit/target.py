@@ -69,8 +69,19 @@ class SaveTarget(ABC):
         or join databases into what the other save committed.
         """
 
-    def abort(self) -> None:
-        """Best effort, after a failure this process knows of: drop what only this save used."""
+    #: Key prefixes under :attr:`data_location` that this save's ranks write before its commit.
+    written: tuple[str, ...] = ()
+
+    def record_writes(self, prefixes: tuple[str, ...]) -> None:
+        """Coordinator, before any rank writes: where the data will go, for :meth:`abort` to remove."""
+        self.written = tuple(prefixes)
+
+    def abort(self) -> str | None:
+        """Best effort, after a failure this process knows of: drop what only this save used.
+
+        Returns None when what the save wrote is gone, else what is left and why.
+        """
+        return None
 
     @classmethod
     @abstractmethod

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import OptionError
+from ..errors import OptionError, StorageError
 from ..progress import progress_bar
 from .sources import Options, Sink, open_source
 from .targets import TARGETS
@@ -31,7 +31,7 @@ class ConversionWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What a conversion did."""
+    """What a conversion did: ``tensors`` and ``objects`` count what was written."""
 
     source_format: str
     target_format: str
@@ -98,12 +98,40 @@ def convert(
     start = time.perf_counter()
     with open_source(src, format=source_format, trust_pickle=trust_pickle) as source:
         total = sum(i.nbytes for i in source.tensors.values())
+        _make_parent(dst)
         with progress_bar(progress, total, f"{source.format} -> {to}") as advance:
             opts = Options(overwrite=overwrite, trust_pickle=trust_pickle, max_shard_size=max_shard_size,
                            layout=layout)
-            TARGETS[to](source, dst, opts, Sink(advance=advance, warn=warn))
-        return ConvertResult(source.format, to, len(source.tensors), len(source.objects), total,
-                             time.perf_counter() - start, tuple(notes))
+            sink = Sink(advance=advance, warn=warn)
+            TARGETS[to](source, dst, opts, sink)
+        return ConvertResult(source.format, to, len(source.tensors) - sink.skipped_tensors,
+                             len(source.objects) - sink.skipped_objects, total, time.perf_counter() - start,
+                             tuple(notes))
+
+
+def _make_parent(dst: Any) -> None:
+    """Create the directory a local ``dst`` goes in, as ``tsckpt.save`` does for its target."""
+    if isinstance(dst, Mapping):
+        return
+    text = os.fspath(dst)
+    if "://" in text:
+        return
+    parent = os.path.dirname(os.path.abspath(text))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in _ancestors(parent) if os.path.lexists(p) and not os.path.isdir(p)), parent)
+        raise StorageError(f"cannot create the directory {parent} for {text}: {blocker} is a file") from None
+    except OSError as e:
+        raise StorageError(f"cannot create the directory {e.filename or parent} for {text}: {e.strerror}") from None
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and the directories above it, the root first."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out[::-1]
 
 
 def default_target(dst: Any, max_shard_size: int | None = None) -> str:

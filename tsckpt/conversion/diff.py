@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..errors import OptionError
+from ..errors import ConversionError, OptionError
 from ..format.names import flat_key
 from ..progress import progress_bar
 from .sources import Source, TensorInfo, open_source
@@ -113,7 +114,7 @@ def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False,
                     entries.append(_diff_tensor(key, sa, ta[key], sb, tb[key], rtol, atol))
                     advance(sa.tensors[ta[key]].nbytes)
                 elif key in oa and key in ob:
-                    entries.append(EntryDiff(key, "equal" if _same_value(oa[key], ob[key]) else "values", "object",
+                    entries.append(EntryDiff(key, "equal" if _same_value(oa[key], ob[key], key) else "values", "object",
                                              value_a=_repr(oa, key), value_b=_repr(ob, key)))
                 elif (key in ta or key in oa) and (key in tb or key in ob):
                     entries.append(EntryDiff(key, "kind", "tensor" if key in ta else "object",
@@ -186,11 +187,30 @@ def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return worst
 
 
-def _same_value(x: Any, y: Any) -> bool:
+def _same_value(x: Any, y: Any, key: str) -> bool:
+    """Whether two plain values are equal: by content for tensors, arrays and containers of them.
+
+    A comparison that fails is an error, not a difference: "values" would
+    claim the checkpoints differ where nothing says they do.
+    """
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and \
-            x.shape == y.shape and torch.equal(x, y)
-    try:
-        return bool(type(x) is type(y) and x == y)
-    except Exception:
+            x.shape == y.shape and (torch.equal(x, y) or torch.equal(_bits(x.reshape(-1).contiguous()),
+                                                                   _bits(y.reshape(-1).contiguous())))
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype and \
+            x.shape == y.shape and (x.dtype.hasobject and _same_value(x.tolist(), y.tolist(), key)
+                                    or not x.dtype.hasobject and x.tobytes() == y.tobytes())
+    if type(x) is not type(y):
         return False
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same_value(u, v, key) for u, v in zip(x, y))
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same_value(x[k], y[k], key) for k in x)
+    if isinstance(x, float) and math.isnan(x):
+        return math.isnan(y)  # a NaN loss saved twice is the same value
+    try:
+        return bool(x == y)
+    except Exception as e:  # noqa: BLE001 - a value's own __eq__ may raise anything
+        raise ConversionError(f"diff: cannot compare the values of {key!r} ({type(x).__name__}): "
+                          f"{type(e).__name__}: {e}") from None

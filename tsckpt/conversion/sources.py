@@ -82,6 +82,8 @@ class Sink:
     def __init__(self, advance: Callable[[int], None] = lambda n: None,
                  warn: Callable[[str], None] = lambda m: None):
         self.advance, self.warn = advance, warn
+        #: Entries the target could not hold and left out (after warning about them).
+        self.skipped_tensors = self.skipped_objects = 0
 
 
 class Source:

@@ -28,7 +28,7 @@ from .sources import _SAFETENSORS_CODE, HF_INDEX, Options, Sink, Source, TensorI
 def _refuse_existing(path: str, opts: Options, marker: str | None = None) -> None:
     probe = os.path.join(path, marker) if marker else path
     if os.path.exists(probe) and not opts.overwrite:
-        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True (--overwrite) to replace it")
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
 
 
 def _nested(source: Source, values: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +144,7 @@ def _safetensors_plan(source: Source, sink: Sink) -> list[tuple[str, str, Tensor
     bad = sorted(k for k, i in source.tensors.items() if i.dtype not in _SAFETENSORS_CODE)
     if bad:
         sink.warn(f"safetensors has no dtype for these tensors; not written: {', '.join(bad)}")
+    sink.skipped_objects, sink.skipped_tensors = len(dropped), len(bad)
     nested = sorted(k for k, i in source.tensors.items() if len(i.key_path) > 1)
     if nested:
         sink.warn(f"safetensors names are flat: {len(nested)} nested keys are written as dotted names "

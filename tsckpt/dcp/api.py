@@ -133,7 +133,9 @@ def _unwrapped() -> Iterator[None]:
 
     DCP gathers every rank's exception into one CheckpointException (a
     BaseException, which ``except Exception`` misses); callers of tsckpt's
-    functions get the first rank's TsckptError with its clear message.
+    functions get the first rank's TsckptError with its clear message, first
+    (DCP's exception stays its ``__context__``, unprinted: its traceback is the
+    failing rank's, and repeats the message).
     """
     try:
         yield
@@ -142,5 +144,5 @@ def _unwrapped() -> Iterator[None]:
             # Each failure is DCP's (exception, traceback summary) pair.
             exc = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(exc, TsckptError):
-                raise exc from e
+                raise exc from None
         raise

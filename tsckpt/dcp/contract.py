@@ -293,13 +293,16 @@ class RankSummary:
     reused: np.ndarray | None = None  # bool
     objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
+    failure: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "save_id": self.save_id, "tensor": self.tensor.tolist(),
                 "chunk": self.chunk.tolist(), "crc": None if self.crc is None else self.crc.tolist(),
                 "digest": None if self.digest is None else [bytes(d).hex() for d in self.digest],
                 "reused": None if self.reused is None else self.reused.tolist(),
-                "objects": dict(self.objects), "placements": dict(self.placements)}
+                "objects": dict(self.objects), "placements": dict(self.placements),
+                "failure": None if self.failure is None else dict(self.failure)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
@@ -309,7 +312,7 @@ class RankSummary:
                    None if digest is None else np.frombuffer(b"".join(bytes.fromhex(h) for h in digest),
                                                              np.uint8).reshape(-1, content_hashes.WIDTH),
                    None if reused is None else np.asarray(reused, bool),
-                   dict(d["objects"]), dict(d.get("placements") or {}))
+                   dict(d["objects"]), dict(d.get("placements") or {}), d.get("failure"))
 
 
 class SummaryBuilder:
@@ -361,7 +364,7 @@ class RankWrites(list):
         if not isinstance(summary, RankSummary):
             raise PlanError(f"saving {where}: a rank returned write results without tsckpt's summary "
                             f"(its storage writer is not a TensorStoreWriter?)")
-        if summary.save_id != save_id:
+        if summary.save_id != save_id and summary.failure is None:
             raise PlanError(f"saving {where}: rank {summary.rank} wrote with the orders of save {summary.save_id}, "
                             f"not of this save {save_id} (a stale cached plan?); nothing was committed")
         return summary

@@ -18,6 +18,7 @@ from ..format import dtypes
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from ..format.names import parent_groups
 from ..format.reuse import Reuse
+from ..wording import count
 
 logger = logging.getLogger("tsckpt")
 logger.addHandler(logging.NullHandler())
@@ -44,8 +45,9 @@ def log_transfer(verb: str, url: str, *, nbytes: int, seconds: float, files: int
         fields |= {"base": reuse.base, "bytes_written": reuse.bytes_written, "bytes_reused": reuse.bytes_reused}
         tail = (f"; wrote {reuse.bytes_written} bytes, reused {reuse.bytes_reused} bytes "
                 f"({reuse.chunks_reused} chunks) of {reuse.base}" + (f" ({reuse.note})" if reuse.note else ""))
-    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %d files, %d ranks%s",
-                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, files, ranks, tail,
+    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %s, %s%s",
+                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, count(files, "file"),
+                count(ranks, "rank"), tail,
                 extra={"tsckpt": fields})
 
 

@@ -34,10 +34,13 @@ from ..format import checksums, content_hashes, dtypes, values
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
 from ..rank_writer import RankWriter
+from ..storage.layouts import get_layout
 from ..storage.location import Location, LocationLike
 from ..storage.store import Store
 from . import compat, logs
-from .contract import MergedChunks, NewOrders, Prepickled, RankPlan, RankWrites, SaveOrders, SummaryBuilder, WriteConfig
+from .contract import (MergedChunks, NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder,
+                       WriteConfig)
+from .failure import RankFailure, commit_or_clean_up, failed_summary
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .global_layout import GlobalLayout
 from .io import TensorStoreIO, done
@@ -235,6 +238,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         kept = CACHE.layout(key, full, self.inner_chunk_bytes)
         layout = kept or GlobalLayout.plan(full, self.inner_chunk_bytes, where)
         self._layout = layout
+        self._target.record_writes(get_layout(self.config.layout).rank_prefixes(
+            [e.path for e in layout.entries.values()] + list(layout.blobs.values()), len(plans)))
         orders = Prepickled(SaveOrders(self.config, self._target.data_location, self.save_id, self._base))
         if kept is not None and CACHE.ranks_keep_their_plans(plans):
             # Every rank still holds the plan it was sent with this layout: this save's orders are all it needs.
@@ -245,7 +250,23 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         return CACHE.send(key, full, layout, rank_plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items as its :class:`RankPlan` says (contract, step 4)."""
+        """Write this rank's items as its :class:`RankPlan` says (contract, step 4).
+
+        A failure is reported, not raised: only the coordinator's ``finish`` can
+        remove what this save staged, and DCP calls it only when no rank raised
+        (:mod:`tsckpt.dcp.failure`).
+        """
+        writers: list[RankWriter] = []
+        try:
+            return done(self._write(plan, planner, writers))
+        except Exception as e:
+            for writer in writers:
+                writer.abandon()
+            orders = getattr(plan.storage_data, "orders", None)
+            save_id = orders.value.save_id if orders is not None else self.save_id
+            return done(RankWrites([], failed_summary(self.rank, save_id, RankFailure.of(self.rank, e))))
+
+    def _write(self, plan: SavePlan, planner: SavePlanner, writers: list[RankWriter]) -> RankWrites:
         where = str(self.checkpoint_id)
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, RankPlan):
@@ -257,9 +278,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
         arrays = rank_plan.arrays.value.entries(list(dict.fromkeys(tensors)), where)
         base = orders.base
-        writer = RankWriter(store, self.rank, where, options=config.array_options, checksums=config.checksums,
+        writer = RankWriter(store, self.rank, "", options=config.array_options, checksums=config.checksums,
                             window=self.per_thread_copy_ahead,
                             base=BaseChunks(base, store) if base is not None and base.mode else None)
+        writers.append(writer)
         writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})
         summary = SummaryBuilder(self.rank, orders)
         if not isinstance(planner, TsckptSavePlanner):
@@ -282,7 +304,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         writer.finish()
         for fqn, chunks in writer.written.items():
             summary.add(arrays[fqn][0], chunks)
-        return done(RankWrites(results, summary.done()))
+        return RankWrites(results, summary.done())
 
     @staticmethod
     def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:
@@ -294,11 +316,22 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         summary.add_object(fqn, encoding, None, len(payload))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after all data is durable: merge every rank's summary, then commit (contract, step 5)."""
+        """Coordinator, after every rank wrote or failed: commit (contract, step 5), or remove what was staged.
+
+        A rank that failed said so in its summary: then nothing is committed, the
+        save's staged data is removed, and :class:`~tsckpt.errors.SaveFailedError`
+        names the rank and the problem (:mod:`tsckpt.dcp.failure`).
+        """
+        where = str(self.checkpoint_id)
+        assert self._target is not None, "finish runs on the coordinator, after set-up"
+        summaries = [RankWrites.summary_of(rank_results, self.save_id, where) for rank_results in results]
+        commit_or_clean_up(self._target, self.rank, summaries, lambda: self._commit(metadata, summaries))
+
+    def _commit(self, metadata: Metadata, summaries: list[RankSummary]) -> None:
+        """Merge every rank's summary into the arrays' documents, then commit and publish."""
         where = str(self.checkpoint_id)
         layout = self._layout
         assert layout is not None and self._target is not None, "finish runs on the coordinator, after planning"
-        summaries = [RankWrites.summary_of(rank_results, self.save_id, where) for rank_results in results]
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
         placements = dict(layout.placements)
@@ -332,13 +365,13 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if not self.sync_files:
             extra["synced"] = False
         commit.commit_checkpoint(
-            self.data_store(self._target.data_location, self.config), world_size=len(results), tensors=tensors,
+            self.data_store(self._target.data_location, self.config), world_size=len(summaries), tensors=tensors,
             objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
             writers=writers, target=self._target,
             content_hash=content_hashes.ALGORITHM if self.checksums else None, reuse=reuse, kept=kept)
         if logs.enabled():
             logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
-                          seconds=time.perf_counter() - self._started, ranks=len(results), reuse=reuse)
+                          seconds=time.perf_counter() - self._started, ranks=len(summaries), reuse=reuse)
 
     def _check_against(self, metadata: Metadata, planned: dict[str, TensorEntry]) -> None:
         """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""

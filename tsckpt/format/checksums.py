@@ -109,8 +109,23 @@ def check_region(data: np.ndarray, grid: ChunkGrid, offsets: Sequence[int], tabl
     return checked
 
 
-def check_read(entry: TensorEntry, data: np.ndarray, offsets: Sequence[int], what: str) -> int:
-    """Check what a read of ``entry`` at ``offsets`` returned (nothing to check in version-1 checkpoints)."""
-    if entry.checksums is None:
+def table_of(entry: TensorEntry, what: str) -> np.ndarray | None:
+    """``entry``'s decoded table, or None for version-1 checkpoints, which recorded none.
+
+    Decode it once per tensor when checking many chunks: the table holds one
+    value per chunk, so decoding it per chunk costs chunks x chunks.
+    """
+    return None if entry.checksums is None else decode_table(entry.checksums, entry.grid, what)
+
+
+def check_read(entry: TensorEntry, data: np.ndarray, offsets: Sequence[int], what: str,
+               table: np.ndarray | None = None) -> int:
+    """Check what a read of ``entry`` at ``offsets`` returned (nothing to check in version-1 checkpoints).
+
+    ``table``: the entry's table from :func:`table_of`, when the caller checks many reads of it.
+    """
+    if table is None:
+        table = table_of(entry, what)
+    if table is None:
         return 0
-    return check_region(data, entry.grid, offsets, decode_table(entry.checksums, entry.grid, what), what)
+    return check_region(data, entry.grid, offsets, table, what)

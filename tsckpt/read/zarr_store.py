@@ -30,6 +30,7 @@ from ..storage.store import Store as SpecStore
 from ..commit.states import ROOT
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from ..storage.location import Location, LocationLike, parse_location
+from ..storage.kvio import problem
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -212,7 +213,7 @@ class TensorStoreZarrStore(Store):
                           f"cannot change {key!r}")
 
     def _error(self, key: str, e: Exception) -> TsckptError:
-        return TsckptError(f"reading {key!r} from {self.location.url} failed: {e}")
+        return TsckptError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
 
     @staticmethod
     def _buffer(prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,

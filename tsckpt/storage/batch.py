@@ -19,6 +19,7 @@ from collections.abc import Callable
 import tensorstore as ts
 
 from ..errors import StorageError
+from .kvio import problem
 from .layouts import KvLayout
 
 
@@ -29,11 +30,10 @@ class RankBatch:
     the write is staged in the transaction); it runs before each commit.
     """
 
-    def __init__(self, layout: KvLayout, drain: Callable[[], None], rank: int, where: str):
+    def __init__(self, layout: KvLayout, drain: Callable[[], None], where: str = ""):
         self.layout = layout
         self.drain = drain
-        self.rank = rank
-        self.where = where
+        self.where = where  # named in errors, unless the caller names it itself
         self.txn = layout.rank_transaction()
         self.nbytes = 0
         self.names: list[str] = []  # what the current batch holds, for errors
@@ -61,6 +61,18 @@ class RankBatch:
         self._start_commit()
         self._wait()
 
+    def abandon(self) -> None:
+        """After a failure: wait for the batch being committed (whatever its outcome), drop the current one."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            try:
+                committing[0].result()
+            except ValueError:
+                pass
+        if self.txn is not None:
+            self.txn.abort()
+            self.txn = None
+
     def _start_commit(self) -> None:
         assert self.txn is not None
         self.drain()
@@ -77,5 +89,5 @@ class RankBatch:
         except ValueError as e:
             # The data reaches storage only here, so this is where a full disk shows.
             what = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise StorageError(f"writing {what or 'nothing'} (rank {self.rank}'s batch) to {self.where} "
-                              f"failed: {e}") from None
+            raise StorageError(f"{problem(e)} writing {what or 'nothing'}"
+                                + (f" to {self.where}" if self.where else "")) from None

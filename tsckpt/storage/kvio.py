@@ -9,12 +9,14 @@ an endpoint that never answered within the retries, a path through a file.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
 import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError, NotACheckpointError, StorageError, TsckptError
+from .hints import hint
 
 #: The environment variable that sets how often a failed S3 request is retried.
 S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"
@@ -23,11 +25,12 @@ S3_RETRIES_ENV = "TSCKPT_S3_RETRIES"
 def storage_error(e: Exception, doing: str) -> TsckptError:
     """One clear line for a TensorStore storage failure; ``doing`` says what failed and where."""
     text = str(e)
-    retries = re.search(r"All (\d+) retry attempts failed: ", text)
-    if retries:
-        return StorageError(
-            f"{doing}: no answer after {retries.group(1)} retries ({one_line(text[retries.end():])}); "
-            f"on S3, set {S3_RETRIES_ENV} or the location's context 's3_request_retries' to wait longer")
+    remedy = hint(text)
+    if remedy:  # waiting longer would not help: say what to change
+        return StorageError(f"{doing}: {problem(text)}; {remedy}")
+    if _RETRIES.search(text):
+        return StorageError(f"{doing}: {problem(text)}; on S3, set {S3_RETRIES_ENV} or the location's context "
+                            f"'s3_request_retries' to wait longer")
     if "DATA_LOSS" in text:  # a checksum TensorStore checks itself failed (an OCDBT manifest or B+tree node)
         return ChecksumError(f"{doing}: the stored data is damaged ({one_line(text)})")
     if "NoSuchBucket" in text:
@@ -35,6 +38,33 @@ def storage_error(e: Exception, doing: str) -> TsckptError:
     if "non-directory" in text or "Not a directory" in text:
         return NotACheckpointError(f"{doing}: a part of the path is a file, not a directory")
     return StorageError(f"{doing}: {one_line(text)}")
+
+
+_RETRIES = re.compile(r"All (\d+) retry attempts failed: ")
+
+
+def problem(e: Exception | str) -> str:
+    """What went wrong in a TensorStore I/O error, in a few words.
+
+    "no space left on device" for an operating-system error (the file it names
+    is a chunk of a save's staging area, which tells a user nothing the tensor's
+    name does not); "gave up after 6 retries (SlowDown: ...)" for a request
+    that kept failing; else the error's first line without annotations.
+    """
+    text = str(e)
+    code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
+    if code:
+        reason = os.strerror(int(code.group(1)))
+        return reason[:1].lower() + reason[1:]
+    retries = _RETRIES.search(text)
+    if retries:
+        n = int(retries.group(1))
+        last = one_line(text[retries.end():])
+        status = re.search(r"\[http_response_code='?(\d+)'?\]", text)
+        if status and last in ("", "Unknown"):
+            last = f"HTTP {status.group(1)}"
+        return f"gave up after {n} retr{'y' if n == 1 else 'ies'} ({last})"
+    return one_line(text)
 
 
 def one_line(e: Exception | str) -> str:

@@ -35,7 +35,7 @@ from .location import Location
 from .localfs import unsynced_nodes
 from ..format.metadata import CheckpointMetadata
 from .kvio import storage_error
-from .packed import PackedLayout, reader_context
+from .packed import PROCESS_PREFIX, PackedLayout, reader_context
 from .packed_reuse import KeptChunks
 
 if TYPE_CHECKING:
@@ -63,6 +63,10 @@ class KvLayout(ABC):
     def context(self, parent: ts.Context) -> ts.Context:
         """The context every array of a location is opened with (a layout may add resources)."""
         return parent
+
+    @abstractmethod
+    def rank_prefixes(self, paths: list[str], world_size: int) -> tuple[str, ...]:
+        """The key prefixes ranks write the arrays at ``paths`` under before the commit (what a failed save removes)."""
 
     def rank_transaction(self) -> ts.Transaction | None:
         """A transaction a rank's writes go through, committed every :attr:`batch_bytes` (None: none)."""
@@ -134,6 +138,9 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
+    def rank_prefixes(self, paths: list[str], world_size: int) -> tuple[str, ...]:
+        return tuple(f"{p}/" for p in paths)
+
     def nodes(self, store: Store, world_size: int,
               kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
         # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
@@ -159,6 +166,9 @@ class PackedKvLayout(KvLayout):
 
     def write_kvstore(self, location: Location, rank: int, path: str) -> dict[str, Any]:
         return self.packed.write_kvstore(dict(location.spec), rank, path)
+
+    def rank_prefixes(self, paths: list[str], world_size: int) -> tuple[str, ...]:
+        return tuple(f"{PROCESS_PREFIX}{r}/" for r in range(world_size))
 
     def context(self, parent: ts.Context) -> ts.Context:
         return reader_context(parent)

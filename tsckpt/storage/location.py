@@ -8,7 +8,8 @@ A location always names a directory-like prefix. It can be given as
 * ``memory://name`` (TensorStore's in-process memory store, for tests),
 * a full TensorStore kvstore spec dict (``{"driver": "s3", "bucket": ...}``),
 * a dict ``{"url": "s3://bucket/prefix", **spec_members}`` that adds spec
-  members such as ``endpoint`` or ``aws_region`` to a URL.
+  members such as ``endpoint`` or ``aws_region`` to a URL,
+* either dict as JSON text (how the command line takes one).
 
 A ``"context"`` member of a spec dict holds TensorStore context resources
 (``s3_request_concurrency``, ``aws_credentials``...). They are taken out of
@@ -28,6 +29,7 @@ array specs in :mod:`tsckpt.storage.store`. Torch-free.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -209,6 +211,15 @@ def parse_location(location: LocationLike) -> Location:
         raise LocationError(f"checkpoint location {location!r} is not a path, URL or kvstore spec")
     if not text:
         raise LocationError("checkpoint location is empty")
+    if text.lstrip().startswith("{"):
+        # A spec dict given as JSON text, as the command line passes one.
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise LocationError(f"checkpoint location {text!r} starts with '{{' but is not valid JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise LocationError(f"checkpoint location {text!r}: expected a JSON object")
+        return parse_location(doc)
     name, sep, rest = text.partition("://")
     if not sep:
         return Location({"driver": "file", "path": _as_prefix(os.path.abspath(text))})

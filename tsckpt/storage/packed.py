@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import tensorstore as ts
 
 from ..errors import OptionError, StorageError
-from .kvio import kv_name, storage_error
+from .kvio import kv_name, problem, storage_error
 from .location import Location
 from . import packed_reuse
 from .packed_reuse import KeptChunks
@@ -243,7 +243,7 @@ class PackedLayout:
                 copy.result()
             except ValueError as e:
                 raise StorageError(f"joining rank {rank}'s database {PROCESS_PREFIX}{rank}/ into the "
-                                  f"checkpoint at {where} failed: {e}") from None
+                                   f"checkpoint at {where} failed: {problem(e)}") from None
 
         def flush() -> None:
             try:

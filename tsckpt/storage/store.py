@@ -34,7 +34,7 @@ from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from .location import Location, LocationLike, parse_location
 from ..format import checksums, zarr_json
 from .layouts import PLAIN, KvLayout, get_layout, layout_for
-from .kvio import storage_error
+from .kvio import problem, storage_error
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
 #: Options every tsckpt array is opened with, for writing and for reading.
@@ -261,4 +261,4 @@ class Store:
 
 def read_error(key: str, url: str, e: Exception) -> TsckptError:
     """The error for a tensor whose array could not be opened or read (TensorStore's text names the chunk)."""
-    return TsckptError(f"reading tensor {key!r} from {url} failed: {e}")
+    return TsckptError(f"reading tensor {key!r} from {url} failed: {problem(e)}")

@@ -1,0 +1,127 @@
+"""A save that failed on some rank: what the rank reports, and the one error every rank then raises.
+
+DCP gathers an exception raised in a rank's ``write_data`` into its
+``CheckpointException`` and never calls the writer's ``finish``: the
+coordinator would not learn of the failure, and what the save staged (a
+staging directory, or objects written in place) would stay until the next
+save or ``tsckpt clean``, keeping a full disk full. So a rank that fails
+while writing waits for every write it started, then reports the failure as
+its summary (:func:`failed_summary`) instead of raising. The
+coordinator's ``finish`` sees every rank's report, removes what the save
+staged, and raises :class:`~tsckpt.errors.SaveFailedError` (:func:`save_failed`),
+whose first line says where the save went, on which rank it failed and why:
+
+    save to /data/ck failed on rank 3: no space left on device writing 'model.w'
+
+DCP raises that on every rank, inside its ``CheckpointException`` (whose own
+first line names the coordinator, where the failure was raised);
+``tsckpt.save`` raises it as itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import SaveFailedError, TsckptError
+from ..commit.target import SaveTarget
+from ..storage.kvio import one_line, problem
+from .contract import RankSummary
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank could not write its part of a save."""
+
+    rank: int
+    #: One line: what failed and on what, e.g. "no space left on device writing 'model.w'".
+    problem: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "problem": self.problem}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> RankFailure:
+        return cls(rank=int(doc["rank"]), problem=str(doc["problem"]))
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> RankFailure:
+        """The failure ``error`` describes; tsckpt's own errors are already one clear line."""
+        if isinstance(error, TsckptError):
+            return cls(rank, one_line(error))
+        if isinstance(error, ValueError):  # how TensorStore reports a failed request
+            return cls(rank, problem(error))
+        return cls(rank, f"{type(error).__name__}: {one_line(error)}")
+
+
+def settle(futures: Iterable[Any]) -> None:
+    """Wait for every write a failing rank started, ignoring their outcome.
+
+    The coordinator removes the save's data once every rank has reported:
+    no write of this rank may still be landing in it then.
+    """
+    for fut in futures:
+        try:
+            fut.result()
+        except Exception:  # noqa: BLE001 - the first failure is the one reported
+            pass
+
+
+def failed_summary(rank: int, save_id: str, failure: RankFailure) -> RankSummary:
+    """What a failing rank returns instead of raising: an empty summary that carries the failure to ``finish``."""
+    return RankSummary(rank, save_id, np.zeros(0, np.int32), np.zeros(0, np.int64), None, failure=failure.to_dict())
+
+
+def failures_in(summaries: Iterable[RankSummary]) -> list[RankFailure]:
+    """The failures the ranks reported, by rank."""
+    found = [RankFailure.from_dict(s.failure) for s in summaries if s.failure is not None]
+    return sorted(found, key=lambda f: f.rank)
+
+
+def commit_or_clean_up(target: SaveTarget, rank: int, summaries: list[RankSummary],
+                       commit: Callable[[], None]) -> None:
+    """Coordinator: ``commit()`` unless a rank failed; a failure, a rank's or the commit's, removes what was staged.
+
+    ``rank`` is the coordinator's, named when the commit itself fails.
+    """
+    failures = failures_in(summaries)
+    if failures:
+        raise save_failed(target.url, failures, clean_up(target))
+    try:
+        commit()
+    except TsckptError:
+        clean_up(target)
+        raise
+    except Exception as e:  # how TensorStore reports a failed request: ValueError
+        cleanup = clean_up(target)
+        reason = RankFailure.of(rank, e)
+        raise save_failed(target.url, [RankFailure(rank, f"{reason.problem} (while committing)")], cleanup) from None
+    except BaseException:
+        clean_up(target)
+        raise
+
+
+def clean_up(target: SaveTarget) -> str | None:
+    """Remove what the save staged; None when done, else what is left and how to remove it."""
+    try:
+        return target.abort()
+    except (OSError, ValueError, TsckptError) as e:
+        return f"{problem(e)}; `tsckpt clean {target.url}` removes it"
+
+
+def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> SaveFailedError:
+    """The error every rank raises: the first failing rank's problem first, then the others, then the cleanup.
+
+    ``cleanup`` is None when the save's staged data was removed, else why it was not and how to remove it.
+    """
+    first, others = failures[0], failures[1:]
+    lines = [f"save to {url} failed on rank {first.rank}: {first.problem}"
+             + (f" (and on {len(others)} other rank{'s' if len(others) > 1 else ''})" if others else "")]
+    lines += [f"  rank {f.rank}: {f.problem}" for f in others]
+    if cleanup is None:
+        lines.append("nothing was committed; what the save had written was removed")
+    else:
+        lines.append(f"nothing was committed; what the save had written could not be removed: {cleanup}")
+    return SaveFailedError("\n".join(lines))
