@@ -33,6 +33,7 @@ from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, Rep
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
 from ..format.batch import RankBatch
+from ..format.region_writer import RegionWriter
 from ..format.layouts import default_layout
 from ..format.spec import Store
 from ..format.target import begin_save
@@ -168,16 +169,22 @@ class CheckpointBuilder:
         whole = [((0,) * len(shape), shape)] if source.size else []
         entry = plan_tensor(fqn, key_path, shape, dt.zarr, whole, inner_chunk_bytes=self.inner_chunk_bytes,
                             placement=ReplicatedPlacement())
+        written = None
         if source.size:
-            opened = self.store.create(path, zarr_json.tensor_metadata(entry, self.array_options))
-            arr = self._batch.bind(opened.result())
-            fut = arr[tuple(slice(0, n) for n in shape)].write(
-                source, can_reference_source_data_indefinitely=True)
-            self._track(fqn, fut, (tensor, source), source.nbytes)
+            writer = RegionWriter(self.store, {fqn: entry}, self.array_options, 0, self._batch)
+            written = writer.write(fqn, (0,) * len(shape), source)
+            # Chunks encoded here hold their own bytes; TensorStore's writes read the source itself.
+            keep = (tensor, source) if written.crcs is None else None
+            for i, fut in enumerate(written.futures):
+                self._track(fqn, fut, keep, source.nbytes if i == 0 else 0)
             self._batch.wrote(fqn, source.nbytes)
         if self.checksums:
-            written = checksums.region_checksums(source, entry.grid, (0,) * len(shape)) if source.size else ([], [])
-            entry = dataclasses.replace(entry, checksums=checksums.encode_table(entry.grid, *written))
+            units = entry.checksum_grid
+            if written is not None and written.crcs is not None:
+                found = (written.pieces, written.crcs)
+            else:
+                found = checksums.region_checksums(source, units, (0,) * len(shape)) if source.size else ([], [])
+            entry = dataclasses.replace(entry, checksums=checksums.encode_table(units, *found))
         self._tensors[fqn] = entry
         return entry
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from ..format import checksums
 from ..format.layouts import PLAIN
 from ..format.metadata import TensorEntry
 from ..location import Location
@@ -42,7 +41,9 @@ class RankSummary:
 
     Tensors are numbered in the order of the layouts the coordinator sent, so
     a rank reports integers and the coordinator groups a whole job's chunks
-    with one sort instead of a Python loop over ranks x tensors.
+    with one sort instead of a Python loop over ranks x tensors. Two columns
+    of records: the outer chunks the rank wrote (who wrote what), and the
+    crc32c of every checksummed piece of them (inner chunks).
     """
 
     def __init__(self, rank: int, names: list[str], placements: dict[str, Any]):
@@ -52,32 +53,48 @@ class RankSummary:
         self.objects: dict[str, Any] = {}
         self.tensor: list[int] = []
         self.chunk: list[int] = []
+        self.crc_tensor: list[int] = []
+        self.piece: list[int] = []
         self.crc: list[int] = []
 
-    def add(self, fqn: str, entry: TensorEntry, offsets: Any, source: np.ndarray, with_checksums: bool) -> None:
-        if with_checksums:
-            indices, crcs = checksums.region_checksums(source, entry.grid, offsets)
-            self.crc += crcs
-        else:
-            indices = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(offsets, source.shape)]
+    def wrote(self, fqn: str, entry: TensorEntry, offsets: Any, shape: Any) -> None:
+        """Record the outer chunks of a region of ``shape`` written at ``offsets``."""
+        grid = entry.grid
+        indices = [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, shape)]
         self.chunk += indices
         self.tensor += [self.ids[fqn]] * len(indices)
+
+    def checksummed(self, fqn: str, pieces: Any, crcs: Any) -> None:
+        """Record the crc32c of pieces of ``fqn``'s checksum grid (flat indices)."""
+        pieces = [int(p) for p in pieces]
+        self.piece += pieces
+        self.crc += [int(c) for c in crcs]
+        self.crc_tensor += [self.ids[fqn]] * len(pieces)
 
     def packed(self) -> dict[str, Any]:
         return {"rank": self.rank, "placements": self.placements, "objects": self.objects,
                 "tensor": np.asarray(self.tensor, dtype=np.int32), "chunk": np.asarray(self.chunk, dtype=np.int64),
-                "crc": np.asarray(self.crc, dtype=np.uint32)}
+                "crc_tensor": np.asarray(self.crc_tensor, dtype=np.int32),
+                "piece": np.asarray(self.piece, dtype=np.int64), "crc": np.asarray(self.crc, dtype=np.uint32)}
 
     @staticmethod
     def merge(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, tuple[np.ndarray, ...]]:
-        """Each tensor's (chunk indices, crc32c values, writing ranks), from every rank's summary."""
-        tensor = np.concatenate([s["tensor"] for s in summaries] or [np.zeros(0, np.int32)])
-        chunk = np.concatenate([s["chunk"] for s in summaries] or [np.zeros(0, np.int64)])
-        crcs = [s["crc"] for s in summaries]
-        crc = np.concatenate(crcs) if crcs and all(len(c) == len(t["tensor"]) for c, t in zip(crcs, summaries)) \
-            else np.zeros(len(chunk), np.uint32)
-        rank = np.repeat([s["rank"] for s in summaries], [len(s["tensor"]) for s in summaries]).astype(np.int64)
-        order = np.argsort(tensor, kind="stable")
-        bounds = np.searchsorted(tensor[order], np.arange(len(names) + 1))
-        return {fqn: (chunk[order[a:b]], crc[order[a:b]], rank[order[a:b]])
-                for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}
+        """Each tensor's (outer chunk indices, writing ranks, checksummed piece indices, crc32c values)."""
+        chunks = _group(summaries, names, "tensor", "chunk", rank=True)
+        crcs = _group(summaries, names, "crc_tensor", "piece", "crc")
+        return {fqn: chunks[fqn] + crcs[fqn] for fqn in names}
+
+
+def _group(summaries: list[dict[str, Any]], names: list[str], by: str, *columns: str,
+           rank: bool = False) -> dict[str, tuple[np.ndarray, ...]]:
+    """Every summary's ``columns`` (and, with ``rank``, the reporting rank), grouped by tensor id ``by``."""
+    def joined(key: str, dtype: Any) -> np.ndarray:
+        return np.concatenate([np.asarray(s[key], dtype=dtype) for s in summaries] or [np.zeros(0, dtype)])
+
+    ids = joined(by, np.int32)
+    data = [joined(c, np.uint32 if c == "crc" else np.int64) for c in columns]
+    if rank:
+        data.append(np.repeat([s["rank"] for s in summaries], [len(s[by]) for s in summaries]).astype(np.int64))
+    order = np.argsort(ids, kind="stable")
+    bounds = np.searchsorted(ids[order], np.arange(len(names) + 1))
+    return {fqn: tuple(col[order[a:b]] for col in data) for fqn, a, b in zip(names, bounds[:-1], bounds[1:])}

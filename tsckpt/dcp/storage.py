@@ -13,6 +13,7 @@ Chunk grids come from :mod:`tsckpt.format.plan`, array specs from
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_pla
 from ..format.names import zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, check_unique_paths, plan_tensor
 from ..format.batch import RankBatch
+from ..format.region_writer import RegionWriter
 from ..format.spec import Store
 from ..format.target import SaveTarget, begin_save
 from ..location import Location, LocationLike
@@ -38,7 +40,7 @@ from . import compat, logs, plan_cache
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .planner import placement_records
 from .exchange import RankPlan, RankSummary
-from .io import TensorStoreIO, done, region
+from .io import TensorStoreIO, done
 from .protocol import Placements, encode_bytes
 from .staging import Stager
 
@@ -254,12 +256,9 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             self.layout, self._store, self._data_store = rank_plan.storage_layout, None, None
         records = placement_records(planner, rank_plan.arrays) if rank_plan.describe else {}
         store = self.data_store(rank_plan.location)
-        opened = {
-            fqn: store.create(e.path, zarr_json.tensor_metadata(e, self.array_options), self.rank)
-            for fqn, e in rank_plan.arrays.items()
-        }
         pending, results, keep_alive = [], [], []
         batch = RankBatch(store.layout, lambda: self._drain(pending), self.rank, str(self.checkpoint_id))
+        writer = RegionWriter(store, rank_plan.arrays, self.array_options, self.rank, batch)
         summary = RankSummary(self.rank, list(rank_plan.arrays), placements=records)
         copies = CopyWindow(self.per_thread_copy_ahead)
         later = []
@@ -276,27 +275,38 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             tensor = data.detach()
             nbytes = tensor.numel() * tensor.element_size()
             on_device = tensor.device.type != "cpu"
+            encoded = writer.formats[fqn] is not None
+            if on_device or encoded:
+                copies.admit(nbytes)  # a host copy, or the encoded chunks, of this size until written
             if on_device:
-                copies.admit(nbytes)
                 tensor = tensor.cpu()
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
             if not tensor.numel():
                 continue
             source = dtypes.tensor_as_numpy(tensor)
-            arr = batch.bind(opened[fqn].result())
-            fut = arr[region(chunk.offsets, chunk.sizes)].write(source, can_reference_source_data_indefinitely=True)
-            pending.append((fqn, fut))
+            entry = rank_plan.arrays[fqn]
+            summary.wrote(fqn, entry, chunk.offsets, source.shape)
+            written = writer.write(fqn, chunk.offsets, source)
+            pending += [(fqn, fut) for fut in written.futures]
             batch.wrote(fqn, nbytes)
-            if on_device:
+            finish = functools.partial(self._wait_all, fqn, written.futures)
+            if written.crcs is not None:
+                if self.checksums:
+                    summary.checksummed(fqn, written.pieces, written.crcs)
+                copies.add(nbytes, finish)  # the futures hold the encoded chunks; the source is free
+            elif on_device:
                 # Checksum the host copy now: the copy window may release it once written.
-                summary.add(fqn, rank_plan.arrays[fqn], chunk.offsets, source, self.checksums)
-                copies.add(nbytes, lambda fqn=fqn, fut=fut: self._wait(fqn, fut), hold=tensor)
+                if self.checksums:
+                    summary.checksummed(fqn, *checksums.region_checksums(source, entry.checksum_grid, chunk.offsets))
+                copies.add(nbytes, finish, hold=tensor)
             else:
                 keep_alive.append(tensor)
                 later.append((fqn, chunk.offsets, source))
         # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for fqn, offsets, source in later:
-            summary.add(fqn, rank_plan.arrays[fqn], offsets, source, self.checksums)
+        if self.checksums:
+            for fqn, offsets, source in later:
+                summary.checksummed(fqn, *checksums.region_checksums(source, rank_plan.arrays[fqn].checksum_grid,
+                                                                     offsets))
         copies.drain()
         self._drain(pending)
         batch.commit()
@@ -310,6 +320,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         for fqn, fut in pending:
             self._wait(fqn, fut)
         pending.clear()
+
+    def _wait_all(self, fqn: str, futures: Sequence[Any]) -> None:
+        for fut in futures:
+            self._wait(fqn, fut)
 
     def _wait(self, fqn: str, fut: Any) -> None:
         try:
@@ -346,14 +360,14 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         meshes: list = []
         tensors, writers = {}, {}
         for fqn, planned in self._entries.items():
-            indices, crcs, ranks = chunks[fqn]
+            indices, ranks, pieces, crcs = chunks[fqn]
             by_chunk = np.full(planned.grid.nchunks, -1, dtype=np.int64)
             by_chunk[indices] = ranks
             writers[fqn] = by_chunk.tolist()
             table = None
             if self.checksums:
                 try:
-                    table = checksums.encode_table(planned.grid, indices, crcs)
+                    table = checksums.encode_table(planned.checksum_grid, pieces, crcs)
                 except TsckptError as e:
                     raise PlanError(f"tensor {fqn!r} in {self.checkpoint_id}: {e}") from None
             tensors[fqn] = dataclasses.replace(
