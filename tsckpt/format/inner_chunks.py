@@ -28,14 +28,20 @@ Pure functions of shapes; nothing here touches storage.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 #: The rank counts a later load is planned for, along any one dimension.
 SPLITS = (2, 3, 4, 8)
 #: The most a rank may fetch along a dimension, relative to what it needs. Kept
 #: below the 1.3 documented for loads, which also read shard indexes.
 TARGET_RATIO = 1.2
+#: The most inner chunks one outer chunk is cut into: a bound on the cost per inner
+#: chunk (index entries, checksums, one copy each) for large chunks.
+MAX_PER_CHUNK = 1024
 #: Candidate sizes along a free dimension: the length divided by 1..this, and powers of two.
 _MAX_PIECES = 256
 
@@ -73,6 +79,33 @@ def _candidates(n: int, chunk: int) -> list[int]:
     return sorted(sizes)
 
 
+def _coarsest_fit(cands: list[list[int]], ratios: list[np.ndarray], fine: list[int], min_elems: int) -> list[int]:
+    """Sizes of at least ``min_elems`` elements in all whose worst ratio is least (then: fewest inner chunks).
+
+    Every combination is tried for one or two dimensions (vectorized); more
+    dimensions are coarsened one step at a time where the ratio grows least.
+    """
+    if len(cands) <= 2:
+        grids = np.meshgrid(*[np.asarray(c, dtype=np.int64) for c in cands], indexing="ij")
+        each = np.meshgrid(*ratios, indexing="ij")
+        elems = np.multiply.reduce(grids).reshape(-1)
+        ok = elems >= min_elems
+        if not ok.any():
+            return [c[-1] for c in cands]
+        # Least worst ratio, then least total (the other dimension's loads), then fewest inner chunks.
+        order = np.lexsort((-elems, np.add.reduce(each).reshape(-1), np.maximum.reduce(each).reshape(-1), ~ok))
+        return [int(g.reshape(-1)[order[0]]) for g in grids]
+    pick = list(fine)
+    while math.prod(pick) < min_elems:
+        steps = [(float(ratios[d][cands[d].index(nxt)]), -nxt / pick[d], d, nxt) for d in range(len(pick))
+                 for nxt in [next((u for u in cands[d] if u > pick[d]), None)] if nxt is not None]
+        if not steps:
+            break
+        _, _, d, nxt = min(steps)
+        pick[d] = nxt
+    return pick
+
+
 def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_bytes: int,
            max_bytes: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """The outer chunk shape (free dimensions rounded up) and the inner chunk shape, or None for no inner chunks.
@@ -82,20 +115,23 @@ def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_byt
     smallest inner chunk worth a read of its own (0 disables inner chunks);
     ``max_bytes``, if given, the largest.
     """
-    chunk = tuple(chunk)
-    if min_bytes <= 0 or not shape or math.prod(chunk) * itemsize <= min_bytes:
+    return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_bytes: int,
+            max_bytes: int | None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    # Cached: a model's layers repeat a few shapes, and planning runs once per save.
+    if min_bytes <= 0 or not math.prod(shape) or math.prod(chunk) * itemsize <= min_bytes:
         return chunk, None
     cands = [_candidates(n, c) for n, c in zip(shape, chunk)]
-    ratios = [{u: over_read(n, u) for u in cs} for n, cs in zip(shape, cands)]
+    ratios = [np.array([over_read(n, u) for u in cs]) for n, cs in zip(shape, cands)]
     # Finest that is fine enough: the largest size whose ratio meets the target, per dimension.
-    pick = [max(u for u in cs if r[u] <= TARGET_RATIO) for cs, r in zip(cands, ratios)]
-    while math.prod(pick) * itemsize < min_bytes:
-        steps = [(ratios[d][nxt], -nxt / pick[d], d, nxt) for d in range(len(pick))
-                 for nxt in [next((u for u in cands[d] if u > pick[d]), None)] if nxt is not None]
-        if not steps:
-            break
-        _, _, d, nxt = min(steps)
-        pick[d] = nxt
+    pick = [max(u for u, r in zip(cs, rs) if r <= TARGET_RATIO) for cs, rs in zip(cands, ratios)]
+    # The floor: the writer's, and at most MAX_PER_CHUNK inner chunks per outer chunk.
+    min_elems = max(-(-min_bytes // itemsize), -(-math.prod(chunk) // MAX_PER_CHUNK))
+    if math.prod(pick) < min_elems:
+        pick = _coarsest_fit(cands, ratios, pick, min_elems)
     while max_bytes and math.prod(pick) * itemsize > max_bytes:
         d = max(range(len(pick)), key=lambda i: pick[i])
         smaller = [u for u in cands[d] if u < pick[d]]

@@ -168,18 +168,19 @@ class TensorEntry:
         if len(self.chunk_shape) != ndim:
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} has the wrong rank for shape {list(self.shape)}")
         inner = self.inner_chunk_shape
-        if inner is not None and len(inner) != ndim:
-            raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {list(self.shape)}")
-        if inner is not None and any(i > max(n, 1) for i, n in zip(inner, self.shape)):
-            raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than shape {list(self.shape)}")
+        if inner is not None:
+            if len(inner) != ndim:
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {list(self.shape)}")
+            if any(i > c for c, i in zip(self.chunk_shape, inner)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {list(self.chunk_shape)}")
+            if any(i > max(n, 1) for i, n in zip(inner, self.shape)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than shape {list(self.shape)}")
         # Writers make each chunk at most the tensor (1 along empty dimensions), rounded up to
         # whole inner chunks; a larger one only makes readers allocate for elements that do not exist.
         limit = [max(n, 1) if inner is None else -(-max(n, 1) // inner[d]) * inner[d] for d, n in enumerate(self.shape)]
         if any(c > m for c, m in zip(self.chunk_shape, limit)):
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
         if inner is not None:
-            if any(i > c for c, i in zip(self.chunk_shape, inner)):
-                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {list(self.chunk_shape)}")
             if any(c % i for c, i in zip(self.chunk_shape, inner)):
                 raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {list(self.chunk_shape)}")
         if isinstance(self.placement, ShardedTensorPlacement):
