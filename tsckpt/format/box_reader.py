@@ -24,11 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
 import tensorstore as ts
 
-from ..errors import ChecksumError
 from . import checksums, dtypes, shards, zarr_json
 from .metadata import TensorEntry
 from .spec import Store, read_error, then
@@ -196,7 +194,11 @@ class BoxReader:
         stored = data[:count * fmt.piece_bytes].reshape(count, fmt.piece_bytes)[:, :raw]
         values = stored.view(self.dtype).reshape(*block, *fmt.inner)
         origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))  # of the block, in the array
-        self._check(index, origin, block, stored, values)
+        table = self._checksums()
+        if table is not None:
+            coords = np.indices(block).reshape(len(block), -1).T + np.asarray(origin) // np.asarray(fmt.inner)
+            shards.check_pieces(self.entry, fmt, table, index, coords, stored, values.reshape(-1, *fmt.inner),
+                                self.what)
         # The block's values in the array, and the part of them the box wants.
         span = tuple(b * i for b, i in zip(block, fmt.inner))
         a = tuple(max(o, x) for o, x in zip(origin, offsets))
@@ -212,32 +214,6 @@ class BoxReader:
         tiles, pieces = shards.tile_views(full, values, block, fmt.inner)
         np.copyto(tiles, pieces)
         np.copyto(dest, full[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))])
-
-    def _check(self, index: tuple[int, ...], origin: tuple[int, ...], block: tuple[int, ...],
-               stored: np.ndarray, values: np.ndarray) -> None:
-        """Check a block of inner chunks starting at ``origin`` against the table; skip padding beyond the edge."""
-        table = self._checksums()
-        fmt = self.fmt
-        assert fmt is not None
-        if table is None:
-            return
-        shape = np.asarray(self.entry.shape)
-        inner = np.asarray(fmt.inner)
-        coords = np.indices(block).reshape(len(block), -1).T + np.asarray(origin) // inner
-        corner = coords * inner
-        inside = np.flatnonzero((corner < shape).all(axis=1))  # the rest is padding, never handed out
-        whole = ((corner + inner) <= shape).all(axis=1)
-        found = np.fromiter((_crc32c.crc32c(stored[k]) if whole[k] else
-                             checksums.crc32c(values.reshape(-1, *fmt.inner)[k][
-                                 tuple(slice(0, int(m)) for m in np.minimum(inner, shape - corner[k]))])
-                             for k in inside), dtype=np.uint32, count=len(inside))
-        expected = table[np.ravel_multi_index(tuple(coords[inside].T), self.entry.checksum_grid.grid_shape)]
-        bad = np.flatnonzero(found != expected)
-        if len(bad):
-            at = coords[inside[bad[0]]].tolist()
-            raise ChecksumError(f"{self.what}: chunk {list(index)} does not match its stored crc32c at inner chunk "
-                                f"{at} (the data changed after it was written)")
-
 
 def _value(result: Any, missing: Exception) -> np.ndarray:
     if result.state != "value":

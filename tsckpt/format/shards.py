@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import numpy as np
 
+from ..errors import ChecksumError
 from . import checksums, dtypes
 from .grid import ChunkGrid
 from .metadata import ArrayOptions, TensorEntry
@@ -109,15 +110,19 @@ class ShardFormat:
                 within = tuple(slice(0, min(i, n - o * i)) for i, n, o in zip(self.inner, data.shape, origin))
                 piece = body[origin]
                 crcs.append(whole[k] if piece[within].shape == piece.shape else checksums.crc32c(piece[within]))
-        index = np.empty((self.pieces, 2), dtype=_ENTRY)
-        index[:, 0] = np.arange(self.pieces, dtype=np.uint64) * np.uint64(self.piece_bytes)
-        index[:, 1] = self.piece_bytes
-        tail = out[self.pieces * self.piece_bytes:]
-        tail[:16 * self.pieces] = index.reshape(-1).view(np.uint8)
-        if self.crc32c_codec:
-            tail[16 * self.pieces:] = np.frombuffer(
-                checksums.crc32c(tail[:16 * self.pieces]).to_bytes(4, "little"), dtype=np.uint8)
+        out[self.pieces * self.piece_bytes:] = self.index
         return out, crcs
+
+    @functools.cached_property
+    def index(self) -> np.ndarray:
+        """The index tsckpt writes at the end of every outer chunk (as ``uint8``): inner chunks in row-major order."""
+        entries = np.empty((self.pieces, 2), dtype=_ENTRY)
+        entries[:, 0] = np.arange(self.pieces, dtype=np.uint64) * np.uint64(self.piece_bytes)
+        entries[:, 1] = self.piece_bytes
+        raw = entries.reshape(-1).view(np.uint8)
+        if not self.crc32c_codec:
+            return raw
+        return np.concatenate([raw, np.frombuffer(checksums.crc32c(raw).to_bytes(4, "little"), dtype=np.uint8)])
 
     def parse_index(self, tail: bytes | memoryview, where: str) -> np.ndarray:
         """The ``(pieces, 2)`` array of ``(offset, nbytes)`` from a shard's last :attr:`index_bytes` bytes.
@@ -138,6 +143,32 @@ class ShardFormat:
             raise ValueError(f"{where}: the shard index describes inner chunks of another size than "
                              f"{self.piece_bytes} bytes")
         return index
+
+
+def check_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index: Sequence[int], coords: np.ndarray,
+                 stored: np.ndarray, values: np.ndarray, what: str) -> None:
+    """Check inner chunks of outer chunk ``index`` against the checksum ``table``.
+
+    ``coords``: each inner chunk's position in the array's grid of inner
+    chunks, one row each; ``stored``: their raw bytes, one row each;
+    ``values``: the same bytes as values, shaped ``(count, *inner)``. Inner
+    chunks entirely beyond the array's edge (padding) are skipped; those
+    across it are checked over their elements inside it.
+    """
+    shape = np.asarray(entry.shape)
+    inner = np.asarray(fmt.inner)
+    corner = coords * inner
+    inside = np.flatnonzero((corner < shape).all(axis=1))
+    whole = ((corner + inner) <= shape).all(axis=1)
+    found = np.fromiter((_crc32c.crc32c(stored[k]) if whole[k] else
+                         checksums.crc32c(values[k][tuple(slice(0, int(m)) for m in np.minimum(inner, shape - corner[k]))])
+                         for k in inside), dtype=np.uint32, count=len(inside))
+    expected = table[np.ravel_multi_index(tuple(coords[inside].T), entry.checksum_grid.grid_shape)]
+    bad = np.flatnonzero(found != expected)
+    if len(bad):
+        at = coords[inside[bad[0]]].tolist()
+        raise ChecksumError(f"{what}: chunk {list(index)} does not match its stored crc32c at inner chunk {at} "
+                            "(the data changed after it was written)")
 
 
 def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
