@@ -78,7 +78,8 @@ def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world):
     assert inner is not None and all(o % i == 0 for o, i in zip(outer, inner))
     # A dimension ranks cut keeps its aligned chunk; one they do not is rounded up to whole inner chunks.
     assert all(o == c if c < n else n <= o < n + i for o, c, n, i in zip(outer, chunk, shape, inner))
-    assert 16 << 10 <= math.prod(inner) * 2 <= 16 << 20
+    floor = min(16 << 10, max(inner_chunks.MIN_PIECE_BYTES, math.prod(chunk) * 2 // inner_chunks.SMALL_PIECES))
+    assert floor <= math.prod(inner) * 2 <= 16 << 20
     fine = [inner_chunks.over_read(n, i) for n, i in zip(shape, inner)]
     if math.prod(shape) >= (1 << 22) and world != 3:
         assert max(fine) <= inner_chunks.TARGET_RATIO, (inner, fine)
@@ -93,7 +94,9 @@ def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world):
 
 
 def test_small_chunks_stay_whole_and_prime_dimensions_are_still_cut():
-    assert inner_chunks.choose((16, 16), (16, 16), 4, min_bytes=16 << 10) == ((16, 16), None)
+    assert inner_chunks.choose((8, 16), (8, 16), 4, min_bytes=16 << 10) == ((8, 16), None)  # 512 bytes
+    outer, inner = inner_chunks.choose((96, 384), (24, 384), 2, min_bytes=16 << 10)  # a small shard: 18 KiB
+    assert inner is not None and math.prod(inner) * 2 >= 18 << 10 >> 4 and outer[0] == 24
     assert inner_chunks.choose((512, 512), (128, 512), 4, min_bytes=0) == ((128, 512), None)  # 0 disables
     outer, inner = inner_chunks.choose((3, 40999), (3, 40999), 4, min_bytes=4096)
     assert inner is not None and inner[1] < 40999 and outer[1] % inner[1] == 0 and outer[1] >= 40999

@@ -14,9 +14,11 @@ than :data:`TARGET_RATIO` times the extent it needs, counted along that
 dimension alone (a load that splits one dimension reads every other one whole,
 so per-dimension ratios are the ratios of bytes). Among the sizes that meet it,
 the largest (fewest inner chunks) wins. When that makes an inner chunk smaller
-than the writer's floor (``min_bytes``), dimensions are coarsened one step at a
-time, each time where the ratio grows least, until it is not: tiny tensors are
-then read in fewer, larger pieces, which costs little since they hold few bytes.
+than the floor, the sizes whose worst ratio is least among those above the
+floor win instead. The floor is the writer's (``min_bytes``, 16 KiB by
+default), lowered for small outer chunks to a sixteenth of the chunk (never
+below 512 bytes), so a small shard is still cut into a few pieces; and no outer
+chunk is cut into more than 1024.
 
 Along a dimension the saved regions cut (a rank boundary inside it), the outer
 chunk is fixed by those boundaries and inner chunks must divide it. Along a
@@ -39,6 +41,10 @@ SPLITS = (2, 3, 4, 8)
 #: The most a rank may fetch along a dimension, relative to what it needs. Kept
 #: below the 1.3 documented for loads, which also read shard indexes.
 TARGET_RATIO = 1.2
+#: An outer chunk smaller than this many times the writer's floor is cut into up to this many
+#: pieces of at least MIN_PIECE_BYTES instead: a column of a small shard is read without the rest.
+SMALL_PIECES = 16
+MIN_PIECE_BYTES = 512
 #: The most inner chunks one outer chunk is cut into: a bound on the cost per inner
 #: chunk (index entries, checksums, one copy each) for large chunks.
 MAX_PER_CHUNK = 1024
@@ -122,14 +128,17 @@ def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_byt
 def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_bytes: int,
             max_bytes: int | None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     # Cached: a model's layers repeat a few shapes, and planning runs once per save.
-    if min_bytes <= 0 or not math.prod(shape) or math.prod(chunk) * itemsize <= min_bytes:
+    if min_bytes <= 0 or not math.prod(shape) or math.prod(chunk) * itemsize <= min(min_bytes, MIN_PIECE_BYTES):
         return chunk, None
     cands = [_candidates(n, c) for n, c in zip(shape, chunk)]
     ratios = [np.array([over_read(n, u) for u in cs]) for n, cs in zip(shape, cands)]
     # Finest that is fine enough: the largest size whose ratio meets the target, per dimension.
     pick = [max(u for u, r in zip(cs, rs) if r <= TARGET_RATIO) for cs, rs in zip(cands, ratios)]
-    # The floor: the writer's, and at most MAX_PER_CHUNK inner chunks per outer chunk.
-    min_elems = max(-(-min_bytes // itemsize), -(-math.prod(chunk) // MAX_PER_CHUNK))
+    # The floor: the writer's, lowered for outer chunks too small to hold SMALL_PIECES of it (small
+    # shards are read in part too, and their few pieces cost little), and at most MAX_PER_CHUNK pieces.
+    chunk_bytes = math.prod(chunk) * itemsize
+    floor = min(min_bytes, max(MIN_PIECE_BYTES, chunk_bytes // SMALL_PIECES))
+    min_elems = max(-(-floor // itemsize), -(-math.prod(chunk) // MAX_PER_CHUNK))
     if math.prod(pick) < min_elems:
         pick = _coarsest_fit(cands, ratios, pick, min_elems)
     while max_bytes and math.prod(pick) * itemsize > max_bytes:
