@@ -66,20 +66,25 @@ def synthetic_plans(ranks: int, tensors: int, rows: int, cols: int) -> tuple[lis
 
 
 def synthetic_results(plans: list[SavePlan], writer: TensorStoreWriter) -> list[list[WriteResult]]:
-    """What each rank's write_data would return: per item results and one summary of its chunks and crc32c values."""
+    """What each rank's write_data would return: per item results and one summary of its chunks and pieces' crc32c."""
     ids = {fqn: i for i, fqn in enumerate(writer._entries)}
     out = []
     for r, plan in enumerate(plans):
-        tensor, chunk = [], []
+        tensor, chunk, crc_tensor, piece = [], [], [], []
         for item in plan.items:
             entry = writer._entries[item.index.fqn]
             c = item.tensor_data.chunk
             found = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
             chunk += found
             tensor += [ids[item.index.fqn]] * len(found)
+            units = entry.checksum_grid
+            pieces = [units.flat_index(i) for i, _ in units.chunks_within(c.offsets, c.sizes)]
+            piece += pieces
+            crc_tensor += [ids[item.index.fqn]] * len(pieces)
         summary = {"rank": r, "placements": {}, "objects": {}, "tensor": np.asarray(tensor, dtype=np.int32),
-                   "chunk": np.asarray(chunk, dtype=np.int64),
-                   "crc": (np.arange(len(chunk), dtype=np.uint32) * 2654435761 + r).astype(np.uint32)}
+                   "chunk": np.asarray(chunk, dtype=np.int64), "crc_tensor": np.asarray(crc_tensor, dtype=np.int32),
+                   "piece": np.asarray(piece, dtype=np.int64),
+                   "crc": (np.arange(len(piece), dtype=np.uint32) * 2654435761 + r).astype(np.uint32)}
         results = [WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items]
         results[0] = WriteResult(index=results[0].index, size_in_bytes=0, storage_data=summary)
         out.append(results)

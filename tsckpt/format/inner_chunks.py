@@ -17,8 +17,9 @@ the largest (fewest inner chunks) wins. When that makes an inner chunk smaller
 than the floor, the sizes whose worst ratio is least among those above the
 floor win instead. The floor is the writer's (``min_bytes``, 16 KiB by
 default), lowered for small outer chunks to a sixteenth of the chunk (never
-below 512 bytes), so a small shard is still cut into a few pieces; and no outer
-chunk is cut into more than 1024.
+below 512 bytes), so a small shard is still cut into a few pieces; and no
+tensor is cut into more than 1024 inner chunks (or its number of outer chunks,
+if larger), so its checksum table in the root document stays small.
 
 Along a dimension the saved regions cut (a rank boundary inside it), the outer
 chunk is fixed by those boundaries and inner chunks must divide it. Along a
@@ -45,9 +46,9 @@ TARGET_RATIO = 1.2
 #: pieces of at least MIN_PIECE_BYTES instead: a column of a small shard is read without the rest.
 SMALL_PIECES = 16
 MIN_PIECE_BYTES = 512
-#: The most inner chunks one outer chunk is cut into: a bound on the cost per inner
-#: chunk (index entries, checksums, one copy each) for large chunks.
-MAX_PER_CHUNK = 1024
+#: The most inner chunks a tensor is cut into (unless it has more outer chunks): its checksum
+#: table in the root document, which every rank reads, stays within about 5.5 KB.
+MAX_PER_TENSOR = 1024
 #: Candidate sizes along a free dimension: the length divided by 1..this, and powers of two.
 _MAX_PIECES = 256
 
@@ -135,10 +136,10 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
     # Finest that is fine enough: the largest size whose ratio meets the target, per dimension.
     pick = [max(u for u, r in zip(cs, rs) if r <= TARGET_RATIO) for cs, rs in zip(cands, ratios)]
     # The floor: the writer's, lowered for outer chunks too small to hold SMALL_PIECES of it (small
-    # shards are read in part too, and their few pieces cost little), and at most MAX_PER_CHUNK pieces.
+    # shards are read in part too, and their few pieces cost little), and at most MAX_PER_TENSOR pieces.
     chunk_bytes = math.prod(chunk) * itemsize
     floor = min(min_bytes, max(MIN_PIECE_BYTES, chunk_bytes // SMALL_PIECES))
-    min_elems = max(-(-floor // itemsize), -(-math.prod(chunk) // MAX_PER_CHUNK))
+    min_elems = max(-(-floor // itemsize), -(-math.prod(shape) // MAX_PER_TENSOR))
     if math.prod(pick) < min_elems:
         pick = _coarsest_fit(cands, ratios, pick, min_elems)
     while max_bytes and math.prod(pick) * itemsize > max_bytes:
