@@ -8,7 +8,6 @@ Its constructor also takes ``FileSystemReader``'s arguments.
 from __future__ import annotations
 
 import functools
-import math
 import time
 import uuid
 
@@ -72,12 +71,13 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         allow_pickle: restore non-tensor values that need arbitrary unpickling
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        per_thread_copy_ahead: bytes of host buffers a rank reads ahead for
+        per_thread_copy_ahead: bytes of host buffers a rank reads ahead: for
             destinations that are not filled in place (GPU tensors, or a dtype
-            cast); it copies older buffers to their destinations before reading
-            more, so a rank's extra host memory stays near this plus a few
-            times its largest tensor. Default 1 GiB, as the writer's; 0 reads one
-            tensor at a time; ``None`` reads everything first.
+            cast), and the encoded inner chunks read before they are checked and
+            placed; it completes older reads before starting more, so a rank's
+            extra host memory stays near this plus a few times its largest
+            tensor. Default 1 GiB, as the writer's; 0 reads one tensor at a
+            time; ``None`` reads everything first.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
@@ -158,14 +158,17 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 raise TsckptError(f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}: {e}") from e
             # Detached like DCP's own reader: a destination that requires grad is still filled in place.
             dest = planner.resolve_tensor(item).detach()
-            if _in_place(dest, reader.dtype):
-                read = reader.read(item.storage_offsets, item.lengths, out=dtypes.tensor_as_numpy(dest))
-                pending.append(functools.partial(self._complete, planner, item, dest, read, False))
-                continue
-            nbytes = math.prod(item.lengths) * reader.dtype.itemsize
-            buffers.admit(nbytes)  # before the read starts: its buffer is what the window bounds
-            read = reader.read(item.storage_offsets, item.lengths)
-            buffers.add(nbytes, functools.partial(self._complete, planner, item, dest, read, True))
+            in_place = _in_place(dest, reader.dtype)
+            # Host memory the read holds until completed: its buffer, or the bytes read before they are placed.
+            nbytes = reader.held_bytes(item.lengths, out=in_place)
+            if nbytes:
+                buffers.admit(nbytes)  # before the read starts: what it holds is what the window bounds
+            read = reader.read(item.storage_offsets, item.lengths, out=dtypes.tensor_as_numpy(dest) if in_place else None)
+            complete = functools.partial(self._complete, planner, item, dest, read, not in_place)
+            if nbytes:
+                buffers.add(nbytes, complete)
+            else:
+                pending.append(complete)
         buffers.drain()
         for complete in pending:
             complete()

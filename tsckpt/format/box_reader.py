@@ -79,6 +79,15 @@ class BoxReader:
             self.table = checksums.decode_table(self.entry.checksums, self.entry.checksum_grid, self.what)
         return self.table
 
+    def held_bytes(self, sizes: Sequence[int], out: bool) -> int:
+        """About how many bytes of host memory a read of ``sizes`` holds until its result is taken.
+
+        A read into ``out`` through TensorStore's array driver holds none; one of
+        encoded chunks holds the bytes read (whole inner chunks) until it is placed.
+        """
+        nbytes = math.prod(sizes) * self.dtype.itemsize
+        return nbytes * (2 if not out else 1) if self.fmt is not None else (0 if out else nbytes)
+
     def read(self, offsets: Sequence[int], sizes: Sequence[int], out: np.ndarray | None = None) -> PendingBox:
         """Start reading the box ``offsets``/``sizes``; into ``out`` (its shape, the stored dtype) if given."""
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
