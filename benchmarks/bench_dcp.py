@@ -10,8 +10,8 @@ dtype, row-sharded over ``--world`` gloo CPU ranks, every contender
 * loads column-sharded into the same rank count and into ``--reshard-world`` ranks;
 * on the tuned workload also: ``async_save``, and opening and slicing without a process group.
 
-Then (``fetched.py``) the bytes fetched vs the bytes needed on a resharded
-load, on local disk and on an S3 server on loopback; and (``--many-ranks``)
+Then (``fetched.py``) the bytes each rank fetches vs the bytes it needs, on
+each load of ``--reshards``, on local disk and on an S3 server on loopback; and (``--many-ranks``)
 runs with more ranks than cores on a few hundred small tensors.
 
 Every repetition rotates which contender goes first; every figure keeps its
@@ -41,6 +41,7 @@ import contenders as cont  # noqa: E402
 import dcp_ranks  # noqa: E402
 import dcp_report  # noqa: E402
 import harness  # noqa: E402
+import fetched  # noqa: E402
 import workloads as wl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -163,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fetch-gb", type=float, default=0.25, help="state dict size for bytes fetched on local disk")
     ap.add_argument("--s3-gb", type=float, default=0.05, help="state dict size for bytes fetched on S3")
     ap.add_argument("--fetch-workload", default="untuned", choices=sorted(wl.WORKLOADS))
+    ap.add_argument("--reshards", default=fetched.RESHARDS,
+                    help="loads measured for bytes fetched, as PLACEMENT:RANKS (row, column, replicated), comma-separated")
     ap.add_argument("--many-ranks", type=_ints, default=[8, 16])
     ap.add_argument("--many-gb", type=float, default=0.02, help="size of the many-small-tensors state dict")
     ap.add_argument("--many-reps", type=int, default=None, help="repetitions of the many-rank runs (default --reps)")
@@ -252,8 +255,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def fetched_run(args: argparse.Namespace, layouts: list[str], base: str) -> dict[str, Any]:
-    import fetched
-
     return fetched.run(args, layouts, base)
 
 

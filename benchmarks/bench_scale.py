@@ -118,7 +118,7 @@ def tsckpt_results(plans: list[SavePlan], writer: TensorStoreWriter) -> list[Ran
     found_for: dict[tuple[Any, ...], list[int]] = {}
     out = []
     for r, plan in enumerate(plans):
-        tensor, chunk = [], []
+        tensor, chunk, crc_tensor, piece = [], [], [], []
         for item in plan.items:
             entry = layout.entries[item.index.fqn]
             c = item.tensor_data.chunk
@@ -129,8 +129,14 @@ def tsckpt_results(plans: list[SavePlan], writer: TensorStoreWriter) -> list[Ran
                                           for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
             chunk += found
             tensor += [numbers[item.index.fqn]] * len(found)
-        crc = (np.arange(len(chunk), dtype=np.uint32) * np.uint32(2654435761) + np.uint32(r)).astype(np.uint32)
-        summary = RankSummary(r, writer.save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64), crc)
+            units = entry.checksum_grid
+            pieces = [units.flat_index(i) for i, _ in units.chunks_within(c.offsets, c.sizes)]
+            piece += pieces
+            crc_tensor += [numbers[item.index.fqn]] * len(pieces)
+        crc = (np.arange(len(piece), dtype=np.uint32) * np.uint32(2654435761) + np.uint32(r)).astype(np.uint32)
+        digest = np.zeros((len(chunk), 16), np.uint8)
+        summary = RankSummary(r, writer.save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64), crc,
+                              digest, crc_tensor=np.asarray(crc_tensor, np.int32), piece=np.asarray(piece, np.int64))
         sizes = [math.prod(item.tensor_data.chunk.sizes) * 2 for item in plan.items]
         out.append(RankWrites([WriteResult(index=item.index, size_in_bytes=s, storage_data=None)
                                for item, s in zip(plan.items, sizes)], summary))

@@ -125,33 +125,51 @@ def verdicts(samples: dict[str, Any]) -> list[str]:
     return out
 
 
+def _load_label(key: str, world: int) -> str:
+    placement, _, ranks = key.partition(":")
+    what = {"column": "column-sharded", "row": "row-sharded", "replicated": "replicated"}.get(placement, placement)
+    return f"{what}, {world} -> {ranks} ranks"
+
+
+def _fetched_rows(loads: dict[str, Any], world: int, moved: str, s3: bool) -> list[list[str]]:
+    rows = []
+    for key, by_contender in loads.items():
+        for name, e in by_contender.items():
+            needed, got = e["needed"], e[moved]
+            per_rank = max(g / n for g, n in zip(got, needed) if n)
+            ratio = sum(got) / sum(needed)
+            # A replicated load needs a whole copy on every rank; storage served that many copies.
+            copies = f" ({sum(got) / needed[0]:.2f} copies)" if key.startswith("replicated") else ""
+            extra = f"{sum(e['requests'])}" if s3 else f"{sum(e['read_bytes']) / sum(needed):.2f}"
+            rows.append([_load_label(key, world), label(name, s3=s3), f"{sum(needed) / 1e6:.1f} MB",
+                         f"{sum(got) / 1e6:.1f} MB", f"**{ratio:.2f}**{copies}", f"**{per_rank:.2f}**", extra,
+                         f"{e['seconds']:.3f}"])
+    return rows
+
+
 def fetched_tables(f: dict[str, Any]) -> list[str]:
-    """Bytes fetched vs needed on a column-resharded load, on local disk and on S3."""
+    """Bytes each rank fetched vs the bytes it needed, for every resharded load, on local disk and on S3."""
     lines: list[str] = []
-    where = f"{f['world']} -> {f['reshard_world']} ranks, column-sharded"
+    world = f["world"]
     disk = f.get("disk")
     if disk:
-        loads = disk["loads"]
-        lines += ["", f"Local disk ({where}; {disk['bytes'] / 1e6:.0f} MB state dict). `rchar`: bytes the ranks' "
-                      "read/pread calls returned, summed over ranks (what ranks on separate nodes would fetch). "
-                      "`read_bytes`: bytes the block device delivered after the checkpoint left the page cache "
-                      "(ranks on one machine share the cache).", ""]
-        lines += table(["contender", "needed", "rchar", "rchar / needed", "read_bytes", "read_bytes / needed",
-                        "seconds"],
-                       [[label(name), f"{e['needed'] / 1e6:.1f} MB", f"{e['rchar'] / 1e6:.1f} MB",
-                         f"**{e['rchar'] / e['needed']:.2f}**", f"{e['read_bytes'] / 1e6:.1f} MB",
-                         f"{e['read_bytes'] / e['needed']:.2f}", f"{e['seconds']:.3f}"]
-                        for name, e in loads.items()]).splitlines()
+        lines += ["", f"Local disk ({disk['bytes'] / 1e6:.0f} MB state dict saved row-sharded by {world} ranks). "
+                      "`rchar`: bytes a rank's read/pread calls returned (what a rank on its own node would "
+                      "fetch); the ratio is summed over ranks against what the ranks' tensors hold, and for the "
+                      "rank that fetched the most relative to its needs. `read_bytes / needed`: bytes the block "
+                      "device delivered after the page cache was dropped (ranks on one machine share the cache).", ""]
+        lines += table(["load into", "contender", "needed", "rchar", "rchar / needed", "largest rank",
+                        "read_bytes / needed", "seconds"],
+                       _fetched_rows(disk["loads"], world, "rchar", s3=False)).splitlines()
     s3 = f.get("s3")
     if s3:
-        loads = s3["loads"]
-        lines += ["", f"S3, moto on loopback behind a byte-counting proxy ({where}; {s3['bytes'] / 1e6:.0f} MB "
-                      "state dict). Served: bytes the server sent to the ranks (HTTP bodies and headers); "
-                      "requests: HTTP requests the ranks sent.", ""]
-        lines += table(["contender", "needed", "served", "served / needed", "requests", "seconds"],
-                       [[label(name, s3=True), f"{e['needed'] / 1e6:.1f} MB", f"{e['served'] / 1e6:.1f} MB",
-                         f"**{e['served'] / e['needed']:.2f}**", e["requests"], f"{e['seconds']:.3f}"]
-                        for name, e in loads.items()]).splitlines()
+        lines += ["", f"S3, moto on loopback behind one byte-counting proxy per rank ({s3['bytes'] / 1e6:.0f} MB "
+                      f"state dict saved row-sharded by {world} ranks). Served: bytes the server sent to a rank "
+                      "(HTTP bodies and headers), summed and for the rank with the largest ratio; requests: "
+                      "HTTP requests the ranks sent.", ""]
+        lines += table(["load into", "contender", "needed", "served", "served / needed", "largest rank",
+                        "requests", "seconds"],
+                       _fetched_rows(s3["loads"], world, "served", s3=True)).splitlines()
     return lines
 
 

@@ -11,9 +11,9 @@ Three workloads, in a registry keyed by name:
 * ``small``: a few hundred small matrices, for runs with more ranks than cores.
 
 Every tensor is a DTensor sharded on dim 0 (row) or, for destinations of a
-resharded load, on dim 1 (column; 1-D tensors stay on dim 0). Shards follow
-``torch.chunk``, as DTensor's ``Shard`` does, so uneven sizes give uneven
-(possibly empty) shards.
+resharded load, on dim 1 (column; 1-D tensors stay on dim 0), or replicated on
+every rank. Shards follow ``torch.chunk``, as DTensor's ``Shard`` does, so
+uneven sizes give uneven (possibly empty) shards.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GPT2_VOCAB = 50257
@@ -162,8 +162,9 @@ def local_shape(shape: tuple[int, ...], dim: int, ranks: int, rank: int) -> list
     return out
 
 
-def build_state_dict(w: Workload, dtype: torch.dtype, mesh: Any, column: bool, fill: bool) -> dict[str, Any]:
-    """The model + optimizer state dict of ``w``, row- (or column-) sharded over ``mesh``.
+def build_state_dict(w: Workload, dtype: torch.dtype, mesh: Any, column: bool, fill: bool,
+                     replicated: bool = False) -> dict[str, Any]:
+    """The model + optimizer state dict of ``w``, row- (or column-) sharded over ``mesh``, or replicated on it.
 
     With ``fill`` every shard holds seeded normal values (a different seed per
     tensor and rank), otherwise uninitialised memory as a load destination.
@@ -172,13 +173,13 @@ def build_state_dict(w: Workload, dtype: torch.dtype, mesh: Any, column: bool, f
 
     def tensor(name: str, shape: tuple[int, ...]) -> DTensor:
         dim = shard_dim(shape, column)
-        shard = local_shape(shape, dim, ranks, rank)
+        shard = list(shape) if replicated else local_shape(shape, dim, ranks, rank)
         local = torch.empty(shard, dtype=dtype)
         if fill:
             gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@{rank}".encode()))
             local.copy_(torch.randn(shard, generator=gen, dtype=torch.float32))
-        return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(local, mesh, [Replicate() if replicated else Shard(dim)], run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
 
     model, state = {}, {}
     for name, shape in w.params().items():

@@ -91,17 +91,21 @@ def _results(**env: object) -> dict:
     run = {"workload": "untuned", "dtype": "bf16", "describe": "d", "bytes": 10**9, "world": 4, "reshard_world": 2,
            "samples": _samples(), "memory": {"tsckpt/plain": 10**6}, "files": {"tsckpt/plain": 9, "dcp-t1": 5},
            "local_bytes": 10**8, "evict": "drop_caches"}
-    loads = {"dcp-t1": {"seconds": 1.0, "needed": 100, "rchar": 250, "read_bytes": 100},
-             "tsckpt/plain": {"seconds": 0.5, "needed": 100, "rchar": 110, "read_bytes": 105}}
-    s3 = {"dcp-t1": {"seconds": 2.0, "needed": 100, "served": 360, "requests": 26},
-          "tsckpt/plain": {"seconds": 1.0, "needed": 100, "served": 120, "requests": 900}}
+    loads = {"column:2": {"dcp-t1": {"seconds": 1.0, "needed": [50, 50], "rchar": [100, 150], "read_bytes": [50, 50]},
+                          "tsckpt/plain": {"seconds": 0.5, "needed": [50, 50], "rchar": [50, 60],
+                                           "read_bytes": [50, 55]}},
+             "replicated:2": {"tsckpt/plain": {"seconds": 0.5, "needed": [100, 100], "rchar": [100, 101],
+                                               "read_bytes": [100, 0]}}}
+    s3 = {"column:2": {"dcp-t1": {"seconds": 2.0, "needed": [50, 50], "served": [180, 180], "requests": [13, 13]},
+                       "tsckpt/plain": {"seconds": 1.0, "needed": [50, 50], "served": [60, 60],
+                                        "requests": [450, 450]}}}
     many = {"ranks": 16, "describe": "150 matrices", "bytes": 10**7, "cpus": 2, "evict": "drop_caches",
             "samples": {"dcp-t1": {"save": [4.0], "load": [2.0]}, "tsckpt/plain": {"save": [2.0], "load": [4.0]}},
             "files": {"dcp-t1": 17, "tsckpt/plain": 3000}}
     return {"env": {"date": "2026-01-01 00:00 UTC", "machine": "2 CPUs", "command": "python benchmarks/bench_dcp.py",
                     "reps": 3, "load_before": "1.0", "load_after": "2.0", "complete": True, **env},
             "layouts": {"run": ["plain"], "skipped": ["packed"]}, "runs": [run],
-            "fetched": {"world": 4, "reshard_world": 2, "disk": {"bytes": 10**8, "loads": loads},
+            "fetched": {"world": 4, "reshards": ["column:2", "replicated:2"], "disk": {"bytes": 10**8, "loads": loads},
                         "s3": {"bytes": 10**8, "loads": s3}},
             "many": [many]}
 
@@ -115,8 +119,11 @@ def test_markdown_reports_ratios_verdicts_bytes_and_ranks():
     assert "- tsckpt.save/load, plain: save 2.00x (>= 1.3x met); load 1.20x (>= 1.2x met); " \
            "reshard_fewer 3.00x (>= 2.0x met)" in text
     assert "save 1.00x (>= 1.3x missed); load 0.60x (>= 1.2x missed)" in text
-    assert "| **2.50** |" in text and "| **1.10** |" in text  # rchar / needed on disk
-    assert "| **3.60** | 26 |" in text and "FsspecWriter/Reader over s3fs" in text
+    # rchar / needed on disk: summed over ranks, then the rank that fetched the most for its needs
+    assert "| column-sharded, 4 -> 2 ranks | DCP FileSystemWriter/Reader (default) | 0.0 MB | 0.0 MB | **2.50** | " \
+           "**3.00** | 1.00 | 1.000 |" in text
+    assert "| **1.10** | **1.20** | 1.05 |" in text and "| **1.00** (2.01 copies) | **1.01** |" in text
+    assert "| **3.60** | **3.60** | 26 |" in text and "FsspecWriter/Reader over s3fs" in text
     assert "| 16 | tsckpt.save/load, plain | 2.000 s | 4.000 s | 3000 | **2.00x** | **0.50x** |" in text
     assert "drop_caches" in text
 

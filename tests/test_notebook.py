@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -12,6 +13,13 @@ from nbclient import NotebookClient
 import tsckpt
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "inspect_checkpoint.ipynb"
+
+
+@pytest.fixture(autouse=True)
+def kernel_imports_this_checkout(monkeypatch):
+    """The kernel starts in a temporary directory: point it at the tsckpt under test, not an installed one."""
+    root = str(Path(tsckpt.__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
 
 
 def test_inspect_notebook_executes(tmp_path):

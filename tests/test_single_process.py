@@ -78,7 +78,8 @@ def test_large_chunks_use_inner_chunks_and_slices_read_back(tmp_path):
     w = torch.randn(64, 48)
     tsckpt.save({"w": w}, tmp_path / "c", inner_chunk_bytes=2048)
     arr = zarr.open_array(tsckpt.zarr_store(tmp_path / "c"), path="w")
-    assert arr.shards == (64, 48) and arr.chunks != (64, 48)
+    # One shard (rounded up to whole inner chunks) of several inner chunks.
+    assert all(s >= n for s, n in zip(arr.shards, (64, 48))) and arr.chunks != arr.shards
     np.testing.assert_array_equal(arr[5:9, 10:30], w[5:9, 10:30].numpy())
     back = {"w": torch.zeros(64, 48)}
     tsckpt.load(back, tmp_path / "c")

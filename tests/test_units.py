@@ -6,7 +6,8 @@ import pytest
 
 from tsckpt import errors
 from tsckpt.format import values
-from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling, inner_chunk_shape
+from tsckpt.format import inner_chunks
+from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
 from tsckpt.format.metadata import CheckpointMetadata, TensorEntry
 
@@ -56,12 +57,55 @@ def test_tiling_rejects_overlap_gap_and_out_of_bounds():
         check_tiling("w", (4, 4), [((0, 0), (5, 4))])
 
 
-def test_inner_chunks_divide_and_respect_target():
-    inner = inner_chunk_shape((1024, 4096), 4, 4 << 20)
-    assert inner is not None and all(c % i == 0 for c, i in zip((1024, 4096), inner))
-    assert math.prod(inner) * 4 <= 4 << 20
-    assert inner_chunk_shape((16, 16), 4, 4 << 20) is None
-    assert inner_chunk_shape((3, 4099), 4, 1000) == (1, 4099)  # a large prime dim is never sliced
+def _torch_chunk(n, k):
+    size = -(-n // k)
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+@pytest.mark.parametrize("shape, world, meets", [
+    ((50257, 1280), 4, False), ((3413, 1280), 4, True), ((1280, 3413), 4, True), ((4096, 4096), 8, True),
+    ((4096, 14336), 8, True), ((128256, 4096), 8, True),
+    ((50257, 384), 4, False), ((1280, 3413), 3, False), ((384, 1024), 4, False), ((1000, 1000), 1, False),
+    ((12569, 64), 2, False)])
+def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world, meets):
+    """Loads into 2, 3, 4 or 8 ranks along either dimension fetch at most 1.2x per rank, where the floor allows.
+
+    They do not where 16 KiB inner chunks are too coarse for 8-way splits (tensors of a few MB),
+    where a tensor's 1024 inner chunks at most are (a [50257, 384] vocabulary), or where the save's
+    rank boundaries leave the outer chunk only large prime factors (3413 rows on 3 ranks: 1138 = 2 x 569);
+    those still fetch well under what whole outer chunks would.
+    """
+    boxes = [((a, 0), (b - a, shape[1])) for a, b in _torch_chunk(shape[0], world)]
+    chunk = aligned_chunk_shape(shape, boxes)
+    outer, inner = inner_chunks.choose(shape, chunk, 2, min_bytes=16 << 10, max_bytes=16 << 20)
+    assert inner is not None and all(o % i == 0 for o, i in zip(outer, inner))
+    # A dimension ranks cut keeps its aligned chunk; one they do not is rounded up to whole inner chunks.
+    assert all(o == c if c < n else n <= o < n + i for o, c, n, i in zip(outer, chunk, shape, inner))
+    floor = min(16 << 10, max(inner_chunks.MIN_PIECE_BYTES, math.prod(chunk) * 2 // inner_chunks.SMALL_PIECES))
+    assert floor <= math.prod(inner) * 2 <= 16 << 20
+    assert math.prod(-(-n // i) for n, i in zip(shape, inner)) <= max(inner_chunks.MAX_PER_TENSOR,
+                                                                     math.prod(-(-n // c) for n, c in zip(shape, chunk)))
+    fine = [inner_chunks.over_read(n, i) for n, i in zip(shape, inner)]
+    if meets:
+        assert max(fine) <= inner_chunks.TARGET_RATIO, (inner, fine)
+    else:
+        assert max(fine) < 0.5 * max(inner_chunks.over_read(n, c) for n, c in zip(shape, outer)), (inner, fine)
+    # Check over_read itself against a direct count for one split.
+    for k in inner_chunks.SPLITS:
+        for a, b in _torch_chunk(shape[1], k):
+            got = inner_chunks.fetched(shape[1], inner[1], a, b)
+            assert got == (min(-(-b // inner[1]) * inner[1], shape[1]) - a // inner[1] * inner[1])
+            assert got / (b - a) <= inner_chunks.over_read(shape[1], inner[1]) + 1e-12
+
+
+def test_small_chunks_stay_whole_and_prime_dimensions_are_still_cut():
+    assert inner_chunks.choose((8, 16), (8, 16), 4, min_bytes=16 << 10) == ((8, 16), None)  # 512 bytes
+    outer, inner = inner_chunks.choose((96, 384), (24, 384), 2, min_bytes=16 << 10)  # a small shard: 18 KiB
+    assert inner is not None and math.prod(inner) * 2 >= 18 << 10 >> 4 and outer[0] == 24
+    assert inner_chunks.choose((512, 512), (128, 512), 4, min_bytes=0) == ((128, 512), None)  # 0 disables
+    outer, inner = inner_chunks.choose((3, 40999), (3, 40999), 4, min_bytes=4096)
+    assert inner is not None and inner[1] < 40999 and outer[1] % inner[1] == 0 and outer[1] >= 40999
+    assert inner_chunks.over_read(40999, inner[1]) <= inner_chunks.TARGET_RATIO
 
 
 @pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/abs", "zarr.json", "__x", "%", "ü", "a\\b", ".hidden"])

@@ -145,17 +145,20 @@ class BaseChunks:
         return self.choice.mode
 
     def tables(self, fqn: str, entry: TensorEntry) -> tuple[np.ndarray, np.ndarray] | None:
-        """The base's crc32c and content hash tables of ``fqn``, if its array is laid out as ``entry``."""
+        """The base's crc32c (per piece of its checksum grid) and content hash (per outer chunk) tables of
+        ``fqn``, if its array is laid out and checksummed as ``entry``."""
         if fqn not in self._tables:
             found = self.metadata.tensors.get(fqn)
             same = found is not None and (found.path, found.shape, found.dtype, found.chunk_shape,
                                           found.inner_chunk_shape) == (entry.path, entry.shape, entry.dtype,
                                                                        entry.chunk_shape, entry.inner_chunk_shape)
+            # The crc32c values of a chunk taken are the base's: they must cover the pieces ours do.
+            same = same and found.checksum_grid.chunk_shape == entry.checksum_grid.chunk_shape
             if not same or found.checksums is None or found.content_hashes is None:
                 self._tables[fqn] = None
             else:
                 what = f"tensor {fqn!r} of the base {self.choice.url}"
-                self._tables[fqn] = (checksums.decode_table(found.checksums, found.grid, what),
+                self._tables[fqn] = (checksums.decode_table(found.checksums, found.checksum_grid, what),
                                      content_hashes.decode_table(found.content_hashes, found.grid, what))
         return self._tables[fqn]
 

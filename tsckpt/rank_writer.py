@@ -9,8 +9,14 @@ moves bytes and remembers what it wrote:
 * arrays are opened before their ``zarr.json`` exists (:meth:`Store.create`,
   TensorStore's ``assume_metadata``), through the layout's transaction batches
   (:class:`~tsckpt.storage.batch.RankBatch`);
-* every outer chunk written gets its crc32c (:mod:`tsckpt.format.checksums`)
-  and content hash (:mod:`tsckpt.format.content_hashes`), kept per tensor in
+* arrays with inner chunks and uncompressed data (the default) are encoded
+  here (:mod:`tsckpt.format.shards`, which yields each inner chunk's crc32c on
+  the way) and written as whole chunk keys through a ``uint8`` view of them
+  (:meth:`Store.create_raw`); every other array through TensorStore's
+  ``zarr3`` driver;
+* every piece of a tensor's checksum grid written (its inner chunks) gets its
+  crc32c (:mod:`tsckpt.format.checksums`), every outer chunk its content hash
+  (:mod:`tsckpt.format.content_hashes`), kept per tensor in
   :attr:`RankWriter.written`;
 * given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
   with the base's content hash is not written: the base's copy is read back,
@@ -30,7 +36,7 @@ import numpy as np
 
 from .dcp.copy_window import CopyWindow
 from .errors import StorageError
-from .format import checksums, content_hashes, dtypes, zarr_json
+from .format import checksums, content_hashes, dtypes, shards, zarr_json
 from .storage.batch import RankBatch
 from .storage.kvio import problem
 from .format.grid import ChunkGrid
@@ -54,14 +60,17 @@ CHECK_WINDOW = 256 << 20
 class WrittenChunks:
     """The outer chunks of one tensor this rank saved, by flat grid index.
 
-    With checksums: each chunk's crc32c and content hash. ``reused`` marks the
-    chunks taken from the base rather than written (empty without a base).
+    With checksums: each chunk's content hash, and the crc32c of every piece of
+    the tensor's checksum grid those chunks hold (``pieces``: flat indices in
+    that grid, ``crcs`` beside them). ``reused`` marks the chunks taken from
+    the base rather than written (empty without a base).
     """
 
     indices: list[int] = field(default_factory=list)
-    crcs: list[int] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     reused: list[bool] = field(default_factory=list)
+    pieces: list[int] = field(default_factory=list)
+    crcs: list[int] = field(default_factory=list)
 
 
 def chunk_sums(source: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> Iterator[
@@ -69,6 +78,10 @@ def chunk_sums(source: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> I
     """Every chunk of a region written at ``offsets``: grid index, slice of ``source``, crc32c, content hash."""
     for index, view in grid.chunks_within(offsets, source.shape):
         yield index, view, *content_hashes.crc_and_digest(source[view])
+
+
+def _start(grid: ChunkGrid, index: Sequence[int]) -> list[int]:
+    return [r.start for r in grid.chunk_region(index)]
 
 
 class RankWriter:
@@ -106,6 +119,7 @@ class RankWriter:
         self.written: dict[str, WrittenChunks] = {}
         self._entries: dict[str, TensorEntry] = {}
         self._opened: dict[str, Any] = {}
+        self._formats: dict[str, shards.ShardFormat | None] = {}
         self._pending: list[tuple[str, Any]] = []
         self._later: list[tuple[str, Sequence[int], np.ndarray]] = []
         self._held: list[Any] = []
@@ -118,16 +132,20 @@ class RankWriter:
         """Start opening the arrays of ``entries`` (flat key -> entry), all at once."""
         for fqn, e in entries.items():
             self._entries[fqn] = e
-            self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank)
+            fmt = self._formats[fqn] = shards.shard_format(e, self.options)
+            self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank) \
+                if fmt is None else self.store.create_raw(e.path, e.grid.grid_shape, fmt.nbytes, self.rank)
 
     def write(self, fqn: str, offsets: Sequence[int], data: Any) -> int:
         """Start writing ``data`` (a torch tensor or numpy array) at ``offsets`` of tensor ``fqn``; its byte count.
 
         The data must not change until :meth:`finish` returns. A device tensor
-        is copied to host memory first, within the window.
+        is copied to host memory first, within the window; chunks encoded here
+        pass through the window too (their encoded copies live until written).
         """
         nbytes, copied = self._host_bytes(data)
-        if copied or self.bound_host_sources:
+        windowed = copied or self.bound_host_sources or self._formats[fqn] is not None
+        if windowed:
             self._window.admit(nbytes)
         source, hold = self._as_numpy(data)
         chunks = self.written.setdefault(fqn, WrittenChunks())
@@ -137,8 +155,8 @@ class RankWriter:
         if against is not None:
             futures = self._write_against(fqn, offsets, source, chunks, against)
         else:
-            futures = [self._write_box(fqn, region(offsets, source.shape), source, nbytes)]
-        if copied or self.bound_host_sources:
+            futures = self._write_box(fqn, offsets, source, chunks)
+        if windowed:
             if against is None:  # checksum now: the window may release the source once it is written
                 self._checksum(fqn, chunks, offsets, source)
             self._window.add(nbytes, lambda: [self._wait(fqn, f) for f in futures], hold=hold)
@@ -148,22 +166,42 @@ class RankWriter:
                 self._later.append((fqn, offsets, source))
         return nbytes
 
-    def _write_box(self, fqn: str, box: tuple[slice, ...], source: np.ndarray, nbytes: int) -> Any:
+    def _write_box(self, fqn: str, offsets: Sequence[int], source: np.ndarray,
+                   chunks: WrittenChunks | None) -> list[Any]:
+        """Start writing ``source`` (whole outer chunks) at ``offsets``; its futures.
+
+        Chunks encoded here record their inner chunks' crc32c into ``chunks``
+        (None: already recorded), when checksums are on.
+        """
         arr = self._batch.bind(self._opened[fqn].result())
-        fut = arr[box].write(source, can_reference_source_data_indefinitely=True)
-        self._pending.append((fqn, fut))
-        self._batch.wrote(fqn, nbytes)
-        return fut
+        fmt = self._formats[fqn]
+        if fmt is None:
+            futures = [arr[region(offsets, source.shape)].write(source, can_reference_source_data_indefinitely=True)]
+        else:
+            futures = []
+            for index, encoded, pieces, crcs in shards.encode_region(fmt, self._entries[fqn].shape, offsets, source):
+                at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
+                futures.append(arr[at].write(encoded, can_reference_source_data_indefinitely=True))
+                if chunks is not None and self.checksums:
+                    chunks.pieces += pieces.tolist()
+                    chunks.crcs += crcs
+        self._pending += [(fqn, fut) for fut in futures]
+        self._batch.wrote(fqn, source.nbytes)
+        return futures
 
     def _write_against(self, fqn: str, offsets: Sequence[int], source: np.ndarray, chunks: WrittenChunks,
                        base: tuple[np.ndarray, np.ndarray]) -> list[Any]:
         """Write the chunks of a region whose content hash differs from the base's; check and take the others.
 
-        An unchanged chunk's crc32c is the base's: the content is the same, so
-        only the (faster) content hash is computed for it.
+        An unchanged chunk's crc32c values are the base's (its checksum grid is
+        ours, :meth:`BaseChunks.tables`): the content is the same, so only the
+        (faster) content hash is computed for it. A changed chunk encoded here
+        gets its crc32c values from the encoding.
         """
         crcs, digests = base
-        grid = self._entries[fqn].grid
+        entry = self._entries[fqn]
+        grid, units = entry.grid, entry.checksum_grid
+        encoded = self._formats[fqn] is not None
         changed, seen = [], 0
         for index, view in grid.chunks_within(offsets, source.shape):
             seen += 1
@@ -171,17 +209,20 @@ class RankWriter:
             flat, digest = grid.flat_index(index), content_hashes.digest(part)
             same = digest == digests[flat].tobytes()
             chunks.indices.append(flat)
-            chunks.crcs.append(int(crcs[flat]) if same else checksums.crc32c(part))
             chunks.digests.append(digest)
             chunks.reused.append(same)
+            if same or not encoded:
+                pieces = [units.flat_index(i) for i, _ in units.chunks_within(_start(grid, index), part.shape)]
+                chunks.pieces += pieces
+                chunks.crcs += [int(crcs[p]) for p in pieces] if same else \
+                    checksums.region_checksums(part, units, _start(grid, index))[1]
             if same:
                 self._check_then_take(fqn, index, len(chunks.reused) - 1, part)
             else:
                 changed.append((index, view))
         if len(changed) == seen:  # nothing to take: one write, as without a base
-            return [self._write_box(fqn, region(offsets, source.shape), source, source.nbytes)]
-        return [self._write_box(fqn, grid.chunk_region(index), source[view], source[view].nbytes)
-                for index, view in changed]
+            return self._write_box(fqn, offsets, source, chunks)
+        return [f for index, view in changed for f in self._write_box(fqn, _start(grid, index), source[view], chunks)]
 
     def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
         """Read the base's chunk back; take it if it still has its content hash, else write ``part`` after all.
@@ -204,7 +245,7 @@ class RankWriter:
         if sound and self.base.take(entry, index):
             return
         chunks.reused[position] = False
-        self._write_box(fqn, entry.grid.chunk_region(index), part, part.nbytes)
+        self._write_box(fqn, _start(entry.grid, index), part, None)  # its crc32c values are recorded
 
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
         """Start writing a value blob (``torch.save`` bytes) as the ``uint8`` array at ``path``."""
@@ -249,14 +290,30 @@ class RankWriter:
         self._held.clear()
 
     def _checksum(self, fqn: str, chunks: WrittenChunks, offsets: Sequence[int], source: np.ndarray) -> None:
-        grid = self._entries[fqn].grid
+        """Record the outer chunks of a region written without a base: indices, content hashes, crc32c values.
+
+        Chunks encoded here recorded their crc32c values already; where the
+        checksum grid is the chunk grid, one pass computes both sums.
+        """
+        entry = self._entries[fqn]
+        grid, units = entry.grid, entry.checksum_grid
         if not self.checksums:
             chunks.indices += [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, source.shape)]
             return
-        for index, _, crc, digest in chunk_sums(source, grid, offsets):
+        if self._formats[fqn] is None and units.chunk_shape == grid.chunk_shape:
+            for index, _, crc, digest in chunk_sums(source, grid, offsets):
+                chunks.indices.append(grid.flat_index(index))
+                chunks.pieces.append(grid.flat_index(index))
+                chunks.crcs.append(crc)
+                chunks.digests.append(digest)
+            return
+        for index, view in grid.chunks_within(offsets, source.shape):
             chunks.indices.append(grid.flat_index(index))
-            chunks.crcs.append(crc)
-            chunks.digests.append(digest)
+            chunks.digests.append(content_hashes.digest(source[view]))
+        if self._formats[fqn] is None:
+            pieces, crcs = checksums.region_checksums(source, units, offsets)
+            chunks.pieces += pieces
+            chunks.crcs += crcs
 
     @staticmethod
     def _host_bytes(data: Any) -> tuple[int, bool]:

@@ -71,8 +71,8 @@ class CheckpointBuilder:
         overwrite: replace a complete checkpoint (or data tsckpt did not write) already
             there; as in :class:`tsckpt.TensorStoreWriter`, the old one stays loadable
             until the new one is published on local filesystems.
-        inner_chunk_bytes: tensors above this size get inner chunks of about this
-            size (Zarr sharding codec), as in :class:`tsckpt.TensorStoreWriter`.
+        inner_chunk_bytes: the smallest inner chunk (Zarr sharding codec) a tensor
+            is cut into, as in :class:`tsckpt.TensorStoreWriter`; 0 disables them.
         max_inflight_bytes: tensor bytes that may wait on TensorStore before
             :meth:`add_tensor` blocks; the caller must not modify a tensor it added
             until :meth:`commit` returns.
@@ -168,7 +168,7 @@ class CheckpointBuilder:
         if self.checksums:
             written = self._writer.written[fqn]
             entry = dataclasses.replace(
-                entry, checksums=checksums.encode_table(entry.grid, written.indices, written.crcs),
+                entry, checksums=checksums.encode_table(entry.checksum_grid, written.pieces, written.crcs),
                 content_hashes=content_hashes.encode_table(entry.grid, written.indices, written.digests))
         self._tensors[fqn] = entry
         return entry

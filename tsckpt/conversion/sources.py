@@ -38,6 +38,7 @@ import torch
 from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
 from ..commit import protocol as commit
 from ..format import dtypes, values
+from ..storage.box_reader import read_tensor
 from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
@@ -143,7 +144,7 @@ class TsckptSource(Source):
                                        allow_pickle=self.trust_pickle, opt_in="trust_pickle=True (--trust-pickle)")
 
     def read(self, key: str) -> torch.Tensor:
-        data = self._store.read_tensor(key, self.metadata.tensors[key])
+        data = read_tensor(self._store, key, self.metadata.tensors[key])
         # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
         return dtypes.numpy_as_tensor(data if data.flags.c_contiguous else data.copy())
 

@@ -33,11 +33,12 @@ DCP runs a save as four collectives around the storage writer's methods. With
    as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
    sync options are not used. It returns :class:`RankWrites`: one
    ``WriteResult`` per item, as DCP expects, and a columnar :class:`RankSummary`
-   (each chunk's tensor number, chunk index and crc32c; each value's encoding).
+   (each outer chunk's tensor number, chunk index and content hash; the crc32c
+   of each piece of a tensor's checksum grid, its inner chunks; each value's encoding).
 5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
    it checks that every rank wrote with this save's orders, merges the
-   summaries (:class:`WrittenChunks`, linear in chunks), checks that every
-   chunk was written exactly once, writes every node and then the root
+   summaries (:class:`MergedChunks`, linear in chunks), checks that every
+   chunk was written, and every piece checksummed, exactly once, writes every node and then the root
    document: the commit.
 6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.
 
@@ -276,9 +277,13 @@ class NewOrders:
 class RankSummary:
     """What one rank wrote (step 4), in columns: one row per chunk, numbered as the coordinator numbered tensors.
 
-    ``crc`` and ``digest`` (crc32c and 128-bit content hash of each chunk) are
-    None when the plan's configuration turned checksums off; ``reused`` marks
-    the chunks taken from an incremental save's base instead of written.
+    ``digest`` (128-bit content hash of each outer chunk) and ``crc`` are None
+    when the plan's configuration turned checksums off; ``reused`` marks the
+    chunks taken from an incremental save's base instead of written. ``crc``
+    has its own rows: the crc32c of piece ``piece`` (flat index in the
+    tensor's checksum grid, :attr:`~tsckpt.format.metadata.TensorEntry.checksum_grid`)
+    of tensor ``crc_tensor``; without those two columns, one crc32c per row of
+    ``chunk`` (arrays whose checksum grid is their chunk grid).
     ``objects``: each value's recorded encoding (and its JSON value, or blob size).
     ``placements``: with DCP's own planner, whose plans carry none, the
     placement records of the tensors this rank describes.
@@ -291,6 +296,8 @@ class RankSummary:
     crc: np.ndarray | None  # uint32
     digest: np.ndarray | None = None  # uint8 [n, content_hashes.WIDTH]
     reused: np.ndarray | None = None  # bool
+    crc_tensor: np.ndarray | None = None  # int32, one per crc
+    piece: np.ndarray | None = None  # int64, one per crc
     objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
@@ -301,17 +308,22 @@ class RankSummary:
                 "chunk": self.chunk.tolist(), "crc": None if self.crc is None else self.crc.tolist(),
                 "digest": None if self.digest is None else [bytes(d).hex() for d in self.digest],
                 "reused": None if self.reused is None else self.reused.tolist(),
+                "crc_tensor": None if self.crc_tensor is None else self.crc_tensor.tolist(),
+                "piece": None if self.piece is None else self.piece.tolist(),
                 "objects": dict(self.objects), "placements": dict(self.placements),
                 "failure": None if self.failure is None else dict(self.failure)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
-        crc, digest, reused = d["crc"], d.get("digest"), d.get("reused")
+        crc, digest, reused, crc_tensor, piece = (d["crc"], d.get("digest"), d.get("reused"), d.get("crc_tensor"),
+                                                  d.get("piece"))
         return cls(int(d["rank"]), d["save_id"], np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
                    None if crc is None else np.asarray(crc, np.uint32),
                    None if digest is None else np.frombuffer(b"".join(bytes.fromhex(h) for h in digest),
                                                              np.uint8).reshape(-1, content_hashes.WIDTH),
                    None if reused is None else np.asarray(reused, bool),
+                   None if crc_tensor is None else np.asarray(crc_tensor, np.int32),
+                   None if piece is None else np.asarray(piece, np.int64),
                    dict(d["objects"]), dict(d.get("placements") or {}), d.get("failure"))
 
 
@@ -323,15 +335,20 @@ class SummaryBuilder:
         self.tensor: list[int] = []
         self.chunk: list[int] = []
         self.crc: list[int] = []
+        self.crc_tensor: list[int] = []
+        self.piece: list[int] = []
         self.digests: list[bytes] = []
         self.reused: list[bool] = []
         self.objects: dict[str, dict[str, Any]] = {}
         self.placements: dict[str, dict[str, Any]] = {}
 
     def add(self, tensor_id: int, chunks: SavedChunks) -> None:
-        """Record the outer chunks of tensor ``tensor_id`` this rank saved: indices, checksums, reuse."""
+        """Record the outer chunks of tensor ``tensor_id`` this rank saved (indices, content hashes, reuse)
+        and the crc32c of the pieces of its checksum grid they hold."""
         self.chunk += chunks.indices
         self.crc += chunks.crcs
+        self.piece += chunks.pieces
+        self.crc_tensor += [tensor_id] * len(chunks.pieces)
         self.digests += chunks.digests
         self.reused += chunks.reused or [False] * len(chunks.indices)
         self.tensor += [tensor_id] * len(chunks.indices)
@@ -347,6 +364,7 @@ class SummaryBuilder:
             digest = np.frombuffer(b"".join(self.digests), np.uint8).reshape(-1, content_hashes.WIDTH)
         return RankSummary(self.rank, self.save_id, np.asarray(self.tensor, np.int32),
                            np.asarray(self.chunk, np.int64), crc, digest, np.asarray(self.reused, bool),
+                           np.asarray(self.crc_tensor, np.int32), np.asarray(self.piece, np.int64),
                            self.objects, self.placements)
 
 
@@ -372,12 +390,37 @@ class RankWrites(list):
 
 @dataclass(frozen=True)
 class TensorChunks:
-    """One tensor's chunks in row-major grid order, as :meth:`MergedChunks.of` returns them."""
+    """One tensor's chunks in row-major grid order, as :meth:`MergedChunks.of` returns them.
+
+    ``crc``: one crc32c per piece of the tensor's checksum grid, in its row-major order.
+    """
 
     writer: np.ndarray
     crc: np.ndarray | None
     digest: np.ndarray | None
     reused: np.ndarray
+
+
+def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: Sequence[str], unit: str,
+           done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tensor start offsets and the flat position of every ``(tensor, index)`` row; each position exactly once."""
+    starts = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
+    total = int(starts[-1])
+    tensor = tensor.astype(np.int64)
+    if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(sizes)):
+        raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
+    if len(index) and ((index < 0).any() or (index >= starts[tensor + 1] - starts[tensor]).any()):
+        raise PlanError(f"saving {where}: a rank reported a {unit} outside its tensor's grid")
+    flat = starts[tensor] + index
+    counts = np.bincount(flat, minlength=total) if total else np.zeros(0, np.int64)
+    if (counts != 1).any():
+        bad = int(np.flatnonzero(counts != 1)[0])
+        t = int(np.searchsorted(starts, bad, side="right") - 1)
+        what = f"was never {done}" if counts[bad] == 0 else f"was {done} by {int(counts[bad])} ranks"
+        raise PlanError(f"saving {where}: {unit} {bad - int(starts[t])} of tensor {names[t]!r} {what}; "
+                        f"nothing was committed")
+    return starts, flat
 
 
 @dataclass(frozen=True)
@@ -385,8 +428,10 @@ class MergedChunks:
     """Every chunk of every tensor as the ranks reported it (step 5), flat over tensors in coordinator order.
 
     Tensor ``t`` owns positions ``starts[t]:starts[t+1]``; ``writer`` is the
-    rank that wrote each chunk, ``crc`` and ``digest`` its checksums (None with
+    rank that wrote each chunk, ``digest`` its content hash (None with
     checksums off), ``reused`` whether it was taken from an incremental base.
+    ``crc`` holds the crc32c of every piece of every tensor's checksum grid,
+    tensor ``t`` owning ``piece_starts[t]:piece_starts[t+1]``.
     """
 
     starts: np.ndarray
@@ -394,28 +439,20 @@ class MergedChunks:
     crc: np.ndarray | None
     digest: np.ndarray | None
     reused: np.ndarray
+    piece_starts: np.ndarray
 
     @classmethod
     def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
-              with_checksums: bool, where: str) -> MergedChunks:
-        """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
-        starts = np.zeros(len(nchunks) + 1, np.int64)
-        np.cumsum(np.asarray(nchunks, np.int64), out=starts[1:])
-        total = int(starts[-1])
-        tensor = np.concatenate([s.tensor for s in summaries] or [np.zeros(0, np.int32)]).astype(np.int64)
+              with_checksums: bool, where: str, npieces: Sequence[int] | None = None) -> MergedChunks:
+        """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk.
+
+        ``npieces``: pieces of each tensor's checksum grid (default: its chunks);
+        with checksums, each piece must have been checksummed exactly once.
+        """
+        tensor = np.concatenate([s.tensor for s in summaries] or [np.zeros(0, np.int32)])
         chunk = np.concatenate([s.chunk for s in summaries] or [np.zeros(0, np.int64)])
-        if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(nchunks)):
-            raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
-        if len(chunk) and ((chunk < 0).any() or (chunk >= starts[tensor + 1] - starts[tensor]).any()):
-            raise PlanError(f"saving {where}: a rank reported a chunk outside its tensor's grid")
-        flat = starts[tensor] + chunk
-        counts = np.bincount(flat, minlength=total) if total else np.zeros(0, np.int64)
-        if (counts != 1).any():
-            bad = int(np.flatnonzero(counts != 1)[0])
-            t = int(np.searchsorted(starts, bad, side="right") - 1)
-            what = "was never written" if counts[bad] == 0 else f"was written by {int(counts[bad])} ranks"
-            raise PlanError(f"saving {where}: chunk {bad - int(starts[t])} of tensor {names[t]!r} {what}; "
-                            f"nothing was committed")
+        starts, flat = _place(tensor, chunk, nchunks, names, "chunk", "written", where)
+        total = int(starts[-1])
         writer = np.empty(total, np.int64)
         writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64),
                                  [len(s.tensor) for s in summaries])
@@ -423,20 +460,29 @@ class MergedChunks:
         for s, part in zip(summaries, np.split(flat, np.cumsum([len(s.tensor) for s in summaries])[:-1])):
             if s.reused is not None and len(s.reused) == len(part):
                 reused[part] = s.reused
+        npieces = nchunks if npieces is None else npieces
+        piece_starts = np.zeros(len(npieces) + 1, np.int64)
+        np.cumsum(np.asarray(npieces, np.int64), out=piece_starts[1:])
         crc = digest = None
         if with_checksums:
-            if any(s.crc is None or len(s.crc) != len(s.tensor) or s.digest is None or len(s.digest) != len(s.tensor)
-                   for s in summaries):
+            # A summary without piece columns checksums its chunks: one crc32c per chunk row.
+            pieces = [(s.tensor, s.chunk) if s.piece is None else (s.crc_tensor, s.piece) for s in summaries]
+            if any(s.crc is None or len(s.crc) != len(p[1]) or p[0] is None or len(p[0]) != len(p[1])
+                   or s.digest is None or len(s.digest) != len(s.tensor) for s, p in zip(summaries, pieces)):
                 raise PlanError(f"saving {where}: a rank wrote without the checksums the plan asked for")
-            crc = np.empty(total, np.uint32)
-            crc[flat] = np.concatenate([s.crc for s in summaries] or [np.zeros(0, np.uint32)])  # type: ignore[misc]
+            piece_starts, at = _place(np.concatenate([p[0] for p in pieces] or [np.zeros(0, np.int32)]),
+                                      np.concatenate([p[1] for p in pieces] or [np.zeros(0, np.int64)]),
+                                      npieces, names, "inner chunk", "checksummed", where)
+            crc = np.empty(int(piece_starts[-1]), np.uint32)
+            crc[at] = np.concatenate([s.crc for s in summaries] or [np.zeros(0, np.uint32)])  # type: ignore[misc]
             digest = np.empty((total, content_hashes.WIDTH), np.uint8)
             digest[flat] = np.concatenate([s.digest for s in summaries]  # type: ignore[misc]
                                           or [np.zeros((0, content_hashes.WIDTH), np.uint8)])
-        return cls(starts, writer, crc, digest, reused)
+        return cls(starts, writer, crc, digest, reused, piece_starts)
 
     def of(self, t: int) -> TensorChunks:
-        """Tensor ``t``'s chunks, one row each in row-major grid order."""
+        """Tensor ``t``'s chunks, one row each in row-major grid order (its crc32c values, per piece)."""
         a, b = int(self.starts[t]), int(self.starts[t + 1])
-        return TensorChunks(self.writer[a:b], None if self.crc is None else self.crc[a:b],
+        pa, pb = int(self.piece_starts[t]), int(self.piece_starts[t + 1])
+        return TensorChunks(self.writer[a:b], None if self.crc is None else self.crc[pa:pb],
                             None if self.digest is None else self.digest[a:b], self.reused[a:b])

@@ -1,10 +1,12 @@
-"""Host copies of device tensors in flight: the bound on a rank's extra host memory.
+"""Host copies in flight: the bound on a rank's extra host memory.
 
 A GPU tensor is saved from a host copy, and loaded through a host buffer that
-is then copied to the device. Without a bound, a rank would hold a host copy of
-its whole state while TensorStore works through it: a GPU rank with 60 GB of
-state would need 60 GB more host memory. The writer and the reader both pass
-every such copy through one :class:`CopyWindow`.
+is then copied to the device; inner chunks are encoded into a copy before they
+are written, and read as their stored bytes before they are checked and placed.
+Without a bound, a rank would hold a copy of its whole state while TensorStore
+works through it: a GPU rank with 60 GB of state would need 60 GB more host
+memory. The writer and the reader both pass every such copy through one
+:class:`CopyWindow`.
 """
 
 from __future__ import annotations

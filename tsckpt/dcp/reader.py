@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Callable
+
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -29,8 +28,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import TsckptError
-from ..format import checksums, dtypes, values
+from ..format import dtypes, values
 from ..commit import protocol as commit
+from ..storage.box_reader import BoxReader, PendingBox
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
@@ -38,7 +38,7 @@ from ..storage.location import LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .values import DecodedValue
-from .io import TensorStoreIO, done, region
+from .io import TensorStoreIO, done
 
 
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
@@ -73,12 +73,13 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         allow_pickle: restore non-tensor values that need arbitrary unpickling
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        per_thread_copy_ahead: bytes of host buffers a rank reads ahead for
+        per_thread_copy_ahead: bytes of host buffers a rank reads ahead: for
             destinations that are not filled in place (GPU tensors, or a dtype
-            cast); it copies older buffers to their destinations before reading
-            more, so a rank's extra host memory stays near this plus a few
-            times its largest tensor. Default 1 GiB, as the writer's; 0 reads one
-            tensor at a time; ``None`` reads everything first.
+            cast), and the encoded inner chunks read before they are checked and
+            placed; it completes older reads before starting more, so a rank's
+            extra host memory stays near this plus a few times its largest
+            tensor. Default 1 GiB, as the writer's; 0 reads one tensor at a
+            time; ``None`` reads everything first.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
@@ -142,7 +143,9 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         assert self.metadata is not None
         md = self.metadata
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
-        opened = {fqn: self.store.open_tensor(md.tensors[fqn]) for fqn in wanted}
+        # Every box is read as the whole checksummed pieces it touches, each checked before it is handed out.
+        readers = {fqn: BoxReader(self.store, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
+                   for fqn in wanted}
         pending = []
         buffers = CopyWindow(self.per_thread_copy_ahead)
         for item in plan.items:
@@ -150,19 +153,24 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
                 continue
+            reader = readers[fqn]
             try:
-                arr = opened[fqn].result()
+                reader.opened()
             except Exception as e:
                 raise TsckptError(f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}: {e}") from e
             # Detached like DCP's own reader: a destination that requires grad is still filled in place.
             dest = planner.resolve_tensor(item).detach()
-            source = arr[region(item.storage_offsets, item.lengths)]
-            if _in_place(dest, source):
-                pending.append(functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
-                continue
-            nbytes = dest.numel() * source.dtype.numpy_dtype.itemsize
-            buffers.admit(nbytes)  # before the read starts: its buffer is what the window bounds
-            buffers.add(nbytes, functools.partial(self._complete, planner, item, dest, _read_into(dest, source)))
+            in_place = _in_place(dest, reader.dtype)
+            # Host memory the read holds until completed: its buffer, or the bytes read before they are placed.
+            nbytes = reader.held_bytes(item.lengths, out=in_place)
+            if nbytes:
+                buffers.admit(nbytes)  # before the read starts: what it holds is what the window bounds
+            read = reader.read(item.storage_offsets, item.lengths, out=dtypes.tensor_as_numpy(dest) if in_place else None)
+            complete = functools.partial(self._complete, planner, item, dest, read, not in_place)
+            if nbytes:
+                buffers.add(nbytes, complete)
+            else:
+                pending.append(complete)
         buffers.drain()
         for complete in pending:
             complete()
@@ -172,15 +180,14 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                               seconds=time.perf_counter() - self._started)
         return done(None)
 
-    def _complete(self, planner: LoadPlanner, item: ReadItem, dest: torch.Tensor,
-                  finish: Callable[[Callable[[np.ndarray], Any]], None]) -> None:
-        """Finish one read: check the data against its checksums, fill ``dest``, hand it to the planner."""
-        assert self.metadata is not None
+    def _complete(self, planner: LoadPlanner, item: ReadItem, dest: torch.Tensor, read: PendingBox,
+                  copy: bool) -> None:
+        """Finish one read (checked as it completes), copy it into ``dest`` unless read in place, hand it over."""
         fqn = item.storage_index.fqn
-        entry = self.metadata.tensors[fqn]
         try:
-            finish(lambda data: checksums.check_read(entry, data, item.storage_offsets,
-                                                     f"tensor {fqn!r} in {self.checkpoint_id}"))
+            data = read.result()
+            if copy:
+                dest.copy_(dtypes.numpy_as_tensor(data))
         except TsckptError:
             raise
         except Exception as e:
@@ -197,32 +204,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
 
 
-def _in_place(dest: torch.Tensor, source: ts.TensorStore) -> bool:
-    """Whether ``source`` can be read straight into ``dest``, with no host buffer."""
-    return dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == source.dtype.numpy_dtype
-
-
-def _read_into(dest: torch.Tensor, source: ts.TensorStore) -> Callable[[Callable[[np.ndarray], Any]], None]:
-    """Start reading ``source`` into ``dest``; returns a function that finishes it.
-
-    The finishing function is given a check to run on the data as read, before
-    it is cast or copied anywhere. A CPU destination of the stored dtype is
-    filled in place (any strides); otherwise the slab is read, then copied and cast.
-    """
-    if _in_place(dest, source):
-        view = dtypes.tensor_as_numpy(dest)
-        fut = ts.array(view, copy=False, write=True).write(source)
-
-        def finish_in_place(check: Callable[[np.ndarray], Any]) -> None:
-            fut.result()
-            check(view)
-
-        return finish_in_place
-    fut = source.read()
-
-    def finish(check: Callable[[np.ndarray], Any]) -> None:
-        data = fut.result()
-        check(data)
-        dest.copy_(dtypes.numpy_as_tensor(data))
-
-    return finish
+def _in_place(dest: torch.Tensor, stored: np.dtype) -> bool:
+    """Whether a box can be read straight into ``dest``, with no host buffer."""
+    return dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == stored

@@ -101,15 +101,16 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             joined at commit; read through :func:`tsckpt.zarr_store`). ``None``:
             ``$TSCKPT_LAYOUT`` if set, else plain. Only the coordinator's choice
             counts in a multi-rank save.
-        inner_chunk_bytes: outer chunks above this size are stored with Zarr's
-            sharding codec and inner chunks of about this size, so later partial
-            reads fetch only what they need. 0 disables it.
+        inner_chunk_bytes: the smallest inner chunk (Zarr's sharding codec) a
+            save cuts outer chunks into, default 16 KiB; inner chunks are chosen
+            so that loads into 2, 3, 4 or 8 ranks along any dimension fetch little
+            more than they need (``docs/format.md``, section 5). 0 disables them.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        checksums: record a crc32c of every outer chunk in the metadata
-            (hardware crc32c, computed while the chunk is being written), checked
-            by every read that covers a chunk whole and by ``verify``, so flipped
-            bits fail the load instead of loading silently. On by default.
-            Missing and truncated chunks are detected either way.
+        checksums: record a crc32c of every inner chunk in the metadata
+            (hardware crc32c, computed while the chunk is being written); every
+            read checks every inner chunk it touches, whole, before returning any
+            of it, so flipped bits fail the read instead of loading silently. On
+            by default. Missing and truncated chunks are detected either way.
         crc32c_codec: also store Zarr's own ``crc32c`` codec with every chunk,
             so readers other than tsckpt check data by themselves, partial
             reads included (TensorStore's software crc32c, about 2 GB/s per core).
@@ -346,7 +347,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                     blob_sizes[fqn] = info["nbytes"]
         self._check_against(metadata, layout.entries)
         names = list(layout.entries)
-        written = MergedChunks.merge(summaries, layout.nchunks, names, self.checksums, where)
+        written = MergedChunks.merge(summaries, layout.nchunks, names, self.checksums, where,
+                                     [e.checksum_grid.nchunks for e in layout.entries.values()])
         meshes: list = []
         tensors, writers, reused = {}, {}, {}
         for number, (fqn, planned) in enumerate(layout.entries.items()):
@@ -355,8 +357,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             reused[fqn] = chunks.reused
             table = hashes = None
             if chunks.crc is not None:
-                table = checksums.encode_table(planned.grid, np.arange(len(chunks.crc)), chunks.crc)
-                hashes = content_hashes.encode_table(planned.grid, np.arange(len(chunks.crc)), chunks.digest)
+                table = checksums.encode_table(planned.checksum_grid, np.arange(len(chunks.crc)), chunks.crc)
+                hashes = content_hashes.encode_table(planned.grid, np.arange(len(chunks.digest)), chunks.digest)
             tensors[fqn] = dataclasses.replace(
                 planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
                 checksums=table, content_hashes=hashes)

@@ -1,17 +1,20 @@
-"""Chunk checksums: a crc32c of every outer chunk's elements, computed beside the write.
+"""Chunk checksums: a crc32c of every inner chunk's elements, computed beside the write.
 
-Each tensor's table holds one crc32c per outer chunk of its Zarr grid, in
-row-major order of the grid, over the chunk's elements as they lie in memory:
-C order, little-endian, no padding; a chunk that overhangs the array's edge
-covers only the elements inside the array. The table does not depend on the
-codecs, so the same value is checked whatever the chunk was stored as, and any
-Zarr reader can check it (read the chunk, crc32c its bytes).
+Each tensor's table holds one crc32c per piece of its checksum grid
+(:attr:`~tsckpt.format.metadata.TensorEntry.checksum_grid`: the inner chunks,
+or the outer chunks of an array without inner chunks; the outer chunks in
+version-2 checkpoints), in row-major order of that grid, over the piece's
+elements as they lie in memory: C order, little-endian, no padding; a piece
+that overhangs the array's edge covers only the elements inside the array. The
+table does not depend on the codecs, so the same value is checked whatever the
+chunk was stored as, and any Zarr reader can check it (read the piece, crc32c
+its bytes).
 
 Saving costs one pass of a hardware crc32c (several GB/s per core) over data
-being written anyway, while TensorStore's threads do the I/O. Reading checks
-every chunk a read covers entirely: a same-topology load, a whole-tensor read
-and ``verify`` check everything; a resharded read that cuts through chunks
-checks the chunks it covers whole (``docs/format.md``).
+being written anyway, while TensorStore's threads do the I/O. Every read checks
+every byte it returns: it reads the pieces its box touches whole
+(:func:`covering_box`; TensorStore fetches whole inner chunks anyway) and
+checks each against the table before handing any part of them out.
 """
 
 from __future__ import annotations
@@ -110,22 +113,40 @@ def check_region(data: np.ndarray, grid: ChunkGrid, offsets: Sequence[int], tabl
 
 
 def table_of(entry: TensorEntry, what: str) -> np.ndarray | None:
-    """``entry``'s decoded table, or None for version-1 checkpoints, which recorded none.
+    """``entry``'s decoded table (one value per piece of its checksum grid), or None when it records none.
 
-    Decode it once per tensor when checking many chunks: the table holds one
-    value per chunk, so decoding it per chunk costs chunks x chunks.
+    Decode it once per tensor when checking many pieces: the table holds one
+    value per piece, so decoding it per piece costs pieces x pieces.
     """
-    return None if entry.checksums is None else decode_table(entry.checksums, entry.grid, what)
+    return None if entry.checksums is None else decode_table(entry.checksums, entry.checksum_grid, what)
+
+
+def covering_box(entry: TensorEntry, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of whole checksummed pieces that holds the box ``offsets``/``sizes`` (clipped at the array's edge).
+
+    Reading this box instead lets every byte handed out be checked. It is the
+    box itself when the box is aligned to the pieces, is empty, or nothing is
+    checksummed (version 1, ``checksums=False``).
+    """
+    offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+    if entry.checksums is None or 0 in sizes:
+        return offsets, sizes
+    unit = entry.checksum_grid.chunk_shape
+    lo = tuple(o // u * u for o, u in zip(offsets, unit))
+    hi = tuple(min(-(-(o + s) // u) * u, n) for o, s, u, n in zip(offsets, sizes, unit, entry.shape))
+    return lo, tuple(h - a for a, h in zip(lo, hi))
 
 
 def check_read(entry: TensorEntry, data: np.ndarray, offsets: Sequence[int], what: str,
                table: np.ndarray | None = None) -> int:
-    """Check what a read of ``entry`` at ``offsets`` returned (nothing to check in version-1 checkpoints).
+    """Check every piece ``data`` (read of ``entry`` at ``offsets``) covers whole; returns how many.
 
-    ``table``: the entry's table from :func:`table_of`, when the caller checks many reads of it.
+    Nothing to check in version-1 checkpoints or without checksums. Callers read
+    :func:`covering_box`, so that no piece is covered only in part. ``table``:
+    the entry's table from :func:`table_of`, when the caller checks many reads of it.
     """
     if table is None:
         table = table_of(entry, what)
     if table is None:
         return 0
-    return check_region(data, entry.grid, offsets, table, what)
+    return check_region(data, entry.checksum_grid, offsets, table, what)

@@ -10,10 +10,11 @@ splits (FSDP2, Shard(d)) that is the shard size itself, ceil(n / k); irregular
 splits (nested Shard(0)+Shard(0), hand-made ShardedTensor specs) get a finer grid
 and a rank writes several chunks.
 
-Inner chunks subdivide a large outer chunk so that reading a slice, e.g. a
-column block while the checkpoint was saved row-sharded, reads only what it
-needs instead of whole shards. :class:`ChunkGrid` is the one place that walks a
-grid's chunks (verification, slicing, plotting).
+Inner chunks (:mod:`tsckpt.format.inner_chunks`) subdivide outer chunks so
+that reading a slice, e.g. a column block while the checkpoint was saved
+row-sharded, reads only what it needs instead of whole shards.
+:class:`ChunkGrid` is the one place that walks a grid's chunks (verification,
+slicing, plotting).
 """
 
 from __future__ import annotations
@@ -135,34 +136,6 @@ def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box] | np.ndarray)
         interior = edges[(edges > 0) & (edges < n)]
         chunk.append(int(np.gcd.reduce(interior)) if interior.size else max(n, 1))
     return tuple(chunk)
-
-
-def inner_chunk_shape(chunk: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...] | None:
-    """Subdivide ``chunk`` into inner chunks of at most about ``target_bytes``.
-
-    Returns None when the chunk is small enough to stay one piece. Inner sizes
-    must divide the chunk, so the largest dimension is split by its smallest
-    prime factor until the target is met; this keeps inner chunks roughly
-    square, which serves row and column reads alike. A dimension whose size
-    only has large prime factors is left whole rather than cut into slivers.
-    """
-    if target_bytes <= 0 or math.prod(chunk) * itemsize <= target_bytes:
-        return None
-    inner = list(chunk)
-    while math.prod(inner) * itemsize > target_bytes:
-        candidates = [d for d in range(len(inner)) if 1 < _smallest_prime_factor(inner[d]) <= 16]
-        if not candidates:
-            break
-        d = max(candidates, key=lambda i: inner[i])
-        inner[d] //= _smallest_prime_factor(inner[d])
-    return tuple(inner)
-
-
-def _smallest_prime_factor(n: int) -> int:
-    for p in range(2, math.isqrt(n) + 1):
-        if n % p == 0:
-            return p
-    return n
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,12 @@ from .names import check_relative_path, parent_groups, zarr_path
 from .reuse import Reuse
 
 FORMAT = "tsckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Checkpoints of version 1 recorded every rank's region; version 2 records one
-#: checksum table per tensor instead, so the document grows with tensors, not ranks.
+#: checksum table per tensor instead, so the document grows with tensors, not ranks;
+#: version 3 checksums every inner chunk (the piece a read fetches) instead of every outer chunk.
+#: The first version whose checksum tables cover inner chunks.
+INNER_CHECKSUMS_VERSION = 3
 
 # Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
 #: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
@@ -115,11 +118,15 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None
     placement: Placement | None
-    #: base64 crc32c table, one value per outer chunk (``tsckpt.format.checksums``); None in version 1.
+    #: base64 crc32c table, one value per chunk of :attr:`checksum_grid` (``tsckpt.format.checksums``);
+    #: None in version 1.
     checksums: str | None = None
     #: base64 table of 16-byte digests, one per outer chunk (``tsckpt.format.content_hashes``); None when
     #: the save recorded none (checkpoints from before incremental saves, or ``checksums=False``).
     content_hashes: str | None = None
+    #: Whether the table covers inner chunks (version 3) or outer chunks (version 2). It
+    #: follows from the document's version, so it is not written into the entry.
+    checksums_per_inner_chunk: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +135,12 @@ class TensorEntry:
     @property
     def grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
+
+    @property
+    def checksum_grid(self) -> ChunkGrid:
+        """The pieces the checksum table covers, one crc32c each: inner chunks, or outer chunks before version 3."""
+        unit = self.grid.read_unit if self.checksums_per_inner_chunk else self.chunk_shape
+        return ChunkGrid(self.shape, unit)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -143,7 +156,7 @@ class TensorEntry:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str) -> TensorEntry:
+    def from_dict(cls, d: Mapping[str, Any], what: str, version: int = FORMAT_VERSION) -> TensorEntry:
         inner = d.get("inner_chunk_shape") if isinstance(d, Mapping) else None
         entry = cls(
             key_path=_key_path(get_field(d, "key_path", what, list), what),
@@ -155,6 +168,7 @@ class TensorEntry:
             placement=placement_from_dict(d.get("placement"), what),
             checksums=optional_field(d, "checksums", what, str),
             content_hashes=optional_field(d, "content_hashes", what, str),
+            checksums_per_inner_chunk=version >= INNER_CHECKSUMS_VERSION,
         )
         entry.validate(what)
         return entry
@@ -169,16 +183,20 @@ class TensorEntry:
             raise MetadataError(f"{what}: shape {list(self.shape)} holds more than 2**63 bytes")
         if len(self.chunk_shape) != ndim:
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} has the wrong rank for shape {list(self.shape)}")
-        # Writers make each chunk at most the tensor (1 along empty dimensions); a larger
-        # one only makes readers allocate for elements that do not exist.
-        if any(c > max(n, 1) for c, n in zip(self.chunk_shape, self.shape)):
-            raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
         inner = self.inner_chunk_shape
         if inner is not None:
             if len(inner) != ndim:
                 raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {list(self.shape)}")
             if any(i > c for c, i in zip(self.chunk_shape, inner)):
                 raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {list(self.chunk_shape)}")
+            if any(i > max(n, 1) for i, n in zip(inner, self.shape)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than shape {list(self.shape)}")
+        # Writers make each chunk at most the tensor (1 along empty dimensions), rounded up to
+        # whole inner chunks; a larger one only makes readers allocate for elements that do not exist.
+        limit = [max(n, 1) if inner is None else -(-max(n, 1) // inner[d]) * inner[d] for d, n in enumerate(self.shape)]
+        if any(c > m for c, m in zip(self.chunk_shape, limit)):
+            raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
+        if inner is not None:
             if any(c % i for c, i in zip(self.chunk_shape, inner)):
                 raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {list(self.chunk_shape)}")
         if isinstance(self.placement, ShardedTensorPlacement):
@@ -188,9 +206,10 @@ class TensorEntry:
                 ):
                     raise MetadataError(f"{what}: shard at {list(offsets)} of size {list(sizes)} lies outside shape {list(self.shape)}")
         # base64 of 4 bytes per chunk; decoding waits until a read needs it.
-        if self.checksums is not None and len(self.checksums) != 4 * -(-4 * self.grid.nchunks // 3):
+        units = self.checksum_grid
+        if self.checksums is not None and len(self.checksums) != 4 * -(-4 * units.nchunks // 3):
             raise MetadataError(f"{what}: the checksum table does not have one entry per chunk of "
-                                f"shape {list(self.shape)} in chunks of {list(self.chunk_shape)}")
+                                f"shape {list(self.shape)} in chunks of {list(units.chunk_shape)}")
         if self.content_hashes is not None and len(self.content_hashes) != content_hashes.text_length(
                 self.grid.nchunks):
             raise MetadataError(f"{what}: the content hash table does not have one entry per chunk of "
@@ -288,7 +307,8 @@ class CheckpointMetadata:
             )
         meshes = tuple(Mesh.from_dict(m, f"mesh {i}") for i, m in enumerate(get_field(d, "meshes", what, list)))
         tensors = {
-            k: TensorEntry.from_dict(v, f"tensor {k!r}") for k, v in get_field(d, "tensors", what, dict).items()
+            k: TensorEntry.from_dict(v, f"tensor {k!r}", version)
+            for k, v in get_field(d, "tensors", what, dict).items()
         }
         objs = {k: ObjectEntry.from_dict(v, f"object {k!r}") for k, v in get_field(d, "objects", what, dict).items()}
         for key, t in tensors.items():

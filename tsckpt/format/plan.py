@@ -13,12 +13,15 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from . import dtypes, grid
+from . import dtypes, grid, inner_chunks
 from .metadata import Placement, TensorEntry
 from .names import KeyPath, zarr_path
 
-#: Outer chunks larger than this are split into inner chunks (sharding codec).
-DEFAULT_INNER_CHUNK_BYTES = 16 << 20
+#: The smallest inner chunk (sharding codec) a writer cuts by default: below it,
+#: TensorStore's cost per inner chunk outweighs the bytes a finer cut saves.
+DEFAULT_INNER_CHUNK_BYTES = 16 << 10
+#: The largest inner chunk: a partial read never fetches more than this per piece.
+MAX_INNER_CHUNK_BYTES = 16 << 20
 
 
 def plan_tensor(
@@ -40,14 +43,15 @@ def plan_tensor(
     shape = tuple(shape)
     boxes = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, len(shape))
     grid.check_tiling(fqn, shape, boxes)
-    chunk = grid.aligned_chunk_shape(shape, boxes)
+    chunk, inner = inner_chunks.choose(shape, grid.aligned_chunk_shape(shape, boxes), dt.itemsize,
+                                       min_bytes=inner_chunk_bytes, max_bytes=MAX_INNER_CHUNK_BYTES)
     return TensorEntry(
         key_path=tuple(key_path),
         path=zarr_path(key_path),
         shape=shape,
         dtype=dt.zarr,
         chunk_shape=chunk,
-        inner_chunk_shape=grid.inner_chunk_shape(chunk, dt.itemsize, inner_chunk_bytes),
+        inner_chunk_shape=inner,
         placement=placement,
     )
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
 
 from ..errors import MetadataError, TsckptError
-from ..format import checksums, dtypes, values
+from ..format import dtypes, values
 from ..commit import protocol as commit
+from ..storage.box_reader import BoxReader, PendingBox
 from ..format.grid import ChunkGrid
 from ..format.metadata import (
     CheckpointMetadata,
@@ -64,10 +64,9 @@ def _placement_text(p: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class PendingRead:
-    """A read in flight: the box being read, from ``offsets``, and what to select from it."""
+    """A read in flight: the box being read (checked as it completes), and what to select from it."""
 
-    future: ts.Future
-    offsets: tuple[int, ...]
+    box: PendingBox
     rest: tuple[int | slice, ...]
 
 
@@ -78,7 +77,7 @@ class TensorHandle:
         self._ck = checkpoint
         self.key = key
         self.entry = entry
-        self._array_store: ts.TensorStore | None = None
+        self._box_reader: BoxReader | None = None
         self._lock = threading.Lock()
 
     # --- metadata only -----------------------------------------------------
@@ -164,16 +163,18 @@ class TensorHandle:
                 f"placement={self.placement_text})")
 
     # --- data --------------------------------------------------------------
-    def _array(self) -> ts.TensorStore:
+    def _reader(self) -> BoxReader:
         with self._lock:
-            if self._array_store is None:
+            if self._box_reader is None:
+                reader = BoxReader(self._ck.store, self.entry, f"tensor {self.key!r} in {self._ck.url}")
                 try:
-                    self._array_store = self._ck.store.open_tensor(self.entry).result()
+                    reader.opened()
                 except ValueError as e:
                     raise MetadataError(f"cannot open the array of tensor {self.key!r} at {self._ck.url}/"
                                       f"{self.entry.path} (expected {self.entry.dtype} "
                                       f"{list(self.entry.shape)}): {e}") from None
-            return self._array_store
+                self._box_reader = reader
+            return self._box_reader
 
     def numpy(self, slice: Index | None = None) -> np.ndarray:  # noqa: A002 - mirrors handle[...]
         """The whole tensor, or ``slice`` of it, as numpy; reads only the chunks it overlaps."""
@@ -183,15 +184,15 @@ class TensorHandle:
         """Start reading; :meth:`result` of what it returns is the numpy array (lets many reads overlap)."""
         index = normalize_index(slice if slice is not None else (), self.entry.shape, self.key)
         box, rest = bounding_box(index, self.entry.shape)
-        return PendingRead(self._array()[box].read(), tuple(b.start for b in box), rest)
+        # The reader reads whole checksummed pieces and checks them, so every value returned is checked.
+        return PendingRead(self._reader().read([b.start for b in box], [b.stop - b.start for b in box]), rest)
 
     def result(self, pending: PendingRead) -> np.ndarray:
         """Wait for a :meth:`read_async` read; a missing or damaged chunk raises naming the chunk."""
         try:
-            data = np.asarray(pending.future.result())
+            data = pending.box.result()
         except ValueError as e:
             raise read_error(self.key, self._ck.url, e) from None
-        checksums.check_read(self.entry, data, pending.offsets, f"tensor {self.key!r} in {self._ck.url}")
         return np.asarray(data[pending.rest])  # a 0-d result stays an array, as TensorStore gives it
 
     def __getitem__(self, index: Index) -> torch.Tensor:

@@ -28,9 +28,11 @@ from ..storage import packed
 from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
 from ..storage.store import Store as SpecStore
 from ..commit.states import ROOT
+from ..format.metadata import CheckpointMetadata
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import problem
+from .served_chunks import Plan, Request, ServedChunks
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -55,9 +57,10 @@ def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
     kv = open_kvstore(loc, make_context(io_concurrency, loc))
     if not allow_incomplete:
         # The committed metadata, or the error that says why there is none; it names the layout.
-        layout = layout_for(commit.read_metadata(kv, loc.url)).name
-    else:
-        layout = PACKED if packed.is_packed(kv) else PLAIN
+        metadata = commit.read_metadata(kv, loc.url)
+        return TensorStoreZarrStore(loc, layout=layout_for(metadata).name, io_concurrency=io_concurrency,
+                                    metadata=metadata)
+    layout = PACKED if packed.is_packed(kv) else PLAIN
     return TensorStoreZarrStore(loc, layout=layout, io_concurrency=io_concurrency)
 
 
@@ -74,13 +77,16 @@ class TensorStoreZarrStore(Store):
     supports_listing = True
 
     def __init__(self, location: Location, *, layout: str = PLAIN, read_only: bool = False,
-                 io_concurrency: int = DEFAULT_IO_CONCURRENCY):
+                 io_concurrency: int = DEFAULT_IO_CONCURRENCY, metadata: CheckpointMetadata | None = None):
         super().__init__(read_only=read_only)
         get_layout(layout)  # refuses an unknown one
         self.location = location
         self.layout = layout
         self.io_concurrency = io_concurrency
+        #: The committed checkpoint's metadata: with it, every tensor chunk byte served is checked first.
+        self.metadata = metadata
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
+        self._served: ServedChunks | None = None
         self._opened_at = 0.0
 
     # --- plumbing ----------------------------------------------------------
@@ -90,6 +96,8 @@ class TensorStoreZarrStore(Store):
         if self._stores is None:
             store = SpecStore.open(self.location, io_concurrency=self.io_concurrency, layout=self.layout)
             plain, keys = store.kvstore, store.layout.hierarchy(store)
+            if self.metadata is not None:
+                self._served = ServedChunks(self.metadata, store.for_checkpoint(self.metadata))
             self._stores = (plain, keys)
             self._opened_at = time.time()
         return self._stores
@@ -100,7 +108,7 @@ class TensorStoreZarrStore(Store):
 
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle (dask may pickle the store); reopen lazily.
-        return {**self.__dict__, "_stores": None}
+        return {**self.__dict__, "_stores": None, "_served": None}
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, TensorStoreZarrStore) and self.location == other.location
@@ -117,7 +125,7 @@ class TensorStoreZarrStore(Store):
 
     def with_read_only(self, read_only: bool = False) -> TensorStoreZarrStore:
         return type(self)(self.location, layout=self.layout, read_only=read_only,
-                          io_concurrency=self.io_concurrency)
+                          io_concurrency=self.io_concurrency, metadata=self.metadata)
 
     # --- reads -------------------------------------------------------------
 
@@ -133,8 +141,25 @@ class TensorStoreZarrStore(Store):
         if "OUT_OF_RANGE" not in str(error):
             raise self._error(key, error) from None
 
+    def _plan(self, key: str, byte_range: ByteRequest | None) -> Plan | None:
+        """How a tensor chunk key is served checked (None: any other key, served as stored)."""
+        self._kvstores()
+        return self._served.plan(key, _as_request(byte_range)) if self._served is not None else None
+
+    def _checked(self, key: str, plan: Plan) -> ts.Future:
+        return self._route(key).read(key, byte_range=plan.fetch, staleness_bound=self._opened_at)
+
     async def get(self, key: str, prototype: BufferPrototype | None = None,
                   byte_range: ByteRequest | None = None) -> Buffer | None:
+        plan = self._plan(key, byte_range)
+        if plan is not None:
+            if plan.before is not None:
+                await asyncio.get_running_loop().run_in_executor(None, plan.before)
+            try:
+                result = await self._checked(key, plan)
+            except ValueError as e:
+                raise self._error(key, e) from None
+            return self._from(prototype, plan.finish(result))
         try:
             return self._buffer(prototype, await self._read(key, byte_range))
         except ValueError as e:
@@ -144,6 +169,15 @@ class TensorStoreZarrStore(Store):
     def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
                  byte_range: ByteRequest | None = None) -> Buffer | None:
         """Synchronous read (zarr's ``SupportsGetSync`` protocol)."""
+        plan = self._plan(key, byte_range)
+        if plan is not None:
+            if plan.before is not None:
+                plan.before()
+            try:
+                result = self._checked(key, plan).result()
+            except ValueError as e:
+                raise self._error(key, e) from None
+            return self._from(prototype, plan.finish(result))
         try:
             return self._buffer(prototype, self._read(key, byte_range).result())
         except ValueError as e:
@@ -216,6 +250,10 @@ class TensorStoreZarrStore(Store):
         return TsckptError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
 
     @staticmethod
+    def _from(prototype: BufferPrototype | None, value: bytes) -> Buffer:
+        return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
+
+    @staticmethod
     def _buffer(prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
                 clip: ByteRequest | None = None) -> Buffer | None:
         """The value read, or None for a missing key; ``clip`` cuts a whole value to a range."""
@@ -223,6 +261,18 @@ class TensorStoreZarrStore(Store):
             return None
         value = result.value if clip is None else _clip(result.value, clip)
         return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
+
+
+def _as_request(byte_range: ByteRequest | None) -> Request:
+    if byte_range is None:
+        return None
+    if isinstance(byte_range, RangeByteRequest):
+        return byte_range.start, byte_range.end
+    if isinstance(byte_range, OffsetByteRequest):
+        return byte_range.offset, None
+    if isinstance(byte_range, SuffixByteRequest):
+        return "suffix", byte_range.suffix
+    raise TypeError(f"unexpected byte range {byte_range!r}")
 
 
 def _as_slice(byte_range: ByteRequest | None) -> slice | None:

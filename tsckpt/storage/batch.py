@@ -39,8 +39,8 @@ class RankBatch:
         self.names: list[str] = []  # what the current batch holds, for errors
         self._committing: tuple[ts.Future, list[str]] | None = None
 
-    def bind(self, array: ts.TensorStore) -> ts.TensorStore:
-        """``array`` writing through the current transaction (if any)."""
+    def bind(self, array: ts.TensorStore | ts.KvStore) -> ts.TensorStore | ts.KvStore:
+        """``array`` (or a kvstore) writing through the current transaction (if any)."""
         return array if self.txn is None else array.with_transaction(self.txn)
 
     def wrote(self, name: str, nbytes: int) -> None:

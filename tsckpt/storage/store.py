@@ -32,7 +32,7 @@ import tensorstore as ts
 from ..errors import TsckptError
 from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from .location import Location, LocationLike, parse_location
-from ..format import checksums, zarr_json
+from ..format import zarr_json
 from .layouts import PLAIN, KvLayout, get_layout, layout_for
 from .kvio import problem, storage_error
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
@@ -79,6 +79,20 @@ def read_spec(
     if expect:
         spec["metadata"] = expect
     return spec
+
+
+def raw_chunks_metadata(grid_shape: Sequence[int], chunk_nbytes: int) -> dict[str, Any]:
+    """A ``uint8`` view of an array's chunk keys: its chunk ``(i, ..., j)`` holds the bytes of key ``c.i. ... .j``.
+
+    The array has one dimension per dimension of the tensor's chunk grid, the
+    last one ``chunk_nbytes`` times longer, with chunks of ``[1, ..., 1,
+    chunk_nbytes]`` and no codec but ``bytes``, so writing ``chunk_nbytes``
+    encoded bytes into chunk ``(i, ..., j)`` stores them verbatim under the
+    tensor's own chunk key, straight from the caller's buffer.
+    """
+    shape = [*grid_shape[:-1], grid_shape[-1] * chunk_nbytes]
+    chunk = [1] * (len(shape) - 1) + [chunk_nbytes]
+    return zarr_json.array_metadata(shape, "uint8", chunk, checksums=False)
 
 
 def tensor_read_spec(kvstore: Mapping[str, Any], entry: TensorEntry,
@@ -213,6 +227,18 @@ class Store:
         kvstore = self.layout.write_kvstore(self.location, rank, path)
         return ts.open(write_spec(kvstore, zarr_metadata), context=self.context)
 
+    def create_raw(self, path: str, grid_shape: Sequence[int], chunk_nbytes: int, rank: int = 0) -> ts.Future:
+        """Open the chunk keys of the array at ``path`` for rank ``rank`` to write encoded chunks into.
+
+        See :func:`raw_chunks_metadata`; nothing but chunk keys is ever written through it.
+        """
+        return self.create(path, raw_chunks_metadata(grid_shape, chunk_nbytes), rank)
+
+    def open_raw(self, path: str, grid_shape: Sequence[int], chunk_nbytes: int) -> ts.Future:
+        """Open the chunk keys of the array at ``path`` for reading them whole, as bytes (:func:`raw_chunks_metadata`)."""
+        spec = write_spec(self.array_kvstore(path), raw_chunks_metadata(grid_shape, chunk_nbytes))
+        return ts.open(spec, context=self.context, read=True)
+
     def open_tensor(self, entry: TensorEntry, codecs: Sequence[Mapping[str, Any]] | None = None) -> ts.Future:
         """Open a tensor's array for reading as the root document describes it.
 
@@ -248,15 +274,6 @@ class Store:
             return self.open_blob(path).result().read().result().tobytes()
         except ValueError as e:
             raise storage_error(e, f"reading value {key!r} from {self.url}/{path} failed") from None
-
-    def read_tensor(self, key: str, entry: TensorEntry) -> Any:
-        """The whole tensor as numpy, or a clear error naming the tensor (and the chunk, when one is missing)."""
-        try:
-            data = self.open_tensor(entry).result().read().result()
-        except ValueError as e:
-            raise read_error(key, self.url, e) from None
-        checksums.check_read(entry, data, (0,) * len(entry.shape), f"tensor {key!r} in {self.url}")
-        return data
 
 
 def read_error(key: str, url: str, e: Exception) -> TsckptError:

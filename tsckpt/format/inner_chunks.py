@@ -1,0 +1,155 @@
+"""Inner chunks chosen so that loads into other topologies fetch little more than they need.
+
+An inner chunk (Zarr's ``sharding_indexed`` codec) is the smallest piece a read
+fetches, and the piece each checksum covers (``checksums.py``): a load fetches
+every inner chunk its box touches, whole. Cut too coarse, a rank that needs a
+quarter of a shard's columns fetches the whole shard; cut too fine, every save
+and load pays TensorStore's cost per inner chunk (a few microseconds each) on
+pieces that hold few bytes.
+
+So the size along each dimension is chosen by what a later load would fetch:
+for every split of that dimension into ``k`` ranks the way ``torch.chunk`` (and
+DTensor's ``Shard``) cuts it, ``k`` in :data:`SPLITS`, no rank may fetch more
+than :data:`TARGET_RATIO` times the extent it needs, counted along that
+dimension alone (a load that splits one dimension reads every other one whole,
+so per-dimension ratios are the ratios of bytes). Among the sizes that meet it,
+the largest (fewest inner chunks) wins. When that makes an inner chunk smaller
+than the floor, the sizes whose worst ratio is least among those above the
+floor win instead. The floor is the writer's (``min_bytes``, 16 KiB by
+default), lowered for small outer chunks to a sixteenth of the chunk (never
+below 512 bytes), so a small shard is still cut into a few pieces; and no
+tensor is cut into more than 1024 inner chunks (or its number of outer chunks,
+if larger), so its checksum table in the root document stays small.
+
+Along a dimension the saved regions cut (a rank boundary inside it), the outer
+chunk is fixed by those boundaries and inner chunks must divide it. Along a
+dimension no region boundary cuts, the outer chunk is free: it becomes the
+dimension rounded up to a multiple of the inner chunk (Zarr stores the overhang
+as the edge chunk's padding), so a dimension of prime length is still cut.
+Pure functions of shapes; nothing here touches storage.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+#: The rank counts a later load is planned for, along any one dimension.
+SPLITS = (2, 3, 4, 8)
+#: The most a rank may fetch along a dimension, relative to what it needs. Kept
+#: below the 1.3 documented for loads, which also read shard indexes.
+TARGET_RATIO = 1.2
+#: An outer chunk smaller than this many times the writer's floor is cut into up to this many
+#: pieces of at least MIN_PIECE_BYTES instead: a column of a small shard is read without the rest.
+SMALL_PIECES = 16
+MIN_PIECE_BYTES = 512
+#: The most inner chunks a tensor is cut into (unless it has more outer chunks): its checksum
+#: table in the root document, which every rank reads, stays within about 5.5 KB.
+MAX_PER_TENSOR = 1024
+#: Candidate sizes along a free dimension: the length divided by 1..this, and powers of two.
+_MAX_PIECES = 256
+
+
+def fetched(n: int, unit: int, start: int, stop: int) -> int:
+    """Elements fetched along a dimension of length ``n`` cut every ``unit`` to read ``[start, stop)``."""
+    if stop <= start:
+        return 0
+    return min(-(-stop // unit) * unit, n) - (start // unit) * unit
+
+
+def over_read(n: int, unit: int, splits: Iterable[int] = SPLITS) -> float:
+    """The worst ratio of fetched to needed over every rank of every split in ``splits``."""
+    worst = 1.0
+    for k in splits:
+        size = -(-n // k)
+        for start in range(0, n, size):
+            stop = min(start + size, n)
+            worst = max(worst, fetched(n, unit, start, stop) / (stop - start))
+    return worst
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})
+
+
+def _candidates(n: int, chunk: int) -> list[int]:
+    """Inner sizes possible along one dimension, ascending."""
+    if chunk < max(n, 1):  # region boundaries fix the outer chunk: inner chunks divide it
+        return _divisors(chunk)
+    if n <= 1:
+        return [1]
+    sizes = {-(-n // m) for m in range(1, _MAX_PIECES + 1)} | {1 << e for e in range(n.bit_length() - 1)}
+    return sorted(sizes)
+
+
+def _coarsest_fit(cands: list[list[int]], ratios: list[np.ndarray], fine: list[int], min_elems: int) -> list[int]:
+    """Sizes of at least ``min_elems`` elements in all whose worst ratio is least (then: fewest inner chunks).
+
+    Every combination is tried for one or two dimensions (vectorized); more
+    dimensions are coarsened one step at a time where the ratio grows least.
+    """
+    if len(cands) <= 2:
+        grids = np.meshgrid(*[np.asarray(c, dtype=np.int64) for c in cands], indexing="ij")
+        each = np.meshgrid(*ratios, indexing="ij")
+        elems = np.multiply.reduce(grids).reshape(-1)
+        ok = elems >= min_elems
+        if not ok.any():
+            return [c[-1] for c in cands]
+        # Least worst ratio, then least total (the other dimension's loads), then fewest inner chunks.
+        order = np.lexsort((-elems, np.add.reduce(each).reshape(-1), np.maximum.reduce(each).reshape(-1), ~ok))
+        return [int(g.reshape(-1)[order[0]]) for g in grids]
+    pick = list(fine)
+    while math.prod(pick) < min_elems:
+        steps = [(float(ratios[d][cands[d].index(nxt)]), -nxt / pick[d], d, nxt) for d in range(len(pick))
+                 for nxt in [next((u for u in cands[d] if u > pick[d]), None)] if nxt is not None]
+        if not steps:
+            break
+        _, _, d, nxt = min(steps)
+        pick[d] = nxt
+    return pick
+
+
+def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_bytes: int,
+           max_bytes: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The outer chunk shape (free dimensions rounded up) and the inner chunk shape, or None for no inner chunks.
+
+    ``chunk`` is the outer chunk aligned to the saved regions
+    (:func:`~tsckpt.format.grid.aligned_chunk_shape`). ``min_bytes`` is the
+    smallest inner chunk worth a read of its own (0 disables inner chunks);
+    ``max_bytes``, if given, the largest.
+    """
+    return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_bytes: int,
+            max_bytes: int | None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    # Cached: a model's layers repeat a few shapes, and planning runs once per save.
+    if min_bytes <= 0 or not math.prod(shape) or math.prod(chunk) * itemsize <= min(min_bytes, MIN_PIECE_BYTES):
+        return chunk, None
+    cands = [_candidates(n, c) for n, c in zip(shape, chunk)]
+    ratios = [np.array([over_read(n, u) for u in cs]) for n, cs in zip(shape, cands)]
+    # Finest that is fine enough: the largest size whose ratio meets the target, per dimension.
+    pick = [max(u for u, r in zip(cs, rs) if r <= TARGET_RATIO) for cs, rs in zip(cands, ratios)]
+    # The floor: the writer's, lowered for outer chunks too small to hold SMALL_PIECES of it (small
+    # shards are read in part too, and their few pieces cost little), and at most MAX_PER_TENSOR pieces.
+    chunk_bytes = math.prod(chunk) * itemsize
+    floor = min(min_bytes, max(MIN_PIECE_BYTES, chunk_bytes // SMALL_PIECES))
+    min_elems = max(-(-floor // itemsize), -(-math.prod(shape) // MAX_PER_TENSOR))
+    if math.prod(pick) < min_elems:
+        pick = _coarsest_fit(cands, ratios, pick, min_elems)
+    while max_bytes and math.prod(pick) * itemsize > max_bytes:
+        d = max(range(len(pick)), key=lambda i: pick[i])
+        smaller = [u for u in cands[d] if u < pick[d]]
+        if not smaller:
+            break
+        pick[d] = smaller[-1]
+    outer = tuple(c if c < max(n, 1) else -(-n // u) * u for n, c, u in zip(shape, chunk, pick))
+    inner = tuple(pick)
+    if inner == outer:
+        return chunk, None
+    return outer, inner

@@ -1,0 +1,262 @@
+"""Reading a box of one tensor, every value returned checked against the checkpoint's checksums.
+
+Every read path (the DCP reader, :func:`tsckpt.open` handles, whole-tensor
+reads for ``convert`` and ``diff``, ``verify``) reads through a
+:class:`BoxReader`. A box is read as the whole checksummed pieces it touches,
+and each piece is checked before any of its values is handed out, so a read of
+one element checks the inner chunk holding it.
+
+Arrays whose outer chunks tsckpt encoded itself (:mod:`tsckpt.format.shards`)
+are read here from their chunk keys: an outer chunk the box covers whole with
+one read of its key, one it covers in part with one read per run of needed
+inner chunks stored one after the other (a row of the inner grid, or several
+whole rows). Each inner chunk is checked where it lies in the bytes read (no
+copy), then copied into place. Other arrays (no inner chunks, compressed,
+written before format version 3 or without checksums) are read through
+TensorStore's array driver, over the box widened to whole pieces, and checked
+after.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ..format import checksums, dtypes, shards, zarr_json
+from ..format.metadata import TensorEntry
+from .store import Store, read_error, then
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class PendingBox:
+    """A box read in flight; :meth:`result` checks it and returns the values of the box asked for."""
+
+    finish: Any  # () -> np.ndarray
+
+    def result(self) -> np.ndarray:
+        return self.finish()
+
+
+class BoxReader:
+    """Reads boxes of ``entry``'s array from ``store``; ``what`` names the tensor in checksum errors.
+
+    The arrays and kvstores it needs are opened on construction, concurrently
+    with other readers' openings.
+    """
+
+    def __init__(self, store: Store, entry: TensorEntry, what: str):
+        self.store = store
+        self.entry = entry
+        self.what = what
+        self.dtype = dtypes.from_zarr(entry.dtype).numpy
+        # Chunks tsckpt encoded are read here; without checksums nothing would notice one laid out otherwise.
+        self.fmt = shards.shard_format(entry, store.array_options) \
+            if entry.checksums_per_inner_chunk and entry.checksums is not None else None
+        self.table: np.ndarray | None = None
+        if self.fmt is None:
+            self._array = store.open_tensor(entry)
+        else:
+            self._raw = store.open_raw(entry.path, entry.grid.grid_shape, self.fmt.nbytes)
+            self._kv = ts.KvStore.open(store.array_kvstore(entry.path), context=store.context)
+
+    def opened(self) -> None:
+        """Wait for the openings (raises what they raised)."""
+        if self.fmt is None:
+            self._array.result()
+        else:
+            self._raw.result()
+            self._kv.result()
+
+    def _checksums(self) -> np.ndarray | None:
+        if self.entry.checksums is not None and self.table is None:
+            self.table = checksums.decode_table(self.entry.checksums, self.entry.checksum_grid, self.what)
+        return self.table
+
+    def held_bytes(self, sizes: Sequence[int], out: bool) -> int:
+        """About how many bytes of host memory a read of ``sizes`` holds until its result is taken.
+
+        A read into ``out`` through TensorStore's array driver holds none; one of
+        encoded chunks holds the bytes read (whole inner chunks) until it is placed.
+        """
+        nbytes = math.prod(sizes) * self.dtype.itemsize
+        return nbytes * (2 if not out else 1) if self.fmt is not None else (0 if out else nbytes)
+
+    def read(self, offsets: Sequence[int], sizes: Sequence[int], out: np.ndarray | None = None) -> PendingBox:
+        """Start reading the box ``offsets``/``sizes``; into ``out`` (its shape, the stored dtype) if given."""
+        offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+        if self.fmt is None or 0 in sizes:
+            return self._read_array(offsets, sizes, out)
+        return self._read_chunks(offsets, sizes, out)
+
+    # --- through TensorStore's array driver ---------------------------------------
+
+    def _read_array(self, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray | None) -> PendingBox:
+        lo, extent = checksums.covering_box(self.entry, offsets, sizes)
+        source = self._array.result()[tuple(slice(o, o + n) for o, n in zip(lo, extent))]
+        within = tuple(slice(o - a, o - a + n) for o, a, n in zip(offsets, lo, sizes))
+        direct = out is not None and extent == sizes
+        fut = ts.array(out, copy=False, write=True).write(source) if direct else source.read()
+
+        def finish() -> np.ndarray:
+            data = out if direct else np.asarray(fut.result())
+            if direct:
+                fut.result()
+            checksums.check_read(self.entry, data, lo, self.what, self._checksums())
+            if direct or out is None:
+                return data if extent == sizes else data[within]
+            np.copyto(out, data[within])
+            return out
+
+        return PendingBox(finish)
+
+    # --- encoded chunks, read here ------------------------------------------------
+
+    def _read_chunks(self, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray | None) -> PendingBox:
+        fmt = self.fmt
+        assert fmt is not None
+        outer = self.entry.grid
+        lo, extent = checksums.covering_box(self.entry, offsets, sizes)
+        if out is None:
+            out = np.empty(sizes, dtype=self.dtype)
+        reads = []
+        for index in outer.chunks_overlapping([slice(o, o + n) for o, n in zip(lo, extent)]):
+            region = outer.chunk_region(index)
+            # The inner chunks of this outer chunk the box needs: [first, last) along each dimension.
+            first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
+            last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
+            key = zarr_json.chunk_key(index)
+            if all(o <= r.start and r.stop <= o + n for o, n, r in zip(lo, extent, region)):
+                # The whole outer chunk: one read of its key, index included.
+                at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
+                fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
+            else:
+                fut = self._read_runs(key, index, first, last)
+            reads.append((index, region, first, last, fut))
+
+        def finish() -> np.ndarray:
+            for index, region, first, last, fut in reads:
+                self._place(index, tuple(r.start for r in region), first, last, fut.result(), offsets, sizes, out)
+            return out
+
+        return PendingBox(finish)
+
+    def _where(self, key: str) -> str:
+        return f"{self.store.url}/{self.entry.path}/{key}"
+
+    def _missing(self, key: str, index: Sequence[int]) -> ValueError:
+        return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is missing")
+
+    def _whole(self, key: str, data: np.ndarray) -> np.ndarray:
+        """The inner chunks of a whole stored outer chunk, one after the other in row-major order of its grid."""
+        fmt = self.fmt
+        assert fmt is not None
+        data = np.asarray(data).reshape(-1)
+        table = fmt.parse_index(data[fmt.nbytes - fmt.index_bytes:], self._where(key))
+        starts = table[:, 0].astype(np.int64)
+        if (starts == np.arange(fmt.pieces, dtype=np.int64) * fmt.piece_bytes).all():
+            return data  # as tsckpt writes them
+        return self._gather(key, data, starts)
+
+    def _gather(self, key: str, data: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Inner chunks stored elsewhere than tsckpt puts them, copied into row-major order."""
+        fmt = self.fmt
+        assert fmt is not None
+        if (starts < 0).any() or (starts + fmt.piece_bytes > fmt.nbytes - fmt.index_bytes).any():
+            raise ValueError(f"{self._where(key)}: the shard index points outside the shard's data")
+        return np.concatenate([data[a:a + fmt.piece_bytes] for a in starts]) if len(starts) else data[:0]
+
+    def _read_runs(self, key: str, index: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...]) -> ts.Future:
+        """Read the inner chunks ``[first, last)`` of an outer chunk: each run stored one after the other at once.
+
+        They are found where tsckpt stores them (in row-major order, without
+        reading the index): a chunk laid out otherwise was not written by
+        tsckpt, and fails its checksums like any other change.
+        """
+        fmt = self.fmt
+        assert fmt is not None
+        block = [b - a for a, b in zip(first, last)]
+        coords = np.indices(block).reshape(len(block), -1) + np.asarray(first).reshape(-1, 1)
+        starts = np.ravel_multi_index(coords, fmt.grid) * fmt.piece_bytes
+        runs = np.split(starts, np.flatnonzero(np.diff(starts) != fmt.piece_bytes) + 1)
+        kv = self._kv.result()
+        futures = [kv.read(key, byte_range=slice(int(run[0]), int(run[-1]) + fmt.piece_bytes)) for run in runs]
+        return _all(futures, lambda r: _value(r, self._missing(key, index)))
+
+    def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
+               data: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
+        """Check the inner chunks ``[first, last)`` of outer chunk ``index`` (``data``: their stored bytes, one
+        after the other in row-major order), then copy what the box ``offsets``/``sizes`` wants of them to ``out``."""
+        fmt = self.fmt
+        assert fmt is not None
+        if isinstance(data, list):
+            data = np.concatenate(data) if len(data) > 1 else data[0]
+        block = tuple(b - a for a, b in zip(first, last))
+        count = math.prod(block)
+        raw = math.prod(fmt.inner) * fmt.itemsize
+        stored = data[:count * fmt.piece_bytes].reshape(count, fmt.piece_bytes)[:, :raw]
+        values = stored.view(self.dtype).reshape(*block, *fmt.inner)
+        origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))  # of the block, in the array
+        table = self._checksums()
+        if table is not None:
+            coords = np.indices(block).reshape(len(block), -1).T + np.asarray(origin) // np.asarray(fmt.inner)
+            shards.check_pieces(self.entry, fmt, table, index, coords, stored, values.reshape(-1, *fmt.inner),
+                                self.what)
+        # The block's values in the array, and the part of them the box wants.
+        span = tuple(b * i for b, i in zip(block, fmt.inner))
+        a = tuple(max(o, x) for o, x in zip(origin, offsets))
+        b = tuple(min(o + n, x + m, e) for o, n, x, m, e in zip(origin, span, offsets, sizes, self.entry.shape))
+        if any(y <= x for x, y in zip(a, b)):
+            return
+        dest = out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offsets))]
+        if a == origin and all(y - o == n for y, o, n in zip(b, origin, span)):
+            tiles, pieces = shards.tile_views(dest, values, block, fmt.inner)
+            np.copyto(tiles, pieces)
+            return
+        full = np.empty(span, dtype=self.dtype)
+        tiles, pieces = shards.tile_views(full, values, block, fmt.inner)
+        np.copyto(tiles, pieces)
+        np.copyto(dest, full[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))])
+
+def _value(result: Any, missing: Exception) -> np.ndarray:
+    if result.state != "value":
+        raise missing
+    return np.frombuffer(result.value, dtype=np.uint8)
+
+
+def _all(futures: list[ts.Future], step: Any) -> ts.Future:
+    """A future of ``[step(result) for each future]``, failing with the first failure."""
+    promise, out = ts.Promise.new()
+    results: list[Any] = [None] * len(futures)
+    left = [len(futures)]
+
+    def done(k: int, f: ts.Future) -> None:
+        try:
+            results[k] = step(f.result())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            promise.set_exception(e)
+            return
+        left[0] -= 1
+        if left[0] == 0:
+            promise.set_result(results)
+
+    if not futures:
+        promise.set_result([])
+    for k, f in enumerate(futures):
+        f.add_done_callback(lambda f, k=k: done(k, f))
+    return out
+
+
+def read_tensor(store: Store, key: str, entry: TensorEntry) -> np.ndarray:
+    """The whole tensor as numpy, checked, or a clear error naming the tensor (and the chunk, when one is missing)."""
+    reader = BoxReader(store, entry, f"tensor {key!r} in {store.url}")
+    try:
+        return reader.read((0,) * len(entry.shape), entry.shape).result()
+    except ValueError as e:
+        raise read_error(key, store.url, e) from None
