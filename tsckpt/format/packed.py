@@ -47,10 +47,13 @@ DATA_PREFIX = "d/"
 #: Context resource holding decoded B+tree nodes for readers (see :func:`reader_context`).
 NODE_CACHE = "cache_pool#tsckpt_ocdbt"
 NODE_CACHE_BYTES = 64 << 20
-#: Object-store reads of nearby values are merged into one request (as Orbax does for remote storage).
+#: Object-store reads of values stored one after the other (inner chunks of one outer
+#: chunk, the chunks of one rank) are merged into one request. Reads further apart are
+#: not: merging across gaps (Orbax merges up to 1 MiB apart) would fetch the inner chunks
+#: a resharded load skips, several times the bytes it needs.
 _REMOTE_DRIVERS = frozenset({"s3", "gcs", "http"})
 _READ_COALESCING = {
-    "experimental_read_coalescing_threshold_bytes": 1 << 20,
+    "experimental_read_coalescing_threshold_bytes": 4096,
     "experimental_read_coalescing_merged_bytes": 1 << 30,
     "experimental_read_coalescing_interval": "1ms",
 }
