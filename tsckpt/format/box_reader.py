@@ -9,8 +9,8 @@ one element checks the inner chunk holding it.
 Arrays whose outer chunks tsckpt encoded itself (:mod:`tsckpt.format.shards`)
 are read here from their chunk keys: an outer chunk the box covers whole with
 one read of its key, one it covers in part with one read per run of needed
-inner chunks stored one after the other (a row of the inner grid, or several
-whole rows). Each inner chunk is checked where it lies in the bytes read (no
+inner chunks stored one after the other (``ShardFormat.order`` keeps those
+runs few). Each inner chunk is checked where it lies in the bytes read (no
 copy), then copied into place. Other arrays (no inner chunks, compressed,
 written before format version 3 or without checksums) are read through
 TensorStore's array driver, over the box widened to whole pieces, and checked
@@ -20,7 +20,7 @@ after.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +31,11 @@ from . import checksums, dtypes, shards, zarr_json
 from .metadata import TensorEntry
 from .spec import Store, read_error, then
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
 @dataclass
 class PendingBox:
     """A box read in flight; :meth:`result` checks it and returns the values of the box asked for."""
 
-    finish: Any  # () -> np.ndarray
+    finish: Callable[[], np.ndarray]
 
     def result(self) -> np.ndarray:
         return self.finish()
