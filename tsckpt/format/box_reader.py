@@ -20,6 +20,7 @@ after.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -229,6 +230,7 @@ class BoxReader:
         np.copyto(tiles, pieces)
         np.copyto(dest, full[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))])
 
+
 def _value(result: Any, missing: Exception) -> np.ndarray:
     if result.state != "value":
         raise missing
@@ -236,19 +238,30 @@ def _value(result: Any, missing: Exception) -> np.ndarray:
 
 
 def _all(futures: list[ts.Future], step: Any) -> ts.Future:
-    """A future of ``[step(result) for each future]``, failing with the first failure."""
+    """A future of ``[step(result) for each future]``, failing with the first failure.
+
+    The futures complete on TensorStore's threads, so the count of those
+    outstanding is kept under a lock.
+    """
     promise, out = ts.Promise.new()
     results: list[Any] = [None] * len(futures)
-    left = [len(futures)]
+    state = {"left": len(futures), "failed": False}
+    lock = threading.Lock()
 
     def done(k: int, f: ts.Future) -> None:
         try:
-            results[k] = step(f.result())
+            value = step(f.result())
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            promise.set_exception(e)
+            with lock:
+                first, state["failed"] = not state["failed"], True
+            if first:
+                promise.set_exception(e)
             return
-        left[0] -= 1
-        if left[0] == 0:
+        with lock:
+            results[k] = value
+            state["left"] -= 1
+            finished = state["left"] == 0 and not state["failed"]
+        if finished:
             promise.set_result(results)
 
     if not futures:
