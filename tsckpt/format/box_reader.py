@@ -131,7 +131,8 @@ class BoxReader:
             last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
             key = zarr_json.chunk_key(index)
             if all(o <= r.start and r.stop <= o + n for o, n, r in zip(lo, extent, region)):
-                # The whole outer chunk: one read of its key, index included.
+                # The whole outer chunk: one read of its key, index included (and padding beyond the edge).
+                first, last = (0,) * len(fmt.grid), fmt.grid
                 at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
                 fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
             else:
