@@ -79,7 +79,7 @@ def damaged(saved, tmp_path):
     fmt = shards.ShardFormat(entry.chunk_shape, entry.inner_chunk_shape, 4)
     chunk = [a // c for a, c in zip(AT, entry.chunk_shape)]
     local = [a - i * c for a, i, c in zip(AT, chunk, entry.chunk_shape)]
-    piece = np.ravel_multi_index([x // u for x, u in zip(local, fmt.inner)], fmt.grid)
+    piece = fmt.positions[np.ravel_multi_index([x // u for x, u in zip(local, fmt.inner)], fmt.grid)]
     within = np.ravel_multi_index([x % u for x, u in zip(local, fmt.inner)], fmt.inner)
     offset = int(piece) * fmt.piece_bytes + int(within) * 4 + 2  # a middle byte of the float
     edit_key(path, f"w/c.{chunk[0]}.{chunk[1]}", lambda data: flip_byte(data, offset, 0x10))

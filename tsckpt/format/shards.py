@@ -5,9 +5,11 @@ followed by its ``crc32c``) a shard is the inner chunks' bytes one after the
 other, then an index of one ``(offset, nbytes)`` pair of little-endian
 ``uint64`` per inner chunk in row-major order of the shard's inner grid (both
 ``2**64 - 1`` for an inner chunk that is not stored), then, with the crc32c
-codec, the index's own crc32c. tsckpt stores every inner chunk, in row-major
-order, so all outer chunks of an array have one size and a row of the inner
-grid is one contiguous byte range.
+codec, the index's own crc32c. tsckpt stores every inner chunk, in the
+row-major order of the inner grid with its dimensions sorted by how many inner
+chunks they hold (:attr:`ShardFormat.order`), so all outer chunks of an array
+have one size, and what a load split along one dimension needs of an outer
+chunk is a few contiguous byte ranges.
 
 Encoding here instead of through TensorStore's sharding codec costs one
 transposing copy of the chunk, where TensorStore pays several microseconds per
@@ -48,21 +50,57 @@ class ShardFormat:
     itemsize: int
     crc32c_codec: bool = False
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
         """Inner chunks per outer chunk, along each dimension."""
         return tuple(c // i for c, i in zip(self.chunk, self.inner))
 
-    @property
+    @functools.cached_property
+    def order(self) -> tuple[int, ...]:
+        """The dimensions of the inner grid in storage order, slowest first: by how many inner chunks they hold.
+
+        A box that takes part of one dimension and all of the others (what a
+        load split along one dimension reads) is then at most as many byte
+        ranges as the dimensions stored slower hold inner chunks: one for the
+        dimension with the most, the fastest.
+        """
+        return tuple(sorted(range(len(self.grid)), key=lambda d: (self.grid[d], d)))
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """Where each inner chunk is stored (its rank in storage order), by its row-major index in the grid."""
+        return self.position(np.stack(np.unravel_index(np.arange(self.pieces), self.grid), axis=1))
+
+    def position(self, coords: np.ndarray) -> np.ndarray:
+        """Storage positions of the inner chunks at grid coordinates ``coords`` (one row each)."""
+        coords = np.asarray(coords, dtype=np.int64).reshape(-1, len(self.grid))
+        return np.ravel_multi_index(tuple(coords[:, d] for d in self.order), [self.grid[d] for d in self.order])
+
+    def coords(self, positions: np.ndarray) -> np.ndarray:
+        """Grid coordinates (one row each) of the inner chunks stored at ``positions``."""
+        stored = np.unravel_index(np.asarray(positions, dtype=np.int64), [self.grid[d] for d in self.order])
+        out = np.empty((len(np.atleast_1d(positions)), len(self.grid)), dtype=np.int64)
+        for k, d in enumerate(self.order):
+            out[:, d] = stored[k]
+        return out
+
+    def grid_view(self, values: np.ndarray) -> np.ndarray:
+        """All inner chunks of an outer chunk, ``(pieces, *inner)`` in storage order, as a ``(*grid, *inner)`` view."""
+        ndim = len(self.grid)
+        stored = values.reshape(*(self.grid[d] for d in self.order), *self.inner)
+        back = [self.order.index(d) for d in range(ndim)]
+        return stored.transpose(*back, *range(ndim, 2 * ndim))
+
+    @functools.cached_property
     def pieces(self) -> int:
         return math.prod(self.grid)
 
-    @property
+    @functools.cached_property
     def piece_bytes(self) -> int:
         """Stored bytes of one inner chunk (its checksum included, with the codec)."""
         return math.prod(self.inner) * self.itemsize + (_CRC_BYTES if self.crc32c_codec else 0)
 
-    @property
+    @functools.cached_property
     def index_bytes(self) -> int:
         return 16 * self.pieces + (_CRC_BYTES if self.crc32c_codec else 0)
 
@@ -73,7 +111,7 @@ class ShardFormat:
                 for d, (g, i, e) in enumerate(zip(self.grid, self.inner, extent))]
         return np.broadcast_to(functools.reduce(np.logical_and, axes), self.grid)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Stored bytes of one outer chunk: every inner chunk, then the index."""
         return self.pieces * self.piece_bytes + self.index_bytes
@@ -84,8 +122,8 @@ class ShardFormat:
         Also returns the crc32c of every inner chunk that holds any element
         inside the array, in row-major order of the shard's inner grid, over
         those elements only, as the checksum tables define them. Every inner
-        chunk is stored, zero-padded beyond the array's edge, so every outer
-        chunk has the same size and layout.
+        chunk is stored, zero-padded beyond the array's edge, in :attr:`order`,
+        so every outer chunk has the same size and layout.
         """
         inside = tuple(data.shape) == self.chunk
         full = data if inside else np.zeros(self.chunk, dtype=data.dtype)
@@ -94,30 +132,29 @@ class ShardFormat:
         raw = math.prod(self.inner) * self.itemsize
         out = np.empty(self.nbytes, dtype=np.uint8)
         stored = out[:self.pieces * self.piece_bytes].reshape(self.pieces, self.piece_bytes)
-        body = stored[:, :raw].view(data.dtype).reshape(*self.grid, *self.inner)
+        body = self.grid_view(stored[:, :raw].view(data.dtype))
         tiles, pieces = tile_views(full, body, self.grid, self.inner)
         np.copyto(pieces, tiles)
-        whole = [_crc32c.crc32c(piece) for piece in stored[:, :raw]]
+        whole = [_crc32c.crc32c(piece) for piece in stored[:, :raw]]  # in storage order
         if self.crc32c_codec:
             stored[:, raw:] = np.asarray(whole, dtype="<u4").reshape(-1, 1).view(np.uint8)
-        crcs = whole
-        if not inside:
+        present = np.flatnonzero(self.present(data.shape).reshape(-1))
+        crcs = []
+        for k in present.tolist():  # row-major order of the grid
+            origin = np.unravel_index(k, self.grid)
+            within = tuple(slice(0, min(i, n - o * i)) for i, n, o in zip(self.inner, data.shape, origin))
+            piece = body[origin]
             # Pieces across the array's edge are checksummed over their elements inside it only.
-            present = self.present(data.shape).reshape(-1)
-            crcs = []
-            for k in np.flatnonzero(present):
-                origin = np.unravel_index(k, self.grid)
-                within = tuple(slice(0, min(i, n - o * i)) for i, n, o in zip(self.inner, data.shape, origin))
-                piece = body[origin]
-                crcs.append(whole[k] if piece[within].shape == piece.shape else checksums.crc32c(piece[within]))
+            crcs.append(whole[self.positions[k]] if piece[within].shape == piece.shape
+                        else checksums.crc32c(piece[within]))
         out[self.pieces * self.piece_bytes:] = self.index
         return out, crcs
 
     @functools.cached_property
     def index(self) -> np.ndarray:
-        """The index tsckpt writes at the end of every outer chunk (as ``uint8``): inner chunks in row-major order."""
+        """The index tsckpt writes at the end of every outer chunk (as ``uint8``), its entries in row-major order."""
         entries = np.empty((self.pieces, 2), dtype=_ENTRY)
-        entries[:, 0] = np.arange(self.pieces, dtype=np.uint64) * np.uint64(self.piece_bytes)
+        entries[:, 0] = self.positions.astype(np.uint64) * np.uint64(self.piece_bytes)
         entries[:, 1] = self.piece_bytes
         raw = entries.reshape(-1).view(np.uint8)
         if not self.crc32c_codec:

@@ -94,8 +94,7 @@ class ServedChunks:
                 stored = raw[:count * fmt.piece_bytes].reshape(count, fmt.piece_bytes)[:, :fmt.piece_bytes - (
                     4 if fmt.crc32c_codec else 0)]
                 values = stored.view(dtypes.from_zarr(entry.dtype).numpy).reshape(count, *fmt.inner)
-                local = np.stack(np.unravel_index(np.arange(first, first + count), fmt.grid), axis=1)
-                coords = local + np.asarray(index) * np.asarray(fmt.grid)
+                coords = fmt.coords(np.arange(first, first + count)) + np.asarray(index) * np.asarray(fmt.grid)
                 shards.check_pieces(entry, fmt, table, index, coords, stored, values, what)
             tail_from = max(lo, data_end)
             if hi > tail_from and not np.array_equal(raw[tail_from - lo:hi - lo],

@@ -9,8 +9,8 @@ one element checks the inner chunk holding it.
 Arrays whose outer chunks tsckpt encoded itself (:mod:`tsckpt.format.shards`)
 are read here from their chunk keys: an outer chunk the box covers whole with
 one read of its key, one it covers in part with one read per run of needed
-inner chunks stored one after the other (a row of the inner grid, or several
-whole rows). Each inner chunk is checked where it lies in the bytes read (no
+inner chunks stored one after the other (``ShardFormat.order`` keeps those
+runs few). Each inner chunk is checked where it lies in the bytes read (no
 copy), then copied into place. Other arrays (no inner chunks, compressed,
 written before format version 3 or without checksums) are read through
 TensorStore's array driver, over the box widened to whole pieces, and checked
@@ -20,7 +20,8 @@ after.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +32,11 @@ from ..format import checksums, dtypes, shards, zarr_json
 from ..format.metadata import TensorEntry
 from .store import Store, read_error, then
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
 @dataclass
 class PendingBox:
     """A box read in flight; :meth:`result` checks it and returns the values of the box asked for."""
 
-    finish: Any  # () -> np.ndarray
+    finish: Callable[[], np.ndarray]
 
     def result(self) -> np.ndarray:
         return self.finish()
@@ -133,7 +131,8 @@ class BoxReader:
             last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
             key = zarr_json.chunk_key(index)
             if all(o <= r.start and r.stop <= o + n for o, n, r in zip(lo, extent, region)):
-                # The whole outer chunk: one read of its key, index included.
+                # The whole outer chunk: one read of its key, index included (and padding beyond the edge).
+                first, last = (0,) * len(fmt.grid), fmt.grid
                 at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
                 fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
             else:
@@ -153,61 +152,69 @@ class BoxReader:
     def _missing(self, key: str, index: Sequence[int]) -> ValueError:
         return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is missing")
 
-    def _whole(self, key: str, data: np.ndarray) -> np.ndarray:
-        """The inner chunks of a whole stored outer chunk, one after the other in row-major order of its grid."""
+    def _whole(self, key: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A whole stored outer chunk as (its inner chunks' bytes one after the other, their storage positions)."""
         fmt = self.fmt
         assert fmt is not None
         data = np.asarray(data).reshape(-1)
-        table = fmt.parse_index(data[fmt.nbytes - fmt.index_bytes:], self._where(key))
-        starts = table[:, 0].astype(np.int64)
-        if (starts == np.arange(fmt.pieces, dtype=np.int64) * fmt.piece_bytes).all():
-            return data  # as tsckpt writes them
-        return self._gather(key, data, starts)
-
-    def _gather(self, key: str, data: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """Inner chunks stored elsewhere than tsckpt puts them, copied into row-major order."""
-        fmt = self.fmt
-        assert fmt is not None
-        if (starts < 0).any() or (starts + fmt.piece_bytes > fmt.nbytes - fmt.index_bytes).any():
+        tail = data[fmt.nbytes - fmt.index_bytes:]
+        positions = np.arange(fmt.pieces)
+        if np.array_equal(tail, fmt.index):
+            return data, positions  # as tsckpt writes them
+        # Laid out otherwise: gather the inner chunks where the index says, into tsckpt's order.
+        table = fmt.parse_index(tail, self._where(key))
+        starts = table[np.argsort(fmt.positions), 0].astype(np.int64)
+        if (starts + fmt.piece_bytes > fmt.nbytes - fmt.index_bytes).any():
             raise ValueError(f"{self._where(key)}: the shard index points outside the shard's data")
-        return np.concatenate([data[a:a + fmt.piece_bytes] for a in starts]) if len(starts) else data[:0]
+        return np.concatenate([data[a:a + fmt.piece_bytes] for a in starts.tolist()]), positions
 
     def _read_runs(self, key: str, index: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...]) -> ts.Future:
         """Read the inner chunks ``[first, last)`` of an outer chunk: each run stored one after the other at once.
 
-        They are found where tsckpt stores them (in row-major order, without
-        reading the index): a chunk laid out otherwise was not written by
-        tsckpt, and fails its checksums like any other change.
+        The future gives (their bytes one after the other, their storage
+        positions, ascending). They are found where tsckpt stores them
+        (:attr:`~tsckpt.format.shards.ShardFormat.order`, without reading the
+        index): a chunk laid out otherwise was not written by tsckpt, and fails
+        its checksums like any other change.
         """
         fmt = self.fmt
         assert fmt is not None
         block = [b - a for a, b in zip(first, last)]
-        coords = np.indices(block).reshape(len(block), -1) + np.asarray(first).reshape(-1, 1)
-        starts = np.ravel_multi_index(coords, fmt.grid) * fmt.piece_bytes
-        runs = np.split(starts, np.flatnonzero(np.diff(starts) != fmt.piece_bytes) + 1)
+        coords = np.indices(block).reshape(len(block), -1).T + np.asarray(first)
+        positions = np.sort(fmt.position(coords))
+        runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
         kv = self._kv.result()
-        futures = [kv.read(key, byte_range=slice(int(run[0]), int(run[-1]) + fmt.piece_bytes)) for run in runs]
-        return _all(futures, lambda r: _value(r, self._missing(key, index)))
+        futures = [kv.read(key, byte_range=slice(int(run[0]) * fmt.piece_bytes, (int(run[-1]) + 1) * fmt.piece_bytes))
+                   for run in runs]
+        joined = _all(futures, lambda r: _value(r, self._missing(key, index)))
+        return then(joined, lambda parts: (np.concatenate(parts) if len(parts) > 1 else parts[0], positions))
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
-               data: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
-        """Check the inner chunks ``[first, last)`` of outer chunk ``index`` (``data``: their stored bytes, one
-        after the other in row-major order), then copy what the box ``offsets``/``sizes`` wants of them to ``out``."""
+               read: tuple[np.ndarray, np.ndarray], offsets: tuple[int, ...], sizes: tuple[int, ...],
+               out: np.ndarray) -> None:
+        """Check the inner chunks ``[first, last)`` of outer chunk ``index``, then copy what the box
+        ``offsets``/``sizes`` wants of them to ``out``.
+
+        ``read``: their stored bytes one after the other, and the storage positions of those.
+        """
         fmt = self.fmt
         assert fmt is not None
-        if isinstance(data, list):
-            data = np.concatenate(data) if len(data) > 1 else data[0]
-        block = tuple(b - a for a, b in zip(first, last))
-        count = math.prod(block)
+        data, positions = read
+        count = len(positions)
         raw = math.prod(fmt.inner) * fmt.itemsize
         stored = data[:count * fmt.piece_bytes].reshape(count, fmt.piece_bytes)[:, :raw]
-        values = stored.view(self.dtype).reshape(*block, *fmt.inner)
-        origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))  # of the block, in the array
+        values = stored.view(self.dtype).reshape(count, *fmt.inner)
         table = self._checksums()
         if table is not None:
-            coords = np.indices(block).reshape(len(block), -1).T + np.asarray(origin) // np.asarray(fmt.inner)
-            shards.check_pieces(self.entry, fmt, table, index, coords, stored, values.reshape(-1, *fmt.inner),
-                                self.what)
+            coords = fmt.coords(positions) + np.asarray(index) * np.asarray(fmt.grid)
+            shards.check_pieces(self.entry, fmt, table, index, coords, stored, values, self.what)
+        block = tuple(b - a for a, b in zip(first, last))
+        if count == fmt.pieces:
+            values = fmt.grid_view(values)  # the whole chunk: a view, no copy
+        else:  # the block's inner chunks in its row-major order
+            wanted = fmt.position(np.indices(block).reshape(len(block), -1).T + np.asarray(first))
+            values = values[np.searchsorted(positions, wanted)].reshape(*block, *fmt.inner)
+        origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))  # of the block, in the array
         # The block's values in the array, and the part of them the box wants.
         span = tuple(b * i for b, i in zip(block, fmt.inner))
         a = tuple(max(o, x) for o, x in zip(origin, offsets))
@@ -224,6 +231,7 @@ class BoxReader:
         np.copyto(tiles, pieces)
         np.copyto(dest, full[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))])
 
+
 def _value(result: Any, missing: Exception) -> np.ndarray:
     if result.state != "value":
         raise missing
@@ -231,19 +239,30 @@ def _value(result: Any, missing: Exception) -> np.ndarray:
 
 
 def _all(futures: list[ts.Future], step: Any) -> ts.Future:
-    """A future of ``[step(result) for each future]``, failing with the first failure."""
+    """A future of ``[step(result) for each future]``, failing with the first failure.
+
+    The futures complete on TensorStore's threads, so the count of those
+    outstanding is kept under a lock.
+    """
     promise, out = ts.Promise.new()
     results: list[Any] = [None] * len(futures)
-    left = [len(futures)]
+    state = {"left": len(futures), "failed": False}
+    lock = threading.Lock()
 
     def done(k: int, f: ts.Future) -> None:
         try:
-            results[k] = step(f.result())
+            value = step(f.result())
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            promise.set_exception(e)
+            with lock:
+                first, state["failed"] = not state["failed"], True
+            if first:
+                promise.set_exception(e)
             return
-        left[0] -= 1
-        if left[0] == 0:
+        with lock:
+            results[k] = value
+            state["left"] -= 1
+            finished = state["left"] == 0 and not state["failed"]
+        if finished:
             promise.set_result(results)
 
     if not futures:

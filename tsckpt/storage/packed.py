@@ -49,10 +49,15 @@ DATA_PREFIX = "d/"
 #: Context resource holding decoded B+tree nodes for readers (see :func:`reader_context`).
 NODE_CACHE = "cache_pool#tsckpt_ocdbt"
 NODE_CACHE_BYTES = 64 << 20
-#: Object-store reads of nearby values are merged into one request (as Orbax does for remote storage).
+#: Object-store reads of values stored one after the other (inner chunks of one outer
+#: chunk, the chunks of one rank), or at most 4 KiB apart (as TensorStore's S3 driver
+#: merges a batch), are merged into one request. Not further: merging across larger gaps
+#: (Orbax merges up to 1 MiB apart) fetches the inner chunks a resharded load skips. On a
+#: 4 -> 4 column reshard from moto (benchmarks/fetched.py, 57 MB): 1.10x the bytes needed
+#: in 2090 requests at 4 KiB; 1.31x in 606 at 16 KiB; 1.32x in 557 at 64 KiB; 3.8x in 145 at 1 MiB.
 _REMOTE_DRIVERS = frozenset({"s3", "gcs", "http"})
 _READ_COALESCING = {
-    "experimental_read_coalescing_threshold_bytes": 1 << 20,
+    "experimental_read_coalescing_threshold_bytes": 4096,
     "experimental_read_coalescing_merged_bytes": 1 << 30,
     "experimental_read_coalescing_interval": "1ms",
 }

@@ -1,0 +1,107 @@
+"""Outer chunks encoded by tsckpt: TensorStore and zarr-python read them, and every box reads back checked."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+import zarr
+
+import tsckpt  # noqa: F401  (registers bfloat16 with zarr-python)
+from tsckpt.errors import ChecksumError
+from tsckpt.format import checksums, shards, zarr_json
+from tsckpt.format.box_reader import BoxReader
+from tsckpt.format.grid import ChunkGrid
+from tsckpt.format.metadata import ArrayOptions, TensorEntry
+from tsckpt.format.spec import Store
+
+SHAPE = (10, 13)
+CHUNK = (3, 16)  # rows cut by the saving ranks; columns rounded up to whole inner chunks
+# Row-major and column-major storage orders, inner chunks across the array's edge and wholly outside it.
+INNERS = [(1, 4), (1, 8), (3, 2)]
+
+
+def _data(dtype):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal(SHAPE) > 0 if dtype is bool else rng.standard_normal(SHAPE).astype(dtype)
+
+
+def _save(path, data, inner, crc32c_codec):
+    """Write ``data`` in row blocks as ranks would, through the encoder; returns the entry with its table."""
+    dtype = "bool" if data.dtype == bool else data.dtype.name
+    entry = TensorEntry(("w",), "w", SHAPE, dtype, CHUNK, inner, None)
+    fmt = shards.ShardFormat(CHUNK, inner, data.itemsize, crc32c_codec)
+    options = ArrayOptions(crc32c_codec=crc32c_codec)
+    kv = ts.KvStore.open({"driver": "file", "path": f"{path}/w/"}).result()
+    kv.write("zarr.json", json.dumps(zarr_json.tensor_metadata(entry, options)).encode()).result()
+    found = {}
+    for row in range(0, SHAPE[0], CHUNK[0]):
+        for index, encoded, pieces, crcs in shards.encode_region(fmt, SHAPE, (row, 0), data[row:row + CHUNK[0]]):
+            assert len(encoded) == fmt.nbytes
+            kv.write(zarr_json.chunk_key(index), encoded.tobytes()).result()
+            found.update(zip(pieces.tolist(), crcs))
+    units = entry.checksum_grid
+    assert found == dict(zip(*checksums.region_checksums(data, units, (0, 0))))  # what the tables define
+    table = checksums.encode_table(units, list(found), list(found.values()))
+    return TensorEntry(("w",), "w", SHAPE, dtype, CHUNK, inner, None, table), options
+
+
+@pytest.mark.parametrize("crc32c_codec", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, bool])
+@pytest.mark.parametrize("inner", INNERS)
+def test_encoded_chunks_are_zarr_that_other_readers_read(tmp_path, inner, dtype, crc32c_codec):
+    data = _data(dtype)
+    _save(tmp_path, data, inner, crc32c_codec)
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{tmp_path}/w/"}, "fill_missing_data_reads": False}
+    np.testing.assert_array_equal(ts.open(spec).result().read().result(), data)
+    np.testing.assert_array_equal(zarr.open_array(f"{tmp_path}/w", mode="r")[...], data)
+    np.testing.assert_array_equal(zarr.open_array(f"{tmp_path}/w", mode="r")[4:9, 3:11], data[4:9, 3:11])
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refused(tmp_path, inner):
+    data = _data(np.float32)
+    entry, options = _save(tmp_path, data, inner, False)
+    store = Store.open(tmp_path)
+    store = type(store)(store.location, store.context, store.kvstore, store.layout, options)
+    reader = BoxReader(store, entry, "tensor 'w'")
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        lo = [int(rng.integers(0, n)) for n in SHAPE]
+        hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, SHAPE)]
+        got = reader.read(lo, [b - a for a, b in zip(lo, hi)]).result()
+        np.testing.assert_array_equal(got, data[lo[0]:hi[0], lo[1]:hi[1]])
+    # Flip one byte of the value at (4, 9); every box touching its inner chunk is refused, others are not.
+    fmt = shards.ShardFormat(CHUNK, inner, 4)
+    local = (4 - 3, 9)
+    piece = fmt.positions[np.ravel_multi_index([x // u for x, u in zip(local, inner)], fmt.grid)]
+    offset = int(piece) * fmt.piece_bytes + int(np.ravel_multi_index([x % u for x, u in zip(local, inner)], inner)) * 4
+    with open(tmp_path / "w" / "c.1.0", "r+b") as f:
+        f.seek(offset + 1)
+        byte = f.read(1)
+        f.seek(offset + 1)
+        f.write(bytes([byte[0] ^ 0x08]))
+    units = ChunkGrid(SHAPE, inner)
+    damaged = units.chunks_overlapping([slice(4, 5), slice(9, 10)])[0]
+    reader = BoxReader(store, entry, "tensor 'w'")
+    for _ in range(120):
+        lo = [int(rng.integers(0, n)) for n in SHAPE]
+        hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, SHAPE)]
+        box = [slice(a, b) for a, b in zip(lo, hi)]
+        if damaged in units.chunks_overlapping(box):
+            with pytest.raises(ChecksumError, match=r"'w'.*chunk \[1, 0\] does not match its stored crc32c"):
+                reader.read(lo, [b - a for a, b in zip(lo, hi)]).result()
+        else:
+            np.testing.assert_array_equal(reader.read(lo, [b - a for a, b in zip(lo, hi)]).result(),
+                                          data[lo[0]:hi[0], lo[1]:hi[1]])
+
+
+def test_storage_order_puts_the_dimension_with_most_inner_chunks_last():
+    assert shards.ShardFormat((12565, 384), (1795, 16), 2).order == (0, 1)  # 7 x 24
+    assert shards.ShardFormat((12565, 128), (359, 32), 2).order == (1, 0)  # 35 x 4
+    fmt = shards.ShardFormat((8, 6), (2, 3), 4)  # 4 x 2: column-major
+    assert fmt.positions.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert fmt.coords(fmt.positions).tolist() == np.stack(np.unravel_index(np.arange(8), (4, 2)), axis=1).tolist()
