@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from tsckpt.base_chunks import BaseChoice
-from tsckpt.dcp.contract import ArrayTable, MergedChunks, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
+from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
+from tsckpt.dcp.merged_chunks import MergedChunks
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import PlanError
 from tsckpt.format.metadata import ArrayOptions

@@ -46,11 +46,6 @@ def staging_path(target: str, save_id: str, *, old: bool = False) -> str:
     return os.path.join(parent, f".{name}.tsckpt-{save_id}" + (".old" if old else ""))
 
 
-def is_staging_name(name: str) -> bool:
-    """Whether a directory entry is a tsckpt staging directory (tools listing checkpoints skip these)."""
-    return _STAGING.match(name) is not None
-
-
 def remove_tree(path: str) -> None:
     """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed.
 

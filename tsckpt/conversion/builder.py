@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import PlanError, TsckptError, UnsupportedDtypeError
+from ..errors import OptionError, PlanError, UnsupportedDtypeError
 from ..format import checksums, content_hashes, dtypes, values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
@@ -51,7 +51,7 @@ def as_key_path(key: str | Sequence[str | int]) -> KeyPath:
         return (key,)
     path = tuple(key)
     if not path or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
-        raise TsckptError(f"key path {key!r} must be a non-empty sequence of strings and integers")
+        raise OptionError(f"key path {key!r} must be a non-empty sequence of strings and integers")
     return path
 
 
@@ -136,7 +136,7 @@ class CheckpointBuilder:
     def _claim(self, key_path: KeyPath) -> tuple[str, str]:
         """Reserve the flat key and array path of a new entry, refusing collisions."""
         if self._committed:
-            raise TsckptError(f"checkpoint {self.url} is already committed; nothing more can be added")
+            raise OptionError(f"checkpoint {self.url} is already committed; nothing more can be added")
         fqn, path = flat_key(key_path), zarr_path(key_path)
         if fqn in self._tensors or fqn in self._objects:
             raise PlanError(f"key {fqn!r} was added twice to {self.url}")
@@ -180,7 +180,7 @@ class CheckpointBuilder:
         import torch
 
         if not isinstance(tensor, torch.Tensor):
-            raise TsckptError(f"{flat_key(key_path)!r}: add_tensor takes a torch.Tensor or numpy array, "
+            raise OptionError(f"{flat_key(key_path)!r}: add_tensor takes a torch.Tensor or numpy array, "
                               f"got {type(tensor).__name__}; use add_object for other values")
         t = tensor.detach()
         if t.device.type != "cpu":

@@ -38,6 +38,7 @@ from ..storage.location import LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .values import DecodedValue
+from ..storage.kvio import storage_error
 from .io import TensorStoreIO, done
 
 
@@ -156,8 +157,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             reader = readers[fqn]
             try:
                 reader.opened()
-            except Exception as e:
-                raise TsckptError(f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}: {e}") from e
+            except TsckptError:
+                raise
+            except ValueError as e:  # how TensorStore reports a failed open
+                raise storage_error(e, f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}") from None
             # Detached like DCP's own reader: a destination that requires grad is still filled in place.
             dest = planner.resolve_tensor(item).detach()
             in_place = _in_place(dest, reader.dtype)

@@ -29,7 +29,7 @@ from ..base_chunks import BaseChoice, BaseChunks, choose_base, reuse_outcome
 from ..commit import protocol as commit
 from ..commit.publication import begin_save
 from ..commit.target import SaveTarget
-from ..errors import PlanError, TsckptError
+from ..errors import OptionError, PlanError
 from ..format import checksums, content_hashes, dtypes, values
 from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
@@ -38,11 +38,12 @@ from ..storage.layouts import get_layout
 from ..storage.location import Location, LocationLike
 from ..storage.store import Store
 from . import compat, logs
-from .contract import (MergedChunks, NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder,
+from .contract import (NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder,
                        WriteConfig)
 from .failure import RankFailure, commit_or_clean_up, failed_summary
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .global_layout import GlobalLayout
+from .merged_chunks import MergedChunks
 from .io import TensorStoreIO, done
 from .plan_cache import CACHE
 from .planner import SavePlanner as TsckptSavePlanner
@@ -161,7 +162,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         compat.check_serialization_format(serialization_format)
         compression = compat.resolve_compression(_extensions, compression)
         if not isinstance(checksums, bool):
-            raise TsckptError(f"checksums must be True or False, not {checksums!r}")
+            raise OptionError(f"checksums must be True or False, not {checksums!r}")
         self.array_options = ArrayOptions(crc32c_codec=crc32c_codec, compression=compression)
         self.layout = compat.resolve_layout(single_file_per_rank, layout)
         self.sync_files = bool(sync_files)
@@ -233,7 +234,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         """Lay out every array from all ranks' regions; give each rank its :class:`RankPlan` (contract, step 3)."""
         where = str(self.checkpoint_id)
         if self._target is None:
-            raise TsckptError(f"saving {where}: the global plan was made on a rank that is not "
+            raise OptionError(f"saving {where}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
         full, key = CACHE.full_plans(plans, where)
         kept = CACHE.layout(key, full, self.inner_chunk_bytes)

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -198,11 +197,3 @@ class ChunkGrid:
             yield index, tuple(slice(i * c - o, min((i + 1) * c, n) - o)
                                for i, c, o, n in zip(index, self.chunk_shape, offsets, self.shape))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "chunk_shape": list(self.chunk_shape),
-                "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape else None}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ChunkGrid:
-        inner = d.get("inner_chunk_shape")
-        return cls(tuple(d["shape"]), tuple(d["chunk_shape"]), tuple(inner) if inner else None)

@@ -54,15 +54,6 @@ def _codecs(dt: dtypes.DType, inner_chunk_shape: Sequence[int] | None, checksums
     }]
 
 
-def expected_codecs(entry: TensorEntry, *, checksums: bool, compression: str | None) -> list[dict[str, Any]]:
-    """The codec chain of a tensor's array written with these writer options.
-
-    Readers that know the options pin exactly this chain when opening the
-    array, so a crafted ``zarr.json`` cannot swap in other codecs.
-    """
-    return _codecs(dtypes.from_zarr(entry.dtype), entry.inner_chunk_shape, checksums, compression)
-
-
 def writer_options() -> list[tuple[bool, str | None]]:
     """Every (checksums, compression) pair a writer accepts."""
     return [(c, z) for c in (False, True) for z in (None, *COMPRESSORS)]

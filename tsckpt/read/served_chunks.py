@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ChecksumError, TsckptError
+from ..errors import ChecksumError, StorageError
 from ..format import checksums, dtypes, shards
 from ..storage.box_reader import BoxReader
 from ..format.metadata import CheckpointMetadata, TensorEntry
@@ -87,7 +87,7 @@ class ServedChunks:
         def finish(result: Any) -> bytes:
             raw = np.frombuffer(_bytes(result, key, self.store.url), dtype=np.uint8)
             if raw.size != hi - lo:
-                raise TsckptError(f"reading {key!r} from {self.store.url} failed: {raw.size} bytes where "
+                raise StorageError(f"reading {key!r} from {self.store.url} failed: {raw.size} bytes where "
                                   f"{hi - lo} were expected (the chunk is truncated)")
             if first is not None:
                 count = (min(hi, data_end) - lo) // fmt.piece_bytes
@@ -120,7 +120,7 @@ class ServedChunks:
         try:
             BoxReader(self.store, entry, what).read([r.start for r in region], [r.stop - r.start for r in region]).result()
         except ValueError as e:
-            raise TsckptError(f"reading tensor {name!r} from {self.store.url} failed: {e}") from None
+            raise StorageError(f"reading tensor {name!r} from {self.store.url} failed: {e}") from None
         with self._lock:
             self._checked.add((name, index))
 
@@ -151,6 +151,6 @@ def _clip(value: bytes, request: Request) -> bytes:
 
 def _bytes(result: Any, key: str, url: str) -> bytes:
     if result.state != "value":
-        raise TsckptError(f"reading {key!r} from {url} failed: the chunk is missing (a committed checkpoint "
+        raise StorageError(f"reading {key!r} from {url} failed: the chunk is missing (a committed checkpoint "
                           "stores every chunk: it was deleted or damaged)")
     return bytes(result.value)

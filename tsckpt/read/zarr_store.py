@@ -22,7 +22,7 @@ import tensorstore as ts
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from ..errors import TsckptError
+from ..errors import StorageError, TsckptError
 from ..commit import protocol as commit
 from ..storage import packed
 from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
@@ -247,7 +247,7 @@ class TensorStoreZarrStore(Store):
                           f"cannot change {key!r}")
 
     def _error(self, key: str, e: Exception) -> TsckptError:
-        return TsckptError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
+        return StorageError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
 
     @staticmethod
     def _from(prototype: BufferPrototype | None, value: bytes) -> Buffer:

@@ -29,7 +29,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import TsckptError
+from ..errors import StorageError, TsckptError
 from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from .location import Location, LocationLike, parse_location
 from ..format import zarr_json
@@ -239,22 +239,21 @@ class Store:
         spec = write_spec(self.array_kvstore(path), raw_chunks_metadata(grid_shape, chunk_nbytes))
         return ts.open(spec, context=self.context, read=True)
 
-    def open_tensor(self, entry: TensorEntry, codecs: Sequence[Mapping[str, Any]] | None = None) -> ts.Future:
+    def open_tensor(self, entry: TensorEntry) -> ts.Future:
         """Open a tensor's array for reading as the root document describes it.
 
-        When the document records the codecs (format version 2) the array's
-        ``zarr.json`` is not read at all: no request per array per rank, and a
-        crafted ``zarr.json`` cannot change how chunks are decoded. Otherwise
-        ``codecs`` is the chain the writer's options imply
-        (:func:`~tsckpt.format.zarr_json.expected_codecs`), pinned when known;
-        without it the array's codecs must be one of the chains tsckpt writes.
+        When the document records the codecs (format version 2 and later) the
+        array's ``zarr.json`` is not read at all: no request per array per rank,
+        and a crafted ``zarr.json`` cannot change how chunks are decoded.
+        Otherwise (version 1) the array's codecs must be one of the chains
+        tsckpt writes.
         """
         kvstore = self.array_kvstore(entry.path)
-        if self.array_options is not None and codecs is None:
+        if self.array_options is not None:
             spec = write_spec(kvstore, zarr_json.tensor_metadata(entry, self.array_options))
             return ts.open(spec, context=self.context, read=True)
-        opening = ts.open(tensor_read_spec(kvstore, entry, codecs), context=self.context, open=True, read=True)
-        return opening if codecs is not None else then(opening, lambda arr: check_codecs(arr, entry))
+        opening = ts.open(tensor_read_spec(kvstore, entry, None), context=self.context, open=True, read=True)
+        return then(opening, lambda arr: check_codecs(arr, entry))
 
     def open_blob(self, path: str) -> ts.Future:
         """Open a value blob for reading, checked to hold as many bytes as it declares."""
@@ -278,4 +277,4 @@ class Store:
 
 def read_error(key: str, url: str, e: Exception) -> TsckptError:
     """The error for a tensor whose array could not be opened or read (TensorStore's text names the chunk)."""
-    return TsckptError(f"reading tensor {key!r} from {url} failed: {problem(e)}")
+    return StorageError(f"reading tensor {key!r} from {url} failed: {problem(e)}")
