@@ -13,10 +13,10 @@ import zarr
 import tsckpt  # noqa: F401  (registers bfloat16 with zarr-python)
 from tsckpt.errors import ChecksumError
 from tsckpt.format import checksums, shards, zarr_json
-from tsckpt.format.box_reader import BoxReader
+from tsckpt.storage.box_reader import BoxReader
 from tsckpt.format.grid import ChunkGrid
 from tsckpt.format.metadata import ArrayOptions, TensorEntry
-from tsckpt.format.spec import Store
+from tsckpt.storage.store import Store
 
 SHAPE = (10, 13)
 CHUNK = (3, 16)  # rows cut by the saving ranks; columns rounded up to whole inner chunks

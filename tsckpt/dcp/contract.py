@@ -37,7 +37,7 @@ DCP runs a save as four collectives around the storage writer's methods. With
    of each piece of a tensor's checksum grid, its inner chunks; each value's encoding).
 5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
    it checks that every rank wrote with this save's orders, merges the
-   summaries (:class:`MergedChunks`, linear in chunks), checks that every
+   summaries (:class:`~tsckpt.dcp.merged_chunks.MergedChunks`, linear in chunks), checks that every
    chunk was written, and every piece checksummed, exactly once, writes every node and then the root
    document: the commit.
 6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.

@@ -8,7 +8,7 @@ is the requested range handed over; a request for the shard index is compared
 with the index tsckpt writes, so a damaged index cannot point zarr-python at
 other bytes. For any other tensor with checksums (no inner chunks, compressed,
 or written before format version 3), the first request for a chunk key checks
-that whole outer chunk through a :class:`~tsckpt.format.box_reader.BoxReader`
+that whole outer chunk through a :class:`~tsckpt.storage.box_reader.BoxReader`
 before bytes are served. Keys that are not tensor chunks pass unchecked (value
 blobs carry their own crc32c codec, ``zarr.json`` documents are not data).
 """
