@@ -46,7 +46,7 @@ import workloads as wl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SLICE_ROWS = 128
-PHASES = ("timed", "extras", "fetched", "many")
+PHASES = ("timed", "first", "extras", "fetched", "many")
 
 
 def single_process(cfg: dict[str, Any], ours: str) -> dict[str, dict[str, list[float]]]:
@@ -102,7 +102,7 @@ def run_workload(args: argparse.Namespace, name: str, dtype: str, root: str, lay
     extras = "extras" in args.phases and name == "tuned"
     cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.reps, "root": root, "layouts": layouts,
            "dcp_threads": args.dcp_threads, "settle": args.settle, "raw": True, "extras": extras,
-           "variants": args.variants}
+           "variants": args.variants, "paths": args.paths}
     print(f"[{name} {dtype}] {w.describe()}: {wl.total_bytes(w, itemsize) / 1e9:.3f} GB, "
           f"{args.world} ranks, {args.reps} reps", flush=True)
     saved = harness.run_ranks(args.world, dcp_ranks.save_phase, cfg)[0]
@@ -112,12 +112,28 @@ def run_workload(args: argparse.Namespace, name: str, dtype: str, root: str, lay
         more = harness.run_ranks(world, dcp_ranks.reshard_phase,
                                  cfg | {"checksums": saved["checksums"], "figure": figure})[0]
         _merge(samples, more["times"])
+    if "first" in args.phases:
+        _first_saves(args, name, dtype, cfg, samples)
     if extras:
         _merge(samples, single_process(cfg, f"tsckpt/{layouts[0]}"))
     return {"workload": name, "dtype": dtype, "shapes": wl.to_dict(w), "describe": w.describe(),
             "bytes": wl.total_bytes(w, itemsize), "world": args.world, "reshard_world": args.reshard_world,
             "samples": samples, "memory": saved["memory"], "files": saved["files"],
             "local_bytes": saved["local_bytes"], "evict": saved["evict"]}
+
+
+def _first_saves(args: argparse.Namespace, name: str, dtype: str, cfg: dict[str, Any],
+                 samples: dict[str, dict[str, list[float]]]) -> None:
+    """Each contender's first save and load of a job: fresh ranks per contender and repetition, in rotating order."""
+    names = [c.name for c in cont.contenders(cfg, raw=True)]
+    print(f"[{name} {dtype}] first save of a job, {len(names)} contenders x {args.reps} fresh process groups",
+          flush=True)
+    for rep in range(args.reps):
+        for who in dcp_ranks.rotated(names, rep):
+            got = harness.run_ranks(args.world, dcp_ranks.first_phase, cfg | {"contender": who, "rep": rep})[0]
+            for figures in got["times"].values():
+                for figure, xs in figures.items():
+                    samples.setdefault(who, {}).setdefault(figure, []).extend(xs)
 
 
 def run_many(args: argparse.Namespace, ranks: int, root: str, layouts: list[str]) -> dict[str, Any]:
@@ -157,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reshard-world", type=int, default=2)
     ap.add_argument("--dcp-threads", type=_ints, default=[1],
                     help="FileSystemWriter thread_count values (e.g. 1,2,4); the first should be 1, DCP's default")
+    ap.add_argument("--paths", type=_names, default=list(cont.PATHS),
+                    help="tsckpt call paths: dcp (dcp.save/dcp.load with DCP's default planners), api (tsckpt.save)")
     ap.add_argument("--variants", nargs="*", type=_option, default=[],
                     help="extra tsckpt.save contenders, one writer option each (e.g. compression='zstd')")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait (after sync) before each save")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: Figures every contender has; the others (async, open, slice) only some.
@@ -153,9 +153,15 @@ def _raw_load(sd: dict[str, Any], path: str) -> None:
 RAW = Contender("raw", _raw_save, _raw_load)
 
 
-def tsckpt_contenders(layouts: list[str], variants: list[dict[str, Any]] = ()) -> list[Contender]:
-    """Both call paths for each layout, then ``tsckpt.save`` with each variant's extra writer options."""
-    out = [c for lay in layouts for c in (tsckpt_via_dcp(lay), tsckpt_api(lay))]
+PATHS = ("dcp", "api")
+
+
+def tsckpt_contenders(layouts: list[str], variants: list[dict[str, Any]] = (),
+                      paths: Sequence[str] = PATHS) -> list[Contender]:
+    """The call paths asked for (``dcp.save``/``dcp.load``, ``tsckpt.save``/``tsckpt.load``) for each layout,
+    then ``tsckpt.save`` with each variant's extra writer options."""
+    make = {"dcp": tsckpt_via_dcp, "api": tsckpt_api}
+    out = [make[p](lay) for lay in layouts for p in PATHS if p in paths]
     return out + [tsckpt_api(layouts[0], **v) for v in variants]
 
 
@@ -163,4 +169,4 @@ def contenders(cfg: dict[str, Any], *, raw: bool, s3: bool = False) -> list[Cont
     """Everyone taking part in a phase described by ``cfg`` (``dcp_threads``, ``layouts``)."""
     out = [RAW] if raw else []
     out += [dcp_contender(t, s3) for t in cfg["dcp_threads"]]
-    return out + tsckpt_contenders(cfg["layouts"], cfg.get("variants", []))
+    return out + tsckpt_contenders(cfg["layouts"], cfg.get("variants", []), cfg.get("paths", PATHS))

@@ -148,6 +148,27 @@ def _async_saves(cfg: dict[str, Any], sd: dict[str, Any], everyone: list[cont.Co
     _add(times, "staging copy", "copy", timed(lambda: [t.clone() for t in wl.local_tensors(sd)]))
 
 
+def first_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """A job's first save and load: one contender, in a process group (and processes) started for it alone.
+
+    Nothing was imported, planned or cached before: what the first checkpoint
+    of a training job costs. The save and the load are timed between barriers
+    as in :func:`save_phase`, the page cache dropped before the load.
+    """
+    devices = mesh(world)
+    sd = _state(cfg, devices, column=False, fill=True)
+    (c,) = [c for c in cont.contenders(cfg, raw=True) if c.name == cfg["contender"]]
+    path = checkpoint_path(cfg["root"], c.name + "-first", cfg["rep"])
+    settle(cfg["settle"])
+    times: dict[str, dict[str, list[float]]] = {}
+    _add(times, c.name, "first_save", timed(lambda: c.save(sd, path)))
+    dest = _state(cfg, devices, column=False, fill=False)
+    if rank == 0:
+        evict(path)
+    _add(times, c.name, "first_load", timed(lambda: c.load(dest, path)))
+    return rank0({"times": times})
+
+
 def reshard_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Load each contender's last row-sharded checkpoint column-sharded into ``world`` ranks."""
     everyone = cont.contenders(cfg, raw=False)

@@ -29,12 +29,15 @@ FIGURES = [
     ("reshard_fewer", "load column-sharded, {world} -> {fewer} ranks"),
 ]
 EXTRAS = [
+    ("first_save", "a job's first save (fresh ranks), {world} ranks"),
+    ("first_load", "a job's first load (fresh ranks), same {world} ranks"),
     ("async_block", "async_save: time blocked"),
     ("async_total", "async_save: until durable"),
     ("open", "open checkpoint (read metadata), no process group"),
     ("slice", "one 128-row slice of the embedding, no process group"),
 ]
 TARGETS = [("save", 1.3), ("load", 1.2), ("reshard_same", 2.0), ("reshard_fewer", 2.0)]
+RAW_TARGET = 0.6  # a save's speed as a fraction of a raw fsync'd write of the same bytes
 FETCH_TARGET = 1.3
 
 
@@ -121,6 +124,10 @@ def verdicts(samples: dict[str, Any]) -> list[str]:
             r = speedup(samples, figure, name)
             if r is not None:
                 parts.append(f"{figure} {r[0]:.2f}x (>= {minimum}x {'met' if r[0] >= minimum else 'missed'})")
+        raw = speedup(samples, "save", name, "raw")
+        if raw is not None:
+            parts.append(f"save at {raw[0]:.0%} of a raw fsync'd write "
+                         f"(>= {RAW_TARGET:.0%} {'met' if raw[0] >= RAW_TARGET else 'missed'})")
         out.append(f"- {label(name)}: " + "; ".join(parts))
     return out
 
