@@ -121,7 +121,7 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             _add(times, c.name, "load", timed(lambda: c.load(dest, path)))
             if c is not cont.RAW and rep == 0 and wl.checksums(dest) != expected:
                 raise AssertionError(f"{c.name}: loaded state dict differs from the saved one")
-            del dest
+            dest = None  # free it before the next save
         if cfg["extras"]:
             _async_saves(cfg, sd, everyone, rep, times)
     local = torch.tensor([wl.local_bytes(sd)], dtype=torch.int64)

@@ -10,7 +10,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
