@@ -179,7 +179,13 @@ class PackedKvLayout(KvLayout):
 
     def nodes(self, store: Store, world_size: int,
               kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        return self.packed.join(dict(store.location.spec), world_size, store.context, kept)
+        nodes, commit = self.packed.join(dict(store.location.spec), world_size, store.context, kept)
+
+        def flush() -> None:
+            commit()
+            store.make_durable()  # the joined database was written through the store's context
+
+        return nodes, flush
 
     def hierarchy(self, store: Store) -> ts.KvStore:
         try:
