@@ -14,6 +14,7 @@ encoded too. The mapping is injective, so distinct keys never share a node.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -21,13 +22,15 @@ from ..errors import MetadataError
 
 KeyPath = tuple[str | int, ...]
 
-_SAFE = re.compile(r"[A-Za-z0-9._-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _RESERVED = {"zarr.json"}
 
 
+@functools.lru_cache(maxsize=65536)
 def escape_name(name: str) -> str:
     """Encode one path element as a safe Zarr node name."""
-    out = "".join(ch if _SAFE.fullmatch(ch) else _percent(ch) for ch in name)
+    # Cached and matched per name, not per character: a save names each of thousands of keys several times.
+    out = _UNSAFE.sub(lambda m: _percent(m.group()), name)
     if out == "":
         return "%"
     if out in _RESERVED or out.startswith(("__", ".")):
