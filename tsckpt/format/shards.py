@@ -106,10 +106,16 @@ class ShardFormat:
 
     def present(self, extent: Sequence[int]) -> np.ndarray:
         """Which inner chunks hold any of an outer chunk whose part inside the array is ``extent``: a boolean grid."""
+        if tuple(extent) == self.chunk:
+            return self._all_present
         ndim = len(self.grid)
         axes = [(np.arange(g) * i < e).reshape([-1 if d == k else 1 for k in range(ndim)])
                 for d, (g, i, e) in enumerate(zip(self.grid, self.inner, extent))]
         return np.broadcast_to(functools.reduce(np.logical_and, axes), self.grid)
+
+    @functools.cached_property
+    def _all_present(self) -> np.ndarray:
+        return np.ones(self.grid, dtype=bool)
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -138,6 +144,9 @@ class ShardFormat:
         whole = [_crc32c.crc32c(piece) for piece in stored[:, :raw]]  # in storage order
         if self.crc32c_codec:
             stored[:, raw:] = np.asarray(whole, dtype="<u4").reshape(-1, 1).view(np.uint8)
+        if inside:  # every inner chunk whole: its crc32c is the one just computed
+            out[self.pieces * self.piece_bytes:] = self.index
+            return out, [whole[p] for p in self.positions.tolist()]
         present = np.flatnonzero(self.present(data.shape).reshape(-1))
         crcs = []
         for k in present.tolist():  # row-major order of the grid
