@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ..errors import PlanError
+from ..format.inner_chunks import _divisors
 
 #: No piece is cut smaller than this: below it, a piece costs more in files and requests than it balances.
 MIN_PIECE_BYTES = 1 << 20
@@ -180,11 +181,6 @@ def _row_step(inner_gcd: int, rows: int, m: int) -> int:
     unit = max(d for d in _divisors(inner_gcd) if d <= target)
     units = -(-rows // unit)
     return -(-units // m) * unit
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small) | {n // d for d in small})
 
 
 def _cut(item: WriteItem, step: int) -> list[WriteItem]:
