@@ -37,7 +37,7 @@ from ..rank_writer import RankWriter
 from ..storage.layouts import get_layout
 from ..storage.location import Location, LocationLike
 from ..storage.store import Store
-from . import compat, logs, replica_writes
+from . import compat, logs
 from .contract import (NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder,
                        WriteConfig)
 from .failure import RankFailure, commit_or_clean_up, failed_summary
@@ -48,7 +48,7 @@ from .io import TensorStoreIO, done
 from .plan_cache import CACHE
 from .planner import SavePlanner as TsckptSavePlanner
 from .planner import placement_records
-from .replica_writes import Holdings, piece_of
+from .replica_writes import Holdings, piece_of, spread
 from .staging import Stager
 from .values import encode_bytes
 
@@ -243,10 +243,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         full, key = CACHE.full_plans(plans, where)
         kept = CACHE.layout(key, full, self.inner_chunk_bytes)
         if kept is not None:
-            layout, spread = kept
+            layout, sent = kept
         else:
-            spread = replica_writes.spread(full)  # replicated tensors written by all their replicas
-            layout = GlobalLayout.plan(spread, self.inner_chunk_bytes, where)
+            sent = spread(full)  # replicated tensors written by all their replicas
+            layout = GlobalLayout.plan(sent, self.inner_chunk_bytes, where)
         self._layout = layout
         self._target.record_writes(get_layout(self.config.layout).rank_prefixes(
             [e.path for e in layout.entries.values()] + list(layout.blobs.values()), len(plans)))
@@ -256,8 +256,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             return [SavePlan([], storage_data=NewOrders(orders), usable=False)] * len(plans)
         rank_plans = [RankPlan(orders, table, objects) for table, objects in zip(layout.tables, layout.objects)]
         if key is None:
-            return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(spread, rank_plans)]
-        return CACHE.send(key, full, spread, layout, rank_plans)
+            return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(sent, rank_plans)]
+        return CACHE.send(key, full, sent, layout, rank_plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as its :class:`RankPlan` says (contract, step 4).
