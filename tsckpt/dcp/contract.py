@@ -12,7 +12,9 @@ DCP runs a save as four collectives around the storage writer's methods. With
 2. ``planner.create_local_plan()``, then ``writer.prepare_local_plan(plan)`` -- every rank;
    the plans are **gathered** to the coordinator. tsckpt's planner puts
    :class:`PlannerNotes` in ``storage_data``: the placement records of the
-   tensors this rank describes. DCP's own planner puts nothing there.
+   tensors this rank describes. DCP's own planner puts nothing there. The
+   writer wraps it in the rank's :class:`~tsckpt.dcp.replica_writes.Holdings`,
+   by which the coordinator finds replicas and spreads their writes.
 3. ``planner.create_global_plan(plans)``, then ``writer.prepare_global_plan(plans)`` -- the
    coordinator only. (When DCP's plan cache found no plan changed, tsckpt's
    planner marks the empty plans it returns with its cache key.) The writer
@@ -67,6 +69,7 @@ from ..storage.layouts import LAYOUTS
 from ..format.metadata import ArrayOptions, TensorEntry
 from ..format.names import zarr_path
 from ..storage.location import Location
+from .replica_writes import Holdings
 
 T = TypeVar("T")
 
@@ -143,8 +146,13 @@ class PlannerNotes:
 
     @staticmethod
     def of(plan: SavePlan) -> PlannerNotes:
-        data = plan.storage_data
-        return data if isinstance(data, PlannerNotes) else PlannerNotes()
+        return PlannerNotes.found(plan) or PlannerNotes()
+
+    @staticmethod
+    def found(plan: SavePlan) -> PlannerNotes | None:
+        """The notes tsckpt's planner put in the plan (under the writer's :class:`Holdings`), if it did."""
+        data = Holdings.unwrapped(plan.storage_data)
+        return data if isinstance(data, PlannerNotes) else None
 
 
 def fqn_digest(fqns: Sequence[str]) -> int:

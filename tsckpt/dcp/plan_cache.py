@@ -69,6 +69,7 @@ class CachedSave:
     global_plans: list[SavePlan]  # DCP's own cached list: identity says whether DCP moved on since
     pickled: list[Prepickled[SavePlan]]
     layout: GlobalLayout
+    sent: list[SavePlan]  # what the ranks were sent: the global plans with replicas' writes spread
 
 
 class PlanCache:
@@ -100,7 +101,7 @@ class PlanCache:
         tags = {PlannerNotes.of(p).cache_key for p in plans} - {None}
         # tsckpt's planner says whose plans these are; DCP's own does not, but its plans carry no notes.
         keys = [k for k, cached in cache.items() if len(cached) == len(plans)
-                and (k in tags if tags else not any(isinstance(p.storage_data, PlannerNotes) for p in cached[:1]))]
+                and (k in tags if tags else not any(PlannerNotes.found(p) for p in cached[:1]))]
         if len(keys) != 1:
             stale = [r for r, p in enumerate(plans) if not p.usable]
             why = (f"{len(keys)} planner classes have cached plans for {len(plans)} ranks in this process "
@@ -119,25 +120,28 @@ class PlanCache:
         """
         return all(not p.usable and PlannerNotes.of(p).cache_key is not None for p in plans)
 
-    def layout(self, key: str | None, plans: list[SavePlan], inner_chunk_bytes: int) -> GlobalLayout | None:
-        """The layout made from these very plans, if one was kept."""
+    def layout(self, key: str | None, plans: list[SavePlan],
+               inner_chunk_bytes: int) -> tuple[GlobalLayout, list[SavePlan]] | None:
+        """The layout made from these very plans, and the plans sent with it, if they were kept."""
         with self._lock:
             entry = self._entries.get(key) if key is not None else None
         if entry is not None and entry.global_plans is plans and entry.layout.inner_chunk_bytes == inner_chunk_bytes:
-            return entry.layout
+            return entry.layout, entry.sent
         return None
 
-    def send(self, key: str, plans: list[SavePlan], layout: GlobalLayout, rank_plans: list[RankPlan]) -> list[SavePlan]:
-        """Every rank's plan with its fresh storage data, its items pickled at most once per DCP cache entry."""
+    def send(self, key: str, plans: list[SavePlan], sent: list[SavePlan], layout: GlobalLayout,
+             rank_plans: list[RankPlan]) -> list[SavePlan]:
+        """Every rank's plan (``sent``, made from DCP's ``plans``) with its fresh storage data, its items
+        pickled at most once per DCP cache entry."""
         with self._lock:
             entry = self._entries.get(key)
-        if entry is not None and entry.global_plans is plans:
+        if entry is not None and entry.global_plans is plans and entry.sent is sent:
             pickled = entry.pickled
         else:
-            pickled = [Prepickled(_bare(p)) for p in plans]
+            pickled = [Prepickled(_bare(p)) for p in sent]
         with self._lock:
-            self._entries[key] = CachedSave(plans, pickled, layout)
-        return [PrepickledPlan.of(p, b, rp) for p, b, rp in zip(plans, pickled, rank_plans)]
+            self._entries[key] = CachedSave(plans, pickled, layout, sent)
+        return [PrepickledPlan.of(p, b, rp) for p, b, rp in zip(sent, pickled, rank_plans)]
 
 
 #: One per process, as DCP's caches are (class attributes of its SavePlanner).

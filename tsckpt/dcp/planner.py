@@ -7,8 +7,9 @@ storage layer never sees a DTensor.
 
 Save: DCP's default planning already yields one item per DTensor local shard,
 per ShardedTensor shard and per plain value, and deduplicates replicas by
-giving each duplicate to the rank with the fewest bytes so far, which spreads
-replicated writes over the replicas. On top of that tsckpt records each
+giving each duplicate to the rank with the fewest bytes so far; the writer
+then balances them over all their replicas, cutting large ones into pieces
+(:mod:`tsckpt.dcp.replica_writes`). On top of that tsckpt records each
 tensor's mesh and placements, and stores plain values as readable JSON. Each
 distributed tensor is described by one rank (the lowest of its mesh, or the
 holder of its first shard), so what the coordinator gathers does not grow

@@ -48,6 +48,7 @@ from .io import TensorStoreIO, done
 from .plan_cache import CACHE
 from .planner import SavePlanner as TsckptSavePlanner
 from .planner import placement_records
+from .replica_writes import Holdings, piece_of, spread
 from .staging import Stager
 from .values import encode_bytes
 
@@ -229,7 +230,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """Attach what this rank holds (:class:`Holdings`), so that the coordinator finds its replicas (step 2)."""
+        if not plan.usable:  # DCP's cache kept it: the coordinator has the holdings from the first time
+            return plan
+        return dataclasses.replace(plan, storage_data=Holdings.of(plan))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Lay out every array from all ranks' regions; give each rank its :class:`RankPlan` (contract, step 3)."""
@@ -239,7 +243,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                               f"the coordinator (use_collectives=False is not supported)")
         full, key = CACHE.full_plans(plans, where)
         kept = CACHE.layout(key, full, self.inner_chunk_bytes)
-        layout = kept or GlobalLayout.plan(full, self.inner_chunk_bytes, where)
+        if kept is not None:
+            layout, sent = kept
+        else:
+            sent = spread(full)  # replicated tensors written by all their replicas
+            layout = GlobalLayout.plan(sent, self.inner_chunk_bytes, where)
         self._layout = layout
         self._target.record_writes(get_layout(self.config.layout).rank_prefixes(
             [e.path for e in layout.entries.values()] + list(layout.blobs.values()), len(plans)))
@@ -249,8 +257,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             return [SavePlan([], storage_data=NewOrders(orders), usable=False)] * len(plans)
         rank_plans = [RankPlan(orders, table, objects) for table, objects in zip(layout.tables, layout.objects)]
         if key is None:
-            return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(full, rank_plans)]
-        return CACHE.send(key, full, layout, rank_plans)
+            return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(sent, rank_plans)]
+        return CACHE.send(key, full, sent, layout, rank_plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as its :class:`RankPlan` says (contract, step 4).
@@ -302,7 +310,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             if dtypes.from_torch(data.dtype).zarr != entry.dtype:
                 raise PlanError(f"saving {where}: tensor {fqn!r} is {data.dtype} on rank {self.rank}, but its "
                                 f"array was laid out as {entry.dtype}")
-            nbytes = writer.write(fqn, item.tensor_data.chunk.offsets, data)
+            chunk = item.tensor_data.chunk
+            if tuple(chunk.sizes) != tuple(data.shape):  # a piece of a replicated tensor (replica_writes)
+                data = piece_of(data, item, where)
+            nbytes = writer.write(fqn, chunk.offsets, data)
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
         writer.finish()
         for fqn, chunks in writer.written.items():
