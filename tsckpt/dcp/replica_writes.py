@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ..errors import PlanError
-from ..format.inner_chunks import _divisors
+from ..format.inner_chunks import divisors
 
 #: No piece is cut smaller than this: below it, a piece costs more in files and requests than it balances.
 MIN_PIECE_BYTES = 1 << 20
@@ -178,7 +178,7 @@ def _row_step(inner_gcd: int, rows: int, m: int) -> int:
     target = -(-rows // m)
     if not inner_gcd:
         return target
-    unit = max(d for d in _divisors(inner_gcd) if d <= target)
+    unit = max(d for d in divisors(inner_gcd) if d <= target)
     units = -(-rows // unit)
     return -(-units // m) * unit
 

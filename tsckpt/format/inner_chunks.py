@@ -71,7 +71,7 @@ def over_read(n: int, unit: int, splits: Iterable[int] = SPLITS) -> float:
     return worst
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small) | {n // d for d in small})
 
@@ -79,7 +79,7 @@ def _divisors(n: int) -> list[int]:
 def _candidates(n: int, chunk: int) -> list[int]:
     """Inner sizes possible along one dimension, ascending."""
     if chunk < max(n, 1):  # region boundaries fix the outer chunk: inner chunks divide it
-        return _divisors(chunk)
+        return divisors(chunk)
     if n <= 1:
         return [1]
     sizes = {-(-n // m) for m in range(1, _MAX_PIECES + 1)} | {1 << e for e in range(n.bit_length() - 1)}
