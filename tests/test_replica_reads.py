@@ -99,15 +99,24 @@ def test_replica_reads_option_is_checked(tmp_path):
 
 # --- real ranks -----------------------------------------------------------------
 
-def load_replicated(rank, world, location, options_list):
-    """DDP-style loads (every rank loads every tensor whole): per load, bytes read by this rank, and exactness."""
+def _destination(k: int, mixed: bool) -> torch.Tensor:
+    """Zeros to load tensor ``k`` into: float32 contiguous, or (``mixed``) float64 and non-contiguous in turn,
+    which travel through buffers rather than straight into the destination."""
+    if not mixed:
+        return torch.zeros(SHAPE)
+    return torch.zeros(SHAPE, dtype=torch.float64) if k % 2 else torch.zeros(SHAPE[::-1]).t()
+
+
+def load_replicated(rank, world, location, loads):
+    """DDP-style loads (every rank loads every tensor whole), each ``(reader options, mixed destinations)``:
+    per load, the bytes this rank read and whether it got the saved values."""
     out = []
-    for options in options_list:
-        sd = {name: torch.zeros(SHAPE) for name in NAMES}
+    for options, mixed in loads:
+        sd = {name: _destination(k, mixed) for k, name in enumerate(NAMES)}
         before = _rchar()
         dcp.load(sd, storage_reader=tsckpt.TensorStoreReader(location, **options))
         read = _rchar() - before
-        out.append((read, all(torch.equal(sd[name], _full(k)) for k, name in enumerate(NAMES))))
+        out.append((read, all(torch.equal(sd[name], _full(k).to(sd[name].dtype)) for k, name in enumerate(NAMES))))
     return out
 
 
@@ -135,12 +144,15 @@ def local_ckpt(tmp_path_factory):
 
 
 def test_replicated_load_from_disk_fetches_a_quarter_copy_per_rank(local_ckpt):
-    # A warm-up load first (lazy imports read files too), then measured loads with and without replica reads.
-    results = run_ranks(4, load_replicated, str(local_ckpt),
-                        [{"replica_reads": False}, {"replica_reads": True}, {}, {"replica_reads": False}])
-    for rank, (_, shared, default, alone) in enumerate(results):
-        assert shared[1] and default[1] and alone[1], rank  # bit-exact every time
-        assert 0.15 * COPY < shared[0] < 0.4 * COPY, (rank, shared[0] / COPY)
+    # A warm-up load first (lazy imports read files too), then measured loads with and without replica reads;
+    # "mixed": float64 and non-contiguous destinations, which take regions through buffers.
+    on, off = {"replica_reads": True}, {"replica_reads": False}
+    results = run_ranks(4, load_replicated, str(local_ckpt), [(off, False), (on, False), ({}, False), (off, False),
+                                                               (on, True)])
+    for rank, (_, shared, default, alone, mixed) in enumerate(results):
+        assert shared[1] and default[1] and alone[1] and mixed[1], rank  # bit-exact every time
+        for read in (shared[0], mixed[0]):
+            assert 0.15 * COPY < read < 0.4 * COPY, (rank, read / COPY)
         assert default[0] > 0.95 * COPY, (rank, default[0] / COPY)  # off by default on a local disk
         assert alone[0] > 0.95 * COPY, (rank, alone[0] / COPY)
     assert sum(r[1][0] for r in results) > 0.95 * COPY  # every byte was fetched by someone
@@ -158,11 +170,10 @@ def test_replicated_load_from_s3_gets_about_one_copy(s3):
     tsckpt.save(_saved(), location)
     with FaultProxy(s3.endpoint) as proxy:
         through = {**location, "endpoint": proxy.endpoint}
-        run_ranks(4, load_replicated, through, [{}])  # warm-up: imports, connections
         before = proxy.get_bytes
-        results = run_ranks(4, load_replicated, through, [{}])  # on by default on an object store
+        results = run_ranks(4, load_replicated, through, [({}, False)])  # on by default on an object store
         shared = proxy.get_bytes - before
-        results_alone = run_ranks(4, load_replicated, through, [{"replica_reads": False}])
+        results_alone = run_ranks(4, load_replicated, through, [({"replica_reads": False}, False)])
         alone = proxy.get_bytes - before - shared
     assert all(r[0][1] for r in results + results_alone)
     assert COPY <= shared < 1.15 * COPY, shared / COPY

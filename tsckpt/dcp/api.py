@@ -88,7 +88,7 @@ def load(
 
     Raises :class:`~tsckpt.errors.IncompleteCheckpointError` before any
     collective if the checkpoint was never committed. ``reader_options``
-    (``io_concurrency``, ``per_thread_copy_ahead``) go to :class:`TensorStoreReader`.
+    (``io_concurrency``, ``per_thread_copy_ahead``, ``replica_reads``) go to :class:`TensorStoreReader`.
     """
     reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
     reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one

@@ -186,9 +186,9 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         pending: list[Callable[[], None]] = []
         buffers = CopyWindow(self.per_thread_copy_ahead)
         # With replicas waiting on this rank, a failure is kept until every transfer is done, then raised.
-        failures: list[Exception] | None = [] if transfers else None
-        moving = ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype) if share and transfers \
-            else None
+        # (What fails before this point fails alike on every rank: the same metadata, no transfer started.)
+        failures: list[Exception] | None = None if share is None else []
+        moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype)
         try:
             # Shared regions first, in the global order every rank follows, then what this rank reads alone.
             for transfer in transfers:
@@ -283,63 +283,82 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         global order; it never raises there (the error is kept in ``failures``),
         so the transfers after it still happen.
         """
-        fqn = item.storage_index.fqn
-        box = f"at {list(item.storage_offsets)} of size {list(item.lengths)}"
         error: Exception | None = None
         try:
             dest = planner.resolve_tensor(item).detach()
         except Exception as e:  # noqa: BLE001 - the transfer still happens, through a scratch tensor
-            dest, error = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(fqn)), e
+            dest, error = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(item.storage_index.fqn)), e
+        if transfer.owner == moving.rank:
+            nbytes, step = self._fetch_and_send(item, transfer, dest, error, reader, moving, buffers)
+        else:
+            nbytes, step = self._receive(item, transfer, dest, error, moving, buffers)
+
+        def complete() -> None:
+            step()
+            planner.commit_tensor(item, dest)
+
+        buffers.add(nbytes, functools.partial(self._guarded, failures, complete))
+
+    def _receive(self, item: ReadItem, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
+                 moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
+        """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, and the receive."""
+        fqn = item.storage_index.fqn
         direct = moving.direct(dest, fqn)
-        if transfer.owner != moving.rank:
-            nbytes = 0 if direct else math.prod(item.lengths) * reader.dtype.itemsize
-            buffers.admit(nbytes)
-            into = dest if direct else torch.empty(tuple(item.lengths), dtype=self._stored_dtype(fqn),
-                                                   device=moving.wire_device(dest))
+        stored = self._stored_dtype(fqn)
+        nbytes = 0 if direct else math.prod(item.lengths) * stored.itemsize
+        buffers.admit(nbytes)
+        into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=moving.wire_device(dest))
+        box = f"at {list(item.storage_offsets)} of size {list(item.lengths)}"
 
-            def receive() -> None:
-                moving.receive(transfer, into, fqn, box)()  # posted now: in the global order
-                if error is not None:
-                    raise error
-                if not direct:
-                    dest.copy_(into)
-                planner.commit_tensor(item, dest)
+        def receive() -> None:
+            moving.receive(transfer, into, fqn, box)()  # posted now: in the global order
+            if error is not None:
+                raise error
+            if not direct:
+                dest.copy_(into)
 
-            buffers.add(nbytes, functools.partial(self._guarded, failures, receive))
-            return
+        return nbytes, receive
+
+    def _fetch_and_send(self, item: ReadItem, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
+                        reader: BoxReader, moving: ReplicaTransfers,
+                        buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
+        """Start the checked read of a region this rank owns: its held bytes, and the step that sends it.
+
+        The step sends even when the read failed (the receivers are told),
+        then raises the failure.
+        """
         in_place = _in_place(dest, reader.dtype)
         nbytes = reader.held_bytes(item.lengths, out=in_place)
         buffers.admit(nbytes)
         read: PendingBox | None = None
         try:
             if error is None:
-                self._opened(reader, fqn)
+                self._opened(reader, item.storage_index.fqn)
                 read = reader.read(item.storage_offsets, item.lengths,
                                    out=dtypes.tensor_as_numpy(dest) if in_place else None)
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised
             error = e
 
-        def fetch_and_send() -> None:
-            nonlocal error
-            data = None
+        def send() -> None:
+            failed, data = error, None
             if read is not None:
                 try:
                     data = self._result(item, dest, read, not in_place)
                 except Exception as e:  # noqa: BLE001 - as above
-                    error = e
-            if direct:
+                    failed = e
+            wire = moving.wire_device(dest)
+            if moving.direct(dest, item.storage_index.fqn):
                 payload = dest
             elif data is not None:
-                payload = dtypes.numpy_as_tensor(np.ascontiguousarray(data)).to(moving.wire_device(dest))
+                payload = dtypes.numpy_as_tensor(np.ascontiguousarray(data)).to(wire)
             else:
-                payload = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(fqn),
-                                      device=moving.wire_device(dest))
-            moving.send(transfer, payload, error, wait=payload is not dest)
-            if error is not None:
-                raise error
-            planner.commit_tensor(item, dest)
+                payload = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(item.storage_index.fqn),
+                                      device=wire)
+            moving.send(transfer, payload, failed, wait=payload is not dest)
+            if failed is not None:
+                raise failed
 
-        buffers.add(nbytes, functools.partial(self._guarded, failures, fetch_and_send))
+        return nbytes, send
 
     def _read_object(self, fqn: str) -> Any:
         assert self.metadata is not None
