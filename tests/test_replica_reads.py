@@ -24,6 +24,7 @@ import tsckpt
 from damage import edit_key, flip_byte, write_key
 from dist import run_ranks
 from faultproxy import FaultProxy
+import zoo
 from tsckpt.dcp.replica_reads import RankNote, ReplicaShare, schedule
 from tsckpt.errors import OptionError, TsckptError
 
@@ -156,6 +157,19 @@ def test_replicated_load_from_disk_fetches_a_quarter_copy_per_rank(local_ckpt):
         assert default[0] > 0.95 * COPY, (rank, default[0] / COPY)  # off by default on a local disk
         assert alone[0] > 0.95 * COPY, (rank, alone[0] / COPY)
     assert sum(r[1][0] for r in results) > 0.95 * COPY  # every byte was fetched by someone
+
+
+def load_zoo_whole(rank, world, location):
+    """Every rank loads the whole zoo (every dtype, 0-d and empty tensors): all of it is shared."""
+    sd = zoo.empty_like_expected()
+    tsckpt.load(sd, location, replica_reads=True)
+    zoo.assert_zoo_tensors(sd)
+    return sd["extra"]
+
+
+def test_every_dtype_and_shape_of_the_zoo_travels_bit_exactly(zoo4):
+    for extra in run_ranks(4, load_zoo_whole, zoo4):
+        assert (extra["lr"], extra["name"]) == (0.1, "run-1"), extra
 
 
 def test_hsdp_replica_pairs_each_fetch_half_of_their_half(local_ckpt):
