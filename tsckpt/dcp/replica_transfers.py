@@ -29,8 +29,6 @@ from .replica_reads import Transfer
 
 #: Status codes an owner sends before the bytes: 0 for a checked read, else 1 + the class of the error it raised.
 FAILURES: tuple[type[TsckptError], ...] = (ChecksumError, StorageError, TsckptError)
-
-
 #: Bytes of a status message: a code, then the owner's error text (UTF-8, cut to fit, zero-padded).
 STATUS_BYTES = 512
 
@@ -75,9 +73,10 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class ReplicaTransfers:
     """One rank's sends and receives of shared regions during one ``read_data``.
 
-    ``rank``: this rank in the default group; ``where`` names the checkpoint in errors; ``stored(fqn)`` is a tensor's
-    stored torch dtype. Sends stay in flight until :meth:`finish`, which
-    every rank must reach, whatever failed before it.
+    ``rank``: this rank in the default group; ``where`` names the checkpoint
+    in errors; ``stored(fqn)`` is a tensor's stored torch dtype. Sends stay in
+    flight until :meth:`finish`, which every rank must reach, whatever failed
+    before it.
     """
 
     def __init__(self, rank: int, where: str, stored: Callable[[str], torch.dtype]):
