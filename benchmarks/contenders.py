@@ -32,6 +32,8 @@ class Contender:
     save: Callable[[dict[str, Any], str], None]
     load: Callable[[dict[str, Any], str], None]
     async_save: Callable[[dict[str, Any], str], Any] | None = None
+    #: A contender that only loads another's checkpoint: that contender's name (its location).
+    loads_from: str | None = None
 
 
 def layout_options(layout: str) -> dict[str, Any] | None:
@@ -108,6 +110,21 @@ def tsckpt_via_dcp(layout: str) -> Contender:
         dcp.load(sd, storage_reader=TensorStoreReader(path))
 
     return Contender(f"tsckpt-dcp/{layout}", save, load)
+
+
+def tsckpt_reader_variant(layout: str, **reader_options: Any) -> Contender:
+    """``dcp.load`` with ``TensorStoreReader(**reader_options)`` of what :func:`tsckpt_via_dcp` saved."""
+    import torch.distributed.checkpoint as dcp
+
+    from tsckpt import TensorStoreReader
+
+    base = tsckpt_via_dcp(layout)
+
+    def load(sd: dict[str, Any], path: str) -> None:
+        dcp.load(sd, storage_reader=TensorStoreReader(path, **reader_options))
+
+    extra = ",".join(f"{k}={v!r}" for k, v in reader_options.items())
+    return Contender(f"{base.name}[{extra}]", base.save, load, loads_from=base.name)
 
 
 def tsckpt_api(layout: str, **writer_options: Any) -> Contender:

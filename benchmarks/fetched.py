@@ -4,7 +4,9 @@ Every contender saves the row-sharded state dict once from ``world`` ranks;
 then for each load of ``--reshards`` (by default: column-sharded on 4, 2 and 3
 ranks, row-sharded on 3 ranks, replicated on 4 ranks) that many ranks load it,
 one contender at a time, after a warm-up load of the same checkpoint (so that
-lazy imports and first-call set-up are not counted). Bytes *needed* are each
+lazy imports and first-call set-up are not counted). A replicated load is
+also measured through ``TensorStoreReader`` with ``replica_reads`` off and on
+(by default it is on for S3 only), with its load time. Bytes *needed* are each
 rank's local shards (the whole state dict for a replicated rank). Every figure
 is kept per rank, as if every rank were on its own node.
 
@@ -125,6 +127,13 @@ def _everyone(cfg: dict[str, Any]) -> list[cont.Contender]:
     return cont.contenders(cfg, raw=False, s3=cfg["s3"])
 
 
+def _loaders(cfg: dict[str, Any], placement: str) -> list[cont.Contender]:
+    """Who loads: everyone, and on a replicated load, tsckpt's reader with replica reads off and on."""
+    extra = [cont.tsckpt_reader_variant(lay, replica_reads=on) for lay in cfg["layouts"] for on in (False, True)] \
+        if placement == "replicated" else []
+    return _everyone(cfg) + extra
+
+
 def _location(cfg: dict[str, Any], name: str) -> str:
     return f"{cfg['root']}/{name.replace('/', '-')}"
 
@@ -155,8 +164,8 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any], *counters: Any) -> di
     # A replicated destination holds every element once per rank.
     expected = [x * (world if placement == "replicated" else 1) for x in cfg["checksums"]]
     result: dict[str, Any] = {}
-    for c in _everyone(cfg):
-        where = _location(cfg, c.name)
+    for c in _loaders(cfg, placement):
+        where = _location(cfg, c.loads_from or c.name)
         c.load(dest, where)  # warm-up: imports, first-call set-up
         if rank == 0 and not cfg["s3"]:
             harness.evict(where)

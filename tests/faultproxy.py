@@ -19,7 +19,8 @@ requests (``rate``, drawn from a seeded generator) meets one of these faults:
 ``denied``
     a 403 ``AccessDenied`` answer, as for missing or wrong credentials (only when asked for).
 
-``counts`` says how many requests came and how many met each fault. The
+``counts`` says how many requests came and how many met each fault;
+``get_bytes``, how many bytes of GET answers it forwarded. The
 proxy runs in threads of the test process; spawned ranks reach it over
 loopback like any S3 endpoint. It never talks to anything but 127.0.0.1.
 
@@ -65,6 +66,8 @@ class FaultProxy:
         self.rate, self.kinds = rate, kinds
         self._change: tuple[int, float, tuple[str, ...]] | None = None
         self.counts: collections.Counter[str] = collections.Counter()
+        #: Bytes of GET answer bodies forwarded: what the clients fetched from storage.
+        self.get_bytes = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -182,6 +185,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(payload)
             return
         status, reason, headers, answer = self._forward(proxy, body)
+        if self.command == "GET":
+            with proxy._lock:
+                proxy.get_bytes += len(answer)
         if fault == "corrupt" and self.command == "GET" and answer:
             flipped = bytearray(answer)
             flipped[len(flipped) // 2] ^= 0x01

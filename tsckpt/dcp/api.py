@@ -88,7 +88,7 @@ def load(
 
     Raises :class:`~tsckpt.errors.IncompleteCheckpointError` before any
     collective if the checkpoint was never committed. ``reader_options``
-    (``io_concurrency``, ``per_thread_copy_ahead``) go to :class:`TensorStoreReader`.
+    (``io_concurrency``, ``per_thread_copy_ahead``, ``replica_reads``) go to :class:`TensorStoreReader`.
     """
     reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
     reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
@@ -134,15 +134,16 @@ def _unwrapped() -> Iterator[None]:
     DCP gathers every rank's exception into one CheckpointException (a
     BaseException, which ``except Exception`` misses); callers of tsckpt's
     functions get the first rank's TsckptError with its clear message, first
-    (DCP's exception stays its ``__context__``, unprinted: its traceback is the
-    failing rank's, and repeats the message).
+    (a rank's own error before one that replica reads relayed to it from the
+    rank that fetched for it; DCP's exception stays its ``__context__``,
+    unprinted: its traceback is the failing rank's, and repeats the message).
     """
     try:
         yield
     except CheckpointException as e:
-        for _, failure in sorted(e.failures.items()):
-            # Each failure is DCP's (exception, traceback summary) pair.
-            exc = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(exc, TsckptError):
-                raise exc from None
+        # Each failure is DCP's (exception, traceback summary) pair.
+        errors = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+        # A rank's own error before one relayed from the rank that fetched a region for it (replica reads).
+        for exc in sorted((x for x in errors if isinstance(x, TsckptError)), key=lambda x: hasattr(x, "from_rank")):
+            raise exc from None
         raise

@@ -7,14 +7,18 @@ Its constructor also takes ``FileSystemReader``'s arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import time
 import uuid
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -27,16 +31,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import TsckptError
+from ..errors import OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader, PendingBox
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
-from ..storage.location import LocationLike
+from ..storage.location import LocationLike, scheme_for_driver
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
+from .replica_reads import RankNote, ReplicaShare, Transfer, schedule
+from .replica_transfers import ReplicaTransfers
 from .values import DecodedValue
 from ..storage.kvio import storage_error
 from .io import TensorStoreIO, done
@@ -81,14 +87,26 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             extra host memory stays near this plus a few times its largest
             tensor. Default 1 GiB, as the writer's; 0 reads one tensor at a
             time; ``None`` reads everything first.
+        replica_reads: when several ranks need the very same box of a tensor
+            (DDP replicas, the replica dimension of an HSDP mesh, ``Replicate``
+            placements), one of them fetches and checks it and sends it to the
+            others over the default process group (point to point), so storage
+            serves one copy instead of one per replica. ``None`` (default): on
+            for object stores (S3, GCS), off for local and other filesystems,
+            where ranks on one node share the page cache. A rank with it off
+            reads everything itself. If the rank fetching a region fails, every
+            rank that needed it raises.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
                  allow_pickle: bool = False, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-                 per_thread_copy_ahead: int | None = DEFAULT_COPY_AHEAD):
+                 per_thread_copy_ahead: int | None = DEFAULT_COPY_AHEAD, replica_reads: bool | None = None):
         super().__init__(path, io_concurrency)
+        if replica_reads is not None and not isinstance(replica_reads, bool):
+            raise OptionError(f"replica_reads={replica_reads!r}: expected True, False or None (by storage)")
         self.allow_pickle = allow_pickle
         self.per_thread_copy_ahead = check_copy_ahead(per_thread_copy_ahead)
+        self.replica_reads = replica_reads
         self.metadata: CheckpointMetadata | None = None
         self.is_coordinator = False
         self._prefetched = False
@@ -132,12 +150,28 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         if self.metadata is None:
             self.read_metadata()
 
+    def shares_replica_reads(self) -> bool:
+        """Whether this rank offers to fetch regions for its replicas and take theirs (``replica_reads``)."""
+        if self.replica_reads is not None:
+            return self.replica_reads
+        scheme = scheme_for_driver(self.location.driver) if self.location is not None else None
+        return scheme is not None and scheme.has_bucket  # an object store
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if (plan.storage_data is None and self.shares_replica_reads() and dist.is_available()
+                and dist.is_initialized() and dist.get_world_size() > 1):
+            return dataclasses.replace(plan, storage_data=RankNote(dist.get_rank()))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if logs.enabled() and self.metadata is not None:
             self._totals = (*logs.load_totals(self.metadata, plans), len(plans))
+        if any(isinstance(p.storage_data, RankNote) for p in plans):
+            assert self.metadata is not None
+            md = self.metadata
+            shares = schedule(plans, lambda fqn: dtypes.from_zarr(md.tensors[fqn].dtype).itemsize)
+            plans = [dataclasses.replace(p, storage_data=share) if share is not None or isinstance(
+                p.storage_data, RankNote) else p for p, share in zip(plans, shares)]
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -147,55 +181,184 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         # Every box is read as the whole checksummed pieces it touches, each checked before it is handed out.
         readers = {fqn: BoxReader(self.store, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
                    for fqn in wanted}
-        pending = []
+        share = ReplicaShare.of(plan)
+        transfers = share.transfers() if share is not None else []
+        pending: list[Callable[[], None]] = []
         buffers = CopyWindow(self.per_thread_copy_ahead)
-        for item in plan.items:
-            fqn = item.storage_index.fqn
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
-                continue
-            reader = readers[fqn]
-            try:
-                reader.opened()
-            except TsckptError:
-                raise
-            except ValueError as e:  # how TensorStore reports a failed open
-                raise storage_error(e, f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}") from None
-            # Detached like DCP's own reader: a destination that requires grad is still filled in place.
-            dest = planner.resolve_tensor(item).detach()
-            in_place = _in_place(dest, reader.dtype)
-            # Host memory the read holds until completed: its buffer, or the bytes read before they are placed.
-            nbytes = reader.held_bytes(item.lengths, out=in_place)
-            if nbytes:
-                buffers.admit(nbytes)  # before the read starts: what it holds is what the window bounds
-            read = reader.read(item.storage_offsets, item.lengths, out=dtypes.tensor_as_numpy(dest) if in_place else None)
-            complete = functools.partial(self._complete, planner, item, dest, read, not in_place)
-            if nbytes:
-                buffers.add(nbytes, complete)
-            else:
-                pending.append(complete)
-        buffers.drain()
-        for complete in pending:
-            complete()
+        # With replicas waiting on this rank, a failure is kept until every transfer is done, then raised.
+        # (What fails before this point fails alike on every rank: the same metadata, no transfer started.)
+        failures: list[Exception] | None = None if share is None else []
+        moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype)
+        try:
+            # Shared regions first, in the global order every rank follows, then what this rank reads alone.
+            for transfer in transfers:
+                self._guarded(failures, self._share, plan.items[transfer.item], transfer, planner,
+                              readers[plan.items[transfer.item].storage_index.fqn], moving, buffers, failures)
+            shared = {t.item for t in transfers}
+            for k, item in enumerate(plan.items):
+                if k not in shared:
+                    self._guarded(failures, self._start, item, planner, readers, buffers, pending, failures)
+            buffers.drain()
+            for complete in pending:
+                complete()
+        finally:
+            if moving is not None:
+                moving.finish()
+        if failures:
+            raise failures[0]
         if self.is_coordinator and self._totals is not None:
             nbytes, files, ranks = self._totals
             logs.log_transfer("loaded", str(self.checkpoint_id), nbytes=nbytes, files=files, ranks=ranks,
                               seconds=time.perf_counter() - self._started)
         return done(None)
 
+    @staticmethod
+    def _guarded(failures: list[Exception] | None, step: Callable[..., None], *args: Any) -> None:
+        """Run ``step``; with ``failures`` (replicas depend on this rank), keep its error there instead of raising."""
+        if failures is None:
+            return step(*args)
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - raised once every transfer is done
+            failures.append(e)
+
+    def _stored_dtype(self, fqn: str) -> torch.dtype:
+        assert self.metadata is not None
+        return dtypes.to_torch_dtype(dtypes.from_zarr(self.metadata.tensors[fqn].dtype))
+
+    def _opened(self, reader: BoxReader, fqn: str) -> None:
+        try:
+            reader.opened()
+        except TsckptError:
+            raise
+        except ValueError as e:  # how TensorStore reports a failed open
+            raise storage_error(e, f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}") from None
+
+    def _start(self, item: ReadItem, planner: LoadPlanner, readers: dict[str, BoxReader], buffers: CopyWindow,
+               pending: list[Callable[[], None]], failures: list[Exception] | None) -> None:
+        """Start reading one item this rank reads alone; its completion goes to ``buffers`` or ``pending``."""
+        fqn = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
+            return
+        reader = readers[fqn]
+        self._opened(reader, fqn)
+        # Detached like DCP's own reader: a destination that requires grad is still filled in place.
+        dest = planner.resolve_tensor(item).detach()
+        in_place = _in_place(dest, reader.dtype)
+        # Host memory the read holds until completed: its buffer, or the bytes read before they are placed.
+        nbytes = reader.held_bytes(item.lengths, out=in_place)
+        if nbytes:
+            buffers.admit(nbytes)  # before the read starts: what it holds is what the window bounds
+        read = reader.read(item.storage_offsets, item.lengths, out=dtypes.tensor_as_numpy(dest) if in_place else None)
+        complete = functools.partial(self._guarded, failures, self._complete, planner, item, dest, read, not in_place)
+        if nbytes:
+            buffers.add(nbytes, complete)
+        else:
+            pending.append(complete)
+
     def _complete(self, planner: LoadPlanner, item: ReadItem, dest: torch.Tensor, read: PendingBox,
                   copy: bool) -> None:
         """Finish one read (checked as it completes), copy it into ``dest`` unless read in place, hand it over."""
-        fqn = item.storage_index.fqn
+        self._result(item, dest, read, copy)
+        planner.commit_tensor(item, dest)
+
+    def _result(self, item: ReadItem, dest: torch.Tensor, read: PendingBox, copy: bool) -> np.ndarray:
+        """The checked values of one read, also copied into ``dest`` unless read in place; one clear error."""
         try:
             data = read.result()
             if copy:
                 dest.copy_(dtypes.numpy_as_tensor(data))
+            return data
         except TsckptError:
             raise
         except Exception as e:
-            raise read_error(fqn, str(self.checkpoint_id), e) from e
-        planner.commit_tensor(item, dest)
+            raise read_error(item.storage_index.fqn, str(self.checkpoint_id), e) from e
+
+    def _share(self, item: ReadItem, transfer: Transfer, planner: LoadPlanner, reader: BoxReader,
+               moving: ReplicaTransfers, buffers: CopyWindow, failures: list[Exception]) -> None:
+        """Take part in one shared region: fetch and send it (its owner), or receive it.
+
+        Either way the transfer happens when ``buffers`` completes it, in the
+        global order; it never raises there (the error is kept in ``failures``),
+        so the transfers after it still happen.
+        """
+        error: Exception | None = None
+        try:
+            dest = planner.resolve_tensor(item).detach()
+        except Exception as e:  # noqa: BLE001 - the transfer still happens, through a scratch tensor
+            dest, error = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(item.storage_index.fqn)), e
+        if transfer.owner == moving.rank:
+            nbytes, step = self._fetch_and_send(item, transfer, dest, error, reader, moving, buffers)
+        else:
+            nbytes, step = self._receive(item, transfer, dest, error, moving, buffers)
+
+        def complete() -> None:
+            step()
+            planner.commit_tensor(item, dest)
+
+        buffers.add(nbytes, functools.partial(self._guarded, failures, complete))
+
+    def _receive(self, item: ReadItem, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
+                 moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
+        """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, and the receive."""
+        fqn = item.storage_index.fqn
+        direct = moving.direct(dest, fqn)
+        stored = self._stored_dtype(fqn)
+        nbytes = 0 if direct else math.prod(item.lengths) * stored.itemsize
+        buffers.admit(nbytes)
+        into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=moving.wire_device(dest))
+        box = f"at {list(item.storage_offsets)} of size {list(item.lengths)}"
+
+        def receive() -> None:
+            moving.receive(transfer, into, fqn, box)()  # posted now: in the global order
+            if error is not None:
+                raise error
+            if not direct:
+                dest.copy_(into)
+
+        return nbytes, receive
+
+    def _fetch_and_send(self, item: ReadItem, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
+                        reader: BoxReader, moving: ReplicaTransfers,
+                        buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
+        """Start the checked read of a region this rank owns: its held bytes, and the step that sends it.
+
+        The step sends even when the read failed (the receivers are told),
+        then raises the failure.
+        """
+        in_place = _in_place(dest, reader.dtype)
+        nbytes = reader.held_bytes(item.lengths, out=in_place)
+        buffers.admit(nbytes)
+        read: PendingBox | None = None
+        try:
+            if error is None:
+                self._opened(reader, item.storage_index.fqn)
+                read = reader.read(item.storage_offsets, item.lengths,
+                                   out=dtypes.tensor_as_numpy(dest) if in_place else None)
+        except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised
+            error = e
+
+        def send() -> None:
+            failed, data = error, None
+            if read is not None:
+                try:
+                    data = self._result(item, dest, read, not in_place)
+                except Exception as e:  # noqa: BLE001 - as above
+                    failed = e
+            wire = moving.wire_device(dest)
+            if moving.direct(dest, item.storage_index.fqn):
+                payload = dest
+            elif data is not None:
+                payload = dtypes.numpy_as_tensor(np.ascontiguousarray(data)).to(wire)
+            else:
+                payload = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(item.storage_index.fqn),
+                                      device=wire)
+            moving.send(transfer, payload, failed, wait=payload is not dest)
+            if failed is not None:
+                raise failed
+
+        return nbytes, send
 
     def _read_object(self, fqn: str) -> Any:
         assert self.metadata is not None

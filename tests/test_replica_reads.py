@@ -1,0 +1,244 @@
+"""Replicas read once: ranks that need the same region of a tensor fetch it once and pass it on.
+
+Real gloo ranks load real checkpoints on local disk and on the moto S3 server;
+what a rank fetched is counted by its ``/proc/self/io`` ``rchar`` (bytes its
+read/pread calls returned, page-cache hits included: what it would fetch on a
+node of its own) and, on S3, by the GET bytes a proxy in front of the server
+forwarded.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+import tsckpt
+from damage import edit_key, flip_byte, write_key
+from dist import run_ranks
+from faultproxy import FaultProxy
+import zoo
+from tsckpt.dcp.replica_reads import RankNote, ReplicaShare, schedule
+from tsckpt.errors import OptionError, TsckptError
+
+BUCKET = "tsckpt-replicas"
+#: Eight 1 MiB float32 tensors: a copy is 8 MiB, so metadata reads are small beside a quarter of it.
+NAMES = [f"layer{k}.w" for k in range(8)]
+SHAPE = (512, 512)
+COPY = len(NAMES) * SHAPE[0] * SHAPE[1] * 4
+
+
+def _full(k: int) -> torch.Tensor:
+    return torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE) * (k + 1) / 7
+
+
+def _saved() -> dict[str, torch.Tensor]:
+    return {name: _full(k) for k, name in enumerate(NAMES)}
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("rchar:"))
+
+
+# --- the schedule alone ---------------------------------------------------------
+
+def _item(fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> ReadItem:
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets), dest_offsets=torch.Size([0, 0]),
+                    storage_index=MetadataIndex(fqn, (0, 0)), storage_offsets=torch.Size(offsets),
+                    lengths=torch.Size(lengths))
+
+
+def _plans(boxes_by_rank, noted=None) -> list[LoadPlan]:
+    noted = range(len(boxes_by_rank)) if noted is None else noted
+    return [LoadPlan([_item(*box) for box in boxes], storage_data=RankNote(10 + r) if r in noted else None)
+            for r, boxes in enumerate(boxes_by_rank)]
+
+
+def test_schedule_gives_each_replica_an_even_share_and_every_rank_one_order():
+    whole = [(name, (0, 0), SHAPE) for name in NAMES]
+    shares = schedule(_plans([whole] * 4), lambda fqn: 4)
+    assert [s.fetched_here() for s in shares] == [2, 2, 2, 2]
+    owners = [[t.owner for t in s.transfers()] for s in shares]
+    assert owners[0] == owners[1] == owners[2] == owners[3]  # everyone agrees on who fetches what
+    assert sorted(owners[0]) == [10, 10, 11, 11, 12, 12, 13, 13]  # ranks of the default group, from the notes
+    for s in shares:
+        assert [t.seq for t in s.transfers()] == list(range(8))
+        for t in s.transfers():
+            assert set(t.receivers) == {10, 11, 12, 13} - {t.owner}
+    # One member list for all, pickled once: a rank's share grows with its regions, not with the world.
+    assert len({id(s.groups) for s in shares}) == 1
+    assert ReplicaShare.from_dict(shares[1].to_dict()).transfers() == shares[1].transfers()
+
+
+def test_schedule_balances_bytes_and_shares_only_identical_boxes():
+    half = SHAPE[0] // 2
+    top, bottom = ("w", (0, 0), (half, SHAPE[1])), ("w", (half, 0), (half, SHAPE[1]))
+    # HSDP-like: ranks 0 and 2 need the top half, 1 and 3 the bottom; rank 1 also reads a big tensor alone.
+    shares = schedule(_plans([[top], [bottom, ("big", (0, 0), (4096, 512))], [top], [bottom]]), lambda fqn: 4)
+    assert [len(s.transfers()) for s in shares] == [1, 1, 1, 1]
+    assert shares[1].transfers()[0].owner == 13  # rank 1 already fetches the most
+    assert shares[0].transfers()[0].receivers in ((12,), (10,))
+    # A box that overlaps another but differs is read by each rank itself; a rank without a note shares nothing.
+    shares = schedule(_plans([[top], [("w", (0, 0), (half - 1, SHAPE[1]))], [top]], noted=(0, 1)), lambda fqn: 4)
+    assert shares == [None, None, None]
+
+
+def test_replica_reads_option_is_checked(tmp_path):
+    with pytest.raises(OptionError, match="replica_reads='yes'"):
+        tsckpt.TensorStoreReader(tmp_path, replica_reads="yes")
+    assert not tsckpt.TensorStoreReader(tmp_path).shares_replica_reads()  # local disk: off by default
+    assert tsckpt.TensorStoreReader({"url": "s3://bucket/p", "endpoint": "http://127.0.0.1:1"}).shares_replica_reads()
+
+
+# --- real ranks -----------------------------------------------------------------
+
+def _destination(k: int, mixed: bool) -> torch.Tensor:
+    """Zeros to load tensor ``k`` into: float32 contiguous, or (``mixed``) float64 and non-contiguous in turn,
+    which travel through buffers rather than straight into the destination."""
+    if not mixed:
+        return torch.zeros(SHAPE)
+    return torch.zeros(SHAPE, dtype=torch.float64) if k % 2 else torch.zeros(SHAPE[::-1]).t()
+
+
+def load_replicated(rank, world, location, loads):
+    """DDP-style loads (every rank loads every tensor whole), each ``(reader options, mixed destinations)``:
+    per load, the bytes this rank read and whether it got the saved values."""
+    out = []
+    for options, mixed in loads:
+        sd = {name: _destination(k, mixed) for k, name in enumerate(NAMES)}
+        before = _rchar()
+        dcp.load(sd, storage_reader=tsckpt.TensorStoreReader(location, **options))
+        read = _rchar() - before
+        out.append((read, all(torch.equal(sd[name], _full(k).to(sd[name].dtype)) for k, name in enumerate(NAMES))))
+    return out
+
+
+def load_hsdp(rank, world, location):
+    """A 2 x 2 mesh, [Replicate(), Shard(0)]: ranks 0, 2 need the top half of each tensor, 1, 3 the bottom."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    sd = {name: distribute_tensor(torch.zeros(SHAPE), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+          for name in NAMES}
+    before = _rchar()
+    tsckpt.load(sd, location, replica_reads=True)
+    read = _rchar() - before
+    half = SHAPE[0] // 2
+    rows = slice(half * (rank % 2), half * (rank % 2 + 1))
+    return read, all(torch.equal(sd[name].to_local(), _full(k)[rows]) for k, name in enumerate(NAMES))
+
+
+@pytest.fixture(scope="module")
+def local_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("replicas") / "ck"
+    tsckpt.save(_saved(), path)
+    return path
+
+
+def test_replicated_load_from_disk_fetches_a_quarter_copy_per_rank(local_ckpt):
+    # A warm-up load first (lazy imports read files too), then measured loads with and without replica reads;
+    # "mixed": float64 and non-contiguous destinations, which take regions through buffers.
+    on, off = {"replica_reads": True}, {"replica_reads": False}
+    results = run_ranks(4, load_replicated, str(local_ckpt), [(off, False), (on, False), ({}, False), (off, False),
+                                                               (on, True)])
+    for rank, (_, shared, default, alone, mixed) in enumerate(results):
+        assert shared[1] and default[1] and alone[1] and mixed[1], rank  # bit-exact every time
+        for read in (shared[0], mixed[0]):
+            assert 0.15 * COPY < read < 0.4 * COPY, (rank, read / COPY)
+        assert default[0] > 0.95 * COPY, (rank, default[0] / COPY)  # off by default on a local disk
+        assert alone[0] > 0.95 * COPY, (rank, alone[0] / COPY)
+    assert sum(r[1][0] for r in results) > 0.95 * COPY  # every byte was fetched by someone
+
+
+def load_zoo_whole(rank, world, location):
+    """Every rank loads the whole zoo (every dtype, 0-d and empty tensors): all of it is shared."""
+    sd = zoo.empty_like_expected()
+    tsckpt.load(sd, location, replica_reads=True)
+    zoo.assert_zoo_tensors(sd)
+    return sd["extra"]
+
+
+def test_every_dtype_and_shape_of_the_zoo_travels_bit_exactly(zoo4):
+    for extra in run_ranks(4, load_zoo_whole, zoo4):
+        assert (extra["lr"], extra["name"]) == (0.1, "run-1"), extra
+
+
+def test_hsdp_replica_pairs_each_fetch_half_of_their_half(local_ckpt):
+    results = run_ranks(4, load_hsdp, str(local_ckpt))
+    for rank, (read, exact) in enumerate(results):
+        assert exact, rank
+        assert 0.15 * COPY < read < 0.4 * COPY, (rank, read / COPY)
+
+
+def test_replicated_load_from_s3_gets_about_one_copy(s3):
+    location = s3.location(BUCKET, "runs/replicas")
+    tsckpt.save(_saved(), location)
+    with FaultProxy(s3.endpoint) as proxy:
+        through = {**location, "endpoint": proxy.endpoint}
+        before = proxy.get_bytes
+        results = run_ranks(4, load_replicated, through, [({}, False)])  # on by default on an object store
+        shared = proxy.get_bytes - before
+        results_alone = run_ranks(4, load_replicated, through, [({"replica_reads": False}, False)])
+        alone = proxy.get_bytes - before - shared
+    assert all(r[0][1] for r in results + results_alone)
+    assert COPY <= shared < 1.15 * COPY, shared / COPY
+    assert alone > 3.9 * COPY, alone / COPY
+
+
+def load_damaged(rank, world, locations):
+    """Replicated loads of damaged checkpoints, through dcp.load and tsckpt.load: what each rank raised."""
+    out = []
+    for location in locations:
+        sd = {name: torch.zeros(SHAPE) for name in NAMES}
+        try:
+            dcp.load(sd, storage_reader=tsckpt.TensorStoreReader(location, replica_reads=True))
+            out.append("returned")
+        except CheckpointException as e:
+            # Every rank's own error, gathered by DCP: each must have raised, not only the one that read the chunk.
+            errors = {r: f[0] if isinstance(f, tuple) else f for r, f in e.failures.items()}
+            out.append({r: (type(x).__name__, str(x)) for r, x in errors.items()})
+        try:
+            tsckpt.load(sd, location, replica_reads=True)
+            out.append("returned")
+        except TsckptError as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_a_failed_read_of_a_shared_region_fails_every_rank_that_needed_it(local_ckpt, tmp_path):
+    """One byte flipped in a chunk, and a chunk gone: every replica raises the error of the rank that read it."""
+    flipped, missing = tmp_path / "flipped", tmp_path / "missing"
+    for path in (flipped, missing):
+        shutil.copytree(local_ckpt, path)
+    zeros = ".".join("0" for _ in SHAPE)
+    edit_key(flipped, f"layer3.w/c.{zeros}", lambda data: flip_byte(data, 1000, 0x10))
+    write_key(missing, f"layer5.w/c.{zeros}", None)
+    results = run_ranks(4, load_damaged, [str(flipped), str(missing)], timeout=120)
+    expected = [("ChecksumError", "'layer3.w'", "does not match its stored crc32c"),
+                ("StorageError", "'layer5.w'", "missing")]
+    for rank, found in enumerate(results):
+        for (kind, name, cause), through_dcp, through_tsckpt in zip(expected, found[::2], found[1::2]):
+            assert isinstance(through_dcp, dict) and sorted(through_dcp) == [0, 1, 2, 3], (rank, through_dcp)
+            for r, (raised, text) in through_dcp.items():
+                assert raised == kind and name in text and cause in text, (r, raised, text)
+            # tsckpt.load raises the error of the rank that read the chunk, as that rank wrote it.
+            assert through_tsckpt[0] == kind and cause in through_tsckpt[1], (rank, through_tsckpt)
+            assert "fetched it for this rank" not in through_tsckpt[1]
+
+
+def test_the_share_of_a_rank_pickles_small():
+    whole = [(name, (0, 0), SHAPE) for name in NAMES]
+    small = schedule(_plans([whole] * 4), lambda fqn: 4)
+    large = schedule(_plans([whole] * 64), lambda fqn: 4)
+    # 16x the ranks: a rank's share grows only by the member list of its one replica group.
+    assert len(pickle.dumps(large[0])) - len(pickle.dumps(small[0])) < 60 * 4 * 8
+    assert np.all(large[0].seq == np.arange(8))

@@ -1,0 +1,179 @@
+"""Replicas read once: which rank fetches each region that several ranks of a load need, and whom it feeds.
+
+DDP replicas, the replica dimension of an HSDP mesh and ``Replicate``
+placements make several ranks ask ``dcp.load`` for the very same box of a
+tensor. Read independently, storage serves one copy per replica. Instead the
+coordinator, which sees every rank's load plan in ``prepare_global_plan``,
+groups the read items by region (tensor, offsets, sizes), gives each region
+that at least two ranks need to one of them (the *owner*, chosen to even out
+the bytes each rank fetches), and tells every rank its part in one global
+order: what it fetches and sends to whom, what it receives and from whom.
+Moving the bytes is :mod:`tsckpt.dcp.replica_transfers`; this module only
+decides.
+
+Only identical boxes are shared: a rank that needs rows 0-99 and one that needs
+rows 0-49 each read their own.
+
+What each rank receives grows with the regions it takes part in, plus the
+member lists of its replica groups (pickled once for every rank that has the
+same groups, :class:`~tsckpt.dcp.contract.Prepickled`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+
+from .contract import Prepickled
+
+
+@dataclass(frozen=True)
+class RankNote:
+    """A rank's local plan says it takes part in replica reads, and its rank in the default process group.
+
+    The point-to-point transfers run on the default group, while DCP numbers
+    plans by the rank in the group it was given; this maps one to the other.
+    """
+
+    rank: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankNote:
+        return cls(int(d["rank"]))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One shared region as one rank sees it: its place in the global order, its plan item, who owns it.
+
+    ``seq`` orders every rank's transfers alike (and tags its messages);
+    ``item`` is the index of the region's read item in this rank's plan;
+    ``owner`` fetches it from storage and sends it to ``receivers``
+    (ranks of the default process group).
+    """
+
+    seq: int
+    item: int
+    owner: int
+    receivers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaShare:
+    """One rank's part of the schedule, in columns (``LoadPlan.storage_data`` after global planning).
+
+    Row ``k`` is region ``seq[k]`` of the global order, read item ``item[k]`` of
+    this rank's plan, needed by the ranks of ``groups[group[k]]`` (ascending)
+    and fetched by ``owner[k]``, one of them. Rows are in ``seq`` order.
+    """
+
+    rank: int
+    groups: Prepickled[tuple[tuple[int, ...], ...]]
+    seq: np.ndarray  # int64
+    item: np.ndarray  # int32
+    group: np.ndarray  # int32
+    owner: np.ndarray  # int32
+
+    @staticmethod
+    def of(plan: LoadPlan) -> ReplicaShare | None:
+        data = plan.storage_data
+        return data if isinstance(data, ReplicaShare) else None
+
+    def transfers(self) -> list[Transfer]:
+        groups = self.groups.value
+        return [Transfer(s, i, o, tuple(r for r in groups[g] if r != o))
+                for s, i, g, o in zip(self.seq.tolist(), self.item.tolist(), self.group.tolist(), self.owner.tolist())]
+
+    def fetched_here(self) -> int:
+        """How many of this rank's shared regions it fetches itself."""
+        return int(np.count_nonzero(self.owner == self.rank))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "groups": [list(g) for g in self.groups.value], "seq": self.seq.tolist(),
+                "item": self.item.tolist(), "group": self.group.tolist(), "owner": self.owner.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaShare:
+        return cls(int(d["rank"]), Prepickled(tuple(tuple(int(r) for r in g) for g in d["groups"])),
+                   np.asarray(d["seq"], np.int64), np.asarray(d["item"], np.int32),
+                   np.asarray(d["group"], np.int32), np.asarray(d["owner"], np.int32))
+
+
+Region = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int]) -> list[ReplicaShare | None]:
+    """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or did not opt in).
+
+    ``itemsize(fqn)``: bytes per stored element of a tensor. Ranks whose plan
+    carries no :class:`RankNote` read everything themselves. Owners are chosen
+    largest region first, each to the member that has fetched the fewest bytes
+    so far (the regions it reads alone included); ties rotate with the region,
+    so equal replicas split equal regions evenly. Deterministic.
+    """
+    ranks = [p.storage_data.rank if isinstance(p.storage_data, RankNote) else None for p in plans]
+    needers: dict[Region, list[tuple[int, int]]] = {}  # region -> [(plan index, item index)], in first-seen order
+    sizes: dict[Region, int] = {}
+    fetched = [0] * len(plans)
+    for r, plan in enumerate(plans):
+        seen: set[Region] = set()
+        for i, item in enumerate(plan.items):
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            fqn = item.storage_index.fqn
+            nbytes = math.prod(item.lengths) * itemsize(fqn)
+            region = (fqn, tuple(item.storage_offsets), tuple(item.lengths))
+            if ranks[r] is None or nbytes == 0 or region in seen:
+                fetched[r] += nbytes
+                continue
+            seen.add(region)
+            sizes[region] = nbytes
+            needers.setdefault(region, []).append((r, i))
+    shared = [region for region, who in needers.items() if len(who) > 1]
+    for region, who in needers.items():
+        if len(who) == 1:
+            fetched[who[0][0]] += sizes[region]
+    owners: dict[Region, int] = {}
+    for k in sorted(range(len(shared)), key=lambda k: -sizes[shared[k]]):
+        who = needers[shared[k]]
+        _, owner = min((fetched[r], (n - k) % len(who), r) for n, (r, _) in enumerate(who))[1:]
+        owners[shared[k]] = owner
+        fetched[owner] += sizes[shared[k]]
+    return _shares(plans, ranks, shared, needers, owners)
+
+
+def _shares(plans: Sequence[LoadPlan], ranks: Sequence[int | None], shared: Sequence[Region],
+            needers: Mapping[Region, Sequence[tuple[int, int]]], owners: Mapping[Region, int]) -> list[ReplicaShare | None]:
+    rows: list[list[tuple[int, int, tuple[int, ...], int]]] = [[] for _ in plans]
+    for seq, region in enumerate(shared):
+        who = needers[region]
+        members = tuple(sorted(ranks[r] for r, _ in who))  # type: ignore[type-var]
+        owner = ranks[owners[region]]
+        assert owner is not None
+        for r, i in who:
+            rows[r].append((seq, i, members, owner))
+    pickled: dict[tuple[tuple[int, ...], ...], Prepickled[tuple[tuple[int, ...], ...]]] = {}
+    out: list[ReplicaShare | None] = []
+    for r, mine in enumerate(rows):
+        if not mine:
+            out.append(None)
+            continue
+        local: dict[tuple[int, ...], int] = {}
+        group = [local.setdefault(members, len(local)) for _, _, members, _ in mine]
+        groups = tuple(local)
+        if groups not in pickled:
+            pickled[groups] = Prepickled(groups)
+        rank = ranks[r]
+        assert rank is not None
+        out.append(ReplicaShare(rank, pickled[groups], np.asarray([m[0] for m in mine], np.int64),
+                                np.asarray([m[1] for m in mine], np.int32), np.asarray(group, np.int32),
+                                np.asarray([m[3] for m in mine], np.int32)))
+    return out

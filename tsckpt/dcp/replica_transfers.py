@@ -1,0 +1,139 @@
+"""Replicas read once, the bytes: an owner sends a region it fetched to the ranks that also need it.
+
+What goes where is decided by :mod:`tsckpt.dcp.replica_reads`; this module
+moves it with point-to-point ``torch.distributed`` messages on the default
+process group, so only the ranks that share a region take part. Each transfer
+is two messages per receiver: a status (did the owner's checked read succeed,
+and if not, its error's class and text), then the region's bytes. An owner whose read
+failed still sends both, so no receiver waits forever, and every rank that
+needed the region raises.
+
+Every rank posts its messages in the schedule's global order (the owner when
+its read has completed, a receiver when it is ready to take the bytes), so
+the messages between any two ranks come in the same order on both sides: that
+is what NCCL, which ignores tags, needs. The bytes travel in the stored dtype,
+straight from and into the destination tensor when the backend carries its
+device and it has that dtype and is contiguous, through a buffer otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ChecksumError, StorageError, TsckptError
+from .replica_reads import Transfer
+
+#: Status codes an owner sends before the bytes: 0 for a checked read, else 1 + the class of the error it raised.
+FAILURES: tuple[type[TsckptError], ...] = (ChecksumError, StorageError, TsckptError)
+#: Bytes of a status message: a code, then the owner's error text (UTF-8, cut to fit, zero-padded).
+STATUS_BYTES = 512
+
+
+def _status(error: BaseException | None, device: torch.device) -> torch.Tensor:
+    """The status message for a read that raised ``error`` (None: succeeded)."""
+    out = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+    if error is not None:
+        out[0] = next((k + 1 for k, cls in enumerate(FAILURES) if isinstance(error, cls)), len(FAILURES))
+        text = str(error).encode("utf-8", "replace")[:STATUS_BYTES - 1]
+        out[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return out.to(device)
+
+
+def _raise_status(status: torch.Tensor, owner: int, fqn: str, where: str, box: str) -> None:
+    """Raise what the owner's status says it raised, with its text, if it was not a success."""
+    status = status.cpu()
+    code = int(status[0])
+    if not code:
+        return
+    cls = FAILURES[min(code, len(FAILURES)) - 1]
+    text = bytes(status[1:].numpy()).rstrip(b"\0").decode("utf-8", "replace")
+    if not text:
+        text = f"tensor {fqn!r} in {where}: reading {box} failed"
+    error = cls(f"{text} (rank {owner} fetched it for this rank too)")
+    error.from_rank = owner  # type: ignore[attr-defined] - lets tsckpt.load show the owner's own error first
+    raise error
+
+
+def _carried(backend: str) -> set[str] | None:
+    """Device types the default group's backend sends (None: unknown, assume the destination's)."""
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        return {part.split(":")[0] for part in backend.split(",")}
+    return {"gloo": {"cpu"}, "nccl": {"cuda"}, "mpi": {"cpu"}}.get(backend)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 view (every backend sends bytes)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class ReplicaTransfers:
+    """One rank's sends and receives of shared regions during one ``read_data``.
+
+    ``rank``: this rank in the default group; ``where`` names the checkpoint
+    in errors; ``stored(fqn)`` is a tensor's stored torch dtype. Sends stay in
+    flight until :meth:`finish`, which every rank must reach, whatever failed
+    before it.
+    """
+
+    def __init__(self, rank: int, where: str, stored: Callable[[str], torch.dtype]):
+        self.rank = rank
+        self.where = where
+        self.stored = stored
+        self.carried = _carried(dist.get_backend())
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, what it sends: kept alive until sent)
+
+    def wire_device(self, dest: torch.Tensor) -> torch.device:
+        """The device a region for ``dest`` travels on: its own if the backend carries it."""
+        if self.carried is None or dest.device.type in self.carried:
+            return dest.device
+        if "cpu" in self.carried:
+            return torch.device("cpu")
+        return torch.device(next(iter(self.carried)), torch.accelerator.current_device_index())
+
+    def direct(self, dest: torch.Tensor, fqn: str) -> bool:
+        """Whether ``dest`` itself can be sent or received into."""
+        return (self.wire_device(dest) == dest.device and dest.dtype == self.stored(fqn)
+                and dest.is_contiguous())
+
+    def send(self, transfer: Transfer, payload: torch.Tensor, error: BaseException | None, wait: bool) -> None:
+        """Send ``payload`` (contiguous, stored dtype, on the wire device) to the region's receivers.
+
+        With ``error`` (the owner's read failed), the receivers are told so,
+        and get ``payload`` as it is, which they discard. ``wait``: return only
+        once it has left (a temporary copy, which the caller's window counts
+        until then); otherwise it leaves by :meth:`finish`.
+        """
+        status = _status(error, payload.device)
+        data = as_bytes(payload)
+        sends = []
+        for peer in transfer.receivers:
+            for message, tag in ((status, 2 * transfer.seq), (data, 2 * transfer.seq + 1)):
+                sends.append((dist.isend(message, dst=peer, tag=tag), message))
+        if wait:
+            for work, _ in sends:
+                work.wait()
+        else:
+            self._sends += sends
+
+    def receive(self, transfer: Transfer, into: torch.Tensor, fqn: str, box: str) -> Callable[[], None]:
+        """Start receiving the region into ``into``; returns a wait that raises if the owner's read failed."""
+        status = torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=into.device)
+        works = [dist.irecv(status, src=transfer.owner, tag=2 * transfer.seq),
+                 dist.irecv(as_bytes(into), src=transfer.owner, tag=2 * transfer.seq + 1)]
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+            _raise_status(status, transfer.owner, fqn, self.where, box)
+
+        return wait
+
+    def finish(self) -> None:
+        """Wait until every send has left (the receivers depend on them, whatever this rank raises)."""
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            work.wait()
