@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dcp_ranks as ranks  # noqa: E402
+import harness  # noqa: E402
 
 MODES = ["full", "incremental", "incremental, base evicted"]
 
@@ -111,10 +112,10 @@ def new_bytes(path: str, base: str | None) -> int:
 
 # --- ranks --------------------------------------------------------------------
 
-def phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> None:
+def phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     import tsckpt
 
-    mesh = ranks.setup(rank, world, port)
+    mesh = ranks.mesh(world)
     result: dict[str, Any] = {"share": _frozen_share(STATES[cfg["state"]](cfg["gb"], 0)), "reps": []}
     for rep in range(cfg["reps"]):
         root = os.path.join(cfg["root"], f"rep{rep}")
@@ -128,7 +129,7 @@ def phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> No
             extra = {} if mode == "full" else {"base": base}
             ranks.settle(0.5)
             if mode == "incremental, base evicted" and rank == 0:
-                ranks.evict(base)
+                harness.evict(base)
             dist.barrier()
             seconds = ranks.timed(lambda: tsckpt.save(state, path, **options, **extra))
             figures[mode] = {"save_s": seconds, "new_bytes": new_bytes(path, None if mode == "full" else base)}
@@ -136,7 +137,7 @@ def phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> No
             path = os.path.join(root, mode.replace(", ", "-").replace(" ", "-"))
             ranks.settle(0.5)
             if rank == 0:
-                ranks.evict(root)
+                harness.evict(root)
             dist.barrier()
             target = {k: torch.empty_like(v) for k, v in state.items()}
             figures[mode]["load_s"] = ranks.timed(lambda: tsckpt.load(target, path))
@@ -146,8 +147,7 @@ def phase(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> No
         dist.barrier()
         if rank == 0:
             shutil.rmtree(root)
-    ranks.write_result(out, result)
-    dist.destroy_process_group()
+    return ranks.rank0(result)
 
 
 # --- report -------------------------------------------------------------------
@@ -182,7 +182,7 @@ def main() -> None:
             for layout in args.layouts:
                 cfg = {"state": state, "layout": layout, "gb": args.gb, "reps": args.reps,
                        "root": os.path.join(tmp, f"{state}-{layout}")}
-                result = ranks.spawn(phase, args.ranks, cfg, tmp)
+                result = harness.run_ranks(args.ranks, phase, cfg)[0]
                 for mode in MODES:
                     print(_row(f"{state} ({result['share']:.0%} frozen)", layout, mode, result["reps"]), flush=True)
     finally:

@@ -105,6 +105,55 @@ def test_a_damaged_chunk_of_the_base_is_written_again(tmp_path, layout):
     assert tsckpt.verify(new).ok and _same(_load(new), _state(2))
 
 
+
+def _twins(step: int) -> dict:
+    """Two frozen weights of one shape and data type (their chunk files are alike but for the data) and an adapter."""
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(256, 64, generator=g), "b": torch.randn(256, 64, generator=g),
+            "adapter": torch.full((4,), float(step))}
+
+
+#: Damage a faster check of the base's stored bytes must still see, as ``(chunk bytes, the other weight's) -> bytes``.
+DAMAGE = {
+    "a flipped data byte": lambda b, other: damage.flip_byte(b, 1000),
+    "a flipped byte of the shard index": lambda b, other: damage.flip_byte(b, len(b) - 3),
+    "a truncated file": lambda b, other: b[:len(b) // 2],
+    "the file of the other weight's chunk": lambda b, other: other,
+    "an empty file": lambda b, other: b"",
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_a_base_chunk_damaged_as_stored_is_written_again_and_its_twin_is_reused(tmp_path, layout, kind):
+    base, new = tmp_path / "step_1", tmp_path / "step_2"
+    tsckpt.save(_twins(1), base, layout=layout)
+    assert tsckpt.open(base).metadata.tensors["a"].inner_chunk_shape is not None  # checked as stored
+    other = damage.read_key(base, "b/c.0.0")
+    damage.edit_key(base, "a/c.0.0", lambda b: DAMAGE[kind](b, other))
+    assert not tsckpt.verify(base).ok
+    tsckpt.save(_twins(2), new, layout=layout, base=base)
+    reuse = tsckpt.open(new).metadata.reuse
+    assert (reuse.chunks_reused, reuse.bytes_reused) == (1, 256 * 64 * 4)  # b's chunk only
+    if layout == "plain":
+        assert _inode(new, "a/c.0.0") != _inode(base, "a/c.0.0") and _inode(new, "b/c.0.0") == _inode(base, "b/c.0.0")
+    assert tsckpt.verify(new).ok
+    out = {"a": torch.zeros(256, 64), "b": torch.zeros(256, 64), "adapter": torch.zeros(4)}
+    tsckpt.load(out, new)
+    assert all(torch.equal(out[k], v) for k, v in _twins(2).items())
+
+
+def test_a_base_chunk_whose_crc32c_codec_values_are_damaged_is_written_again(tmp_path):
+    """The data still matches the base's checksum table, but Zarr readers, which check the codec, would fail."""
+    base, new = tmp_path / "step_1", tmp_path / "step_2"
+    tsckpt.save(_twins(1), base, crc32c_codec=True)
+    inner = tsckpt.open(base).metadata.tensors["a"].inner_chunk_shape
+    piece = 4 * int(np.prod(inner))
+    damage.edit_key(base, "a/c.0.0", lambda b: damage.flip_byte(b, piece + 1))  # the codec's crc32c of inner chunk 0
+    tsckpt.save(_twins(2), new, base=base, crc32c_codec=True)
+    assert tsckpt.open(new).metadata.reuse.chunks_reused == 1  # b's chunk only
+    assert np.array_equal(zarr.open_array(str(new / "a"), mode="r")[:], _twins(2)["a"].numpy())
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_chain_pruned_to_its_newest_checkpoint_loads(tmp_path, layout):
     for step in (1, 2, 3):

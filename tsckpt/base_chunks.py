@@ -4,9 +4,13 @@ A save given a base (``tsckpt.save(..., base=B)``) compares each outer chunk it
 is about to write with the same chunk of the same array in ``B``: same path,
 shape, data type, chunk grid, inner chunks and codecs, and an equal 128-bit
 content hash (:mod:`tsckpt.format.content_hashes`). Such a chunk is taken from
-the base only after the base's stored bytes are read back and still have that
-hash (a stronger check than their crc32c, and a faster one), so a damaged
-chunk of the base is written afresh instead.
+the base only after the base's stored copy is read back and still passes the
+checks every read of the base makes, so a damaged chunk of the base is written
+afresh instead. Chunks tsckpt encodes itself (inner chunks, no compression: the
+default) are checked as stored, without decoding: their size, their shard index
+and the crc32c of every inner chunk (:func:`tsckpt.format.shards.check_stored`),
+one sequential read and one crc32c pass each. Other chunks are read through
+TensorStore's codecs and must still have the content hash.
 
 How a chunk is taken depends on where the checkpoints live, and in each case
 the new checkpoint stands alone (``docs/format.md``, section 8):
@@ -38,14 +42,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .errors import OptionError, StorageError, TsckptError
-from .format import checksums, content_hashes, dtypes, zarr_json
+from .errors import ChecksumError, OptionError, StorageError, TsckptError
+from .format import checksums, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
 from .storage.layouts import PLAIN
 from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from .storage.packed_reuse import KeptChunks
 from .format.reuse import Reuse
-from .storage.store import Store
+from .storage.store import Store, then
 from .storage.location import Location, LocationLike, parse_location
 
 #: How a rank takes a chunk from the base.
@@ -138,6 +142,7 @@ class BaseChunks:
         self.store, self.metadata = commit.open_committed(choice.location, io_concurrency=4)
         self._tables: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
         self._arrays: dict[str, Any] = {}
+        self._kvstores: dict[str, ts.Future] = {}
 
     @property
     def mode(self) -> str:
@@ -163,12 +168,46 @@ class BaseChunks:
         return self._tables[fqn]
 
     def read(self, fqn: str, index: tuple[int, ...]) -> ts.Future:
-        """Start reading chunk ``index`` of ``fqn`` from the base, to check it before it is taken."""
+        """Start reading chunk ``index`` of ``fqn`` from the base, to check it (:meth:`sound`) before it is taken.
+
+        Chunks tsckpt encodes itself are read as stored, one key each; others
+        through TensorStore's codecs.
+        """
+        entry = self.metadata.tensors[fqn]
+        if shards.shard_format(entry, self.metadata.array_options) is not None:
+            kv = self._kvstores.get(fqn)
+            if kv is None:
+                kv = self._kvstores[fqn] = ts.KvStore.open(self.store.array_kvstore(entry.path),
+                                                           context=self.store.context)
+            key = zarr_json.chunk_key(index)
+            return then(kv, lambda opened: opened.read(key))
         arr = self._arrays.get(fqn)
         if arr is None:
-            arr = self._arrays[fqn] = self.store.open_tensor(self.metadata.tensors[fqn]).result()
-        grid = self.metadata.tensors[fqn].grid
-        return arr[grid.chunk_region(index)].read() if index else arr.read()
+            arr = self._arrays[fqn] = self.store.open_tensor(entry).result()
+        return arr[entry.grid.chunk_region(index)].read() if index else arr.read()
+
+    def sound(self, fqn: str, index: tuple[int, ...], reading: ts.Future, digest: bytes) -> bool:
+        """Whether the base's chunk that :meth:`read` started still holds what the base recorded: False when
+        it is missing, truncated, replaced or any byte of it changed, so it must not be taken.
+
+        A chunk read as stored is checked as any read checks it (its crc32c per
+        inner chunk, the shard index, its size), on the stored bytes; one read
+        through the codecs by its content hash ``digest``.
+        """
+        entry = self.metadata.tensors[fqn]
+        fmt = shards.shard_format(entry, self.metadata.array_options)
+        try:
+            found = reading.result()
+            if fmt is None:
+                return content_hashes.digest(found) == digest
+            if found.state != "value":
+                return False
+            tables = self.tables(fqn, entry)
+            assert tables is not None, "only chunks whose tables were compared are read"
+            shards.check_stored(entry, fmt, tables[0], index, found.value, f"tensor {fqn!r} of {self.choice.url}")
+        except (ValueError, ChecksumError):  # missing, undecodable or changed in the base: damaged
+            return False
+        return True
 
     def take(self, entry: TensorEntry, index: tuple[int, ...]) -> bool:
         """Make chunk ``index`` of ``entry`` part of the new checkpoint; False when it must be written instead.

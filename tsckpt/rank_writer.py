@@ -20,7 +20,8 @@ moves bytes and remembers what it wrote:
   :attr:`RankWriter.written`;
 * given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
   with the base's content hash is not written: the base's copy is read back,
-  checked against that hash, and taken; one that fails is written after all;
+  checked (:meth:`~tsckpt.base_chunks.BaseChunks.sound`), and taken; one that
+  fails is written after all;
 * host copies of device tensors, and with ``bound_host_sources`` every source,
   pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
   the host memory a rank holds while TensorStore works.
@@ -225,10 +226,10 @@ class RankWriter:
         return [f for index, view in changed for f in self._write_box(fqn, _start(grid, index), source[view], chunks)]
 
     def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
-        """Read the base's chunk back; take it if it still has its content hash, else write ``part`` after all.
+        """Read the base's chunk back; take it if it is still sound, else write ``part`` after all.
 
-        The content hash is the stronger check of the two the base recorded
-        (128 bits against crc32c's 32) and the faster to compute.
+        The reads run on TensorStore's threads while this rank goes on; each is
+        checked once the window of reads in flight is full, or at the end.
         """
         assert self.base is not None
         self._checks.admit(part.nbytes)
@@ -238,11 +239,7 @@ class RankWriter:
     def _settle(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray, reading: Any) -> None:
         assert self.base is not None
         chunks, entry = self.written[fqn], self._entries[fqn]
-        try:
-            sound = content_hashes.digest(reading.result()) == chunks.digests[position]
-        except ValueError:  # missing or undecodable in the base: damaged, so not taken
-            sound = False
-        if sound and self.base.take(entry, index):
+        if self.base.sound(fqn, index, reading, chunks.digests[position]) and self.base.take(entry, index):
             return
         chunks.reused[position] = False
         self._write_box(fqn, _start(entry.grid, index), part, None)  # its crc32c values are recorded

@@ -106,16 +106,15 @@ class ShardFormat:
 
     def present(self, extent: Sequence[int]) -> np.ndarray:
         """Which inner chunks hold any of an outer chunk whose part inside the array is ``extent``: a boolean grid."""
-        if tuple(extent) == self.chunk:
-            return self._all_present
         ndim = len(self.grid)
         axes = [(np.arange(g) * i < e).reshape([-1 if d == k else 1 for k in range(ndim)])
                 for d, (g, i, e) in enumerate(zip(self.grid, self.inner, extent))]
         return np.broadcast_to(functools.reduce(np.logical_and, axes), self.grid)
 
     @functools.cached_property
-    def _all_present(self) -> np.ndarray:
-        return np.ones(self.grid, dtype=bool)
+    def every(self) -> np.ndarray:
+        """The grid coordinates of every inner chunk, one row each, in row-major order."""
+        return np.argwhere(np.ones(self.grid, dtype=bool))
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -144,9 +143,8 @@ class ShardFormat:
         whole = [_crc32c.crc32c(piece) for piece in stored[:, :raw]]  # in storage order
         if self.crc32c_codec:
             stored[:, raw:] = np.asarray(whole, dtype="<u4").reshape(-1, 1).view(np.uint8)
-        if inside:  # every inner chunk whole: its crc32c is the one just computed
-            out[self.pieces * self.piece_bytes:] = self.index
-            return out, [whole[p] for p in self.positions.tolist()]
+        if inside:  # every inner chunk whole: its crc32c is the one just taken, in row-major order of the grid
+            return self._with_index(out), [whole[p] for p in self.positions.tolist()]
         present = np.flatnonzero(self.present(data.shape).reshape(-1))
         crcs = []
         for k in present.tolist():  # row-major order of the grid
@@ -156,8 +154,11 @@ class ShardFormat:
             # Pieces across the array's edge are checksummed over their elements inside it only.
             crcs.append(whole[self.positions[k]] if piece[within].shape == piece.shape
                         else checksums.crc32c(piece[within]))
+        return self._with_index(out), crcs
+
+    def _with_index(self, out: np.ndarray) -> np.ndarray:
         out[self.pieces * self.piece_bytes:] = self.index
-        return out, crcs
+        return out
 
     @functools.cached_property
     def index(self) -> np.ndarray:
@@ -221,6 +222,36 @@ def check_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index:
                             "(the data changed after it was written)")
 
 
+def check_stored(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index: Sequence[int], data: bytes,
+                 what: str) -> None:
+    """Check a whole outer chunk of ``entry`` as stored (``data``, its bytes as read) without decoding it.
+
+    It must be exactly what tsckpt writes: :attr:`ShardFormat.nbytes` long,
+    ending in :attr:`ShardFormat.index`, each inner chunk matching its crc32c
+    in ``table`` (:func:`check_pieces`) and, with the codec, the crc32c stored
+    after it. Raises :class:`ChecksumError` naming ``what`` otherwise. One
+    crc32c pass over the bytes, where a read through TensorStore would also
+    untile every inner chunk into a new array.
+    """
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if raw.size != fmt.nbytes:
+        raise ChecksumError(f"{what}: chunk {list(index)} is {raw.size} bytes, not the {fmt.nbytes} written "
+                            "(it was truncated or replaced)")
+    if not np.array_equal(raw[fmt.nbytes - fmt.index_bytes:], fmt.index):
+        raise ChecksumError(f"{what}: the shard index of chunk {list(index)} is not the one tsckpt wrote "
+                            "(it was damaged)")
+    size = math.prod(fmt.inner) * fmt.itemsize
+    pieces = raw[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)
+    stored = pieces[:, :size]
+    values = stored.view(dtypes.from_zarr(entry.dtype).numpy).reshape(fmt.pieces, *fmt.inner)
+    coords = fmt.coords(np.arange(fmt.pieces)) + np.asarray(index) * np.asarray(fmt.grid)
+    check_pieces(entry, fmt, table, index, coords, stored, values, what)
+    if fmt.crc32c_codec:  # what Zarr readers check: over every stored inner chunk, padding included
+        found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=fmt.pieces)
+        if not np.array_equal(found, pieces[:, size:].copy().view("<u4").reshape(-1)):
+            raise ChecksumError(f"{what}: chunk {list(index)} does not match the crc32c codec's values")
+
+
 def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
     """How tsckpt encodes ``entry``'s outer chunks itself, or None where TensorStore's codecs do it.
 
@@ -230,8 +261,14 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
     """
     if entry.inner_chunk_shape is None or options is None or options.compression is not None:
         return None
-    return ShardFormat(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
-                       options.crc32c_codec)
+    return _format(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
+                   options.crc32c_codec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _format(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int, crc32c_codec: bool) -> ShardFormat:
+    """One :class:`ShardFormat` per layout, so arrays laid out alike share its cached tables (positions, index)."""
+    return ShardFormat(chunk, inner, itemsize, crc32c_codec)
 
 
 def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],
@@ -273,6 +310,6 @@ def encode_region(fmt: ShardFormat, shape: Sequence[int], offsets: Sequence[int]
     for index, view in outer.chunks_within(offsets, data.shape):
         part = data[view]
         encoded, crcs = fmt.encode(part)
-        local = np.argwhere(fmt.present(part.shape))
+        local = fmt.every if tuple(part.shape) == fmt.chunk else np.argwhere(fmt.present(part.shape))
         at = local + np.asarray(index, dtype=np.int64) * np.asarray(fmt.grid, dtype=np.int64)
         yield index, encoded, np.ravel_multi_index(tuple(at.T), pieces), crcs
