@@ -36,6 +36,7 @@ import errno
 import math
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,11 +171,16 @@ class BaseChunks:
     def read(self, fqn: str, index: tuple[int, ...]) -> ts.Future:
         """Start reading chunk ``index`` of ``fqn`` from the base, to check it (:meth:`sound`) before it is taken.
 
-        Chunks tsckpt encodes itself are read as stored, one key each; others
-        through TensorStore's codecs.
+        Chunks tsckpt encodes itself are read as stored: a plain base's chunk
+        file straight into one buffer on a small thread pool (through
+        TensorStore a read copies twice and allocates twice), a packed base's
+        one key each; others through TensorStore's codecs.
         """
         entry = self.metadata.tensors[fqn]
         if shards.shard_format(entry, self.metadata.array_options) is not None:
+            if self.mode == LINK:  # the chunk is a file: one read into one buffer, no copy through TensorStore
+                key = f"{entry.path}/{zarr_json.chunk_key(index)}"
+                return _READS.submit(_read_file, os.path.join(_path(self.choice.location), key))
             kv = self._kvstores.get(fqn)
             if kv is None:
                 kv = self._kvstores[fqn] = ts.KvStore.open(self.store.array_kvstore(entry.path),
@@ -229,6 +235,33 @@ class BaseChunks:
             raise StorageError(f"linking chunk {key} of the base {self.choice.url} into {self.into.url} "
                               f"failed: {e.strerror}") from None
         return True
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A chunk file as read: what :meth:`BaseChunks.sound` takes from a kvstore read (its state and bytes)."""
+
+    state: str
+    value: Any = None
+
+
+def _read_file(path: str) -> _Stored:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            data = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
+            view, got = memoryview(data), 0
+            while got < data.size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break  # shorter than when it was opened: the size check refuses it
+                got += n
+    except FileNotFoundError:
+        return _Stored("missing")
+    return _Stored("value", data[:got])
+
+
+#: Base chunks are read on a few threads (the GIL is released while a file is read).
+_READS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-base-read")
 
 
 def _path(location: Location) -> str:
