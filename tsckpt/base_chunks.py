@@ -36,7 +36,6 @@ import errno
 import math
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +49,7 @@ from .storage.layouts import PLAIN
 from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from .storage.packed_reuse import KeptChunks
 from .format.reuse import Reuse
+from .storage import chunk_files
 from .storage.store import Store, then
 from .storage.location import Location, LocationLike, parse_location
 
@@ -180,7 +180,7 @@ class BaseChunks:
         if shards.shard_format(entry, self.metadata.array_options) is not None:
             if self.mode == LINK:  # the chunk is a file: one read into one buffer, no copy through TensorStore
                 key = f"{entry.path}/{zarr_json.chunk_key(index)}"
-                return _READS.submit(_read_file, os.path.join(_path(self.choice.location), key))
+                return chunk_files.read_whole(os.path.join(_path(self.choice.location), key))
             kv = self._kvstores.get(fqn)
             if kv is None:
                 kv = self._kvstores[fqn] = ts.KvStore.open(self.store.array_kvstore(entry.path),
@@ -206,11 +206,14 @@ class BaseChunks:
             found = reading.result()
             if fmt is None:
                 return content_hashes.digest(found) == digest
-            if found.state != "value":
+            # A chunk file read whole (None: missing), or a kvstore read result.
+            data = found if found is None or isinstance(found, np.ndarray) else \
+                (found.value if found.state == "value" else None)
+            if data is None:
                 return False
             tables = self.tables(fqn, entry)
             assert tables is not None, "only chunks whose tables were compared are read"
-            shards.check_stored(entry, fmt, tables[0], index, found.value, f"tensor {fqn!r} of {self.choice.url}")
+            shards.check_stored(entry, fmt, tables[0], index, data, f"tensor {fqn!r} of {self.choice.url}")
         except (ValueError, ChecksumError):  # missing, undecodable or changed in the base: damaged
             return False
         return True
@@ -235,33 +238,6 @@ class BaseChunks:
             raise StorageError(f"linking chunk {key} of the base {self.choice.url} into {self.into.url} "
                               f"failed: {e.strerror}") from None
         return True
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """A chunk file as read: what :meth:`BaseChunks.sound` takes from a kvstore read (its state and bytes)."""
-
-    state: str
-    value: Any = None
-
-
-def _read_file(path: str) -> _Stored:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            data = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
-            view, got = memoryview(data), 0
-            while got < data.size:
-                n = f.readinto(view[got:])
-                if not n:
-                    break  # shorter than when it was opened: the size check refuses it
-                got += n
-    except FileNotFoundError:
-        return _Stored("missing")
-    return _Stored("value", data[:got])
-
-
-#: Base chunks are read on a few threads (the GIL is released while a file is read).
-_READS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-base-read")
 
 
 def _path(location: Location) -> str:

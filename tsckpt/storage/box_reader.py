@@ -20,6 +20,7 @@ after.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import tensorstore as ts
 
 from ..format import checksums, dtypes, shards, zarr_json
 from ..format.metadata import TensorEntry
+from . import chunk_files
 from .store import Store, read_error, then
 
 @dataclass
@@ -63,6 +65,8 @@ class BoxReader:
         else:
             self._raw = store.open_raw(entry.path, entry.grid.grid_shape, self.fmt.nbytes)
             self._kv = ts.KvStore.open(store.array_kvstore(entry.path), context=store.context)
+        # Chunk files on a local disk are read with file calls: many times faster than through the kvstore.
+        self._dir = chunk_files.local_directory(store, entry.path) if self.fmt is not None else None
 
     def opened(self) -> None:
         """Wait for the openings (raises what they raised)."""
@@ -133,8 +137,12 @@ class BoxReader:
             if all(o <= r.start and r.stop <= o + n for o, n, r in zip(lo, extent, region)):
                 # The whole outer chunk: one read of its key, index included (and padding beyond the edge).
                 first, last = (0,) * len(fmt.grid), fmt.grid
-                at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
-                fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
+                if self._dir is not None:
+                    fut = _Then(chunk_files.read_whole(os.path.join(self._dir, key)),
+                                lambda data, key=key, index=index: self._whole_file(key, index, data))
+                else:
+                    at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
+                    fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
             else:
                 fut = self._read_runs(key, index, first, last)
             reads.append((index, region, first, last, fut))
@@ -151,6 +159,17 @@ class BoxReader:
 
     def _missing(self, key: str, index: Sequence[int]) -> ValueError:
         return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is missing")
+
+    def _whole_file(self, key: str, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_whole` of a chunk file read whole: refused as missing, or as cut or grown, first."""
+        fmt = self.fmt
+        assert fmt is not None
+        if data is None:
+            raise self._missing(key, index)
+        if data.size != fmt.nbytes:
+            raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is "
+                             f"{data.size} bytes, not the {fmt.nbytes} written (truncated or replaced)")
+        return self._whole(key, data)
 
     def _whole(self, key: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A whole stored outer chunk as (its inner chunks' bytes one after the other, their storage positions)."""
@@ -183,9 +202,13 @@ class BoxReader:
         coords = np.indices(block).reshape(len(block), -1).T + np.asarray(first)
         positions = np.sort(fmt.position(coords))
         runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
+        spans = [(int(run[0]) * fmt.piece_bytes, (int(run[-1]) + 1) * fmt.piece_bytes) for run in runs]
+        if self._dir is not None:
+            path = os.path.join(self._dir, key)
+            return _Then(chunk_files.read_ranges(path, spans), lambda data: (data, positions),
+                         missing=lambda: self._missing(key, index))
         kv = self._kv.result()
-        futures = [kv.read(key, byte_range=slice(int(run[0]) * fmt.piece_bytes, (int(run[-1]) + 1) * fmt.piece_bytes))
-                   for run in runs]
+        futures = [kv.read(key, byte_range=slice(a, b)) for a, b in spans]
         joined = _all(futures, lambda r: _value(r, self._missing(key, index)))
         return then(joined, lambda parts: (np.concatenate(parts) if len(parts) > 1 else parts[0], positions))
 
@@ -230,6 +253,22 @@ class BoxReader:
         tiles, pieces = shards.tile_views(full, values, block, fmt.inner)
         np.copyto(tiles, pieces)
         np.copyto(dest, full[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))])
+
+
+class _Then:
+    """``step`` applied to a thread pool's future when its result is taken (a missing file named as the reader names it)."""
+
+    def __init__(self, fut: Any, step: Callable[[Any], Any], missing: Callable[[], Exception] | None = None):
+        self.fut, self.step, self.missing = fut, step, missing
+
+    def result(self) -> Any:
+        try:
+            data = self.fut.result()
+        except ValueError as e:
+            if self.missing is not None and str(e).startswith("NOT_FOUND"):
+                raise self.missing() from None
+            raise
+        return self.step(data)
 
 
 def _value(result: Any, missing: Exception) -> np.ndarray:
