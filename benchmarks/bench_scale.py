@@ -118,8 +118,10 @@ def peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def status(what: str) -> None:
-    print(f"{what}: peak RSS {peak_gb():.1f} GB, load average {os.getloadavg()[0]:.1f}", flush=True)
+def status(what: str, clocks: dict[str, Clock] | None = None, phase: str = "") -> None:
+    """Progress, with the phase's seconds so far (a long run that is cut short still tells something)."""
+    times = "".join(f", {name} {c.wall[phase]:.2f} s ({c.cpu[phase]:.2f} CPU)" for name, c in (clocks or {}).items())
+    print(f"{what}{times}: peak RSS {peak_gb():.1f} GB, load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def scatter(world: World, gathered: list[SavePlan], outs: dict[str, list[SavePlan]], clocks: dict[str, Clock],
@@ -229,10 +231,10 @@ def main() -> None:
             for name, n in scatter(world, plans, outs, clocks, phase).items():
                 sizes[f"{name}, {phase}"] = n
             del outs
-            status(f"{phase}: timed")
+            status(f"{phase}: timed", clocks, phase)
             if step == 0:
                 dcp_md_bytes = finish(world, plans, writers, clocks, args.dcp_finish_ranks)
-                status("finish: timed")
+                status("finish: timed", clocks, "finish")
             del writers
             load.append(os.getloadavg()[0])
         notes = _object_to_tensor(plans[0].storage_data, CPU, None)
