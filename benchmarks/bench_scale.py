@@ -148,7 +148,7 @@ def finish(world: World, gathered: list[SavePlan], writers: dict[str, Any], cloc
     summaries: list[RankWrites] = []
     metadata_bytes = 0
     for part in slices(world.ranks, slice_ranks):
-        results, sent = [], []
+        results, metadata = [], world.metadata([])
         for r in part:
             items = as_sent(gathered[r].items)
             got = received(_object_to_tensor(tsckpt_results(items, r, ts._layout, ts.save_id), CPU, None),
@@ -156,9 +156,8 @@ def finish(world: World, gathered: list[SavePlan], writers: dict[str, Any], cloc
             summaries.append(RankWrites([], got.summary))  # finish reads only the summary
             del got
             results.append(received(_object_to_tensor(dcp_results(items, r), CPU, None), clocks["dcp"], "finish"))
-            sent.append(items)
-        metadata = world.metadata(sent)
-        del sent
+            world.add_chunks(metadata, items)
+            del items
         clocks["dcp"].time("finish", lambda m=metadata, res=results: dcp.finish(m, res))
         metadata_bytes += os.path.getsize(os.path.join(dcp.path, ".metadata"))
         del metadata, results

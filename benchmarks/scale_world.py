@@ -93,11 +93,17 @@ class World:
 
     def metadata(self, sent: list[list[WriteItem]]) -> Metadata:
         """The global metadata DCP's planner hands ``finish``, with the chunks of the ranks whose items are given."""
-        md = {fqn: TensorStorageMetadata(self.props, self.size, []) for fqn in self.fqns}
+        md = Metadata(state_dict_metadata={fqn: TensorStorageMetadata(self.props, self.size, []) for fqn in self.fqns},
+                      planner_data=self.mappings)
         for items in sent:
-            for item in items:
-                md[item.index.fqn].chunks.append(item.tensor_data.chunk)
-        return Metadata(state_dict_metadata=md, planner_data=self.mappings)
+            self.add_chunks(md, items)
+        return md
+
+    @staticmethod
+    def add_chunks(md: Metadata, items: list[WriteItem]) -> None:
+        """Add one rank's chunks (its items' own objects, as DCP's planner collects them)."""
+        for item in items:
+            md.state_dict_metadata[item.index.fqn].chunks.append(item.tensor_data.chunk)
 
 
 def as_sent(items: list[WriteItem]) -> list[WriteItem]:
