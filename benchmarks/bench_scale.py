@@ -90,6 +90,7 @@ from tsckpt.commit import protocol as commit
 from tsckpt.dcp.contract import PlannerNotes, RankWrites
 from tsckpt.dcp.plan_cache import CACHE
 from tsckpt.dcp.storage import TensorStoreWriter
+from tsckpt.errors import MetadataError
 from tsckpt.storage.location import parse_location
 from tsckpt.storage.store import Store
 
@@ -142,8 +143,9 @@ def received(msg: tuple[torch.Tensor, torch.Tensor], clock: Clock, phase: str) -
 
 
 def finish(world: World, gathered: list[SavePlan], writers: dict[str, Any], clocks: dict[str, Clock],
-           slice_ranks: int) -> int:
-    """Gather every rank's results and run both writers' ``finish``; the bytes of DCP's ``.metadata``."""
+           slice_ranks: int) -> tuple[int, str | None]:
+    """Gather every rank's results and run both writers' ``finish``; the bytes of DCP's ``.metadata``, and
+    why tsckpt refused to commit (None if it committed)."""
     ts, dcp = writers["tsckpt"], writers["dcp"]
     summaries: list[RankWrites] = []
     metadata_bytes = 0
@@ -162,8 +164,11 @@ def finish(world: World, gathered: list[SavePlan], writers: dict[str, Any], cloc
         metadata_bytes += os.path.getsize(os.path.join(dcp.path, ".metadata"))
         del metadata, results
     metadata = world.metadata([])
-    clocks["tsckpt"].time("finish", lambda: ts.finish(metadata, summaries))
-    return metadata_bytes
+    try:
+        clocks["tsckpt"].time("finish", lambda: ts.finish(metadata, summaries))
+    except MetadataError as e:  # a root document no reader accepts: timed up to the refusal
+        return metadata_bytes, str(e)
+    return metadata_bytes, None
 
 
 def main() -> None:
@@ -232,7 +237,7 @@ def main() -> None:
             del outs
             status(f"{phase}: timed", clocks, phase)
             if step == 0:
-                dcp_md_bytes = finish(world, plans, writers, clocks, args.dcp_finish_ranks)
+                dcp_md_bytes, refused = finish(world, plans, writers, clocks, args.dcp_finish_ranks)
                 status("finish: timed", clocks, "finish")
             del writers
             load.append(os.getloadavg()[0])
@@ -246,14 +251,16 @@ def main() -> None:
             CACHE._entries.pop(key, None)
         del plans, dcp_planned
 
-        store = Store.open(parse_location(os.path.join(base, "tsckpt0")))
-        raw = store.kvstore.read(commit.ROOT).result().value
-        tracemalloc.start()
-        t, c = time.perf_counter(), time.process_time()
-        md = commit.read_metadata(store.kvstore, store.url)
-        parse_s, parse_cpu = time.perf_counter() - t, time.process_time() - c
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
+        raw, parse_s, parse_cpu, peak, md = b"", math.nan, math.nan, 0, None
+        if refused is None:
+            store = Store.open(parse_location(os.path.join(base, "tsckpt0")))
+            raw = store.kvstore.read(commit.ROOT).result().value
+            tracemalloc.start()
+            t, c = time.perf_counter(), time.process_time()
+            md = commit.read_metadata(store.kvstore, store.url)
+            parse_s, parse_cpu = time.perf_counter() - t, time.process_time() - c
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
     finally:
         for key in (DCP_KEY, TSCKPT_KEY):
             SavePlanner._cached_global_plan.pop(key, None)
@@ -278,7 +285,9 @@ def main() -> None:
     for k, v in sizes.items():
         print(f"| {k} | {min(v)} | {int(statistics.median(v))} | {max(v)} |")
 
-    chunks = sum(e.grid.nchunks for e in md.tensors.values())
+    if refused is not None:
+        print(f"\ntsckpt refused to commit (its finish is timed up to the refusal): {refused}")
+    entries = md.tensors if md is not None else {}
     bytes_per_rank = args.tensors * args.rows * args.cols * 2 / args.ranks
     # one data file per batch of each rank, plus the root's manifest, B+tree file and zarr.json
     packed_files = args.ranks * max(1, math.ceil(bytes_per_rank / args.target_file_bytes)) + 3
@@ -293,7 +302,9 @@ def main() -> None:
         "root_document_bytes": len(raw), "dcp_metadata_bytes": dcp_md_bytes,
         "metadata_parse_s": round(parse_s, 3), "metadata_parse_cpu_s": round(parse_cpu, 3),
         "metadata_parse_peak_mb": round(peak / 1e6, 1),
-        "plain_files": chunks + len(md.tensors) + 1 + len({e.path.rsplit('/', 1)[0] for e in md.tensors.values()}),
+        "plain_files": sum(e.grid.nchunks for e in entries.values()) + len(entries) + 1
+        + len({e.path.rsplit('/', 1)[0] for e in entries.values()}),
+        "tsckpt_refused": refused,
         "packed_files_bound": packed_files,
         "prepickled_shared_vs_own_bytes": round(shared_bytes / own_bytes, 3),
         "items_share_write_data": shared, "peak_rss_gb": round(peak_gb(), 2), "load_average": [round(x, 1) for x in load],
