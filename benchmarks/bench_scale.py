@@ -302,7 +302,7 @@ def main() -> None:
         "root_document_bytes": len(raw), "dcp_metadata_bytes": dcp_md_bytes,
         "metadata_parse_s": round(parse_s, 3), "metadata_parse_cpu_s": round(parse_cpu, 3),
         "metadata_parse_peak_mb": round(peak / 1e6, 1),
-        "plain_files": sum(e.grid.nchunks for e in entries.values()) + len(entries) + 1
+        "plain_files": None if md is None else sum(e.grid.nchunks for e in entries.values()) + len(entries) + 1
         + len({e.path.rsplit('/', 1)[0] for e in entries.values()}),
         "tsckpt_refused": refused,
         "packed_files_bound": packed_files,
