@@ -25,7 +25,7 @@ import tsckpt
 from tsckpt.commit import protocol as commit
 from tsckpt.commit.staged import staging_dirs
 from tsckpt.storage.layouts import default_layout
-from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
+from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.read.verify import verify
@@ -273,3 +273,18 @@ def test_unwritable_location_fails_every_rank(tmp_path):
     assert "--- rank 0 ---" in text and "--- rank 1 ---" in text
     assert "ckpt" in text
     assert blocker.read_text().startswith("a file")
+
+
+def test_a_root_document_no_reader_accepts_is_never_committed(tmp_path, monkeypatch):
+    """At 10,000 ranks of one-row shards the root outgrows the reader's limit: the save refuses, the old one stays."""
+    path = str(tmp_path / "c")
+    tsckpt.save({"w": torch.arange(6.0)}, path)
+    monkeypatch.setattr(commit, "MAX_DOCUMENT_BYTES", 4000)
+    with pytest.raises(MetadataError, match=r"root zarr.json would be \d+ bytes, more than the 4000 a reader accepts "
+                                            r"\(50 chunks in 50 tensors.*nothing was committed"):
+        tsckpt.save({f"w{i}": torch.full((8,), float(i)) for i in range(50)}, path, overwrite=True)
+    assert not os.path.exists(os.path.join(path, "w0")) and not staging_dirs(path)
+    monkeypatch.undo()
+    back = {"w": torch.zeros(6)}
+    tsckpt.load(back, path)
+    assert torch.equal(back["w"], torch.arange(6.0))

@@ -140,14 +140,21 @@ def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[st
     writes the root and publishes it; without one the root is written to ``kv``.
     """
     node_kv, flush = nodes if nodes is not None else (kv, None)
+    document = md.to_dict()
+    root = encode_json(zarr_json.group_metadata(
+        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
+    if len(root) > MAX_DOCUMENT_BYTES:
+        # Refused before any node is written: a root that no reader accepts must never become the commit.
+        chunks = sum(e.grid.nchunks for e in md.tensors.values())
+        raise MetadataError(f"{target.url if target is not None else 'the checkpoint'}: its root {ROOT} would be "
+                            f"{len(root)} bytes, more than the {MAX_DOCUMENT_BYTES} a reader accepts ({chunks} chunks "
+                            f"in {len(md.tensors)} tensors; larger regions per rank make fewer chunks); "
+                            f"nothing was committed")
     groups = [g for g in parent_groups(list(array_docs)) if g]
     _write_all(node_kv, {f"{path}/{ROOT}": doc for path, doc in array_docs.items()}
                | {f"{g}/{ROOT}": zarr_json.group_metadata() for g in groups})
     if flush is not None:
         flush()
-    document = md.to_dict()
-    root = encode_json(zarr_json.group_metadata(
-        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
     if target is None:
         kv.write(ROOT, root).result()
     else:

@@ -1,0 +1,180 @@
+"""The synthetic FSDP world of ``bench_scale.py``: what the coordinator holds, and what each rank sends and receives.
+
+``ranks`` ranks save ``tensors`` bf16 tensors of ``[rows, cols]``, each
+row-split as FSDP2 splits it (``torch.chunk``: ``ceil(rows / ranks)`` rows per
+rank, the last ranks empty when the rows run out).
+
+Two representations of the same plans, so that 10,000 ranks fit in memory:
+
+* :meth:`World.gathered` -- the global plans the writer's ``prepare_global_plan``
+  receives, held all at once as DCP holds them. Real ``SavePlan``/``WriteItem``/
+  ``MetadataIndex`` objects, one per item; with ``shared``, each rank's items
+  share one ``TensorWriteData`` (their chunk, properties and global size are
+  equal values). Global planning only reads attributes, so sharing does not
+  change what it costs; it cuts the memory to about a third (some 300 instead
+  of 900 bytes per item once pickled). The empty shards (offset ``rows``, zero rows) have the same
+  index on every empty rank, so DCP's planner deduplicates them:
+  ``dedup_save_plans`` runs on the empty ranks (the only ranks those indices
+  occur on, so its choice is the one it makes over all ranks).
+* :func:`as_sent` -- one rank's items rebuilt as DCP's planner makes them on
+  that rank (every item its own chunk, sizes, properties and global size), to
+  pickle exactly the bytes DCP pickles for that rank, one rank at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from tsckpt.dcp.contract import PlannerNotes, RankSummary, RankWrites
+
+
+class World:
+    """One synthetic save: plan sizes and rank offsets, computed, never stored per item."""
+
+    def __init__(self, ranks: int, tensors: int, rows: int, cols: int):
+        self.ranks, self.tensors, self.rows, self.cols = ranks, tensors, rows, cols
+        self.fqns = [f"model.layers.{t}.weight" for t in range(tensors)]
+        self.mappings = {fqn: ("model", fqn[len("model."):]) for fqn in self.fqns}  # DCP's flatten mappings
+        self.per = -(-rows // ranks)
+        self.size = torch.Size([rows, cols])
+        self.props = TensorProperties(dtype=torch.bfloat16)
+
+    def start(self, r: int) -> int:
+        return min(r * self.per, self.rows)
+
+    def nrows(self, r: int) -> int:
+        return max(0, min(self.per, self.rows - self.start(r)))
+
+    @property
+    def regions(self) -> int:
+        """Ranks holding rows (the others hold empty shards)."""
+        return sum(self.nrows(r) > 0 for r in range(self.ranks))
+
+    def notes(self) -> PlannerNotes:
+        """tsckpt's planner's placement notes for every tensor (the lowest rank of the mesh describes them)."""
+        mesh = {"shape": [self.ranks], "dim_names": ["dp_shard"], "device_type": "cuda",
+                "ranks": list(range(self.ranks))}
+        record = {"kind": "dtensor", "mesh": mesh, "placements": [{"type": "shard", "dim": 0}]}
+        return PlannerNotes({fqn: record for fqn in self.fqns})
+
+    def _items(self, r: int) -> list[WriteItem]:
+        offsets = torch.Size([self.start(r), 0])
+        td = TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([self.nrows(r), self.cols])),
+                             properties=self.props, size=self.size)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD, tensor_data=td)
+                for fqn in self.fqns]
+
+    def gathered(self, with_notes: bool, shared: bool) -> list[SavePlan]:
+        """Every rank's global plan after DCP's planner (its dedup included); rank 0 carries tsckpt's notes.
+
+        ``shared``: a rank's items share their ``TensorWriteData``; else no two items share an object.
+        """
+        full = [r for r in range(self.ranks) if self.nrows(r) > 0]
+        plans = [SavePlan(self._items(r) if shared else as_sent(self._items(r)), planner_data=self.mappings)
+                 for r in full]
+        empty = self.ranks - len(full)
+        if empty:
+            shared = self._items(len(full))  # equal on every empty rank: the same objects serve them all
+            plans += dedup_save_plans([SavePlan(shared, planner_data=self.mappings)] * empty)
+        if with_notes:
+            plans[0] = SavePlan(plans[0].items, storage_data=self.notes(), planner_data=self.mappings)
+        return plans
+
+    def metadata(self, sent: list[list[WriteItem]]) -> Metadata:
+        """The global metadata DCP's planner hands ``finish``, with the chunks of the ranks whose items are given."""
+        md = Metadata(state_dict_metadata={fqn: TensorStorageMetadata(self.props, self.size, []) for fqn in self.fqns},
+                      planner_data=self.mappings)
+        for items in sent:
+            self.add_chunks(md, items)
+        return md
+
+    @staticmethod
+    def add_chunks(md: Metadata, items: list[WriteItem]) -> None:
+        """Add one rank's chunks (its items' own objects, as DCP's planner collects them)."""
+        for item in items:
+            md.state_dict_metadata[item.index.fqn].chunks.append(item.tensor_data.chunk)
+
+
+def as_sent(items: list[WriteItem]) -> list[WriteItem]:
+    """A rank's items as the coordinator holds them after unpickling them: no object shared between two items.
+
+    Each object's ``__dict__`` is made, as unpickling makes it (CPython keeps
+    fresh instances without one until something asks).
+    """
+    out = []
+    for item in items:
+        td = item.tensor_data
+        if td is None:
+            out.append(WriteItem(index=MetadataIndex(item.index.fqn), type=item.type))
+            continue
+        offsets = torch.Size(td.chunk.offsets)  # shared by index and chunk, as DCP's planner shares it
+        index = MetadataIndex(item.index.fqn, offsets)
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(td.chunk.sizes))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=td.properties.dtype),
+                               size=torch.Size(td.size))
+        made = WriteItem(index=index, type=item.type, tensor_data=data)
+        for obj in (index, chunk, data, data.properties, made):
+            vars(obj)
+        out.append(made)
+    return out
+
+
+def sent_plan(plan: SavePlan, gathered: SavePlan, items: list[WriteItem]) -> SavePlan:
+    """What DCP pickles for one rank: ``plan`` with ``items`` (:func:`as_sent`) if it lists the gathered items."""
+    if type(plan) is SavePlan and plan.items and plan.items is gathered.items:
+        return SavePlan(items, plan.storage_data, plan.planner_data, plan.usable)
+    return plan  # pre-pickled, or without items
+
+
+def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str) -> RankWrites:
+    """What rank ``r``'s ``TensorStoreWriter.write_data`` returns: a result per item and one columnar summary."""
+    numbers = {fqn: i for i, fqn in enumerate(layout.entries)}
+    found_for: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
+    tensor, chunk, crc_tensor, piece, results = [], [], [], [], []
+    for item in items:
+        entry = layout.entries[item.index.fqn]
+        c = item.tensor_data.chunk
+        key = (entry.shape, entry.chunk_shape, tuple(c.offsets), tuple(c.sizes))
+        found = found_for.get(key)
+        if found is None:  # every tensor has the same grid here: computed once per rank
+            units = entry.checksum_grid
+            found = found_for[key] = ([entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)],
+                                      [units.flat_index(i) for i, _ in units.chunks_within(c.offsets, c.sizes)])
+        number = numbers[item.index.fqn]
+        chunk += found[0]
+        tensor += [number] * len(found[0])
+        piece += found[1]
+        crc_tensor += [number] * len(found[1])
+        results.append(WriteResult(index=item.index, size_in_bytes=math.prod(c.sizes) * 2, storage_data=None))
+    crc = (np.arange(len(piece), dtype=np.uint32) * np.uint32(2654435761) + np.uint32(r)).astype(np.uint32)
+    summary = RankSummary(r, save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64), crc,
+                          np.zeros((len(chunk), 16), np.uint8), crc_tensor=np.asarray(crc_tensor, np.int32),
+                          piece=np.asarray(piece, np.int64))
+    return RankWrites(results, summary)
+
+
+def dcp_results(items: list[WriteItem], r: int) -> list[WriteResult]:
+    """What rank ``r``'s ``FileSystemWriter.write_data`` returns: a result per item, with where its bytes went."""
+    offset, results = 0, []
+    for item in items:
+        length = math.prod(item.tensor_data.chunk.sizes) * 2
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(f"__{r}_0.distcp", offset, length)))
+        offset += length
+    return results
+
+
+def slices(n: int, size: int) -> Iterator[range]:
+    for a in range(0, n, size):
+        yield range(a, min(n, a + size))
