@@ -142,7 +142,8 @@ def run_many(args: argparse.Namespace, ranks: int, root: str, layouts: list[str]
     itemsize = wl.DTYPES[dtype].itemsize
     w = wl.Small.for_size(args.many_gb * 1e9, itemsize)
     cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.many_reps, "root": root, "layouts": layouts,
-           "dcp_threads": args.dcp_threads[:1], "settle": args.settle, "raw": False, "extras": False}
+           "dcp_threads": args.dcp_threads[:1], "settle": args.settle, "raw": False, "extras": False,
+           "paths": args.paths}
     print(f"[many] {ranks} ranks, {w.describe()}, {args.many_reps} reps", flush=True)
     saved = harness.run_ranks(ranks, dcp_ranks.save_phase, cfg)[0]
     return {"ranks": ranks, "describe": w.describe(), "bytes": wl.total_bytes(w, itemsize), "cpus": os.cpu_count(),
