@@ -266,7 +266,6 @@ class RankWriter:
         self._window.drain()
         self._drain()
         self._batch.commit()
-        self.store.make_durable()  # before the rank reports its chunks written
         self._held.clear()
 
     def flush(self) -> None:

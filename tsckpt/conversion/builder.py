@@ -102,8 +102,7 @@ class CheckpointBuilder:
         self.save_id = uuid.uuid4().hex
         self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
         self.location = self.target.location
-        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency,
-                                layout=layout or default_layout(), sync_once=True)
+        self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout or default_layout())
         self._writer = RankWriter(self.store, 0, self.url, options=self.array_options, checksums=checksums,
                                   window=max_inflight_bytes, bound_host_sources=True)
         self.inner_chunk_bytes = inner_chunk_bytes

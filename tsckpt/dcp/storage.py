@@ -196,8 +196,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             # One context for every file of the save, so chunks, nodes and root all skip fsync
             # (and the filesystem flush before the commit, see location.unsynced_nodes).
             location = dataclasses.replace(location, context={**location.context, "file_io_sync": False})
-        return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout,
-                          sync_once=config.sync_files)
+        return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout)
 
     def data_store(self, location: Location, config: WriteConfig) -> Store:
         """This save's store: where and how the coordinator said to write (its staging directory, or in place)."""

@@ -179,13 +179,7 @@ class PackedKvLayout(KvLayout):
 
     def nodes(self, store: Store, world_size: int,
               kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        nodes, commit = self.packed.join(dict(store.location.spec), world_size, store.context, kept)
-
-        def flush() -> None:
-            commit()
-            store.make_durable()  # the joined database was written through the store's context
-
-        return nodes, flush
+        return self.packed.join(dict(store.location.spec), world_size, store.context, kept)
 
     def hierarchy(self, store: Store) -> ts.KvStore:
         try:

@@ -28,57 +28,6 @@ _RENAME_EXCHANGE = 2
 UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
 
 
-#: statfs ``f_type`` of filesystems on a local block device (or in memory), where one ``syncfs``
-#: makes every file written before it durable. Network and cluster filesystems are not listed:
-#: there a node's ``syncfs`` is not known to reach the server, so their files keep an fsync each.
-LOCAL_FILESYSTEMS = {
-    0xEF53: "ext2/3/4",
-    0x58465342: "xfs",
-    0x9123683E: "btrfs",
-    0xF2F52010: "f2fs",
-    0x01021994: "tmpfs",
-}
-
-
-def filesystem_type(path: str) -> int | None:
-    """The statfs ``f_type`` of the filesystem holding ``path`` (its nearest existing ancestor); None off Linux."""
-    statfs = getattr(libc(), "statfs", None)
-    if statfs is None:
-        return None
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field on Linux
-    if statfs(os.fsencode(path), buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-def filesystem_flush(location: Location, *, local_only: bool = False) -> Callable[[], None] | None:
-    """One call that makes every file written below ``location`` durable (``syncfs``), if there is one.
-
-    None for object stores (durable per PUT), off Linux, and when the
-    location's own context sets ``file_io_sync: false`` (no flush wanted).
-    With ``local_only``, also None unless the filesystem is one of
-    :data:`LOCAL_FILESYSTEMS`.
-    """
-    syncfs = getattr(libc(), "syncfs", None)
-    if location.driver != "file" or syncfs is None or location.context.get("file_io_sync") is False:
-        return None
-    root = str(location.spec.get("path", "."))
-    if local_only and filesystem_type(root) not in LOCAL_FILESYSTEMS:
-        return None
-
-    def flush() -> None:
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            if syncfs(fd) != 0:
-                raise StorageError(f"syncfs on {location.url} failed: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(fd)
-
-    return flush
-
-
 def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] | None] | None:
     """A kvstore that skips per-file fsync, and the one call that makes its writes durable.
 
@@ -88,11 +37,24 @@ def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] |
     are durable per PUT; other systems keep per-file fsync). When the location's
     own context sets ``file_io_sync: false``, there is no flush call either.
     """
-    if location.driver != "file" or getattr(libc(), "syncfs", None) is None:
+    syncfs = getattr(libc(), "syncfs", None)
+    if location.driver != "file" or syncfs is None:
         return None
     spec = {**context_spec(location=location), "file_io_sync": False}
     kv = open_kvstore(location, ts.Context(spec, parent=process_context()))
-    return kv, filesystem_flush(location)
+    if location.context.get("file_io_sync") is False:
+        return kv, None  # the location turned syncing off altogether: no flush either
+    root = str(location.spec.get("path", "."))
+
+    def flush() -> None:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            if syncfs(fd) != 0:
+                raise StorageError(f"syncfs on {location.url} failed: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(fd)
+
+    return kv, flush
 
 
 @functools.cache

@@ -34,7 +34,6 @@ from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from .location import Location, LocationLike, parse_location
 from ..format import zarr_json
 from .layouts import PLAIN, KvLayout, get_layout, layout_for
-from . import localfs
 from .kvio import problem, storage_error
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
@@ -202,33 +201,14 @@ class Store:
     layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PLAIN))
     #: The checkpoint's codecs, once its metadata is known (None: read each array's zarr.json).
     array_options: ArrayOptions | None = None
-    #: What makes this process's writes durable when files are written without an fsync each (None: nothing).
-    flush: Callable[[], None] | None = None
 
     @classmethod
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-             layout: str = PLAIN, sync_once: bool = False) -> Store:
-        """Open ``location``; with ``sync_once``, on a local filesystem, files are written without an
-        fsync each and :meth:`make_durable` flushes them all with one ``syncfs``.
-
-        Hundreds of chunk files with an fsync each take about twice as long to
-        write as with one ``syncfs`` after the last (measured on ext4).
-        """
+             layout: str = PLAIN) -> Store:
         loc = parse_location(location)
         kv_layout = get_layout(layout)
         context = kv_layout.context(make_context(io_concurrency, loc))
-        kvstore = open_kvstore(loc, context)  # the root document and claims keep their fsync
-        flush = localfs.filesystem_flush(loc, local_only=True) if sync_once else None
-        if flush is not None:
-            # Only the arrays' context skips fsync: the location, whose nodes the commit syncs, is unchanged.
-            unsynced = dataclasses.replace(loc, context={**loc.context, "file_io_sync": False})
-            context = kv_layout.context(make_context(io_concurrency, unsynced))
-        return cls(loc, context, kvstore, kv_layout, flush=flush)
-
-    def make_durable(self) -> None:
-        """Make every file this process wrote through the store durable (a no-op where each write was synced)."""
-        if self.flush is not None:
-            self.flush()
+        return cls(loc, context, open_kvstore(loc, context), kv_layout)
 
     @property
     def url(self) -> str:
