@@ -63,10 +63,7 @@ def _lora(gb: float, step: int) -> dict[str, torch.Tensor]:
     out = {}
     for i in range(layers):
         out[f"model.{i}.weight"] = torch.randn(hidden, hidden, generator=g).to(torch.bfloat16)
-        for name, shape in ((f"{i}.lora_a", (rank, hidden)), (f"{i}.lora_b", (hidden, rank))):
-            out[f"model.{name}"] = torch.randn(*shape, generator=g) + step
-            out[f"optim.{name}.exp_avg"] = torch.randn(*shape, generator=g) * (step + 1)
-            out[f"optim.{name}.exp_avg_sq"] = torch.rand(*shape, generator=g) * (step + 1)
+        _adapter(out, str(i), hidden, rank, step, g)
     return out
 
 
@@ -82,11 +79,16 @@ def _lora_7b(gb: float, step: int) -> dict[str, torch.Tensor]:
                             ("down", (hidden, ffn)), ("norm1", (hidden,)), ("norm2", (hidden,))):
             out[f"model.{i}.{name}.weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16)
         for proj in ("q", "k", "v", "o"):
-            for name, shape in ((f"{i}.{proj}.lora_a", (rank, hidden)), (f"{i}.{proj}.lora_b", (hidden, rank))):
-                out[f"model.{name}"] = torch.randn(*shape, generator=g) + step
-                out[f"optim.{name}.exp_avg"] = torch.randn(*shape, generator=g) * (step + 1)
-                out[f"optim.{name}.exp_avg_sq"] = torch.rand(*shape, generator=g) * (step + 1)
+            _adapter(out, f"{i}.{proj}", hidden, rank, step, g)
     return out
+
+
+def _adapter(out: dict[str, torch.Tensor], at: str, hidden: int, rank: int, step: int, g: torch.Generator) -> None:
+    """LoRA factors ``at.lora_a`` (r x H) and ``at.lora_b`` (H x r) in fp32, and their AdamW moments: all change with ``step``."""
+    for name, shape in ((f"{at}.lora_a", (rank, hidden)), (f"{at}.lora_b", (hidden, rank))):
+        out[f"model.{name}"] = torch.randn(*shape, generator=g) + step
+        out[f"optim.{name}.exp_avg"] = torch.randn(*shape, generator=g) * (step + 1)
+        out[f"optim.{name}.exp_avg_sq"] = torch.rand(*shape, generator=g) * (step + 1)
 
 
 def _rows(gb: float, step: int) -> dict[str, torch.Tensor]:

@@ -206,9 +206,8 @@ class BaseChunks:
             found = reading.result()
             if fmt is None:
                 return content_hashes.digest(found) == digest
-            # A chunk file read whole (None: missing), or a kvstore read result.
-            data = found if found is None or isinstance(found, np.ndarray) else \
-                (found.value if found.state == "value" else None)
+            # A chunk file read whole (a missing one raised), or a kvstore read result.
+            data = found if isinstance(found, np.ndarray) else (found.value if found.state == "value" else None)
             if data is None:
                 return False
             tables = self.tables(fqn, entry)

@@ -60,19 +60,19 @@ class BoxReader:
         self.fmt = shards.shard_format(entry, store.array_options) \
             if entry.checksums_per_inner_chunk and entry.checksums is not None else None
         self.table: np.ndarray | None = None
-        if self.fmt is None:
-            self._array = store.open_tensor(entry)
-        else:
-            self._raw = store.open_raw(entry.path, entry.grid.grid_shape, self.fmt.nbytes)
-            self._kv = ts.KvStore.open(store.array_kvstore(entry.path), context=store.context)
         # Chunk files on a local disk are read with file calls: many times faster than through the kvstore.
         self._dir = chunk_files.local_directory(store, entry.path) if self.fmt is not None else None
+        if self.fmt is None:
+            self._array = store.open_tensor(entry)
+        elif self._dir is None:
+            self._raw = store.open_raw(entry.path, entry.grid.grid_shape, self.fmt.nbytes)
+            self._kv = ts.KvStore.open(store.array_kvstore(entry.path), context=store.context)
 
     def opened(self) -> None:
-        """Wait for the openings (raises what they raised)."""
+        """Wait for the openings (raises what they raised); chunk files read with file calls need none."""
         if self.fmt is None:
             self._array.result()
-        else:
+        elif self._dir is None:
             self._raw.result()
             self._kv.result()
 
@@ -139,7 +139,8 @@ class BoxReader:
                 first, last = (0,) * len(fmt.grid), fmt.grid
                 if self._dir is not None:
                     fut = _Then(chunk_files.read_whole(os.path.join(self._dir, key)),
-                                lambda data, key=key, index=index: self._whole_file(key, index, data))
+                                lambda data, key=key, index=index: self._whole_file(key, index, data),
+                                missing=lambda key=key, index=index: self._missing(key, index))
                 else:
                     at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
                     fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
@@ -160,12 +161,10 @@ class BoxReader:
     def _missing(self, key: str, index: Sequence[int]) -> ValueError:
         return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is missing")
 
-    def _whole_file(self, key: str, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_whole` of a chunk file read whole: refused as missing, or as cut or grown, first."""
+    def _whole_file(self, key: str, index: tuple[int, ...], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_whole` of a chunk file read whole: refused as cut or grown first."""
         fmt = self.fmt
         assert fmt is not None
-        if data is None:
-            raise self._missing(key, index)
         if data.size != fmt.nbytes:
             raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is "
                              f"{data.size} bytes, not the {fmt.nbytes} written (truncated or replaced)")

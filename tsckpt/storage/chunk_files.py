@@ -36,8 +36,8 @@ def local_directory(store: Store, path: str) -> str | None:
     return os.path.join(str(store.location.spec.get("path", ".")), path)
 
 
-def read_whole(path: str) -> Future[np.ndarray | None]:
-    """Start reading a whole file; its bytes (``uint8``), or None when it does not exist."""
+def read_whole(path: str) -> Future[np.ndarray]:
+    """Start reading a whole file; its bytes (``uint8``)."""
     return _POOL.submit(_whole, path)
 
 
@@ -46,18 +46,19 @@ def read_ranges(path: str, ranges: Sequence[tuple[int, int]]) -> Future[np.ndarr
     return _POOL.submit(_ranges, path, list(ranges))
 
 
-def _whole(path: str) -> np.ndarray | None:
+def _whole(path: str) -> np.ndarray:
     try:
-        with open(path, "rb", buffering=0) as f:
-            data = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
-            view, got = memoryview(data), 0
-            while got < data.size:
-                n = f.readinto(view[got:])
-                if not n:
-                    break  # shrank since it was opened: the caller's size check refuses it
-                got += n
+        f = open(path, "rb", buffering=0)
     except FileNotFoundError:
-        return None
+        raise _missing(path) from None
+    with f:
+        data = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
+        view, got = memoryview(data), 0
+        while got < data.size:
+            n = f.readinto(view[got:])
+            if not n:
+                break  # shrank since it was opened: the caller's size check refuses it
+            got += n
     return data[:got]
 
 
@@ -67,16 +68,19 @@ def _ranges(path: str, ranges: list[tuple[int, int]]) -> np.ndarray:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise ValueError(f"NOT_FOUND: {path} is missing") from None
+        raise _missing(path) from None
     try:
         at = 0
         for start, stop in ranges:
-            want = stop - start
-            while want:
-                n = os.preadv(fd, [view[at:at + want]], start + (stop - start - want))
+            while start < stop:
+                n = os.preadv(fd, [view[at:at + stop - start]], start)
                 if not n:
                     raise ValueError(f"OUT_OF_RANGE: {path} ends before byte {stop} (it was truncated)")
-                at, want = at + n, want - n
+                at, start = at + n, start + n
     finally:
         os.close(fd)
     return out
+
+
+def _missing(path: str) -> ValueError:
+    return ValueError(f"NOT_FOUND: {path} is missing")
