@@ -12,7 +12,7 @@ import zarr
 
 import tsckpt  # noqa: F401  (registers bfloat16 with zarr-python)
 from tsckpt.errors import ChecksumError
-from tsckpt.format import checksums, shards, zarr_json
+from tsckpt.format import checksums, shard_encoding, shards, zarr_json
 from tsckpt.storage.box_reader import BoxReader
 from tsckpt.format.grid import ChunkGrid
 from tsckpt.format.metadata import ArrayOptions, TensorEntry
@@ -39,7 +39,7 @@ def _save(path, data, inner, crc32c_codec):
     kv.write("zarr.json", json.dumps(zarr_json.tensor_metadata(entry, options)).encode()).result()
     found = {}
     for row in range(0, SHAPE[0], CHUNK[0]):
-        for index, encoded, pieces, crcs in shards.encode_region(fmt, SHAPE, (row, 0), data[row:row + CHUNK[0]]):
+        for index, encoded, pieces, crcs in shard_encoding.encode_region(fmt, SHAPE, (row, 0), data[row:row + CHUNK[0]]):
             assert len(encoded) == fmt.nbytes
             kv.write(zarr_json.chunk_key(index), encoded.tobytes()).result()
             found.update(zip(pieces.tolist(), crcs))

@@ -12,8 +12,10 @@ moves bytes and remembers what it wrote:
 * arrays with inner chunks and uncompressed data (the default) are encoded
   here (:mod:`tsckpt.format.shards`, which yields each inner chunk's crc32c on
   the way) and written as whole chunk keys through a ``uint8`` view of them
-  (:meth:`Store.create_raw`); every other array through TensorStore's
-  ``zarr3`` driver;
+  (:meth:`Store.create_raw`), or, for a plain checkpoint on a local disk, as
+  files from a few recycled buffers
+  (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`); every other array
+  through TensorStore's ``zarr3`` driver;
 * every piece of a tensor's checksum grid written (its inner chunks) gets its
   crc32c (:mod:`tsckpt.format.checksums`), every outer chunk its content hash
   (:mod:`tsckpt.format.content_hashes`), kept per tensor in
@@ -29,6 +31,7 @@ moves bytes and remembers what it wrote:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,7 +40,8 @@ import numpy as np
 
 from .dcp.copy_window import CopyWindow
 from .errors import StorageError
-from .format import checksums, content_hashes, dtypes, shards, zarr_json
+from .format import checksums, content_hashes, dtypes, shard_encoding, shards, zarr_json
+from .storage import chunk_files
 from .storage.batch import RankBatch
 from .storage.kvio import problem
 from .format.grid import ChunkGrid
@@ -121,7 +125,12 @@ class RankWriter:
         self._entries: dict[str, TensorEntry] = {}
         self._opened: dict[str, Any] = {}
         self._formats: dict[str, shards.ShardFormat | None] = {}
+        #: Arrays whose encoded chunks this rank writes as files itself (a plain checkpoint on a local disk).
+        self._files: dict[str, str] = {}
+        self._file_writer = chunk_files.ChunkFileWriter(sync=store.location.context.get("file_io_sync") is not False)
         self._pending: list[tuple[str, Any]] = []
+        #: Chunks written as files whose crc32c values come with their futures: where to record them.
+        self._crcs_due: list[tuple[WrittenChunks, np.ndarray, Any]] = []
         self._later: list[tuple[str, Sequence[int], np.ndarray]] = []
         self._held: list[Any] = []
         self._window = CopyWindow(window)
@@ -134,8 +143,13 @@ class RankWriter:
         for fqn, e in entries.items():
             self._entries[fqn] = e
             fmt = self._formats[fqn] = shards.shard_format(e, self.options)
-            self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank) \
-                if fmt is None else self.store.create_raw(e.path, e.grid.grid_shape, fmt.nbytes, self.rank)
+            directory = chunk_files.local_directory(self.store, e.path) if fmt is not None else None
+            if directory is not None:
+                self._files[fqn] = directory
+            elif fmt is None:
+                self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank)
+            else:
+                self._opened[fqn] = self.store.create_raw(e.path, e.grid.grid_shape, fmt.nbytes, self.rank)
 
     def write(self, fqn: str, offsets: Sequence[int], data: Any) -> int:
         """Start writing ``data`` (a torch tensor or numpy array) at ``offsets`` of tensor ``fqn``; its byte count.
@@ -145,7 +159,8 @@ class RankWriter:
         pass through the window too (their encoded copies live until written).
         """
         nbytes, copied = self._host_bytes(data)
-        windowed = copied or self.bound_host_sources or self._formats[fqn] is not None
+        # Chunks encoded into TensorStore writes live until written; those written as files, in a few buffers.
+        windowed = copied or self.bound_host_sources or (self._formats[fqn] is not None and fqn not in self._files)
         if windowed:
             self._window.admit(nbytes)
         source, hold = self._as_numpy(data)
@@ -174,13 +189,15 @@ class RankWriter:
         Chunks encoded here record their inner chunks' crc32c into ``chunks``
         (None: already recorded), when checksums are on.
         """
-        arr = self._batch.bind(self._opened[fqn].result())
         fmt = self._formats[fqn]
+        if fqn in self._files:
+            return self._write_files(fqn, offsets, source, chunks)
+        arr = self._batch.bind(self._opened[fqn].result())
         if fmt is None:
             futures = [arr[region(offsets, source.shape)].write(source, can_reference_source_data_indefinitely=True)]
         else:
             futures = []
-            for index, encoded, pieces, crcs in shards.encode_region(fmt, self._entries[fqn].shape, offsets, source):
+            for index, encoded, pieces, crcs in shard_encoding.encode_region(fmt, self._entries[fqn].shape, offsets, source):
                 at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
                 futures.append(arr[at].write(encoded, can_reference_source_data_indefinitely=True))
                 if chunks is not None and self.checksums:
@@ -188,6 +205,20 @@ class RankWriter:
                     chunks.crcs += crcs
         self._pending += [(fqn, fut) for fut in futures]
         self._batch.wrote(fqn, source.nbytes)
+        return futures
+
+    def _write_files(self, fqn: str, offsets: Sequence[int], source: np.ndarray,
+                     chunks: WrittenChunks | None) -> list[Any]:
+        """:meth:`_write_box` for an array whose chunk files this rank writes itself."""
+        fmt, directory, shape = self._formats[fqn], self._files[fqn], self._entries[fqn].shape
+        assert fmt is not None
+        futures = []
+        for index, part in shard_encoding.region_chunks(fmt, shape, offsets, source):
+            fut = self._file_writer.write(os.path.join(directory, zarr_json.chunk_key(index)), fmt, part)
+            futures.append(fut)
+            if chunks is not None and self.checksums:
+                self._crcs_due.append((chunks, shard_encoding.pieces_of(fmt, shape, index, part.shape), fut))
+        self._pending += [(fqn, fut) for fut in futures]
         return futures
 
     def _write_against(self, fqn: str, offsets: Sequence[int], source: np.ndarray, chunks: WrittenChunks,
@@ -265,6 +296,11 @@ class RankWriter:
         self._checks.drain()
         self._window.drain()
         self._drain()
+        try:
+            self._file_writer.finish()
+        except OSError as e:
+            raise StorageError(f"{problem(e)} making the chunk files durable"
+                               + (f" in {self.where}" if self.where else "")) from e
         self._batch.commit()
         self._held.clear()
 
@@ -282,6 +318,7 @@ class RankWriter:
             except Exception:
                 pass
         self._pending.clear()
+        self._crcs_due.clear()
         self._window = CopyWindow(self._window.limit)
         self._checks = CopyWindow(CHECK_WINDOW)
         self._held.clear()
@@ -333,6 +370,10 @@ class RankWriter:
         for name, fut in self._pending:
             self._wait(name, fut)
         self._pending.clear()
+        for chunks, pieces, fut in self._crcs_due:
+            chunks.pieces += pieces.tolist()
+            chunks.crcs += fut.result()
+        self._crcs_due.clear()
 
     def _wait(self, name: str, fut: Any) -> None:
         try:

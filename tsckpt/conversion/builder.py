@@ -165,13 +165,8 @@ class CheckpointBuilder:
                             placement=ReplicatedPlacement())
         self._writer.open({fqn: entry})
         self._writer.write(fqn, (0,) * len(shape), source)
-        if self.checksums:
-            written = self._writer.written[fqn]
-            entry = dataclasses.replace(
-                entry, checksums=checksums.encode_table(entry.checksum_grid, written.pieces, written.crcs),
-                content_hashes=content_hashes.encode_table(entry.grid, written.indices, written.digests))
         self._tensors[fqn] = entry
-        return entry
+        return entry  # its checksum tables are filled in by the commit, once every write is done
 
     @staticmethod
     def _as_numpy(key_path: KeyPath, tensor: Any) -> np.ndarray:
@@ -211,6 +206,12 @@ class CheckpointBuilder:
     def commit(self) -> CheckpointMetadata:
         """Wait for all data, then write array, group and root documents (the commit)."""
         self._writer.finish()
+        if self.checksums:
+            for fqn, entry in self._tensors.items():
+                written = self._writer.written[fqn]
+                self._tensors[fqn] = dataclasses.replace(
+                    entry, checksums=checksums.encode_table(entry.checksum_grid, written.pieces, written.crcs),
+                    content_hashes=content_hashes.encode_table(entry.grid, written.indices, written.digests))
         md = commit.commit_checkpoint(
             self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,

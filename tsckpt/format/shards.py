@@ -11,20 +11,19 @@ chunks they hold (:attr:`ShardFormat.order`), so all outer chunks of an array
 have one size, and what a load split along one dimension needs of an outer
 chunk is a few contiguous byte ranges.
 
-Encoding here instead of through TensorStore's sharding codec costs one
-transposing copy of the chunk, where TensorStore pays several microseconds per
-inner chunk (about 17 to write, 7 to read, on a 2-core machine); and it leaves
-every inner chunk contiguous in memory, so its checksum needs no copy of its
-own. The encoded bytes are written as the chunks of a ``uint8`` view of the
-array's keys (:func:`tsckpt.storage.store.raw_chunks_metadata`), so TensorStore
-writes them without another copy. Pure functions; nothing here does I/O.
+tsckpt encodes chunks itself (:mod:`tsckpt.format.shard_encoding`) instead of
+through TensorStore's sharding codec: that costs one transposing copy of the
+chunk, where TensorStore pays several microseconds per inner chunk (about 17
+to write, 7 to read, on a 2-core machine), and leaves every inner chunk
+contiguous in memory, so its checksum needs no copy of its own. Pure
+functions; nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -120,45 +119,6 @@ class ShardFormat:
     def nbytes(self) -> int:
         """Stored bytes of one outer chunk: every inner chunk, then the index."""
         return self.pieces * self.piece_bytes + self.index_bytes
-
-    def encode(self, data: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        """The stored bytes (:attr:`nbytes` of them) of an outer chunk whose part inside the array is ``data``.
-
-        Also returns the crc32c of every inner chunk that holds any element
-        inside the array, in row-major order of the shard's inner grid, over
-        those elements only, as the checksum tables define them. Every inner
-        chunk is stored, zero-padded beyond the array's edge, in :attr:`order`,
-        so every outer chunk has the same size and layout.
-        """
-        inside = tuple(data.shape) == self.chunk
-        full = data if inside else np.zeros(self.chunk, dtype=data.dtype)
-        if not inside:
-            full[tuple(slice(0, n) for n in data.shape)] = data
-        raw = math.prod(self.inner) * self.itemsize
-        out = np.empty(self.nbytes, dtype=np.uint8)
-        stored = out[:self.pieces * self.piece_bytes].reshape(self.pieces, self.piece_bytes)
-        body = self.grid_view(stored[:, :raw].view(data.dtype))
-        tiles, pieces = tile_views(full, body, self.grid, self.inner)
-        np.copyto(pieces, tiles)
-        whole = [_crc32c.crc32c(piece) for piece in stored[:, :raw]]  # in storage order
-        if self.crc32c_codec:
-            stored[:, raw:] = np.asarray(whole, dtype="<u4").reshape(-1, 1).view(np.uint8)
-        if inside:  # every inner chunk whole: its crc32c is the one just taken, in row-major order of the grid
-            return self._with_index(out), [whole[p] for p in self.positions.tolist()]
-        present = np.flatnonzero(self.present(data.shape).reshape(-1))
-        crcs = []
-        for k in present.tolist():  # row-major order of the grid
-            origin = np.unravel_index(k, self.grid)
-            within = tuple(slice(0, min(i, n - o * i)) for i, n, o in zip(self.inner, data.shape, origin))
-            piece = body[origin]
-            # Pieces across the array's edge are checksummed over their elements inside it only.
-            crcs.append(whole[self.positions[k]] if piece[within].shape == piece.shape
-                        else checksums.crc32c(piece[within]))
-        return self._with_index(out), crcs
-
-    def _with_index(self, out: np.ndarray) -> np.ndarray:
-        out[self.pieces * self.piece_bytes:] = self.index
-        return out
 
     @functools.cached_property
     def index(self) -> np.ndarray:
@@ -295,21 +255,3 @@ def raw_shape(fmt: ShardFormat, shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of the ``uint8`` array whose chunk ``(i, ..., j)`` is the stored outer chunk ``(i, ..., j)``."""
     grid = ChunkGrid(tuple(shape), fmt.chunk).grid_shape
     return (*grid[:-1], grid[-1] * fmt.nbytes)
-
-
-def encode_region(fmt: ShardFormat, shape: Sequence[int], offsets: Sequence[int],
-                  data: np.ndarray) -> Iterator[tuple[tuple[int, ...], np.ndarray, np.ndarray, list[int]]]:
-    """Every outer chunk of a region written at ``offsets``, encoded.
-
-    Yields the chunk's grid index, its stored bytes, the flat indices of its
-    inner chunks in the array's grid of inner chunks (the checksum grid) and
-    their crc32c values. Regions are aligned to outer chunks.
-    """
-    outer = ChunkGrid(tuple(shape), fmt.chunk)
-    pieces = ChunkGrid(tuple(shape), fmt.inner).grid_shape
-    for index, view in outer.chunks_within(offsets, data.shape):
-        part = data[view]
-        encoded, crcs = fmt.encode(part)
-        local = fmt.every if tuple(part.shape) == fmt.chunk else np.argwhere(fmt.present(part.shape))
-        at = local + np.asarray(index, dtype=np.int64) * np.asarray(fmt.grid, dtype=np.int64)
-        yield index, encoded, np.ravel_multi_index(tuple(at.T), pieces), crcs

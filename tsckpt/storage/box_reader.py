@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..format import checksums, dtypes, shards, zarr_json
+from ..format import checksums, dtypes, shard_encoding, shards, zarr_json
 from ..format.metadata import TensorEntry
 from . import chunk_files
 from .store import Store, read_error, then
@@ -138,9 +138,10 @@ class BoxReader:
                 # The whole outer chunk: one read of its key, index included (and padding beyond the edge).
                 first, last = (0,) * len(fmt.grid), fmt.grid
                 if self._dir is not None:
-                    fut = _Then(chunk_files.read_whole(os.path.join(self._dir, key)),
-                                lambda data, key=key, index=index: self._whole_file(key, index, data),
-                                missing=lambda key=key, index=index: self._missing(key, index))
+                    self._checksums()  # decoded here, not on the read threads
+                    fut = _Then(chunk_files.submit(self._stream_whole, key, index, tuple(r.start for r in region),
+                                                   offsets, sizes, out),
+                                lambda done: done, missing=lambda key=key, index=index: self._missing(key, index))
                 else:
                     at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
                     fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
@@ -150,7 +151,9 @@ class BoxReader:
 
         def finish() -> np.ndarray:
             for index, region, first, last, fut in reads:
-                self._place(index, tuple(r.start for r in region), first, last, fut.result(), offsets, sizes, out)
+                read = fut.result()
+                if read is not None:  # not placed by its read already
+                    self._place(index, tuple(r.start for r in region), first, last, read, offsets, sizes, out)
             return out
 
         return PendingBox(finish)
@@ -161,14 +164,41 @@ class BoxReader:
     def _missing(self, key: str, index: Sequence[int]) -> ValueError:
         return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is missing")
 
-    def _whole_file(self, key: str, index: tuple[int, ...], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_whole` of a chunk file read whole: refused as cut or grown first."""
+    def _stream_whole(self, key: str, index: tuple[int, ...], start: tuple[int, ...], offsets: tuple[int, ...],
+                      sizes: tuple[int, ...], out: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Read a whole chunk file unit by unit (:mod:`~tsckpt.format.shard_encoding`) into a scratch buffer,
+        checking each unit and placing what the box wants of it in ``out``; runs on a read thread.
+
+        None once placed; for a chunk whose index is not the one tsckpt
+        writes, its inner chunks for :meth:`_place` (:meth:`_whole`). Reading
+        the whole file into a fresh buffer instead faults in a page of new
+        memory per 4 KiB, which costs more than the read on a small VM.
+        """
         fmt = self.fmt
         assert fmt is not None
-        if data.size != fmt.nbytes:
-            raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is "
-                             f"{data.size} bytes, not the {fmt.nbytes} written (truncated or replaced)")
-        return self._whole(key, data)
+        path = os.path.join(self._dir or "", key)
+        fd = chunk_files.open_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size != fmt.nbytes:
+                raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is "
+                                 f"{size} bytes, not the {fmt.nbytes} written (truncated or replaced)")
+            tail = np.empty(fmt.index_bytes, dtype=np.uint8)
+            chunk_files.pread_into(fd, tail, fmt.nbytes - fmt.index_bytes, path)
+            if not np.array_equal(tail, fmt.index):
+                return self._whole(key, chunk_files.whole_file(path))
+            count, nbytes = fmt.pieces // shard_encoding.units(fmt), shard_encoding.unit_bytes(fmt)
+            with chunk_files.scratch() as get:
+                buffer = get(nbytes)
+                for u in range(shard_encoding.units(fmt)):
+                    chunk_files.pread_into(fd, buffer, u * nbytes, path)
+                    positions = np.arange(u * count, (u + 1) * count)
+                    corners = fmt.coords(positions[[0, -1]])  # a unit is a block of the inner grid
+                    self._place(index, start, tuple(corners[0].tolist()), tuple((corners[1] + 1).tolist()),
+                                (buffer, positions), offsets, sizes, out)
+        finally:
+            os.close(fd)
+        return None
 
     def _whole(self, key: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A whole stored outer chunk as (its inner chunks' bytes one after the other, their storage positions)."""

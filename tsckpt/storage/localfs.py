@@ -47,12 +47,10 @@ def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] |
     root = str(location.spec.get("path", "."))
 
     def flush() -> None:
-        fd = os.open(root, os.O_RDONLY)
         try:
-            if syncfs(fd) != 0:
-                raise StorageError(f"syncfs on {location.url} failed: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(fd)
+            syncfs_at(root)
+        except OSError as e:
+            raise StorageError(f"syncfs on {location.url} failed: {e.strerror}") from None
 
     return kv, flush
 
@@ -62,6 +60,34 @@ def libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     return ctypes.CDLL(None, use_errno=True)
+
+
+#: ``sync_file_range`` flag: start writing the range's dirty pages back, without waiting.
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> bool:
+    """Start writing ``fd``'s dirty pages to the device without waiting; False where the kernel cannot."""
+    fn = getattr(libc(), "sync_file_range", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def syncfs_at(path: str) -> bool:
+    """Make everything written to the filesystem holding ``path`` durable; False where ``syncfs`` is missing."""
+    fn = getattr(libc(), "syncfs", None)
+    if fn is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fn(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+    return True
 
 
 def exchange(a: str, b: str) -> bool:
