@@ -43,7 +43,7 @@ import numpy as np
 import tensorstore as ts
 
 from .errors import ChecksumError, OptionError, StorageError, TsckptError
-from .format import checksums, content_hashes, dtypes, shards, zarr_json
+from .format import checksums, content_hashes, dtypes, shard_encoding, shards, zarr_json
 from .commit import protocol as commit
 from .storage.layouts import PLAIN
 from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
@@ -177,10 +177,14 @@ class BaseChunks:
         one key each; others through TensorStore's codecs.
         """
         entry = self.metadata.tensors[fqn]
-        if shards.shard_format(entry, self.metadata.array_options) is not None:
-            if self.mode == LINK:  # the chunk is a file: one read into one buffer, no copy through TensorStore
+        fmt = shards.shard_format(entry, self.metadata.array_options)
+        if fmt is not None:
+            if self.mode == LINK:  # the chunk is a file: read and checked in small parts, on the read threads
                 key = f"{entry.path}/{zarr_json.chunk_key(index)}"
-                return chunk_files.read_whole(os.path.join(_path(self.choice.location), key))
+                tables = self.tables(fqn, entry)
+                assert tables is not None, "only chunks whose tables were compared are read"
+                return chunk_files.submit(_check_file, os.path.join(_path(self.choice.location), key), entry, fmt,
+                                          tables[0], index, f"tensor {fqn!r} of {self.choice.url}")
             kv = self._kvstores.get(fqn)
             if kv is None:
                 kv = self._kvstores[fqn] = ts.KvStore.open(self.store.array_kvstore(entry.path),
@@ -204,6 +208,8 @@ class BaseChunks:
         fmt = shards.shard_format(entry, self.metadata.array_options)
         try:
             found = reading.result()
+            if found is True:  # a chunk file, checked as it was read (_check_file)
+                return True
             if fmt is None:
                 return content_hashes.digest(found) == digest
             # A chunk file read whole (a missing one raised), or a kvstore read result.
@@ -237,6 +243,28 @@ class BaseChunks:
             raise StorageError(f"linking chunk {key} of the base {self.choice.url} into {self.into.url} "
                               f"failed: {e.strerror}") from None
         return True
+
+
+def _check_file(path: str, entry: TensorEntry, fmt: shards.ShardFormat, table: np.ndarray,
+                index: tuple[int, ...], what: str) -> bool:
+    """Check a base's chunk file as stored (:func:`tsckpt.format.shards.check_stored`), reading it one unit
+    (:mod:`tsckpt.format.shard_encoding`) at a time into a reused buffer, not whole into fresh memory."""
+    fd = chunk_files.open_read(path)
+    try:
+        tail = np.empty(fmt.index_bytes, dtype=np.uint8)
+        size = os.fstat(fd).st_size
+        if size >= fmt.index_bytes:
+            chunk_files.pread_into(fd, tail, size - fmt.index_bytes, path)
+        shards.check_layout(fmt, index, size, tail, what)
+        count, nbytes = fmt.pieces // shard_encoding.units(fmt), shard_encoding.unit_bytes(fmt)
+        with chunk_files.scratch() as get:
+            buffer = get(nbytes)
+            for u in range(shard_encoding.units(fmt)):
+                chunk_files.pread_into(fd, buffer, u * nbytes, path)
+                shards.check_stored_pieces(entry, fmt, table, index, buffer, u * count, what)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _path(location: Location) -> str:

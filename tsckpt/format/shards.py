@@ -194,20 +194,33 @@ def check_stored(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index:
     untile every inner chunk into a new array.
     """
     raw = np.frombuffer(data, dtype=np.uint8)
-    if raw.size != fmt.nbytes:
-        raise ChecksumError(f"{what}: chunk {list(index)} is {raw.size} bytes, not the {fmt.nbytes} written "
+    check_layout(fmt, index, raw.size, raw[max(raw.size - fmt.index_bytes, 0):], what)
+    check_stored_pieces(entry, fmt, table, index, raw[:fmt.pieces * fmt.piece_bytes], 0, what)
+
+
+def check_layout(fmt: ShardFormat, index: Sequence[int], size: int, tail: np.ndarray, what: str) -> None:
+    """Check a stored outer chunk's size (``size`` bytes) and its last bytes (``tail``): tsckpt's index."""
+    if size != fmt.nbytes:
+        raise ChecksumError(f"{what}: chunk {list(index)} is {size} bytes, not the {fmt.nbytes} written "
                             "(it was truncated or replaced)")
-    if not np.array_equal(raw[fmt.nbytes - fmt.index_bytes:], fmt.index):
+    if not np.array_equal(tail, fmt.index):
         raise ChecksumError(f"{what}: the shard index of chunk {list(index)} is not the one tsckpt wrote "
                             "(it was damaged)")
+
+
+def check_stored_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index: Sequence[int],
+                        raw: np.ndarray, first: int, what: str) -> None:
+    """Check consecutive stored inner chunks of outer chunk ``index``, from storage position ``first`` on:
+    ``raw`` is their stored bytes (``uint8``), each with its codec crc32c where there is one."""
+    count = raw.size // fmt.piece_bytes
     size = math.prod(fmt.inner) * fmt.itemsize
-    pieces = raw[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)
+    pieces = raw.reshape(count, fmt.piece_bytes)
     stored = pieces[:, :size]
-    values = stored.view(dtypes.from_zarr(entry.dtype).numpy).reshape(fmt.pieces, *fmt.inner)
-    coords = fmt.coords(np.arange(fmt.pieces)) + np.asarray(index) * np.asarray(fmt.grid)
+    values = stored.view(dtypes.from_zarr(entry.dtype).numpy).reshape(count, *fmt.inner)
+    coords = fmt.coords(np.arange(first, first + count)) + np.asarray(index) * np.asarray(fmt.grid)
     check_pieces(entry, fmt, table, index, coords, stored, values, what)
     if fmt.crc32c_codec:  # what Zarr readers check: over every stored inner chunk, padding included
-        found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=fmt.pieces)
+        found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=count)
         if not np.array_equal(found, pieces[:, size:].copy().view("<u4").reshape(-1)):
             raise ChecksumError(f"{what}: chunk {list(index)} does not match the crc32c codec's values")
 
