@@ -179,4 +179,9 @@ def pieces_of(fmt: ShardFormat, shape: Sequence[int], index: Sequence[int], exte
     any of it (``extent``: the chunk's part inside the array), in the order :func:`encode` gives their crc32c."""
     local = fmt.every if tuple(extent) == fmt.chunk else np.argwhere(fmt.present(extent))
     at = local + np.asarray(index, dtype=np.int64) * np.asarray(fmt.grid, dtype=np.int64)
-    return np.ravel_multi_index(tuple(at.T), ChunkGrid(tuple(shape), fmt.inner).grid_shape)
+    return np.ravel_multi_index(tuple(at.T), _inner_grid(tuple(shape), fmt.inner))
+
+
+@functools.lru_cache(maxsize=1024)
+def _inner_grid(shape: tuple[int, ...], inner: tuple[int, ...]) -> tuple[int, ...]:
+    return ChunkGrid(shape, inner).grid_shape
