@@ -72,6 +72,13 @@ def test_a_chunk_file_that_exists_is_replaced_never_written_into(tmp_path):
     assert os.stat(target).st_nlink == 1
 
 
+@pytest.fixture(params=["streamed", "whole"])
+def streamed(request, monkeypatch):
+    """Chunk files written on the write threads and read unit by unit, or written inline and read whole."""
+    monkeypatch.setattr(chunk_files, "INLINE_BYTES", 0 if request.param == "streamed" else 1 << 40)
+    return request.param
+
+
 def _save_in_units(tmp_path, monkeypatch):
     """A checkpoint whose chunk files hold several units each (small units), and the tensor saved."""
     monkeypatch.setattr(shard_encoding, "UNIT_BYTES", 1024)
@@ -84,7 +91,7 @@ def _save_in_units(tmp_path, monkeypatch):
     return path, weight
 
 
-def test_chunk_files_written_and_read_in_units_load_bit_exact(tmp_path, monkeypatch):
+def test_chunk_files_written_and_read_in_units_load_bit_exact(tmp_path, monkeypatch, streamed):
     path, weight = _save_in_units(tmp_path, monkeypatch)
     sd = {"w": torch.zeros(64, 96)}
     tsckpt.load(sd, path)
@@ -92,7 +99,7 @@ def test_chunk_files_written_and_read_in_units_load_bit_exact(tmp_path, monkeypa
     assert torch.equal(torch.as_tensor(tsckpt.open(path)["w"][5:40, 7:90]), weight[5:40, 7:90])
 
 
-def test_damage_in_a_later_unit_of_a_chunk_file_fails_the_whole_read(tmp_path, monkeypatch):
+def test_damage_in_a_later_unit_of_a_chunk_file_fails_the_whole_read(tmp_path, monkeypatch, streamed):
     path, _ = _save_in_units(tmp_path, monkeypatch)
     chunk = next(p for p in (path / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
     raw = bytearray(chunk.read_bytes())
@@ -102,7 +109,7 @@ def test_damage_in_a_later_unit_of_a_chunk_file_fails_the_whole_read(tmp_path, m
         tsckpt.load({"w": torch.zeros(64, 96)}, path)
 
 
-def test_a_truncated_chunk_file_is_refused_naming_its_size(tmp_path, monkeypatch):
+def test_a_truncated_chunk_file_is_refused_naming_its_size(tmp_path, monkeypatch, streamed):
     path, _ = _save_in_units(tmp_path, monkeypatch)
     chunk = next(p for p in (path / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
     chunk.write_bytes(chunk.read_bytes()[:-100])

@@ -137,11 +137,15 @@ class BoxReader:
             if all(o <= r.start and r.stop <= o + n for o, n, r in zip(lo, extent, region)):
                 # The whole outer chunk: one read of its key, index included (and padding beyond the edge).
                 first, last = (0,) * len(fmt.grid), fmt.grid
-                if self._dir is not None:
+                if self._dir is not None and fmt.nbytes >= chunk_files.INLINE_BYTES:
                     self._checksums()  # decoded here, not on the read threads
                     fut = _Then(chunk_files.submit(self._stream_whole, key, index, tuple(r.start for r in region),
                                                    offsets, sizes, out),
                                 lambda done: done, missing=lambda key=key, index=index: self._missing(key, index))
+                elif self._dir is not None:  # small: one read, into memory the allocator has at hand
+                    fut = _Then(chunk_files.read_whole(os.path.join(self._dir, key)),
+                                lambda data, key=key, index=index: self._whole_file(key, index, data),
+                                missing=lambda key=key, index=index: self._missing(key, index))
                 else:
                     at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
                     fut = then(self._raw.result()[at].read(), lambda data, key=key: self._whole(key, data))
@@ -164,6 +168,16 @@ class BoxReader:
     def _missing(self, key: str, index: Sequence[int]) -> ValueError:
         return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is missing")
 
+    def _whole_file(self, key: str, index: tuple[int, ...], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_whole` of a chunk file read whole: refused as cut or grown first."""
+        if data.size != (self.fmt.nbytes if self.fmt else 0):
+            raise ValueError(self._cut(index, key, data.size))
+        return self._whole(key, data)
+
+    def _cut(self, index: tuple[int, ...], key: str, size: int) -> str:
+        return (f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is {size} bytes, "
+                f"not the {self.fmt.nbytes if self.fmt else 0} written (truncated or replaced)")
+
     def _stream_whole(self, key: str, index: tuple[int, ...], start: tuple[int, ...], offsets: tuple[int, ...],
                       sizes: tuple[int, ...], out: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Read a whole chunk file unit by unit (:mod:`~tsckpt.format.shard_encoding`) into a scratch buffer,
@@ -181,8 +195,7 @@ class BoxReader:
         try:
             size = os.fstat(fd).st_size
             if size != fmt.nbytes:
-                raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is "
-                                 f"{size} bytes, not the {fmt.nbytes} written (truncated or replaced)")
+                raise ValueError(self._cut(index, key, size))
             tail = np.empty(fmt.index_bytes, dtype=np.uint8)
             chunk_files.pread_into(fd, tail, fmt.nbytes - fmt.index_bytes, path)
             if not np.array_equal(tail, fmt.index):

@@ -43,6 +43,8 @@ T = TypeVar("T")
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-chunk-read")
 #: Whether files may be made durable by one syncfs at the end (Linux) rather than an fsync each.
 _DEFER_SYNC = localfs.libc() is not None and hasattr(localfs.libc(), "syncfs")
+#: Chunk files smaller than this are written on the rank's own thread.
+INLINE_BYTES = 1 << 20  # also: smaller chunk files are read whole, not streamed
 #: Writes have threads of their own: an fsync waiting on the disk must not hold up reads.
 _WRITE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-chunk-write")
 
@@ -180,8 +182,20 @@ class ChunkFileWriter:
             localfs.syncfs_at(path)  # exists: _write deferred to it
 
     def write(self, path: str, fmt: ShardFormat, data: np.ndarray) -> Future[list[int]]:
-        """Start writing outer chunk ``data`` (its part inside the array) of layout ``fmt`` as file ``path``."""
-        return _WRITE_POOL.submit(self._write, path, fmt, data)
+        """Start writing outer chunk ``data`` (its part inside the array) of layout ``fmt`` as file ``path``.
+
+        A small chunk is written at once, on the calling thread: the write
+        threads would spend more on taking turns with it for the GIL than on
+        its bytes.
+        """
+        if fmt.nbytes >= INLINE_BYTES:
+            return _WRITE_POOL.submit(self._write, path, fmt, data)
+        done: Future[list[int]] = Future()
+        try:
+            done.set_result(self._write(path, fmt, data))
+        except Exception as e:  # noqa: BLE001 - reported by the future, as from the write threads
+            done.set_exception(e)
+        return done
 
     def _write(self, path: str, fmt: ShardFormat, data: np.ndarray) -> list[int]:
         fd = self._create(path)
