@@ -84,7 +84,8 @@ def _save_in_units(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_encoding, "UNIT_BYTES", 1024)
     weight = torch.randn(64, 96)
     path = tmp_path / "ck"
-    tsckpt.save({"w": weight}, path, inner_chunk_bytes=256)  # inner chunks of 64 values: 24 per 1 KiB unit
+    # Plain: these tests read and edit its chunk files (whatever TSCKPT_LAYOUT says).
+    tsckpt.save({"w": weight}, path, inner_chunk_bytes=256, layout="plain")  # inner chunks of 64 values: 24 per 1 KiB unit
     entry = tsckpt.open(path)["w"]
     fmt = ShardFormat(entry.chunks.chunk_shape, entry.chunks.inner_chunk_shape, 4)
     assert shard_encoding.units(fmt) > 1
