@@ -43,7 +43,7 @@ import numpy as np
 import tensorstore as ts
 
 from .errors import ChecksumError, OptionError, StorageError, TsckptError
-from .format import checksums, content_hashes, dtypes, shard_encoding, shards, zarr_json
+from .format import checksums, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
 from .storage.layouts import PLAIN
 from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
@@ -172,9 +172,9 @@ class BaseChunks:
         """Start reading chunk ``index`` of ``fqn`` from the base, to check it (:meth:`sound`) before it is taken.
 
         Chunks tsckpt encodes itself are read as stored: a plain base's chunk
-        file straight into one buffer on a small thread pool (through
-        TensorStore a read copies twice and allocates twice), a packed base's
-        one key each; others through TensorStore's codecs.
+        file read and checked unit by unit on the read threads (the future
+        gives True, or raises), a packed base's one key each; others through
+        TensorStore's codecs.
         """
         entry = self.metadata.tensors[fqn]
         fmt = shards.shard_format(entry, self.metadata.array_options)
@@ -212,10 +212,9 @@ class BaseChunks:
                 return True
             if fmt is None:
                 return content_hashes.digest(found) == digest
-            # A chunk file read whole (a missing one raised), or a kvstore read result.
-            data = found if isinstance(found, np.ndarray) else (found.value if found.state == "value" else None)
-            if data is None:
+            if found.state != "value":  # a kvstore read of a key that is missing
                 return False
+            data = found.value
             tables = self.tables(fqn, entry)
             assert tables is not None, "only chunks whose tables were compared are read"
             shards.check_stored(entry, fmt, tables[0], index, data, f"tensor {fqn!r} of {self.choice.url}")
@@ -251,17 +250,10 @@ def _check_file(path: str, entry: TensorEntry, fmt: shards.ShardFormat, table: n
     (:mod:`tsckpt.format.shard_encoding`) at a time into a reused buffer, not whole into fresh memory."""
     fd = chunk_files.open_read(path)
     try:
-        tail = np.empty(fmt.index_bytes, dtype=np.uint8)
-        size = os.fstat(fd).st_size
-        if size >= fmt.index_bytes:
-            chunk_files.pread_into(fd, tail, size - fmt.index_bytes, path)
+        size, tail = chunk_files.stored_tail(fd, path, fmt)
         shards.check_layout(fmt, index, size, tail, what)
-        count, nbytes = fmt.pieces // shard_encoding.units(fmt), shard_encoding.unit_bytes(fmt)
-        with chunk_files.scratch() as get:
-            buffer = get(nbytes)
-            for u in range(shard_encoding.units(fmt)):
-                chunk_files.pread_into(fd, buffer, u * nbytes, path)
-                shards.check_stored_pieces(entry, fmt, table, index, buffer, u * count, what)
+        for first, unit in chunk_files.stored_units(fd, path, fmt):
+            shards.check_stored_pieces(entry, fmt, table, index, unit, first, what)
     finally:
         os.close(fd)
     return True

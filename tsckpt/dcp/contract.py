@@ -79,7 +79,9 @@ class Prepickled(Generic[T]):
 
     DCP pickles every rank's plan separately; a shared value inside them would
     be pickled again for each rank. This one is pickled when it is made, and
-    each rank's plan then only copies its bytes. The receiving rank unpickles
+    each rank's plan then only copies its bytes. It travels only within one
+    save's process group, beside DCP's own pickled plans: nothing read from a
+    checkpoint is ever unpickled here. The receiving rank unpickles
     it on first use.
     """
 

@@ -170,13 +170,15 @@ class BoxReader:
 
     def _whole_file(self, key: str, index: tuple[int, ...], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`_whole` of a chunk file read whole: refused as cut or grown first."""
-        if data.size != (self.fmt.nbytes if self.fmt else 0):
+        assert self.fmt is not None
+        if data.size != self.fmt.nbytes:
             raise ValueError(self._cut(index, key, data.size))
         return self._whole(key, data)
 
     def _cut(self, index: tuple[int, ...], key: str, size: int) -> str:
+        assert self.fmt is not None
         return (f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(key)} is {size} bytes, "
-                f"not the {self.fmt.nbytes if self.fmt else 0} written (truncated or replaced)")
+                f"not the {self.fmt.nbytes} written (truncated or replaced)")
 
     def _stream_whole(self, key: str, index: tuple[int, ...], start: tuple[int, ...], offsets: tuple[int, ...],
                       sizes: tuple[int, ...], out: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -193,22 +195,17 @@ class BoxReader:
         path = os.path.join(self._dir or "", key)
         fd = chunk_files.open_read(path)
         try:
-            size = os.fstat(fd).st_size
+            size, tail = chunk_files.stored_tail(fd, path, fmt)
             if size != fmt.nbytes:
                 raise ValueError(self._cut(index, key, size))
-            tail = np.empty(fmt.index_bytes, dtype=np.uint8)
-            chunk_files.pread_into(fd, tail, fmt.nbytes - fmt.index_bytes, path)
             if not np.array_equal(tail, fmt.index):
                 return self._whole(key, chunk_files.whole_file(path))
-            count, nbytes = fmt.pieces // shard_encoding.units(fmt), shard_encoding.unit_bytes(fmt)
-            with chunk_files.scratch() as get:
-                buffer = get(nbytes)
-                for u in range(shard_encoding.units(fmt)):
-                    chunk_files.pread_into(fd, buffer, u * nbytes, path)
-                    positions = np.arange(u * count, (u + 1) * count)
-                    corners = fmt.coords(positions[[0, -1]])  # a unit is a block of the inner grid
-                    self._place(index, start, tuple(corners[0].tolist()), tuple((corners[1] + 1).tolist()),
-                                (buffer, positions), offsets, sizes, out)
+            count = fmt.pieces // shard_encoding.units(fmt)
+            for first, unit in chunk_files.stored_units(fd, path, fmt):
+                positions = np.arange(first, first + count)
+                corners = fmt.coords(positions[[0, -1]])  # a unit is a block of the inner grid
+                self._place(index, start, tuple(corners[0].tolist()), tuple((corners[1] + 1).tolist()),
+                            (unit, positions), offsets, sizes, out)
         finally:
             os.close(fd)
         return None

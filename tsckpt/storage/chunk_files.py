@@ -104,6 +104,26 @@ def pread_into(fd: int, out: np.ndarray, offset: int, path: str) -> None:
         at += n
 
 
+def stored_tail(fd: int, path: str, fmt: ShardFormat) -> tuple[int, np.ndarray]:
+    """An encoded chunk file's size and its last ``fmt.index_bytes`` bytes (zeros if it is shorter)."""
+    size = os.fstat(fd).st_size
+    tail = np.zeros(fmt.index_bytes, dtype=np.uint8)
+    if size >= fmt.index_bytes:
+        pread_into(fd, tail, size - fmt.index_bytes, path)
+    return size, tail
+
+
+def stored_units(fd: int, path: str, fmt: ShardFormat) -> Iterator[tuple[int, np.ndarray]]:
+    """An encoded chunk file's units (:mod:`~tsckpt.format.shard_encoding`), one at a time, each read into the
+    same scratch buffer (valid until the next): the storage position of its first inner chunk, its bytes."""
+    count, nbytes = fmt.pieces // shard_encoding.units(fmt), shard_encoding.unit_bytes(fmt)
+    with scratch() as get:
+        buffer = get(nbytes)
+        for u in range(shard_encoding.units(fmt)):
+            pread_into(fd, buffer, u * nbytes, path)
+            yield u * count, buffer
+
+
 def read_whole(path: str) -> Future[np.ndarray]:
     """Start reading a whole file; its bytes (``uint8``)."""
     return _POOL.submit(whole_file, path)
@@ -172,14 +192,14 @@ class ChunkFileWriter:
 
     def __init__(self, *, sync: bool):
         self.sync = sync
-        self._dirs: set[str] = set()
-        self._unsynced: str | None = None  # a file written since the last finish, awaiting syncfs
+        self._dirs: set[str] = set()  # the directories made (or found) for the files written
+        self._deferred = False  # a file was left to finish's syncfs
 
     def finish(self) -> None:
         """Make every file written so far durable (with ``sync``); call once all futures are done."""
-        path, self._unsynced = self._unsynced, None
-        if path is not None:
-            localfs.syncfs_at(path)  # exists: _write deferred to it
+        if self._deferred:
+            self._deferred = False
+            localfs.syncfs_at(next(iter(self._dirs)))  # one filesystem: the save's staging directory
 
     def write(self, path: str, fmt: ShardFormat, data: np.ndarray) -> Future[list[int]]:
         """Start writing outer chunk ``data`` (its part inside the array) of layout ``fmt`` as file ``path``.
@@ -204,7 +224,7 @@ class ChunkFileWriter:
                 crcs = shard_encoding.encode_to(fmt, data, functools.partial(_write_all, fd), get)
             if self.sync:
                 if _DEFER_SYNC and localfs.start_writeback(fd):
-                    self._unsynced = path
+                    self._deferred = True
                 else:
                     os.fsync(fd)
         finally:
