@@ -223,7 +223,9 @@ class ChunkFileWriter:
             with scratch() as get:
                 crcs = shard_encoding.encode_to(fmt, data, functools.partial(_write_all, fd), get)
             if self.sync:
-                if _DEFER_SYNC and localfs.start_writeback(fd):
+                # A small file's writeback is left to finish's syncfs: starting it costs
+                # a system call per file, and the kernel writes small files in one go anyway.
+                if _DEFER_SYNC and (fmt.nbytes < INLINE_BYTES or localfs.start_writeback(fd)):
                     self._deferred = True
                 else:
                     os.fsync(fd)
