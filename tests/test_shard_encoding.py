@@ -116,3 +116,32 @@ def test_a_truncated_chunk_file_is_refused_naming_its_size(tmp_path, monkeypatch
     chunk.write_bytes(chunk.read_bytes()[:-100])
     with pytest.raises(tsckpt.TsckptError, match="truncated or replaced"):
         tsckpt.load({"w": torch.zeros(64, 96)}, path)
+
+
+# (array shape, chunk shape): 0-d, and chunks cut at the array's edge.
+LEAF_CASES = [((), ()), ((37,), (16,)), ((7, 13), (4, 5))]
+
+
+@pytest.mark.parametrize("crc32c_codec", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool"])
+@pytest.mark.parametrize("shape, chunk", LEAF_CASES)
+def test_chunks_without_inner_chunks_are_the_bytes_tensorstore_writes(tmp_path, shape, chunk, dtype, crc32c_codec):
+    """tsckpt writes the chunk files of arrays without inner chunks itself: byte for byte what TensorStore's
+    codecs (``bytes``, then ``crc32c`` with the codec) store, edge chunks padded as Zarr pads them."""
+    import tensorstore as ts
+
+    from tsckpt.format import dtypes, zarr_json
+    from tsckpt.format.grid import ChunkGrid
+
+    dt = dtypes.from_zarr(dtype)
+    data = _data(shape, bool if dtype == "bool" else dt.numpy)
+    doc = zarr_json.array_metadata(shape, dt.zarr, chunk, checksums=crc32c_codec)
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path)}, "metadata": doc,
+                   "create": True, "store_data_equal_to_fill_value": True}).result()
+    arr.write(data).result()
+    fmt = ShardFormat(chunk, chunk, dt.itemsize, crc32c_codec, indexed=False)
+    assert fmt.index_bytes == 0 and fmt.pieces == 1
+    for index, view in ChunkGrid(shape, chunk).chunks_within((0,) * len(shape), shape):
+        encoded, _ = shard_encoding.encode(fmt, data[(*view, ...)])
+        with open(tmp_path / zarr_json.chunk_key(index), "rb") as f:
+            assert f.read() == encoded.tobytes(), index

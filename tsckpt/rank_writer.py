@@ -142,9 +142,12 @@ class RankWriter:
         """Start opening the arrays of ``entries`` (flat key -> entry), all at once."""
         for fqn, e in entries.items():
             self._entries[fqn] = e
-            fmt = self._formats[fqn] = shards.shard_format(e, self.options)
-            directory = chunk_files.local_directory(self.store, e.path) if fmt is not None else None
-            if directory is not None:
+            fmt = shards.shard_format(e, self.options)
+            directory = chunk_files.local_directory(self.store, e.path)
+            if directory is not None and fmt is None:  # small arrays' chunk files too: no TensorStore open each
+                fmt = shards.leaf_format(e, self.options)
+            self._formats[fqn] = fmt
+            if directory is not None and fmt is not None:
                 self._files[fqn] = directory
             elif fmt is None:
                 self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank)

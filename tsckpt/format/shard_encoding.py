@@ -118,7 +118,7 @@ def _encode_unit(fmt: ShardFormat, data: np.ndarray, u: int, out: np.ndarray, un
     raw = math.prod(fmt.inner) * fmt.itemsize
     count = math.prod(grid)
     stored = out.reshape(count, fmt.piece_bytes)
-    values = stored[:, :raw].view(data.dtype).reshape(*(grid[d] for d in fmt.order), *fmt.inner)
+    values = stored[:, :raw].view(data.dtype).reshape((*(grid[d] for d in fmt.order), *fmt.inner))
     ndim = len(grid)
     body = values.transpose(*[fmt.order.index(d) for d in range(ndim)], *range(ndim, 2 * ndim))
     tiles, pieces = tile_views(source, body, grid, fmt.inner)
@@ -171,7 +171,7 @@ def region_chunks(fmt: ShardFormat, shape: Sequence[int], offsets: Sequence[int]
                   data: np.ndarray) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
     """Every outer chunk of a region written at ``offsets``: its grid index and its part of ``data``."""
     for index, view in ChunkGrid(tuple(shape), fmt.chunk).chunks_within(offsets, data.shape):
-        yield index, data[view]
+        yield index, data[(*view, ...)]  # an array even for a 0-d tensor's one chunk
 
 
 def pieces_of(fmt: ShardFormat, shape: Sequence[int], index: Sequence[int], extent: Sequence[int]) -> np.ndarray:
@@ -179,7 +179,7 @@ def pieces_of(fmt: ShardFormat, shape: Sequence[int], index: Sequence[int], exte
     any of it (``extent``: the chunk's part inside the array), in the order :func:`encode` gives their crc32c."""
     local = fmt.every if tuple(extent) == fmt.chunk else np.argwhere(fmt.present(extent))
     at = local + np.asarray(index, dtype=np.int64) * np.asarray(fmt.grid, dtype=np.int64)
-    return np.ravel_multi_index(tuple(at.T), _inner_grid(tuple(shape), fmt.inner))
+    return np.atleast_1d(np.ravel_multi_index(tuple(at.T), _inner_grid(tuple(shape), fmt.inner)))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -30,7 +30,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from ..errors import ChecksumError
-from . import checksums, dtypes
+from . import checksums, dtypes, zarr_json
 from .grid import ChunkGrid
 from .metadata import ArrayOptions, TensorEntry
 
@@ -42,12 +42,18 @@ _CRC_BYTES = 4
 
 @dataclass(frozen=True)
 class ShardFormat:
-    """How one array's outer chunks are laid out: outer and inner chunk shapes, item size, crc32c codec."""
+    """How one array's outer chunks are laid out: outer and inner chunk shapes, item size, crc32c codec.
+
+    ``indexed=False`` describes an array without inner chunks (no sharding
+    codec, :func:`leaf_format`): its one piece is the whole chunk, followed
+    by no index, so the same encoding, reads and checks serve it.
+    """
 
     chunk: tuple[int, ...]
     inner: tuple[int, ...]
     itemsize: int
     crc32c_codec: bool = False
+    indexed: bool = True
 
     @functools.cached_property
     def grid(self) -> tuple[int, ...]:
@@ -68,15 +74,19 @@ class ShardFormat:
     @functools.cached_property
     def positions(self) -> np.ndarray:
         """Where each inner chunk is stored (its rank in storage order), by its row-major index in the grid."""
-        return self.position(np.stack(np.unravel_index(np.arange(self.pieces), self.grid), axis=1))
+        return self.position(np.argwhere(np.ones(self.grid, dtype=bool)))  # row-major, also for a 0-d grid
 
     def position(self, coords: np.ndarray) -> np.ndarray:
         """Storage positions of the inner chunks at grid coordinates ``coords`` (one row each)."""
+        if not self.grid:  # a 0-d array's one chunk
+            return np.zeros(max(len(np.asarray(coords)), 1), dtype=np.int64)
         coords = np.asarray(coords, dtype=np.int64).reshape(-1, len(self.grid))
         return np.ravel_multi_index(tuple(coords[:, d] for d in self.order), [self.grid[d] for d in self.order])
 
     def coords(self, positions: np.ndarray) -> np.ndarray:
         """Grid coordinates (one row each) of the inner chunks stored at ``positions``."""
+        if not self.grid:
+            return np.zeros((len(np.atleast_1d(positions)), 0), dtype=np.int64)
         stored = np.unravel_index(np.asarray(positions, dtype=np.int64), [self.grid[d] for d in self.order])
         out = np.empty((len(np.atleast_1d(positions)), len(self.grid)), dtype=np.int64)
         for k, d in enumerate(self.order):
@@ -86,7 +96,7 @@ class ShardFormat:
     def grid_view(self, values: np.ndarray) -> np.ndarray:
         """All inner chunks of an outer chunk, ``(pieces, *inner)`` in storage order, as a ``(*grid, *inner)`` view."""
         ndim = len(self.grid)
-        stored = values.reshape(*(self.grid[d] for d in self.order), *self.inner)
+        stored = values.reshape((*(self.grid[d] for d in self.order), *self.inner))
         back = [self.order.index(d) for d in range(ndim)]
         return stored.transpose(*back, *range(ndim, 2 * ndim))
 
@@ -101,6 +111,8 @@ class ShardFormat:
 
     @functools.cached_property
     def index_bytes(self) -> int:
+        if not self.indexed:
+            return 0
         return 16 * self.pieces + (_CRC_BYTES if self.crc32c_codec else 0)
 
     def present(self, extent: Sequence[int]) -> np.ndarray:
@@ -123,6 +135,8 @@ class ShardFormat:
     @functools.cached_property
     def index(self) -> np.ndarray:
         """The index tsckpt writes at the end of every outer chunk (as ``uint8``), its entries in row-major order."""
+        if not self.indexed:
+            return np.empty(0, dtype=np.uint8)
         entries = np.empty((self.pieces, 2), dtype=_ENTRY)
         entries[:, 0] = self.positions.astype(np.uint64) * np.uint64(self.piece_bytes)
         entries[:, 1] = self.piece_bytes
@@ -178,6 +192,9 @@ def check_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index:
     bad = np.flatnonzero(found != expected)
     if len(bad):
         at = coords[inside[bad[0]]].tolist()
+        if not fmt.indexed:  # the chunk is one piece, stored as one key
+            raise ChecksumError(f"{what}: chunk {list(index)} does not match its stored crc32c (key "
+                                f"{zarr_json.chunk_key(index)}; the data changed after it was written)")
         raise ChecksumError(f"{what}: chunk {list(index)} does not match its stored crc32c at inner chunk {at} "
                             "(the data changed after it was written)")
 
@@ -235,13 +252,29 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
     if entry.inner_chunk_shape is None or options is None or options.compression is not None:
         return None
     return _format(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
-                   options.crc32c_codec)
+                   options.crc32c_codec, True)
+
+
+def leaf_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
+    """The layout of ``entry``'s chunks where it has no inner chunks and is not compressed: each stored chunk
+    is its raw bytes (padded to the chunk shape) and, with the codec, their crc32c; None otherwise.
+
+    Chunk files of such arrays are the one-piece case of :class:`ShardFormat`
+    without an index, so a writer or reader that handles chunk files itself
+    treats them alike instead of paying TensorStore's cost per array (an open
+    and a read of a few bytes cost about as much as a 2 MB chunk file).
+    """
+    if entry.inner_chunk_shape is not None or options is None or options.compression is not None:
+        return None
+    return _format(entry.chunk_shape, entry.chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
+                   options.crc32c_codec, False)
 
 
 @functools.lru_cache(maxsize=1024)
-def _format(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int, crc32c_codec: bool) -> ShardFormat:
+def _format(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int, crc32c_codec: bool,
+            indexed: bool) -> ShardFormat:
     """One :class:`ShardFormat` per layout, so arrays laid out alike share its cached tables (positions, index)."""
-    return ShardFormat(chunk, inner, itemsize, crc32c_codec)
+    return ShardFormat(chunk, inner, itemsize, crc32c_codec, indexed)
 
 
 def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],
@@ -254,6 +287,8 @@ def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],
     faster than an element-wise transposing copy when rows are short.
     """
     ndim = len(grid)
+    if not ndim:  # a 0-d array: one element, one inner chunk
+        return full, body.reshape(())
     if full.strides[-1] == full.itemsize and body.strides[-1] == body.itemsize:
         row = np.dtype((np.void, inner[-1] * full.itemsize))
         lead = [n for g, i in zip(grid[:-1], inner[:-1]) for n in (g, i)]

@@ -57,11 +57,16 @@ class BoxReader:
         self.what = what
         self.dtype = dtypes.from_zarr(entry.dtype).numpy
         # Chunks tsckpt encoded are read here; without checksums nothing would notice one laid out otherwise.
-        self.fmt = shards.shard_format(entry, store.array_options) \
-            if entry.checksums_per_inner_chunk and entry.checksums is not None else None
+        checked = entry.checksums_per_inner_chunk and entry.checksums is not None
+        self.fmt = shards.shard_format(entry, store.array_options) if checked else None
         self.table: np.ndarray | None = None
-        # Chunk files on a local disk are read with file calls: many times faster than through the kvstore.
-        self._dir = chunk_files.local_directory(store, entry.path) if self.fmt is not None else None
+        # Chunk files on a local disk are read with file calls: many times faster than through the kvstore,
+        # and for arrays without inner chunks, than opening each through TensorStore.
+        self._dir = chunk_files.local_directory(store, entry.path) if checked else None
+        if self._dir is not None and self.fmt is None:
+            self.fmt = shards.leaf_format(entry, store.array_options)
+        if self.fmt is None:
+            self._dir = None
         if self.fmt is None:
             self._array = store.open_tensor(entry)
         elif self._dir is None:
@@ -93,8 +98,11 @@ class BoxReader:
     def read(self, offsets: Sequence[int], sizes: Sequence[int], out: np.ndarray | None = None) -> PendingBox:
         """Start reading the box ``offsets``/``sizes``; into ``out`` (its shape, the stored dtype) if given."""
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-        if self.fmt is None or 0 in sizes:
+        if self.fmt is None:
             return self._read_array(offsets, sizes, out)
+        if 0 in sizes:  # nothing to read
+            empty = out if out is not None else np.empty(sizes, dtype=self.dtype)
+            return PendingBox(lambda: empty)
         return self._read_chunks(offsets, sizes, out)
 
     # --- through TensorStore's array driver ---------------------------------------
@@ -283,7 +291,7 @@ class BoxReader:
         b = tuple(min(o + n, x + m, e) for o, n, x, m, e in zip(origin, span, offsets, sizes, self.entry.shape))
         if any(y <= x for x, y in zip(a, b)):
             return
-        dest = out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offsets))]
+        dest = out[(*(slice(x - o, y - o) for x, y, o in zip(a, b, offsets)), ...)]  # a view, even 0-d
         if a == origin and all(y - o == n for y, o, n in zip(b, origin, span)):
             tiles, pieces = shards.tile_views(dest, values, block, fmt.inner)
             np.copyto(tiles, pieces)
