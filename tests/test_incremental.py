@@ -143,6 +143,27 @@ def test_a_base_chunk_damaged_as_stored_is_written_again_and_its_twin_is_reused(
     assert all(torch.equal(out[k], v) for k, v in _twins(2).items())
 
 
+def test_a_damaged_chunk_without_inner_chunks_is_written_again_and_its_twin_is_linked(tmp_path):
+    """Small arrays (no inner chunks: 0-d steps, norms) are checked as stored too before a link takes them."""
+    def state(step: int) -> dict:
+        return {"count": torch.tensor(7.0), "norm": torch.arange(6.0), "twin": torch.arange(6.0) + 1,
+                "adapter": torch.full((3,), float(step))}
+
+    base, new = tmp_path / "step_1", tmp_path / "step_2"
+    tsckpt.save(state(1), base, layout="plain")
+    assert tsckpt.open(base).metadata.tensors["norm"].inner_chunk_shape is None
+    damage.edit_key(base, "norm/c.0", lambda b: damage.flip_byte(b, 2))
+    damage.edit_key(base, "count/c", lambda b: b[:2])
+    tsckpt.save(state(2), new, layout="plain", base=base)
+    assert tsckpt.open(new).metadata.reuse.chunks_reused == 1  # the twin's chunk only
+    assert _inode(new, "twin/c.0") == _inode(base, "twin/c.0")
+    assert _inode(new, "norm/c.0") != _inode(base, "norm/c.0") and _inode(new, "count/c") != _inode(base, "count/c")
+    assert tsckpt.verify(new).ok
+    out = {"count": torch.tensor(0.0), "norm": torch.zeros(6), "twin": torch.zeros(6), "adapter": torch.zeros(3)}
+    tsckpt.load(out, new)
+    assert all(torch.equal(out[k], v) for k, v in state(2).items())
+
+
 def test_a_base_chunk_whose_crc32c_codec_values_are_damaged_is_written_again(tmp_path):
     """The data still matches the base's checksum table, but Zarr readers, which check the codec, would fail."""
     base, new = tmp_path / "step_1", tmp_path / "step_2"

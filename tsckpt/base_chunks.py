@@ -177,7 +177,7 @@ class BaseChunks:
         TensorStore's codecs.
         """
         entry = self.metadata.tensors[fqn]
-        fmt = shards.shard_format(entry, self.metadata.array_options)
+        fmt = self._format(entry)
         if fmt is not None:
             if self.mode == LINK:  # the chunk is a file: read and checked in small parts, on the read threads
                 key = f"{entry.path}/{zarr_json.chunk_key(index)}"
@@ -196,6 +196,14 @@ class BaseChunks:
             arr = self._arrays[fqn] = self.store.open_tensor(entry).result()
         return arr[entry.grid.chunk_region(index)].read() if index else arr.read()
 
+    def _format(self, entry: TensorEntry) -> shards.ShardFormat | None:
+        """How the base's chunks of ``entry`` are checked as stored; chunk files of arrays without inner chunks
+        too (:func:`~tsckpt.format.shards.leaf_format`), where they are files a link takes."""
+        fmt = shards.shard_format(entry, self.metadata.array_options)
+        if fmt is None and self.mode == LINK and entry.checksums_per_inner_chunk and entry.checksums is not None:
+            fmt = shards.leaf_format(entry, self.metadata.array_options)
+        return fmt
+
     def sound(self, fqn: str, index: tuple[int, ...], reading: ts.Future, digest: bytes) -> bool:
         """Whether the base's chunk that :meth:`read` started still holds what the base recorded: False when
         it is missing, truncated, replaced or any byte of it changed, so it must not be taken.
@@ -205,7 +213,7 @@ class BaseChunks:
         through the codecs by its content hash ``digest``.
         """
         entry = self.metadata.tensors[fqn]
-        fmt = shards.shard_format(entry, self.metadata.array_options)
+        fmt = self._format(entry)
         try:
             found = reading.result()
             if found is True:  # a chunk file, checked as it was read (_check_file)

@@ -120,7 +120,7 @@ class ShardFormat:
         ndim = len(self.grid)
         axes = [(np.arange(g) * i < e).reshape([-1 if d == k else 1 for k in range(ndim)])
                 for d, (g, i, e) in enumerate(zip(self.grid, self.inner, extent))]
-        return np.broadcast_to(functools.reduce(np.logical_and, axes), self.grid)
+        return np.broadcast_to(functools.reduce(np.logical_and, axes, np.True_), self.grid)
 
     @functools.cached_property
     def every(self) -> np.ndarray:
