@@ -14,7 +14,8 @@ moves bytes and remembers what it wrote:
   the way) and written as whole chunk keys through a ``uint8`` view of them
   (:meth:`Store.create_raw`), or, for a plain checkpoint on a local disk, as
   files from a few recycled buffers
-  (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`); every other array
+  (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`), which there also
+  writes the uncompressed arrays without inner chunks; every other array
   through TensorStore's ``zarr3`` driver;
 * every piece of a tensor's checksum grid written (its inner chunks) gets its
   crc32c (:mod:`tsckpt.format.checksums`), every outer chunk its content hash

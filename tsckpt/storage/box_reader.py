@@ -11,10 +11,12 @@ are read here from their chunk keys: an outer chunk the box covers whole with
 one read of its key, one it covers in part with one read per run of needed
 inner chunks stored one after the other (``ShardFormat.order`` keeps those
 runs few). Each inner chunk is checked where it lies in the bytes read (no
-copy), then copied into place. Other arrays (no inner chunks, compressed,
-written before format version 3 or without checksums) are read through
-TensorStore's array driver, over the box widened to whole pieces, and checked
-after.
+copy), then copied into place. A local plain checkpoint's arrays without
+inner chunks are read the same way, from their chunk files (each one piece,
+no index: :func:`~tsckpt.format.shards.leaf_format`). Other arrays (without
+inner chunks elsewhere, compressed, written before format version 3 or
+without checksums) are read through TensorStore's array driver, over the box
+widened to whole pieces, and checked after.
 """
 
 from __future__ import annotations
