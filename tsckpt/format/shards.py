@@ -261,8 +261,8 @@ def leaf_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat
 
     Chunk files of such arrays are the one-piece case of :class:`ShardFormat`
     without an index, so a writer or reader that handles chunk files itself
-    treats them alike instead of paying TensorStore's cost per array (an open
-    and a read of a few bytes cost about as much as a 2 MB chunk file).
+    treats them alike instead of paying TensorStore's cost per array (an open,
+    then a read or write of a few bytes).
     """
     if entry.inner_chunk_shape is not None or options is None or options.compression is not None:
         return None
