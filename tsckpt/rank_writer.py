@@ -143,11 +143,10 @@ class RankWriter:
         """Start opening the arrays of ``entries`` (flat key -> entry), all at once."""
         for fqn, e in entries.items():
             self._entries[fqn] = e
-            fmt = shards.shard_format(e, self.options)
             directory = chunk_files.local_directory(self.store, e.path)
-            if directory is not None and fmt is None:  # small arrays' chunk files too: no TensorStore open each
-                fmt = shards.leaf_format(e, self.options)
-            self._formats[fqn] = fmt
+            # Chunk files written here include small arrays': no TensorStore open for each.
+            fmt = self._formats[fqn] = (shards.shard_format if directory is None else shards.file_format)(
+                e, self.options)
             if directory is not None and fmt is not None:
                 self._files[fqn] = directory
             elif fmt is None:

@@ -74,7 +74,7 @@ class ShardFormat:
     @functools.cached_property
     def positions(self) -> np.ndarray:
         """Where each inner chunk is stored (its rank in storage order), by its row-major index in the grid."""
-        return self.position(np.argwhere(np.ones(self.grid, dtype=bool)))  # row-major, also for a 0-d grid
+        return self.position(self.every)
 
     def position(self, coords: np.ndarray) -> np.ndarray:
         """Storage positions of the inner chunks at grid coordinates ``coords`` (one row each)."""
@@ -253,6 +253,12 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
         return None
     return _format(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
                    options.crc32c_codec, True)
+
+
+def file_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
+    """How ``entry``'s chunk files are laid out where tsckpt writes and reads them itself (a plain checkpoint
+    on a local disk): :func:`shard_format`, else :func:`leaf_format`; None for compressed arrays."""
+    return shard_format(entry, options) or leaf_format(entry, options)
 
 
 def leaf_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:

@@ -60,16 +60,14 @@ class BoxReader:
         self.dtype = dtypes.from_zarr(entry.dtype).numpy
         # Chunks tsckpt encoded are read here; without checksums nothing would notice one laid out otherwise.
         checked = entry.checksums_per_inner_chunk and entry.checksums is not None
-        self.fmt = shards.shard_format(entry, store.array_options) if checked else None
-        self.table: np.ndarray | None = None
         # Chunk files on a local disk are read with file calls: many times faster than through the kvstore,
         # and for arrays without inner chunks, than opening each through TensorStore.
         self._dir = chunk_files.local_directory(store, entry.path) if checked else None
-        if self._dir is not None and self.fmt is None:
-            self.fmt = shards.leaf_format(entry, store.array_options)
+        self.fmt = (shards.shard_format if self._dir is None else shards.file_format)(
+            entry, store.array_options) if checked else None
+        self.table: np.ndarray | None = None
         if self.fmt is None:
             self._dir = None
-        if self.fmt is None:
             self._array = store.open_tensor(entry)
         elif self._dir is None:
             self._raw = store.open_raw(entry.path, entry.grid.grid_shape, self.fmt.nbytes)

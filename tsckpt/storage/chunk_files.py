@@ -42,7 +42,7 @@ T = TypeVar("T")
 #: A few threads: enough to keep the page cache or a disk queue busy, few enough for 2-core machines.
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-chunk-read")
 #: Whether files may be made durable by one syncfs at the end (Linux) rather than an fsync each.
-_DEFER_SYNC = localfs.libc() is not None and hasattr(localfs.libc(), "syncfs")
+_DEFER_SYNC = localfs.has_syncfs()
 #: Chunk files smaller than this are written on the rank's own thread.
 INLINE_BYTES = 1 << 20  # also: smaller chunk files are read whole, not streamed
 #: Writes have threads of their own: an fsync waiting on the disk must not hold up reads.

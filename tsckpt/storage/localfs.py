@@ -37,8 +37,7 @@ def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] |
     are durable per PUT; other systems keep per-file fsync). When the location's
     own context sets ``file_io_sync: false``, there is no flush call either.
     """
-    syncfs = getattr(libc(), "syncfs", None)
-    if location.driver != "file" or syncfs is None:
+    if location.driver != "file" or not has_syncfs():
         return None
     spec = {**context_spec(location=location), "file_io_sync": False}
     kv = open_kvstore(location, ts.Context(spec, parent=process_context()))
@@ -62,22 +61,33 @@ def libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
+@functools.cache
+def _libc_call(name: str, *argtypes: Any) -> Any:
+    """libc's ``name`` (its argument types set once, where given), or None where there is none."""
+    fn = getattr(libc(), name, None)
+    if fn is not None and argtypes:
+        fn.argtypes = list(argtypes)
+    return fn
+
+
+def has_syncfs() -> bool:
+    """Whether :func:`syncfs_at` can flush a whole filesystem here (Linux)."""
+    return _libc_call("syncfs") is not None
+
+
 #: ``sync_file_range`` flag: start writing the range's dirty pages back, without waiting.
 _SYNC_FILE_RANGE_WRITE = 2
 
 
 def start_writeback(fd: int) -> bool:
     """Start writing ``fd``'s dirty pages to the device without waiting; False where the kernel cannot."""
-    fn = getattr(libc(), "sync_file_range", None)
-    if fn is None:
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
+    fn = _libc_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return fn is not None and fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 def syncfs_at(path: str) -> bool:
     """Make everything written to the filesystem holding ``path`` durable; False where ``syncfs`` is missing."""
-    fn = getattr(libc(), "syncfs", None)
+    fn = _libc_call("syncfs")
     if fn is None:
         return False
     fd = os.open(path, os.O_RDONLY)
