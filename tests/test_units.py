@@ -48,6 +48,20 @@ def test_grid_aligned_to_every_region(shape, boxes, chunk):
     assert len(owners) == math.prod(-(-n // c) for n, c in zip(shape, chunk)) or math.prod(shape) == 0
 
 
+@pytest.mark.parametrize("shape, chunk, offsets, sizes", [
+    ((10, 6), (3, 4), (3, 0), (6, 6)),  # interior rows, the edge column chunk
+    ((10, 6), (3, 4), (9, 4), (1, 2)),  # the corner chunk, clipped at both edges
+    ((7,), (2,), (0,), (7,)),
+    ((4, 5, 6), (2, 5, 3), (2, 0, 3), (2, 5, 3)),
+    ((), (), (), ()),  # a 0-d array's one chunk
+    ((0, 4), (1, 4), (0, 0), (0, 4)),  # no elements: no chunks
+])
+def test_flat_indices_within_lists_the_chunks_of_chunks_within(shape, chunk, offsets, sizes):
+    grid = ChunkGrid(shape, chunk)
+    expected = [grid.flat_index(index) for index, _ in grid.chunks_within(offsets, sizes)]
+    assert grid.flat_indices_within(offsets, sizes).tolist() == expected
+
+
 def test_tiling_rejects_overlap_gap_and_out_of_bounds():
     with pytest.raises(errors.PlanError, match="'w'.*overlap|'w'.*exactly once"):
         check_tiling("w", (4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])

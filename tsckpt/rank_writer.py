@@ -247,9 +247,9 @@ class RankWriter:
             chunks.digests.append(digest)
             chunks.reused.append(same)
             if same or not encoded:
-                pieces = [units.flat_index(i) for i, _ in units.chunks_within(_start(grid, index), part.shape)]
-                chunks.pieces += pieces
-                chunks.crcs += [int(crcs[p]) for p in pieces] if same else \
+                pieces = units.flat_indices_within(_start(grid, index), part.shape)
+                chunks.pieces += pieces.tolist()
+                chunks.crcs += crcs[pieces].tolist() if same else \
                     checksums.region_checksums(part, units, _start(grid, index))[1]
             if same:
                 self._check_then_take(fqn, index, len(chunks.reused) - 1, part)
@@ -335,7 +335,7 @@ class RankWriter:
         entry = self._entries[fqn]
         grid, units = entry.grid, entry.checksum_grid
         if not self.checksums:
-            chunks.indices += [grid.flat_index(i) for i, _ in grid.chunks_within(offsets, source.shape)]
+            chunks.indices += grid.flat_indices_within(offsets, source.shape).tolist()
             return
         if self._formats[fqn] is None and units.chunk_shape == grid.chunk_shape:
             for index, _, crc, digest in chunk_sums(source, grid, offsets):

@@ -19,6 +19,7 @@ slicing, plotting).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -145,12 +146,13 @@ class ChunkGrid:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None = None
 
-    @property
+    # Cached: a save or load asks each array's grid for these thousands of times.
+    @functools.cached_property
     def grid_shape(self) -> tuple[int, ...]:
         """Number of chunks along each dimension."""
         return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
 
-    @property
+    @functools.cached_property
     def nchunks(self) -> int:
         return math.prod(self.grid_shape)
 
@@ -188,12 +190,24 @@ class ChunkGrid:
         """
         if math.prod(sizes) == 0:
             return
+        for index in itertools.product(*self._ranges_within(offsets, sizes)):
+            yield index, tuple(slice(i * c - o, min((i + 1) * c, n) - o)
+                               for i, c, o, n in zip(index, self.chunk_shape, offsets, self.shape))
+
+    def flat_indices_within(self, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """:meth:`flat_index` of every chunk :meth:`chunks_within` gives, in its order, as one array."""
+        if math.prod(sizes) == 0:
+            return np.zeros(0, dtype=np.int64)
+        axes = [np.arange(r.start, r.stop, dtype=np.int64) for r in self._ranges_within(offsets, sizes)]
+        if not axes:  # a 0-d array: its one chunk
+            return np.zeros(1, dtype=np.int64)
+        return np.ravel_multi_index(np.meshgrid(*axes, indexing="ij"), self.grid_shape).reshape(-1)
+
+    def _ranges_within(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[range]:
         ranges = []
         for n, c, o, s in zip(self.shape, self.chunk_shape, offsets, sizes):
             end = o + s
             first, last = -(-o // c), (end // c if end < n else -(-n // c))
             ranges.append(range(first, max(first, last)))
-        for index in itertools.product(*ranges):
-            yield index, tuple(slice(i * c - o, min((i + 1) * c, n) - o)
-                               for i, c, o, n in zip(index, self.chunk_shape, offsets, self.shape))
+        return ranges
 

@@ -9,6 +9,7 @@ checkpoint needs only numpy.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -132,11 +133,13 @@ class TensorEntry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.from_zarr(self.dtype).itemsize
 
-    @property
+    # Cached (outside the dataclass's fields, so equality and to_dict ignore them): saves, loads and
+    # commits ask for an entry's grids per chunk.
+    @functools.cached_property
     def grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
 
-    @property
+    @functools.cached_property
     def checksum_grid(self) -> ChunkGrid:
         """The pieces the checksum table covers, one crc32c each: inner chunks, or outer chunks before version 3."""
         unit = self.grid.read_unit if self.checksums_per_inner_chunk else self.chunk_shape
