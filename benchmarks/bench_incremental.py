@@ -39,6 +39,7 @@ and saves >= 3x faster; loads as fast as from a full checkpoint.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import shutil
@@ -118,6 +119,14 @@ def _sharded(state: dict[str, torch.Tensor], mesh: Any) -> dict[str, Any]:
     return {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in state.items()}
 
 
+def _changed(state: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of ``state`` that differ from ``before`` on any rank (every rank gets the same keys)."""
+    flags = torch.tensor([not torch.equal(v.to_local(), before[k].to_local()) for k, v in state.items()],
+                         dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return {k: v for (k, v), flag in zip(state.items(), flags.tolist()) if flag}
+
+
 def _frozen_share(state: dict[str, torch.Tensor]) -> float:
     frozen = sum(v.nbytes for k, v in state.items() if v.dtype == torch.bfloat16)
     return frozen / sum(v.nbytes for v in state.values())
@@ -152,10 +161,11 @@ def phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
         root = os.path.join(cfg["root"], f"rep{rep}")
         base = os.path.join(root, "base")
         options = {"layout": cfg["layout"], "overwrite": True}
-        before, after = STATES[cfg["state"]](cfg["gb"], rep), STATES[cfg["state"]](cfg["gb"], rep + 1)
-        tsckpt.save(_sharded(before, mesh), base, **options)
-        state = _sharded(after, mesh)
-        changed = {k: v for k, v in state.items() if not torch.equal(before[k], after[k])}
+        before = _sharded(STATES[cfg["state"]](cfg["gb"], rep), mesh)
+        tsckpt.save(before, base, **options)
+        state = _sharded(STATES[cfg["state"]](cfg["gb"], rep + 1), mesh)
+        changed = _changed(state, before)
+        del before  # each rank holds one state while it saves, as before this reference existed
         figures: dict[str, dict[str, float]] = {}
         for mode in ranks.rotated(MODES, rep):
             path = os.path.join(root, mode.replace(", ", "-").replace(" ", "-"))
@@ -178,6 +188,10 @@ def phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             assert all(torch.equal(target[k].to_local().view(torch.uint8), v.to_local().view(torch.uint8))
                        for k, v in state.items()), f"{mode}: loaded data differs"
         result["reps"].append(figures)
+        # Each repetition makes new states: drop this one's before the next is made.
+        del state, changed
+        target.clear()
+        gc.collect()
         dist.barrier()
         if rank == 0:
             shutil.rmtree(root)
