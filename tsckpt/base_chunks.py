@@ -200,7 +200,7 @@ class BaseChunks:
         """How the base's chunks of ``entry`` are checked as stored; chunk files of arrays without inner chunks
         too (:func:`~tsckpt.format.shards.leaf_format`), where they are files a link takes."""
         files = self.mode == LINK and entry.checksums_per_inner_chunk and entry.checksums is not None
-        return (shards.file_format if files else shards.shard_format)(entry, self.metadata.array_options)
+        return shards.file_format(entry, self.metadata.array_options, files)
 
     def sound(self, fqn: str, index: tuple[int, ...], reading: ts.Future, digest: bytes) -> bool:
         """Whether the base's chunk that :meth:`read` started still holds what the base recorded: False when

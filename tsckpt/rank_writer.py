@@ -145,8 +145,7 @@ class RankWriter:
             self._entries[fqn] = e
             directory = chunk_files.local_directory(self.store, e.path)
             # Chunk files written here include small arrays': no TensorStore open for each.
-            fmt = self._formats[fqn] = (shards.shard_format if directory is None else shards.file_format)(
-                e, self.options)
+            fmt = self._formats[fqn] = shards.file_format(e, self.options, directory is not None)
             if directory is not None and fmt is not None:
                 self._files[fqn] = directory
             elif fmt is None:

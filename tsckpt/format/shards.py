@@ -255,10 +255,14 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
                    options.crc32c_codec, True)
 
 
-def file_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
-    """How ``entry``'s chunk files are laid out where tsckpt writes and reads them itself (a plain checkpoint
-    on a local disk): :func:`shard_format`, else :func:`leaf_format`; None for compressed arrays."""
-    return shard_format(entry, options) or leaf_format(entry, options)
+def file_format(entry: TensorEntry, options: ArrayOptions | None, files: bool) -> ShardFormat | None:
+    """How tsckpt encodes, reads and checks ``entry``'s stored chunks itself: :func:`shard_format`, and where
+    they are ``files`` it handles with file calls (a plain checkpoint on a local disk), else :func:`leaf_format`.
+
+    None: the chunks go through TensorStore's codecs (compressed arrays; arrays
+    without inner chunks outside local chunk files).
+    """
+    return shard_format(entry, options) or (leaf_format(entry, options) if files else None)
 
 
 def leaf_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:

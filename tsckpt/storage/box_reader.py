@@ -63,8 +63,7 @@ class BoxReader:
         # Chunk files on a local disk are read with file calls: many times faster than through the kvstore,
         # and for arrays without inner chunks, than opening each through TensorStore.
         self._dir = chunk_files.local_directory(store, entry.path) if checked else None
-        self.fmt = (shards.shard_format if self._dir is None else shards.file_format)(
-            entry, store.array_options) if checked else None
+        self.fmt = shards.file_format(entry, store.array_options, self._dir is not None) if checked else None
         self.table: np.ndarray | None = None
         if self.fmt is None:
             self._dir = None
