@@ -81,9 +81,9 @@ def _steps_root(tmp_path: Path) -> Path:
     root = tmp_path / "ckpt"
     for step in (100, 200):
         tsckpt.save({"w": torch.ones(1000), "step": step}, root / f"step_{step}")
-    dead = root / "step_300" / "w"
+    dead = root / f".step_300.tsckpt-{'0' * 32}" / "w"  # the staging directory of a save that died
     dead.mkdir(parents=True)
-    (dead / "c.0").write_bytes(b"x" * 10)  # a chunk of a save that never committed
+    (dead / "c.0").write_bytes(b"x" * 10)
     (root / "config.yaml").write_text("lr: 0.1\n")
     (root / "logs").mkdir()
     return root

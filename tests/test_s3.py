@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import tsckpt
+from tsckpt.commit.states import CLAIM
 import zoo
 from cli_run import one_line_error, run_cli
 from zoo import same_bits
@@ -117,6 +118,10 @@ def test_prefix_with_array_data_but_no_root_metadata_is_refused(s3):
             delete(kv, key.decode())
     left = bucket_keys(s3, "runs/crashed")
     assert left and any(k.startswith("runs/crashed/w/c.") for k in left)
+    # Without its save's claim nothing marks these objects as a save's: they could be anyone's.
+    with pytest.raises(tsckpt.NotACheckpointError, match="runs/crashed.*tsckpt did not write"):
+        tsckpt.load(small_state_dict(), location)
+    kv.write(CLAIM, b'{"save_id": "0123"}').result()  # a save that died keeps its claim down
     with pytest.raises(tsckpt.IncompleteCheckpointError, match="runs/crashed"):
         tsckpt.load(small_state_dict(), location)
     # The root document alone decides: array nodes without it are still incomplete.

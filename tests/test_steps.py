@@ -8,6 +8,7 @@ root document, other tools' files.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -48,14 +49,17 @@ def dead_save(location, step: int) -> None:
     with pytest.raises(CheckpointException) as info:
         dcp.save(state(step), storage_writer=_DiesBeforeCommit(location), planner=SavePlanner())
     assert "killed before the commit" in str(info.value.failures)
+    del info
+    gc.collect()  # the dead save's staging lock goes with its writer, as it would with its process
     if isinstance(location, (str, os.PathLike)) and "://" not in str(location):
         # A local save stages beside its target (docs/publication.md), so a dead one leaves
-        # the target as it was. What a dead save leaves *inside* a location (object stores, or
-        # tsckpt 0.1 on any store) is made by moving its staging directory into place.
-        parent, name = os.path.split(os.path.abspath(location))
-        staged = [d for d in os.listdir(parent) if d.startswith(f".{name}.tsckpt-")]
-        assert len(staged) == 1, staged
-        os.rename(os.path.join(parent, staged[0]), os.path.join(parent, name))
+        # the target as it was and its hidden staging directory beside it.
+        assert len(staged_dirs(location)) == 1
+
+
+def staged_dirs(location) -> list[str]:
+    parent, name = os.path.split(os.path.abspath(location))
+    return [d for d in os.listdir(parent) if d.startswith(f".{name}.tsckpt-")]
 
 
 def loaded_step(location) -> int:
@@ -96,9 +100,10 @@ def test_scan_classifies_every_entry(root):
         ("dcp_7000", 7000, "foreign"), ("zarr_8000", 8000, "foreign"), ("tb_9000", 9000, "foreign"),
         ("empty_9500", 9500, "foreign"),
     ]
-    # The dead saves really are what a failed save leaves: chunk files, no zarr.json at all.
-    dead = [p.relative_to(root / "step_500").as_posix() for p in (root / "step_500").rglob("*") if p.is_file()]
-    assert dead and not [p for p in dead if p.endswith("zarr.json")]
+    # The dead saves really are what a failed save leaves: a staging directory of chunk files, no zarr.json.
+    staging = root / staged_dirs(root / "step_500")[0]
+    dead = [p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()]
+    assert dead and not [p for p in dead if p.endswith("zarr.json")] and not (root / "step_500").exists()
 
 
 def test_latest_is_the_highest_committed_step_by_number(root):
@@ -138,10 +143,11 @@ def test_prune_keeps_the_newest_and_never_touches_what_it_does_not_own(root):
     # keep=1 removes the older committed one; the dead save stays unless asked for.
     assert tsckpt.prune(root, keep=1) == [os.path.join(root, "step_900")]
     assert loaded_step(tsckpt.latest(root)) == 1000
+    dead = set(staged_dirs(root / "step_500"))
     assert tsckpt.prune(root, keep=1, remove_incomplete=True) == [os.path.join(root, "step_500")]
     # What is left: the newest checkpoint, the save being written, and every foreign entry untouched.
-    assert _names(root) == before - {"step_20", "step_900", "step_500"}
-    assert (root / "step_5000").is_dir() and (root / "tb_9000" / "events.out").read_text() == "not a checkpoint"
+    assert dead and _names(root) == before - {"step_20", "step_900", *dead}
+    assert staged_dirs(root / "step_5000") and (root / "tb_9000" / "events.out").read_text() == "not a checkpoint"
     assert (root / "step_6000" / "zarr.json").read_text() == "{ torn"
     assert os.path.islink(root / "step_99999") and loaded_step(root / "step_99999") == 1000
     assert loaded_step(root / "step_1000") == 1000
@@ -163,8 +169,8 @@ def test_prune_never_removes_the_only_committed_checkpoint(tmp_path):
     assert tsckpt.prune(only_dead, keep=1, remove_incomplete=True) == []
 
 
-def test_prune_removes_the_root_document_first(tmp_path, monkeypatch):
-    """A prune that dies between the two deletions leaves an incomplete checkpoint, not a loadable husk."""
+def test_a_prune_that_dies_leaves_a_leftover_prune_recognises(tmp_path, monkeypatch):
+    """A prune killed while deleting leaves its checkpoint renamed aside, never a loadable husk nor foreign data."""
     r = tmp_path / "ckpt"
     for s in (1, 2):
         tsckpt.save(state(s), r / f"step_{s}")
@@ -175,10 +181,13 @@ def test_prune_removes_the_root_document_first(tmp_path, monkeypatch):
     monkeypatch.setattr(steps, "remove_tree", dies)
     with pytest.raises(TsckptError, match="removing .*step_1 failed: killed"):
         tsckpt.prune(r, keep=1)
-    assert not (r / "step_1" / "zarr.json").exists() and any((r / "step_1").iterdir())  # the data stays
+    assert not (r / "step_1").exists()
+    aside = staged_dirs(r / "step_1")
+    assert len(aside) == 1 and aside[0].endswith(".old") and any((r / aside[0]).iterdir())  # the data stays
     assert [(e.name, e.state) for e in steps.scan(r)] == [("step_1", "incomplete"), ("step_2", "committed")]
     monkeypatch.undo()
     assert tsckpt.prune(r, keep=1, remove_incomplete=True) == [os.path.join(r, "step_1")]
+    assert not staged_dirs(r / "step_1") and _names(r) == {"step_2"}
 
 
 def test_cli_latest_and_prune(root):

@@ -11,14 +11,15 @@ A candidate is in one of four states:
     its root ``zarr.json`` carries the tsckpt metadata: the commit happened,
     the checkpoint loads.
 ``incomplete``
-    a tsckpt save that has not committed: a save still running, or one that
-    died. Recognised by holding nothing but chunk files and ``zarr.json``
-    nodes below the root (an incomplete save never has a root ``zarr.json``).
+    a tsckpt save that has not committed on an object store: a save still
+    running, or one that died (or a prune that died). Recognised by its
+    save's claim object and nothing but keys a save writes; local saves are
+    staged in hidden directories, so a local entry is never incomplete.
 ``damaged``
     its root ``zarr.json`` exists but is not readable JSON.
 ``foreign``
-    anything else: another tool's directory, a plain Zarr group, an empty
-    directory, a symbolic link. Never returned by :func:`latest`, never
+    anything else: another tool's directory, Zarr arrays or groups tsckpt did
+    not write, an empty directory, a symbolic link. Never returned by :func:`latest`, never
     touched by :func:`prune`.
 
 Entries without an integer in their name (``logs/``, ``config.yaml``) are not
@@ -27,9 +28,11 @@ candidates at all. Torch-free.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, overload
@@ -37,8 +40,10 @@ from typing import Any, overload
 import tensorstore as ts
 
 from .errors import LocationError, OptionError, StorageError
-from .commit.staged import remove_tree
-from .commit.states import ATTRIBUTE, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, delete_own_keys, is_own_key
+from .commit.staged import STAGING_NAME, remove_leftovers, remove_tree, staging_path
+from .commit.states import (ABSENT, ATTRIBUTE, CLAIM, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, checkpoint_keys,
+                            delete_own_keys, is_own_key, without_root)
+from .storage.localfs import fsync_dir
 from .storage.location import Location, LocationLike, parse_location
 from .storage.context import make_context, open_kvstore
 from .storage.kvio import read_json, storage_error
@@ -102,8 +107,13 @@ class _Root:
         joined = f"{text.rstrip('/')}/{name}" if "://" in text else os.path.join(text, name)
         return joined, joined
 
-    def entries(self) -> Iterator[tuple[str, Callable[[], list[str]]]]:
-        """(name, a call listing the keys below it) for each directory-like entry of the root."""
+    def entries(self) -> Iterator[tuple[str, Callable[[], list[str]] | None]]:
+        """(name, a call listing the keys below it) for each directory-like entry of the root.
+
+        On a local disk, saves that have not published stage in hidden
+        directories beside their target: each target name with one and no
+        directory of its own comes with None instead of a listing.
+        """
         if self.location.driver == "file":
             yield from _local_entries(str(self.location.spec["path"]), self.location.url)
             return
@@ -122,7 +132,9 @@ class _Root:
         for name, rest in below.items():
             yield name, (lambda rest=rest: rest)
 
-    def state(self, name: str, keys: Callable[[], list[str]]) -> str:
+    def state(self, name: str, keys: Callable[[], list[str]] | None) -> str:
+        if keys is None:
+            return INCOMPLETE
         try:
             doc = read_json(self.kv, f"{name}/{ROOT}")
         except (ValueError, RecursionError):
@@ -130,26 +142,56 @@ class _Root:
         if doc is not None:
             return COMMITTED if _is_tsckpt_root(doc) else FOREIGN
         below = [k for k in keys() if k]  # "" is an object store's folder marker
-        return INCOMPLETE if below and all(is_own_key(k) for k in below) else FOREIGN
+        state = without_root(below).state
+        return FOREIGN if state == ABSENT else state
+
+    def remove_staged(self, entry: StepCheckpoint) -> bool:
+        """Remove the dead staging directories of saves into ``entry`` (local disks); whether any went."""
+        if self.location.driver != "file":
+            return False
+        target = Location({**self.location.spec, "path": os.path.join(str(self.location.spec["path"]), entry.name)})
+        try:
+            return bool(remove_leftovers(target))
+        except OSError as e:
+            raise StorageError(f"removing the leftovers of {entry.url} failed: {e}") from None
 
     def remove(self, entry: StepCheckpoint) -> None:
-        """Un-commit first (root document), then delete the rest: a prune that dies
-        half-way leaves an incomplete checkpoint, never one that loads with arrays missing.
+        """Delete a step checkpoint so that a prune dying half-way leaves a recognisable leftover.
 
-        Only what a tsckpt save may have written is deleted; a file someone put
-        beside the checkpoint stays (and the entry then reads as foreign).
+        On a local disk the entry is first renamed aside, atomically, to the
+        hidden name of a replaced checkpoint (``.<name>.tsckpt-<id>.old``),
+        which ``tsckpt clean`` and the next save into the entry remove. On
+        object stores a claim goes down first, then the root document (the
+        entry no longer loads), then the rest, the claim last: until then
+        the entry reads as an incomplete save. Only what a tsckpt save may
+        have written is deleted; a file someone put beside the checkpoint
+        stays (and the entry then reads as foreign).
         """
         prefix = f"{entry.name}/"
         try:
+            if self.location.driver == "file":
+                here = os.path.join(str(self.location.spec["path"]), entry.name)
+                with open(os.path.join(here, ROOT), "rb") as f:
+                    own = checkpoint_keys(f.read()) or is_own_key
+                if not all(own(k) for k in _walk(here)):
+                    remove_tree(here, own)  # a file someone put there stays where they put it
+                    return
+                aside = staging_path(os.path.realpath(here), uuid.uuid4().hex, old=True)
+                os.rename(here, aside)
+                fsync_dir(os.path.dirname(aside))
+                remove_tree(aside, own)
+                return
+            raw = self.kv.read(prefix + ROOT).result()
+            own = (checkpoint_keys(raw.value) if raw.state == "value" else None) or is_own_key
+            claim = prefix + CLAIM
+            self.kv.write(claim, json.dumps({"pruning": entry.name}).encode()).result()
             root_doc = prefix + ROOT
             self.kv.delete_range(ts.KvStore.KeyRange(root_doc, root_doc + "\0")).result()
-            if self.location.driver == "file":
-                remove_tree(os.path.join(str(self.location.spec["path"]), entry.name))
-            else:
-                # "0" is the character after "/": the range is exactly the keys under the prefix.
-                below = self.kv.list(ts.KvStore.KeyRange(prefix, f"{entry.name}0")).result()
-                keys = [k.decode("utf-8", "replace") for k in below]
-                delete_own_keys(self.kv, keys, entry.url, prefix)
+            # "0" is the character after "/": the range is exactly the keys under the prefix.
+            below = self.kv.list(ts.KvStore.KeyRange(prefix, f"{entry.name}0")).result()
+            keys = [k.decode("utf-8", "replace") for k in below]
+            delete_own_keys(self.kv, [k for k in keys if k != claim], entry.url, prefix, own)
+            self.kv.delete_range(ts.KvStore.KeyRange(claim, claim + "\0")).result()
         except (ValueError, OSError) as e:
             raise (storage_error(e, f"removing {entry.url} failed") if isinstance(e, ValueError)
                    else StorageError(f"removing {entry.url} failed: {e}")) from None
@@ -160,7 +202,7 @@ def _is_tsckpt_root(doc: Any) -> bool:
     return isinstance(attrs, dict) and ATTRIBUTE in attrs
 
 
-def _local_entries(path: str, url: str) -> Iterator[tuple[str, Callable[[], list[str]]]]:
+def _local_entries(path: str, url: str) -> Iterator[tuple[str, Callable[[], list[str]] | None]]:
     try:
         with os.scandir(path) as it:
             dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
@@ -168,8 +210,12 @@ def _local_entries(path: str, url: str) -> Iterator[tuple[str, Callable[[], list
         return
     except NotADirectoryError:
         raise LocationError(f"{url} is a file, not a directory of step checkpoints") from None
+    names = {e.name for e in dirs}
+    staged = {m["name"] for e in dirs if (m := STAGING_NAME.match(e.name))}
     for e in dirs:
         yield e.name, (lambda p=e.path: _walk(p))
+    for name in sorted(staged - names):
+        yield name, None
 
 
 def _walk(path: str) -> list[str]:
@@ -277,8 +323,14 @@ def prune(root: LocationLike, keep: int, *, dry_run: bool = False,
         newest = committed[-1].step
         doomed += [e for e in entries if e.state == INCOMPLETE and e.step < newest]
     doomed.sort(key=lambda e: (e.step, e.name))
+    gone = []
     for e in doomed:
         if not dry_run:
-            r.remove(e)
+            if e.state == INCOMPLETE and r.location.driver == "file":
+                if not r.remove_staged(e):
+                    continue  # its save still holds its staging directory: running, not dead
+            else:
+                r.remove(e)
+        gone.append(e.url)
         log.info("%s %s checkpoint %s", "would remove" if dry_run else "removed", e.state, e.url)
-    return [e.url for e in doomed]
+    return gone

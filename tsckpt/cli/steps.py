@@ -81,7 +81,8 @@ def _details(entry: StepCheckpoint) -> dict[str, Any]:
     """Bytes and time of one step: a committed one's tensor bytes and creation time, else what is on disk."""
     from ..errors import TsckptError
     from ..read import checkpoint
-    from ..steps import COMMITTED
+    from ..commit.staged import staging_dirs, tree_bytes
+    from ..steps import COMMITTED, INCOMPLETE
 
     if entry.state == COMMITTED:
         try:
@@ -89,6 +90,12 @@ def _details(entry: StepCheckpoint) -> dict[str, Any]:
             return {"nbytes": ck.nbytes, "time": ck.metadata.created}
         except TsckptError:
             pass
+    if entry.state == INCOMPLETE and isinstance(entry.location, str) and not os.path.exists(entry.location):
+        staged = [d.path for d in staging_dirs(os.path.abspath(entry.location))]  # a local save, staged aside
+        if staged:
+            newest = max(os.path.getmtime(p) for p in staged)
+            return {"nbytes": sum(tree_bytes(p) for p in staged),
+                    "time": datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).isoformat(timespec="seconds")}
     if isinstance(entry.location, str) and "://" not in entry.location and os.path.isdir(entry.location):
         total, newest = 0, 0.0
         for dirpath, _, files in os.walk(entry.location):

@@ -27,8 +27,10 @@ from .states import (
     INCOMPLETE,
     ROOT,
     Found,
+    checkpoint_keys,
     classify,
     delete_own_keys,
+    is_own_key,
     describe_root,
     list_keys,
     read_key,
@@ -80,10 +82,12 @@ class InPlaceTarget(SaveTarget):
                                           f"save {self.save_id}; nothing was written")
             self._claim_generation = generation
             if found.state != ABSENT:
+                raw, _ = read_root(kv, self.url)
+                own = (checkpoint_keys(raw) if raw is not None else None) or is_own_key
                 # Un-commit first: from here on the location is incomplete, never a mix. Keys are
                 # deleted one by one, never by range, so what appeared since the listing survives.
                 kv.delete_range(ts.KvStore.KeyRange(ROOT, ROOT + "\0")).result()
-                delete_own_keys(kv, [k for k in list_keys(kv, self.url) if k != CLAIM], self.url)
+                delete_own_keys(kv, [k for k in list_keys(kv, self.url) if k != CLAIM], self.url, "", own)
         except ValueError as e:
             raise storage_error(e, f"cannot prepare {self.url} for save {self.save_id}") from None
 
@@ -138,7 +142,6 @@ class InPlaceTarget(SaveTarget):
         writing the same keys), nor when the root document commits this save
         after all (the write that seemed to fail took effect).
         """
-        left = None
         try:
             if self.written and self._claim_generation is not None:
                 self.check_current()
@@ -147,13 +150,14 @@ class InPlaceTarget(SaveTarget):
                     for prefix in self.written:
                         self.kv.delete_range(prefix_range(prefix)).result()
         except (ValueError, TsckptError) as e:
-            left = (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
+            # The claim stays: it is what marks the data left behind as this save's to remove.
+            return (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
                     f"removes it")
         try:
             self._release()
         except ValueError:
             pass
-        return left
+        return None
 
     @classmethod
     def leftovers(cls, location: Location) -> list[Leftover]:

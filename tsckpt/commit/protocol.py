@@ -40,7 +40,7 @@ from ..format.names import parent_groups
 from ..storage.packed_reuse import KeptChunks
 from ..format.reuse import Reuse
 from ..storage.store import Store
-from .states import ATTRIBUTE, ROOT, is_own_key
+from .states import ATTRIBUTE, FOREIGN, ROOT, without_root
 from .target import SaveTarget
 
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
@@ -203,12 +203,11 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
             raise NotACheckpointError(
                 f"{url} is a DCP FileSystemWriter checkpoint, not a tsckpt one; convert it with "
                 f"`tsckpt convert --trust-pickle {url} DST` (its .metadata is a pickle: trust it first)")
-        foreign = sorted(k.decode("utf-8", "replace") for k in keys if not is_own_key(k.decode("utf-8", "replace")))
-        if doc is None and foreign:
-            # Files no save writes: not a save that died, but something else (or a directory of them).
-            raise NotACheckpointError(
-                f"no checkpoint at {url}: it holds {len(foreign)} file(s) tsckpt did not write, e.g. "
-                f"{foreign[0]!r}, and no committed metadata in {ROOT}")
+        found = without_root([k.decode("utf-8", "replace") for k in keys]) if doc is None else None
+        if found is not None and found.state == FOREIGN and not _written_by_tsckpt(kv, keys):
+            # Not a save that died, but something else (or a directory of them).
+            raise NotACheckpointError(f"no checkpoint at {url}: it holds {found.what}, and no committed "
+                                      f"metadata in {ROOT}")
         raise IncompleteCheckpointError(
             f"{url} is an incomplete checkpoint: the save did not finish "
             f"(no committed metadata in {ROOT}); it cannot be loaded"
@@ -232,6 +231,21 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
         # from_dict validates field by field; this only guards against a hostile
         # document reaching a case it did not foresee, which must still be a clean refusal.
         raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def _written_by_tsckpt(kv: ts.KvStore, keys: list[bytes]) -> bool:
+    """Whether an array document among ``keys`` says tsckpt wrote it (groups' say nothing; a few are read):
+    evidence enough to call the location an incomplete checkpoint when loading, never to delete anything."""
+    nodes = [k for k in keys if k.endswith(b"/" + ROOT.encode())]
+    for node in sorted(nodes, key=lambda k: -k.count(b"/"))[:4]:  # the deepest are arrays
+        try:
+            doc = read_json(kv, node.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            continue
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        if isinstance(attrs, dict) and ATTRIBUTE in attrs:
+            return True
+    return False
 
 
 def _leftover_hint(kv: ts.KvStore) -> str:

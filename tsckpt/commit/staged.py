@@ -27,6 +27,7 @@ import errno
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import tensorstore as ts
@@ -35,10 +36,12 @@ from ..errors import ConcurrentSaveError, StorageError
 from ..storage.context import make_context, open_kvstore
 from ..storage.localfs import DirLock, exchange, fsync_dir, liveness
 from ..storage.location import Location
-from .states import ABSENT, COMMITTED, FILE, ROOT, Found, classify, describe_root, is_own_key, refuse
+from .states import (ABSENT, COMMITTED, FILE, ROOT, Found, checkpoint_keys, classify, describe_root, is_own_key,
+                     refuse)
 from .target import Leftover, SaveTarget
 
-_STAGING = re.compile(r"^\.(?P<name>.+)\.tsckpt-(?P<save_id>[0-9a-f]{32})(?P<old>\.old)?$")
+#: The name of a save's staging directory, or of a checkpoint it replaced, beside the target ``name``.
+STAGING_NAME = re.compile(r"^\.(?P<name>.+)\.tsckpt-(?P<save_id>[0-9a-f]{32})(?P<old>\.old)?$")
 
 
 def staging_path(target: str, save_id: str, *, old: bool = False) -> str:
@@ -46,12 +49,22 @@ def staging_path(target: str, save_id: str, *, old: bool = False) -> str:
     return os.path.join(parent, f".{name}.tsckpt-{save_id}" + (".old" if old else ""))
 
 
-def remove_tree(path: str) -> None:
+def remove_tree(path: str, own: Callable[[str], bool] | None = None) -> None:
     """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed.
 
-    Only files a tsckpt save may have written go (:func:`~tsckpt.commit.target.is_own_key`);
-    anything else, and the directories holding it, stay where they are.
+    Only files a tsckpt save may have written go: those the committed root
+    document names (:func:`~tsckpt.commit.states.checkpoint_keys`), or ``own``,
+    or by their names (:func:`~tsckpt.commit.states.is_own_key`) in a tree
+    that never committed. Anything else, and the directories holding it,
+    stay where they are.
     """
+    if own is None:
+        try:
+            with open(os.path.join(path, ROOT), "rb") as f:
+                own = checkpoint_keys(f.read())
+        except OSError:
+            pass
+    own = own or is_own_key
     try:
         os.unlink(os.path.join(path, ROOT))
     except (FileNotFoundError, NotADirectoryError):
@@ -59,7 +72,7 @@ def remove_tree(path: str) -> None:
     for top, dirs, files in os.walk(path, topdown=False):
         for name in files:
             full = os.path.join(top, name)
-            if is_own_key(os.path.relpath(full, path)):
+            if own(os.path.relpath(full, path).replace(os.sep, "/")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(full)
         with contextlib.suppress(FileNotFoundError, OSError):
@@ -107,7 +120,7 @@ def staging_dirs(target: str) -> list[StagingDir]:
         return []
     out = []
     for entry in sorted(entries):
-        m = _STAGING.match(entry)
+        m = STAGING_NAME.match(entry)
         if m and m["name"] == name:
             out.append(StagingDir(os.path.join(parent, entry), m["save_id"], bool(m["old"])))
     return out

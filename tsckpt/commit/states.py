@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +103,67 @@ def list_keys(kv: ts.KvStore, url: str) -> list[str]:
     return [k.decode("utf-8", "replace") for k in kvio.list_keys(kv, url)]
 
 
-def _foreign(keys: list[str], what: str) -> Found | None:
+def without_root(keys: list[str]) -> Found:
+    """Classify a location whose root document is missing, by its keys (relative to it).
+
+    Names alone cannot tell a dead save's data from Zarr data someone else
+    wrote: both are ``zarr.json`` and chunk keys. Without a committed root,
+    keys are a save's leftovers only under that save's claim, which every
+    save writing in place (object stores, memory) puts down before its first
+    key and removes after its last; local saves write only in their own
+    staging directories, never at the location itself.
+    """
+    if not keys:
+        return Found(ABSENT)
     foreign = sorted(k for k in keys if not is_own_key(k))
+    if foreign:
+        return Found(FOREIGN, f"{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
+    if CLAIM in keys:
+        return Found(INCOMPLETE, f"{len(keys)} file(s) of a save that did not finish")
+    nodes = sorted(k for k in keys if k.removesuffix(LOCK_SUFFIX).rsplit("/", 1)[-1] == ROOT)
+    example = nodes[0] if nodes else sorted(keys)[0]
+    return Found(FOREIGN, f"Zarr data tsckpt did not write ({len(keys)} file(s), e.g. {example!r}, and no "
+                          f"root {ROOT} with tsckpt metadata nor a save's claim)")
+
+
+_NODE_OR_CHUNK = re.compile(r"^(?:zarr\.json|c|c(?:\.\d+)+|c(?:/\d+)+)$")
+_LAYOUT_KEY = re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$")
+
+
+def checkpoint_keys(raw: bytes) -> Callable[[str], bool] | None:
+    """For a committed root document: which keys belong to that checkpoint (None if it names no arrays).
+
+    A key is the checkpoint's when it is a node document or chunk key of an
+    array or group its metadata names, or a key of its layout (OCDBT files,
+    the claim). An array someone added inside a checkpoint is not, though its
+    names look like any array's.
+    """
+    try:
+        md = json.loads(raw)["attributes"][ATTRIBUTE]
+        paths = {e["path"] for table in ("tensors", "objects") for e in md[table].values()
+                 if isinstance(e, dict) and isinstance(e.get("path"), str)}
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return None
+    groups = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+
+    def own(key: str) -> bool:
+        key = key.removesuffix(LOCK_SUFFIX)
+        if key in (ROOT, CLAIM) or _LAYOUT_KEY.match(key):
+            return True
+        head, sep, tail = key.rpartition("/")
+        if tail == ROOT and head in groups:
+            return True
+        while sep:  # the array path is some prefix of the key; chunk keys may hold "/" themselves
+            if head in paths and _NODE_OR_CHUNK.match(key[len(head) + 1:]):
+                return True
+            head, sep, _ = head.rpartition("/")
+        return False
+
+    return own
+
+
+def _foreign(keys: list[str], what: str, own: Callable[[str], bool] = is_own_key) -> Found | None:
+    foreign = sorted(k for k in keys if not own(k))
     if not foreign:
         return None
     return Found(FOREIGN, f"{what}{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
@@ -120,17 +180,16 @@ def classify(kv: ts.KvStore, url: str, *, inside: bool = False) -> Found:
     if raw is not None:
         found = describe_root(raw)
         if inside and found.state == COMMITTED:
-            return _foreign(list_keys(kv, url), f"{found.what}, and beside it ") or found
+            own = checkpoint_keys(raw) or is_own_key
+            return _foreign(list_keys(kv, url), f"{found.what}, and beside it ", own) or found
         return found
-    keys = list_keys(kv, url)
-    if not keys:
-        return Found(ABSENT)
-    return _foreign(keys, "") or Found(INCOMPLETE, f"{len(keys)} file(s) of a save that did not finish")
+    return without_root(list_keys(kv, url))
 
 
-def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "") -> None:
-    """Delete those of ``keys`` that a tsckpt save into ``prefix`` may have written, and nothing else."""
-    own = [k for k in keys if k.startswith(prefix) and is_own_key(k[len(prefix):])]
+def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "",
+                    own_key: Callable[[str], bool] = is_own_key) -> None:
+    """Delete those of ``keys`` that a tsckpt save into ``prefix`` wrote (``own_key``), and nothing else."""
+    own = [k for k in keys if k.startswith(prefix) and own_key(k[len(prefix):])]
     try:
         for future in [kv.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in own]:
             future.result()
