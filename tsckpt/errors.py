@@ -5,6 +5,10 @@ Every error a user can trigger with bad input or a broken checkpoint is a
 raise site uses the most specific class below, so callers can also tell a bad
 argument from a broken store from a damaged checkpoint. Every class is
 importable from ``tsckpt``.
+
+Ctrl-C during a save stays a ``KeyboardInterrupt`` (so ``except Exception``
+does not swallow it, and an uncaught one ends the program as Ctrl-C does),
+whose message says what the save left where (:mod:`tsckpt.dcp.failure`).
 """
 
 from __future__ import annotations

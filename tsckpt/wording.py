@@ -1,4 +1,4 @@
-"""Counted nouns in messages: "1 rank", "4 ranks". Torch-free."""
+"""Counted nouns and sizes in messages: "1 rank", "4 ranks", "1.1 GiB". Torch-free."""
 
 from __future__ import annotations
 
@@ -6,3 +6,15 @@ from __future__ import annotations
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, in the plural (``noun + "s"`` unless given) unless ``n`` is 1."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def human_bytes(n: int | None) -> str:
+    """``n`` bytes in binary units (``"512 B"``, ``"1.1 GiB"``); ``"?"`` for None."""
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

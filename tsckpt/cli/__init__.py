@@ -11,7 +11,7 @@ import typer
 from typer.core import TyperCommand
 
 from ..errors import TsckptError
-from .exits import ERROR
+from .exits import ERROR, INTERRUPTED
 
 
 class _Command(TyperCommand):
@@ -55,7 +55,10 @@ CLI_S3_RETRIES = 2
 
 
 def main() -> None:
-    """Entry point: a tsckpt error is one line on stderr and exit status 2 (:mod:`.exits`), never a traceback."""
+    """Entry point: a tsckpt error is one line on stderr and exit status 2 (:mod:`.exits`), never a traceback.
+
+    Ctrl-C is one line too (what a command that writes left where, when it says so) and exit status 130.
+    """
     from ..storage.kvio import S3_RETRIES_ENV
     from .messages import for_cli
     from .native_logs import native_logs_filtered
@@ -69,3 +72,20 @@ def main() -> None:
         except TsckptError as e:
             print(f"error: {for_cli(str(e))}", file=sys.stderr)
             sys.exit(ERROR)
+        except (KeyboardInterrupt, SystemExit) as e:
+            interrupt = _interrupt_in(e)
+            if interrupt is None:
+                raise
+            print(f"interrupted: {for_cli(str(interrupt))}" if interrupt.args else "interrupted", file=sys.stderr)
+            sys.exit(INTERRUPTED)
+
+
+def _interrupt_in(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt behind ``e``: typer turns one into a silent exit with status 130."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import warnings
@@ -48,8 +49,12 @@ def convert_cmd(
     """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
     from ..conversion.convert import ConversionWarning, convert
 
+    from ..conversion.convert import default_target
+
     shard = parse_size(max_shard_size) if max_shard_size else None
     err = Console(stderr=True)
+    target = to or default_target(dst, shard)
+    existed = os.path.lexists(dst)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConversionWarning)  # printed below from the result
@@ -58,11 +63,32 @@ def convert_cmd(
                              progress=not quiet and err.is_terminal)
     except TsckptError as e:
         raise failed(e) from None
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupted(dst, target, existed)) from None
     for note in result.warnings:
         err.print(f"[yellow]warning:[/yellow] {note}", highlight=False, soft_wrap=True)
     err.print(f"{result.source_format} -> {result.target_format}: {count(result.tensors, 'tensor')}, "
               f"{count(result.objects, 'value')}, {result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s "
               f"({result.mb_per_s:.0f} MB/s)", highlight=False)
+
+
+def _interrupted(dst: str, target: str, existed: bool) -> str:
+    """What Ctrl-C during ``convert`` left at ``dst``, in one line."""
+    line = f"convert to {dst} was interrupted (Ctrl-C)"
+    if target == "tsckpt":
+        # The checkpoint builder removed its staging on the way out; a leftover is what it could not.
+        from .clean import leftover_line
+
+        try:
+            left = leftover_line(dst)
+        except TsckptError as e:
+            left = str(e)
+        return f"{line}; nothing was committed" + (f"; {left}" if left else ", and what it had staged was removed")
+    partial = [p for p in (dst + ".partial", dst) if os.path.lexists(p) and (p != dst or not existed)]
+    if not partial:
+        return f"{line}; nothing was written there"
+    state = "are incomplete: remove them" if len(partial) > 1 else "is incomplete: remove it"
+    return f"{line}; {' and '.join(partial)} {state}"
 
 
 def _side(e: Any, which: str) -> str:

@@ -7,3 +7,5 @@ FOUND = 1
 #: The command could not do its job: bad input, or a missing, incomplete or unreadable
 #: checkpoint. Command-line usage errors exit with 2 too.
 ERROR = 2
+#: Ctrl-C stopped the command (128 + SIGINT, as a shell reports a program that Ctrl-C ended).
+INTERRUPTED = 130

@@ -13,23 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import TsckptError
-from ..wording import count
+from ..wording import count, human_bytes
 from . import app, flag
 from .messages import failed
 
 out = Console()
 err = Console(stderr=True)
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

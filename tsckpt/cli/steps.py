@@ -137,4 +137,33 @@ def list_steps(root: str, as_json: bool) -> bool:
     committed = [r for r in rows if r["state"] == "committed"]
     print(f"{count(len(rows), 'step')}, {len(committed)} committed"
           + (f"; the newest committed: {committed[-1]['url']}" if committed else ""))
+    for entry in entries:
+        note = _leftovers(root, entry)
+        if note:
+            print(f"{entry.name}: {note}")
     return True
+
+
+def _leftovers(root: str, entry: StepCheckpoint) -> str | None:
+    """What saves into ``entry`` that did not finish left, and the command that removes it; None if nothing.
+
+    Local saves stage in hidden directories beside their target, which the
+    table does not show: an interrupted save of a new step is listed as
+    ``incomplete``, one that was replacing a committed step not at all.
+    """
+    from ..commit.staged import staging_dirs
+    from ..errors import TsckptError
+    from ..steps import FOREIGN, INCOMPLETE
+    from .clean import leftover_line
+
+    if entry.state == FOREIGN:
+        return None
+    local = isinstance(entry.location, str) and "://" not in entry.location
+    if local and not staging_dirs(os.path.abspath(entry.location)):
+        return None  # nothing beside it: skip the lookup
+    if not local and entry.state != INCOMPLETE:
+        return None  # committed on an object store: a save in place leaves nothing but a claim, listed as incomplete
+    try:
+        return leftover_line(entry.url)
+    except TsckptError as e:
+        return f"cannot tell what is left ({e})"

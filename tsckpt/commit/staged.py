@@ -39,6 +39,7 @@ from ..storage.location import Location
 from .states import (ABSENT, COMMITTED, FILE, ROOT, Found, checkpoint_keys, classify, describe_root, is_own_key,
                      refuse)
 from .target import Leftover, SaveTarget
+from ..wording import human_bytes
 
 #: The name of a save's staging directory, or of a checkpoint it replaced, beside the target ``name``.
 STAGING_NAME = re.compile(r"^\.(?P<name>.+)\.tsckpt-(?P<save_id>[0-9a-f]{32})(?P<old>\.old)?$")
@@ -88,6 +89,37 @@ def tree_bytes(path: str) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+def _tree_state(path: str) -> tuple[int, int, int]:
+    """Files, bytes and the newest modification time under ``path``: what changes while writes land."""
+    files = nbytes = newest = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue
+            files, nbytes, newest = files + 1, nbytes + st.st_size, max(newest, st.st_mtime_ns)
+    return files, nbytes, newest
+
+
+def settle(path: str, *, quiet: float = 0.25, limit: float = 10.0) -> None:
+    """Wait until nothing under ``path`` has changed for ``quiet`` seconds, or ``limit`` seconds have passed.
+
+    A rank stopped by Ctrl-C leaves the writes it had started running in the
+    background (write threads, TensorStore's own): a staging directory removed
+    before they end would be made again by the files they create after it.
+    """
+    deadline = time.monotonic() + limit
+    last, calm_since = _tree_state(path), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _tree_state(path)
+        if now != last:
+            last, calm_since = now, time.monotonic()
+        elif time.monotonic() - calm_since >= quiet:
+            return
 
 
 def _committed(path: str) -> Found | None:
@@ -303,10 +335,37 @@ class StagedTarget(SaveTarget):
             self._lock.release()
             self._lock = None
 
-    def abort(self) -> None:
+    def abort(self) -> str | None:
+        """Remove the staging directory while this save's lock still marks it as this save's own.
+
+        Returns None when it is gone, else where it is, its size and the
+        command that removes it (a filesystem without locks, or files that
+        are not a save's).
+        """
         if os.path.isdir(self.staging) and self._lock is not None:
             remove_tree(self.staging)
         self.release()
+        return self._left()
+
+    def abort_interrupted(self) -> str | None:
+        """:meth:`abort` after Ctrl-C: first wait for the writes still landing in the staging directory.
+
+        Interrupted ranks do not wait for the writes they started; what those
+        write after the removal is removed once more (the directory carries
+        this save's id: no other save writes there). Returns as :meth:`abort`.
+        """
+        settle(self.staging)
+        self.abort()
+        settle(self.staging, quiet=0.2, limit=2.0)
+        if os.path.isdir(self.staging):
+            remove_tree(self.staging)
+        return self._left()
+
+    def _left(self) -> str | None:
+        if not os.path.lexists(self.staging):
+            return None
+        return (f"{self.staging} ({human_bytes(tree_bytes(self.staging))}) is left: "
+                f"`tsckpt clean {self.url}` removes it")
 
     @classmethod
     def leftovers(cls, location: Location) -> list[Leftover]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import TsckptError
 from ..storage.location import LocationLike
+from . import failure
 from .planner import LoadPlanner, SavePlanner
 from .reader import TensorStoreReader
 from .staging import Stager
@@ -46,8 +48,11 @@ def save(
     without a word, and code written against tsckpt's own API can say what it means.
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
-    with _unwrapped(), gc_paused(), _single_process_quiet():
-        return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+    try:
+        with gc_paused(), _single_process_quiet():
+            return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+    except (CheckpointException, KeyboardInterrupt) as e:
+        raise _plain(e, _SaveInterrupts(writer, path, process_group)) from None
 
 
 def async_save(
@@ -93,8 +98,11 @@ def load(
     reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
     reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
-    with _unwrapped(), gc_paused(), _single_process_quiet():
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+    try:
+        with gc_paused(), _single_process_quiet():
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+    except (CheckpointException, KeyboardInterrupt) as e:
+        raise _plain(e) from None
 
 
 @contextlib.contextmanager
@@ -127,23 +135,51 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _unwrapped() -> Iterator[None]:
-    """Re-raise a rank's tsckpt error as itself rather than DCP's CheckpointException.
+class _SaveInterrupts:
+    """What a save does when Ctrl-C stops it on some rank (:func:`tsckpt.dcp.failure.interrupted`)."""
+
+    def __init__(self, writer: TensorStoreWriter, path: LocationLike, process_group: dist.ProcessGroup | None):
+        self.writer, self.process_group = writer, process_group
+        # The path as the user wrote it, so the command in the message can be pasted as it is.
+        self.shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(writer.checkpoint_id)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
+
+    def error(self, stopped: list[int]) -> BaseException:
+        # Set on the coordinator once the save has begun; before that nothing was written.
+        target = getattr(self.writer, "_target", None) if self.writer.is_coordinator else None
+        return failure.interrupted(self.shown, self.rank(), stopped, target)
+
+
+def _plain(e: BaseException, interrupts: _SaveInterrupts | None = None) -> BaseException:
+    """What tsckpt's functions raise instead of ``e``, DCP's CheckpointException or a KeyboardInterrupt.
 
     DCP gathers every rank's exception into one CheckpointException (a
-    BaseException, which ``except Exception`` misses); callers of tsckpt's
-    functions get the first rank's TsckptError with its clear message, first
-    (a rank's own error before one that replica reads relayed to it from the
-    rank that fetched for it; DCP's exception stays its ``__context__``,
-    unprinted: its traceback is the failing rank's, and repeats the message).
+    BaseException, which ``except Exception`` misses), printed as every
+    failing rank's traceback before the error itself. Callers of tsckpt's
+    functions get the first rank's TsckptError as itself, first (a rank's own
+    error before one that replica reads relayed to it from the rank that
+    fetched for it), without DCP's exception or the frames inside DCP and
+    tsckpt it went through: a TsckptError is its one clear line, and those
+    frames say nothing a user can act on.
+
+    Ctrl-C on any rank becomes one line: with ``interrupts`` (a save), what the
+    save left where (:func:`tsckpt.dcp.failure.interrupted`); else the
+    ``KeyboardInterrupt`` itself. Any other exception is ``e``, unchanged.
     """
-    try:
-        yield
-    except CheckpointException as e:
-        # Each failure is DCP's (exception, traceback summary) pair.
-        errors = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
-        # A rank's own error before one relayed from the rank that fetched a region for it (replica reads).
-        for exc in sorted((x for x in errors if isinstance(x, TsckptError)), key=lambda x: hasattr(x, "from_rank")):
-            raise exc from None
-        raise
+    if isinstance(e, KeyboardInterrupt):  # outside DCP's wrapping: between its steps
+        if interrupts is None or e.args:  # no save, or already the line that says what it left
+            return e
+        return interrupts.error([interrupts.rank()])
+    assert isinstance(e, CheckpointException)
+    # Each failure is DCP's (exception, traceback summary) pair.
+    failures = {rank: f[0] if isinstance(f, tuple) else f for rank, f in sorted(e.failures.items())}
+    stopped = [rank for rank, x in failures.items() if isinstance(x, KeyboardInterrupt)]
+    if stopped:
+        return interrupts.error(stopped) if interrupts is not None else KeyboardInterrupt()
+    # A rank's own error before one relayed from the rank that fetched a region for it (replica reads).
+    for exc in sorted((x for x in failures.values() if isinstance(x, TsckptError)),
+                      key=lambda x: hasattr(x, "from_rank")):
+        return exc.with_traceback(None)
+    return e

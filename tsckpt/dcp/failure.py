@@ -16,6 +16,15 @@ whose first line says where the save went, on which rank it failed and why:
 DCP raises that on every rank, inside its ``CheckpointException`` (whose own
 first line names the coordinator, where the failure was raised);
 ``tsckpt.save`` raises it as itself.
+
+Ctrl-C is not a failure a rank reports: the ``KeyboardInterrupt`` leaves the
+rank's ``write_data`` at once, with its writes still running, and DCP never
+calls ``finish``. ``tsckpt.save`` then calls :func:`interrupted` on every rank:
+the coordinator waits for the writes to land, removes what the save staged,
+and every rank raises one line that says what is left where
+(a ``KeyboardInterrupt`` where Ctrl-C was pressed, so the program still
+ends as Ctrl-C ends it; :class:`~tsckpt.errors.SaveFailedError` on ranks it
+only stopped).
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError, TsckptError
+from ..commit.states import ROOT, describe_root
 from ..commit.target import SaveTarget
+from ..storage.context import make_context, open_kvstore
 from ..storage.kvio import one_line, problem
 from .contract import RankSummary
 
@@ -125,3 +136,43 @@ def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> S
     else:
         lines.append(f"nothing was committed; what the save had written could not be removed: {cleanup}")
     return SaveFailedError("\n".join(lines))
+
+
+def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | None) -> BaseException:
+    """What rank ``rank`` raises after Ctrl-C stopped the save to ``url`` on the ranks ``stopped``.
+
+    ``target`` is the coordinator's (None on other ranks): the coordinator
+    removes what the save staged, once the writes still running have landed,
+    and says what is left; other ranks name the command that removes it.
+    Ctrl-C that came after the commit says the checkpoint is complete.
+    """
+    where = f"Ctrl-C on rank {stopped[0]}" + (f" and {len(stopped) - 1} other" if len(stopped) > 1 else "")
+    if target is None:
+        outcome = f"nothing was committed; `tsckpt clean {url}` removes what it left, if the coordinator did not"
+    elif _committed_by(target):
+        outcome = f"it had committed: {url} is complete"
+    else:
+        cleanup = _abort_interrupted(target)
+        outcome = "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
+    line = f"save to {url} was interrupted ({where}); {outcome}"
+    return KeyboardInterrupt(line) if rank in stopped else SaveFailedError(line)
+
+
+def _abort_interrupted(target: SaveTarget) -> str | None:
+    try:
+        abort = getattr(target, "abort_interrupted", target.abort)  # a local disk waits for late writes
+        return abort()
+    except (OSError, ValueError, TsckptError) as e:
+        return f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
+    except KeyboardInterrupt:  # Ctrl-C once more: stop waiting, say what is there
+        return f"what it had staged may be left: `tsckpt clean {target.url}` removes it"
+
+
+def _committed_by(target: SaveTarget) -> bool:
+    """Whether the root document at the target is this save's (the interrupt came after the commit)."""
+    try:
+        kv = open_kvstore(target.location, make_context(location=target.location))
+        raw = kv.read(ROOT).result()
+    except (ValueError, OSError, TsckptError):
+        return False
+    return raw.state == "value" and describe_root(raw.value).save_id == target.save_id
