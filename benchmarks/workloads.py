@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -162,29 +162,36 @@ def local_shape(shape: tuple[int, ...], dim: int, ranks: int, rank: int) -> list
     return out
 
 
+def seeded(name: str, rank: int, shape: Sequence[int]) -> torch.Tensor:
+    """The float32 values :func:`build_state_dict` fills rank ``rank``'s shard of tensor ``name`` with."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@{rank}".encode()))
+    return torch.randn(list(shape), generator=gen, dtype=torch.float32)
+
+
 def build_state_dict(w: Workload, dtype: torch.dtype, mesh: Any, column: bool, fill: bool,
-                     replicated: bool = False) -> dict[str, Any]:
+                     replicated: bool = False, moment_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The model + optimizer state dict of ``w``, row- (or column-) sharded over ``mesh``, or replicated on it.
 
     With ``fill`` every shard holds seeded normal values (a different seed per
-    tensor and rank), otherwise uninitialised memory as a load destination.
+    tensor and rank, :func:`seeded`), otherwise uninitialised memory as a load
+    destination. Weights are of ``dtype``, optimizer moments of ``moment_dtype``
+    (default: ``dtype`` too).
     """
     rank, ranks = dist.get_rank(), mesh.size()
 
-    def tensor(name: str, shape: tuple[int, ...]) -> DTensor:
+    def tensor(name: str, shape: tuple[int, ...], kind: torch.dtype) -> DTensor:
         dim = shard_dim(shape, column)
         shard = list(shape) if replicated else local_shape(shape, dim, ranks, rank)
-        local = torch.empty(shard, dtype=dtype)
+        local = torch.empty(shard, dtype=kind)
         if fill:
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@{rank}".encode()))
-            local.copy_(torch.randn(shard, generator=gen, dtype=torch.float32))
+            local.copy_(seeded(name, rank, shard))
         return DTensor.from_local(local, mesh, [Replicate() if replicated else Shard(dim)], run_check=False,
                                   shape=shape, stride=torch.empty(shape, device="meta").stride())
 
     model, state = {}, {}
     for name, shape in w.params().items():
-        model[name] = tensor(name, shape)
-        state[name] = {m: tensor(f"{name}.{m}", shape) for m in w.moments}
+        model[name] = tensor(name, shape, dtype)
+        state[name] = {m: tensor(f"{name}.{m}", shape, moment_dtype or dtype) for m in w.moments}
         state[name]["step"] = torch.tensor(1000.0)
     groups = [{"lr": 3e-4, "weight_decay": 0.1, "params": list(model)}]
     return {"model": model, "optim": {"state": state, "param_groups": groups}, "step": 1000}
