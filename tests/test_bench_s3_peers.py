@@ -1,4 +1,4 @@
-"""The emulated node links of the S3 benchmarks (benchmarks/linkproxy.py): latency, bandwidth cap, counts.
+"""The emulated node links of benchmarks/bench_s3_peers.py: latency, bandwidth cap, counts; and a smoke run.
 
 The bounds are loose on purpose (lower bounds on time, counts exact): the
 machine may be busy, which only makes transfers slower.
@@ -7,7 +7,9 @@ machine may be busy, which only makes transfers slower.
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -121,3 +123,32 @@ def test_link_settings_parse() -> None:
     assert Link(60, 10).label == "60 MB/s, 10 ms"
     with pytest.raises(ValueError):
         Link.parse("fast")
+
+
+@pytest.mark.timeout(240)
+def test_benchmark_smoke_run(tmp_path: Any) -> None:
+    """A tiny run of the benchmark end to end (about 40 s here): checked loads in both groups, table, JSON, figures.
+
+    One peer and two loads keep it short; the 4 -> 2 load covers the second process group.
+    """
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    pytest.importorskip("matplotlib")
+    out, figures = tmp_path / "out", tmp_path / "figures"
+    cmd = [sys.executable, os.path.join(BENCH, "bench_s3_peers.py"), "--gb", "0.002", "--states", "untuned",
+           "--links", "1000:0", "--reps", "1", "--layouts", "plain", "--peers", "dcp-fsspec",
+           "--phases", "load,reshard_fewer", "--out", str(out), "--plots", str(figures)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(out / "s3_peers.json") as f:
+        results = json.load(f)
+    (block,) = results["blocks"]
+    assert set(block["samples"]) == {"dcp-fsspec", "tsckpt-dcp/plain"}
+    for phases in block["samples"].values():
+        assert set(phases) == {"save", "load", "reshard_fewer"}
+        for (sample,) in phases.values():
+            # Every rank's requests crossed its own link, tsckpt's saves included.
+            assert sample["seconds"] > 0 and min(sample["requests"]) > 0 and min(sample["needed"]) > 0
+    assert "| same-topology load, 4 ranks | tsckpt plain |" in done.stdout
+    assert sorted(p.name for p in figures.iterdir()) == ["s3_peers_cpu.png", "s3_peers_speedups.png",
+                                                        "s3_peers_traffic.png"]
