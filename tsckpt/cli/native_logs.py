@@ -21,6 +21,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from .. import native_logs as library
+
 #: Set to 1 to see the native libraries' log lines.
 NATIVE_LOGS_ENV = "TSCKPT_NATIVE_LOGS"
 #: absl's prefix: severity and date, time, thread id, "file:line]".
@@ -68,6 +70,7 @@ def native_logs_filtered() -> Iterator[None]:
         yield
         return
     python_stderr = sys.stderr
+    library.outer_filter = True  # the library's own filter (tsckpt.native_logs) has nothing left to drop
     sys.stderr = open(real, "w", buffering=1, encoding=getattr(python_stderr, "encoding", None) or "utf-8",
                       errors="backslashreplace", closefd=False)
     os.dup2(write_end, 2)
@@ -82,3 +85,4 @@ def native_logs_filtered() -> Iterator[None]:
         os.dup2(real, 2)  # closes the pipe's last write end: the pump sees the end and stops
         pump.join(timeout=5)
         os.close(real)
+        library.outer_filter = False

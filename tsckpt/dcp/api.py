@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import TsckptError
-from ..storage.location import LocationLike
+from ..native_logs import quiet
+from ..storage.kvio import storage_error
+from ..storage.location import LocationLike, parse_location
 from . import failure
 from .planner import LoadPlanner, SavePlanner
 from .reader import TensorStoreReader
@@ -49,10 +52,10 @@ def save(
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
     try:
-        with gc_paused(), _single_process_quiet():
+        with quiet(path), gc_paused(), _single_process_quiet():
             return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
     except (CheckpointException, KeyboardInterrupt) as e:
-        raise _plain(e, _SaveInterrupts(writer, path, process_group)) from None
+        raise _plain(e, f"save to {_shown(path)}", _SaveInterrupts(writer, path, process_group)) from None
 
 
 def async_save(
@@ -72,7 +75,7 @@ def async_save(
     ``writer_options`` to :class:`TensorStoreWriter`.
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
-    with gc_paused():
+    with quiet(path), gc_paused():
         return dcp.async_save(
             state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
             async_checkpointer_type=async_checkpointer_type, async_stager=Stager(),
@@ -96,13 +99,14 @@ def load(
     (``io_concurrency``, ``per_thread_copy_ahead``, ``replica_reads``) go to :class:`TensorStoreReader`.
     """
     reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
-    reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
+    with quiet(path):
+        reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
     try:
-        with gc_paused(), _single_process_quiet():
+        with quiet(path), gc_paused(), _single_process_quiet():
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except (CheckpointException, KeyboardInterrupt) as e:
-        raise _plain(e) from None
+        raise _plain(e, f"load from {_shown(path)}") from None
 
 
 @contextlib.contextmanager
@@ -140,8 +144,7 @@ class _SaveInterrupts:
 
     def __init__(self, writer: TensorStoreWriter, path: LocationLike, process_group: dist.ProcessGroup | None):
         self.writer, self.process_group = writer, process_group
-        # The path as the user wrote it, so the command in the message can be pasted as it is.
-        self.shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(writer.checkpoint_id)
+        self.shown = _shown(path)
 
     def rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
@@ -152,7 +155,21 @@ class _SaveInterrupts:
         return failure.interrupted(self.shown, self.rank(), stopped, target)
 
 
-def _plain(e: BaseException, interrupts: _SaveInterrupts | None = None) -> BaseException:
+def _shown(path: LocationLike) -> str:
+    """The location as the user wrote it, so a command in a message can be pasted as it is."""
+    if isinstance(path, (str, os.PathLike)):
+        return os.fspath(path)
+    try:
+        return parse_location(path).url
+    except TsckptError:
+        return repr(path)
+
+
+#: How TensorStore's errors start: a status code ("PERMISSION_DENIED: ...").
+_TENSORSTORE_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
+
+
+def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = None) -> BaseException:
     """What tsckpt's functions raise instead of ``e``, DCP's CheckpointException or a KeyboardInterrupt.
 
     DCP gathers every rank's exception into one CheckpointException (a
@@ -164,9 +181,12 @@ def _plain(e: BaseException, interrupts: _SaveInterrupts | None = None) -> BaseE
     tsckpt it went through: a TsckptError is its one clear line, and those
     frames say nothing a user can act on.
 
-    Ctrl-C on any rank becomes one line: with ``interrupts`` (a save), what the
-    save left where (:func:`tsckpt.dcp.failure.interrupted`); else the
-    ``KeyboardInterrupt`` itself. Any other exception is ``e``, unchanged.
+    A rank's TensorStore error (a failed request that reached DCP as it was)
+    becomes a StorageError that says what to check, ``doing`` ("load from
+    ckpt/step_1000") and the rank first. Ctrl-C on any rank becomes one line:
+    with ``interrupts`` (a save), what the save left where
+    (:func:`tsckpt.dcp.failure.interrupted`); else the ``KeyboardInterrupt``
+    itself. Any other exception is ``e``, unchanged.
     """
     if isinstance(e, KeyboardInterrupt):  # outside DCP's wrapping: between its steps
         if interrupts is None or e.args:  # no save, or already the line that says what it left
@@ -182,4 +202,7 @@ def _plain(e: BaseException, interrupts: _SaveInterrupts | None = None) -> BaseE
     for exc in sorted((x for x in failures.values() if isinstance(x, TsckptError)),
                       key=lambda x: hasattr(x, "from_rank")):
         return exc.with_traceback(None)
+    for rank, exc in failures.items():
+        if isinstance(exc, ValueError) and _TENSORSTORE_STATUS.match(str(exc)):
+            return storage_error(exc, f"{doing} failed on rank {rank}")
     return e

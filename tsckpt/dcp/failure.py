@@ -39,6 +39,7 @@ from ..errors import SaveFailedError, TsckptError
 from ..commit.states import ROOT, describe_root
 from ..commit.target import SaveTarget
 from ..storage.context import make_context, open_kvstore
+from ..storage.hints import hint
 from ..storage.kvio import one_line, problem
 from .contract import RankSummary
 
@@ -59,12 +60,29 @@ class RankFailure:
 
     @classmethod
     def of(cls, rank: int, error: BaseException) -> RankFailure:
-        """The failure ``error`` describes; tsckpt's own errors are already one clear line."""
+        """The failure ``error`` describes; tsckpt's own errors are already one clear line.
+
+        A refused or unreachable request says what to check (:func:`~tsckpt.storage.hints.hint`),
+        also where tsckpt's error kept only its gist and the request's own error is its cause.
+        """
         if isinstance(error, TsckptError):
-            return cls(rank, one_line(error))
-        if isinstance(error, ValueError):  # how TensorStore reports a failed request
-            return cls(rank, problem(error))
-        return cls(rank, f"{type(error).__name__}: {one_line(error)}")
+            text = one_line(error)
+        elif isinstance(error, ValueError):  # how TensorStore reports a failed request
+            text = problem(error)
+        else:
+            text = f"{type(error).__name__}: {one_line(error)}"
+        remedy = next((h for e in _causes(error) if (h := hint(str(e))) is not None), None)
+        return cls(rank, text if remedy is None or remedy in text else f"{text}; {remedy}")
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from."""
+    chain: list[BaseException] = []
+    at: BaseException | None = error
+    while at is not None and at not in chain:
+        chain.append(at)
+        at = at.__cause__
+    return chain
 
 
 def settle(futures: Iterable[Any]) -> None:

@@ -34,6 +34,7 @@ from ..format.metadata import (
     ShardedTensorPlacement,
     TensorEntry,
 )
+from ..native_logs import quiet
 from ..storage.store import Store, read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
@@ -343,5 +344,6 @@ def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency for all reads.
     """
-    store, md = commit.open_committed(location, io_concurrency=io_concurrency)
+    with quiet(location):  # the AWS SDK's credentials chain logs to stderr as the store opens
+        store, md = commit.open_committed(location, io_concurrency=io_concurrency)
     return Checkpoint(store, md, allow_pickle=allow_pickle)

@@ -19,6 +19,13 @@ ENDPOINT_SETTINGS = "AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or 'endpoint' in a JS
 #: S3's error codes for a request whose signature or identity was refused.
 _REFUSED = re.compile(r"\b(AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|InvalidToken|"
                       r"AuthorizationHeaderMalformed)\b")
+#: How TensorStore reports HTTP 401 and 403 when the response names no S3 error code (``PERMISSION_DENIED:
+#: Unknown``, as for an unsigned request without credentials).
+_DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
+#: A local file's refusal (``[os_error_code=13]``): permissions on disk, nothing credentials change.
+_OS_ERROR = re.compile(r"os_error_code|OS error")
+#: S3 responses carry Amazon's request-id headers; other stores' (GCS) do not.
+_S3_RESPONSE = re.compile(r"x-amzn?-", re.IGNORECASE)
 
 
 def credentials_source(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -57,9 +64,12 @@ def hint(text: str, environ: Mapping[str, str] = os.environ) -> str | None:
     refused = re.search(r"Failed to connect to (\S+) port (\d+)", text)
     if refused:
         return f"nothing answers at {refused.group(1)}:{refused.group(2)}: check the endpoint ({ENDPOINT_SETTINGS})"
-    if _REFUSED.search(text):
+    denied = _DENIED.search(text) is not None and _OS_ERROR.search(text) is None
+    if _REFUSED.search(text) or (denied and _S3_RESPONSE.search(text)):
         source = credentials_source(environ)
         found = f"using {source}" if source else ("none found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                                                   "or AWS_PROFILE")
         return f"the store refused the request: check the credentials ({found}) and the endpoint"
+    if denied:
+        return "the store refused the request: check the credentials and the endpoint"
     return None
