@@ -16,7 +16,8 @@ runs with more ranks than cores on a few hundred small tensors.
 
 Every repetition rotates which contender goes first; every figure keeps its
 samples in ``results.json`` and the tables report medians. Writes
-``results.md``, ``results.png`` and ``results.json`` to ``--out``.
+``results.md``, ``results.png`` and ``results.json`` to ``--out``, and with
+``--plots DIR`` the figures of ``plots.py`` (speed-ups, bytes per rank) to DIR.
 
     python benchmarks/bench_dcp.py --size-gb 0.25 --update-readme
     python benchmarks/bench_dcp.py --quick                  # smoke run: tiny sizes, 1 repetition
@@ -192,6 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--update-readme", action="store_true", help="replace the README's benchmark block")
+    ap.add_argument("--plots", default="", help="also write plots.py's figures (dcp_<kind>.png) to this directory")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gb, args.fetch_gb, args.s3_gb, args.many_gb = 0.01, 0.01, 0.005, 0.002
@@ -232,6 +234,8 @@ def write_results(args: argparse.Namespace, results: dict[str, Any]) -> str:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     dcp_report.plot(results, os.path.join(args.out, "results.png"))
+    if args.plots:
+        dcp_report.write_plots(results, args.plots)
     if args.update_readme:
         dcp_report.update_readme(os.path.join(HERE, "..", "README.md"), text)
     return text

@@ -2,7 +2,8 @@
 
 Everything here works on the sample lists in ``results.json``; medians and
 ratios are computed here and nowhere else, so the tables can be rebuilt from
-a results file (``python benchmarks/dcp_report.py results.json``).
+a results file (``python benchmarks/dcp_report.py results.json``; with ``--plots DIR``, the
+figures of ``plots.py`` too).
 """
 
 from __future__ import annotations
@@ -258,6 +259,61 @@ def plot(results: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def records(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results as ``plots.py`` records: speed-ups over DCP's default per workload, bytes per rank per load.
+
+    Timed runs give one panel per workload (seconds and the speed-up over
+    DCP's default); the bytes-fetched phase one panel per store (MB a rank
+    fetched, what it needed and, on S3, its requests). bench_dcp measures no CPU.
+    """
+    out: list[dict[str, Any]] = []
+    for run in results.get("runs", []):
+        s = run["samples"]
+        panel = f"{run['workload']} {run['dtype']} {run['bytes'] / 1e9:.2f} GB, local disk"
+        fill = {"world": run["world"], "fewer": run["reshard_world"]}
+        for key, short in SHORT.items():
+            for name in [DCP, *tsckpt_names(s)]:
+                times = s.get(name, {}).get(key)
+                if not times:
+                    continue
+                ratio = None if name == DCP else speedup(s, key, name)
+                out.append({"panel": panel, "phase": short.format(**fill), "contender": label(name),
+                            "peer": name == DCP, "seconds": median(times),
+                            "speedup": {label(DCP): ratio[0]} if ratio else {}})
+    fetched = results.get("fetched") or {}
+    for store, moved, s3 in (("disk", "rchar", False), ("s3", "served", True)):
+        part = fetched.get(store)
+        if not part:
+            continue
+        panel = f"bytes fetched, {'S3 (moto)' if s3 else 'local disk'}, {part['bytes'] / 1e6:.0f} MB state"
+        for key, by_name in part["loads"].items():
+            for name, e in by_name.items():
+                ranks = len(e["needed"])
+                out.append({"panel": panel, "phase": _short_load(key, fetched["world"]),
+                            "contender": label(name, s3=s3), "peer": name == DCP,
+                            "requests": sum(e["requests"]) / ranks if s3 else None,
+                            "moved_mb": sum(e[moved]) / ranks / 1e6, "needed_mb": sum(e["needed"]) / ranks / 1e6})
+    return out
+
+
+#: Axis labels of the figures, by key in the samples.
+SHORT = {"save": "save", "load": "load", "reshard_same": "cols {world}→{world}", "reshard_fewer": "cols {world}→{fewer}",
+         "first_save": "first save", "first_load": "first load"}
+
+
+def _short_load(key: str, world: int) -> str:
+    """``column:2`` -> ``column 4→2``."""
+    placement, _, ranks = key.partition(":")
+    return f"{placement} {world}→{ranks}"
+
+
+def write_plots(results: dict[str, Any], directory: str, fmt: str = "png") -> list[str]:
+    """The figures of ``plots.py`` for these results, as ``dcp_<kind>.<fmt>`` in ``directory``."""
+    import plots
+
+    return plots.write_all(records(results), directory, "dcp", fmt, title="tsckpt and DCP's default writer")
+
+
 def update_readme(readme: str, table: str) -> None:
     with open(readme) as f:
         text = f.read()
@@ -270,5 +326,10 @@ def update_readme(readme: str, table: str) -> None:
 
 
 if __name__ == "__main__":
+    # python benchmarks/dcp_report.py results.json [--plots DIR]
     with open(sys.argv[1]) as fh:
-        print(markdown(json.load(fh)))
+        loaded = json.load(fh)
+    print(markdown(loaded))
+    if sys.argv[2:3] == ["--plots"]:
+        for written in write_plots(loaded, sys.argv[3]):
+            print(written)

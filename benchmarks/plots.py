@@ -69,7 +69,8 @@ def _bars(ax: Any, records: list[Record], value: Callable[[Record], float | None
                 xs.append(j - 0.4 + width * (i + 0.5))
                 ys.append(v)
         bars = ax.bar(xs, [y - base for y in ys], width, bottom=base, label=name, color=colors[name])
-        ax.bar_label(bars, [annotate(y) for y in ys], fontsize=6, padding=1)
+        if len(names) <= 5:  # more labels than that overlap: read the values from the results' tables
+            ax.bar_label(bars, [annotate(y) for y in ys], fontsize=6, padding=1)
     ax.set_xticks(range(len(phases)), phases, fontsize=8)
     return phases
 
@@ -101,8 +102,11 @@ def _finish(fig: Any, axes: Any, path: str) -> str:
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(6, len(handles)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    columns = max(1, min(len(handles), int(fig.get_figwidth() / 3.4)))  # about 3.4 inches per label
+    legend_rows = -(-len(handles) // columns)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=columns, fontsize=8)
+    # Leave the legend its rows at the bottom, in inches turned into a fraction of the figure.
+    fig.tight_layout(rect=(0, min(0.4, (0.25 * legend_rows + 0.1) / fig.get_figheight()), 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     _plt().close(fig)
@@ -130,7 +134,7 @@ def speedups(records: list[Record], path: str, title: str = "") -> str | None:
             values = [v for r in rows if (v := r["speedup"].get(peer))] + [1.0]
             ax.set_ylim(min(values) / 1.25, max(values) * 1.25)  # room for the labels, 1x always in view
             ax.axhline(1.0, color="black", linewidth=0.8)
-            ax.set_title(f"{panel}: over {peer}", fontsize=9)
+            ax.set_title(f"{panel}\nover {peer}", fontsize=9)
             ax.set_ylabel("speed-up (above 1: faster)", fontsize=8)
     return _finish(fig, axes, path)
 
@@ -138,15 +142,18 @@ def speedups(records: list[Record], path: str, title: str = "") -> str | None:
 def traffic(records: list[Record], path: str, title: str = "") -> str | None:
     """Per setting: requests per rank (log scale), and MB moved per rank with what a rank needs marked."""
     kinds = [k for k in ("requests", "moved_mb") if any(r.get(k) is not None for r in records)]
-    if not kinds:
+    panels = _unique(r["panel"] for r in records if any(r.get(k) is not None for k in kinds))
+    if not panels:
         return None
-    panels = _unique(r["panel"] for r in records)
     colors = _colors(records)
     fig, axes = _grid(len(panels), len(kinds), title)
     for i, panel in enumerate(panels):
-        rows = [r for r in records if r["panel"] == panel]
         for j, kind in enumerate(kinds):
             ax = axes[i][j]
+            rows = [r for r in records if r["panel"] == panel and r.get(kind) is not None]
+            if not rows:  # e.g. local disk: bytes but no requests
+                ax.axis("off")
+                continue
             phases = _bars(ax, rows, lambda r, k=kind: r.get(k), colors)
             if kind == "requests":
                 _log_axis(ax, _count)
