@@ -27,7 +27,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -185,6 +185,41 @@ class SavePlanner(DefaultSavePlanner):
         return EncodedValue(payload, encoding)
 
 
+#: How many mismatched keys a load's error details; the others are counted.
+MISMATCHES_SHOWN = 10
+
+_ALLOWS = {"allow_partial_load": "pass allow_partial_load=True to skip keys the checkpoint does not have",
+           "allow_dtype_cast": "pass allow_dtype_cast=True to allow casts that lose precision"}
+
+
+class Mismatch(NamedTuple):
+    """One way a state dict does not match the checkpoint."""
+
+    key: str
+    #: What is wrong, naming the key: "tensor 'model.w': checkpoint shape [4, 3] does not match ...".
+    text: str
+    #: The argument of ``tsckpt.load`` that allows it, or "".
+    allowed_by: str = ""
+
+
+def mismatch_message(problems: list[Mismatch]) -> str:
+    """The error for every way a state dict does not match the checkpoint.
+
+    One problem is one line. Several start with a line that names the keys
+    (the first :data:`MISMATCHES_SHOWN` of them), then say what is wrong
+    with each, one per line, so the first line is the one to read even
+    inside DCP's exception, where it follows a rank's traceback.
+    """
+    allows = "; ".join(_ALLOWS[a] for a in dict.fromkeys(p.allowed_by for p in problems) if a)
+    if len(problems) == 1:
+        return problems[0].text + (f"; {allows}" if allows else "")
+    shown, more = problems[:MISMATCHES_SHOWN], len(problems) - MISMATCHES_SHOWN
+    first = (f"{len(problems)} keys of the state dict do not match the checkpoint: "
+             + ", ".join(repr(p.key) for p in shown) + (f" and {more} more" if more > 0 else "")
+             + (f"; {allows}" if allows else ""))
+    return "\n".join([first] + [f"  {p.text}" for p in shown] + ([f"  and {more} more"] if more > 0 else []))
+
+
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planning, with safe values and checked dtypes.
 
@@ -200,37 +235,35 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
-        missing = [k for k in self.state_dict if k not in self.metadata.state_dict_metadata]
-        if missing and not self.allow_partial_load:
-            raise LoadMismatchError(
-                f"{len(missing)} key(s) of the state dict are not in the checkpoint, e.g. {missing[0]!r}; "
-                "pass allow_partial_load=True to skip them"
-            )
+        problems: list[Mismatch] = []
         for fqn, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata.get(fqn)
             if md is None:
+                if not self.allow_partial_load:
+                    problems.append(Mismatch(fqn, f"key {fqn!r} of the state dict is not in the checkpoint",
+                                             "allow_partial_load"))
                 continue
             if isinstance(md, TensorStorageMetadata) != isinstance(obj, torch.Tensor):
                 # Otherwise DCP would silently replace a tensor by a stored value, or fail obscurely.
                 saved, asked = ("a tensor", "a non-tensor value") if isinstance(md, TensorStorageMetadata) \
                     else ("a non-tensor value", "a tensor")
-                raise LoadMismatchError(f"key {fqn!r}: the checkpoint holds {saved} but the state dict has {asked} "
-                                        f"({type(obj).__name__}) there")
-            if isinstance(md, TensorStorageMetadata):
-                self._check_tensor(fqn, md, obj)
+                problems.append(Mismatch(fqn, f"key {fqn!r}: the checkpoint holds {saved} but the state dict has "
+                                              f"{asked} ({type(obj).__name__}) there"))
+            elif isinstance(md, TensorStorageMetadata):
+                problems += self._check_tensor(fqn, md, obj)
+        if problems:
+            raise LoadMismatchError(mismatch_message(problems))
         return super().create_local_plan()
 
-    def _check_tensor(self, fqn: str, md: TensorStorageMetadata, obj: torch.Tensor) -> None:
+    def _check_tensor(self, fqn: str, md: TensorStorageMetadata, obj: torch.Tensor) -> list[Mismatch]:
         if tuple(md.size) != tuple(obj.size()):
-            raise LoadMismatchError(
-                f"tensor {fqn!r}: checkpoint shape {list(md.size)} does not match the state dict's {list(obj.size())}"
-            )
+            return [Mismatch(fqn, f"tensor {fqn!r}: checkpoint shape {list(md.size)} does not match the state "
+                                  f"dict's {list(obj.size())}")]
         saved, dest = md.properties.dtype, obj.dtype
         if saved != dest and not _lossless(saved, dest) and not self.allow_dtype_cast:
-            raise LoadMismatchError(
-                f"tensor {fqn!r}: loading {saved} into {dest} would lose precision; "
-                "pass allow_dtype_cast=True to allow it"
-            )
+            return [Mismatch(fqn, f"tensor {fqn!r}: loading {saved} into {dest} would lose precision",
+                             "allow_dtype_cast")]
+        return []
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         obj = value.value if isinstance(value, DecodedValue) else torch.load(value, weights_only=True)
