@@ -1,8 +1,11 @@
 """Edit or delete one key of a committed checkpoint, in either layout, as damage on disk would.
 
-Plain: the key is a file below the checkpoint. Packed: the key lives in the
-joined OCDBT database; writing it there gives readers new bytes under the same
-key, which is what a damaged data file looks like to them.
+Plain: the key is a file below the checkpoint. Packed: a chunk or blob value
+is a range of a rank's data file, edited in place (a value of another size is
+appended to the file and the index pointed at it); a node document lives in
+the index, which is rewritten with the key changed (and the root document's
+record of the index with it), so readers meet new bytes under the same key,
+which is what a damaged file looks like to them.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import os
 from collections.abc import Callable
 
 import numpy as np
-import tensorstore as ts
 
-from tsckpt.format import zarr_json
-from tsckpt.storage.packed import PackedLayout
+from tsckpt.commit.protocol import CHECKSUM_ATTRIBUTE, document_checksum
+from tsckpt.format import ocdbt
+from tsckpt.storage import packed
 
 
 def layout_of(path: str | os.PathLike) -> str:
@@ -23,33 +26,67 @@ def layout_of(path: str | os.PathLike) -> str:
         return json.load(f)["attributes"]["tsckpt"].get("layout", "plain")
 
 
-def kvstore_spec(path: str | os.PathLike, rel: str = "") -> dict:
-    """A writable kvstore spec of the directory ``rel`` (an array's path) of the checkpoint at ``path``."""
-    base = {"driver": "file", "path": os.path.abspath(path) + "/"}
-    prefix = rel.strip("/") + "/" if rel.strip("/") else ""
-    if layout_of(path) == "plain":
-        return {**base, "path": base["path"] + prefix}
-    return {**PackedLayout().root_database(base, writable=True), "path": prefix}
+def _root(path: str | os.PathLike) -> dict:
+    with open(os.path.join(path, "zarr.json")) as f:
+        return json.load(f)
 
 
-def _database(path: str | os.PathLike) -> ts.KvStore:
-    return ts.KvStore.open(kvstore_spec(path)).result()
+def _index(path: str | os.PathLike) -> tuple[dict, packed.PackedIndex]:
+    root = _root(path)
+    file, offset, length = root["attributes"]["tsckpt"]["data_files"]["index"]
+    with open(os.path.join(path, file), "rb") as f:
+        f.seek(offset)
+        return root, packed.PackedIndex.decode(f.read(length), file)
+
+
+def _rewrite(path: str | os.PathLike, values: dict[str, bytes | ocdbt.Ref]) -> None:
+    """Write a new index holding ``values`` and point the root document at it (checksum updated)."""
+    root = _root(path)
+    md = root["attributes"]["tsckpt"]
+    keys = sorted(values)
+    files = sorted({v.path for v in values.values() if isinstance(v, ocdbt.Ref)})
+    number = {p: i for i, p in enumerate(files)}
+    refs = [values[k] for k in keys]
+    entries = ocdbt.Entries([k.encode() for k in keys], [None if isinstance(v, ocdbt.Ref) else v for v in refs],
+                            np.asarray([number[v.path] if isinstance(v, ocdbt.Ref) else -1 for v in refs], np.int64),
+                            np.asarray([v.offset if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64),
+                            np.asarray([v.length if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64), files)
+    tree = ocdbt.build_tree(entries, path=md["data_files"]["index"][0])
+    with open(os.path.join(path, md["data_files"]["index"][0]), "wb") as f:
+        f.write(tree.nodes)
+    manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, 0)
+    with open(os.path.join(path, "manifest.ocdbt"), "wb") as f:
+        f.write(manifest.encode())
+    md["data_files"]["index"] = [md["data_files"]["index"][0], 0, len(tree.nodes)]
+    root["attributes"][CHECKSUM_ATTRIBUTE] = document_checksum(md)
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(root, f)
 
 
 def delete_prefix(path: str | os.PathLike, rel: str) -> None:
     """Delete every key below ``rel`` (an array's whole directory)."""
     rel = rel.strip("/") + "/"
-    ts.KvStore.open(kvstore_spec(path)).result().delete_range(
-        ts.KvStore.KeyRange(rel, rel[:-1] + chr(ord("/") + 1))).result()
+    if layout_of(path) == "plain":
+        for top, _, files in os.walk(os.path.join(path, rel)):
+            for name in files:
+                os.remove(os.path.join(top, name))
+        return
+    _, index = _index(path)
+    _rewrite(path, {k: v for k, v in index.values.items() if not k.startswith(rel)})
 
 
 def read_key(path: str | os.PathLike, key: str) -> bytes:
     if layout_of(path) == "plain":
         with open(os.path.join(path, key), "rb") as f:
             return f.read()
-    got = _database(path).read(key).result()
-    assert got.state == "value", f"{key} is not in {path}"
-    return bytes(got.value)
+    _, index = _index(path)
+    value = index.get(key)
+    assert value is not None, f"{key} is not in {path}"
+    if not isinstance(value, ocdbt.Ref):
+        return value
+    with open(os.path.join(path, value.path), "rb") as f:
+        f.seek(value.offset)
+        return f.read(value.length)
 
 
 def write_key(path: str | os.PathLike, key: str, value: bytes | None) -> None:
@@ -61,11 +98,39 @@ def write_key(path: str | os.PathLike, key: str, value: bytes | None) -> None:
             with open(os.path.join(path, key), "wb") as f:
                 f.write(value)
         return
-    db = _database(path)
+    _, index = _index(path)
+    values = dict(index.values)
+    old = values.get(key)
     if value is None:
-        db.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+        values.pop(key, None)
+    elif isinstance(old, ocdbt.Ref) and len(value) == old.length:  # damage in place, as on disk
+        with open(os.path.join(path, old.path), "r+b") as f:
+            f.seek(old.offset)
+            f.write(value)
+        return
+    elif isinstance(old, ocdbt.Ref):  # another size: appended, and the index points there
+        full = os.path.join(path, old.path)
+        at = os.path.getsize(full)
+        with open(full, "ab") as f:
+            f.write(value)
+        values[key] = ocdbt.Ref(old.path, at, len(value))
+        _grow(path, old.path, at + len(value))
     else:
-        db.write(key, value).result()
+        values[key] = value
+    _rewrite(path, values)
+
+
+def _grow(path: str | os.PathLike, file: str, size: int) -> None:
+    """Record a data file's new size in the root document, as a writer of that damage would."""
+    root = _root(path)
+    md = root["attributes"]["tsckpt"]
+    for rank in md["data_files"]["ranks"]:
+        for f in rank["files"]:
+            if f[0] == file:
+                f[1] = size
+    root["attributes"][CHECKSUM_ATTRIBUTE] = document_checksum(md)
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(root, f)
 
 
 def edit_key(path: str | os.PathLike, key: str, change: Callable[[bytes], bytes]) -> None:
@@ -86,8 +151,11 @@ def edit_array(path: str | os.PathLike, rel: str, **changes) -> None:
 
 
 def rewrite_blob(path: str | os.PathLike, rel: str, payload: bytes) -> None:
-    """Replace a value blob's array with a well-formed one (valid crc32c) holding ``payload``."""
-    blob = np.frombuffer(payload, dtype=np.uint8)
-    arr = ts.open({"driver": "zarr3", "kvstore": kvstore_spec(path, rel), "metadata": zarr_json.blob_metadata(blob.size),
-                   "create": True, "delete_existing": True}).result()
-    arr.write(blob).result()
+    """Replace a value blob with a well-formed one (valid crc32c, its zarr.json declaring its size) holding ``payload``."""
+    import crc32c
+
+    doc = json.loads(read_key(path, f"{rel}/zarr.json"))
+    doc["shape"] = [len(payload)]
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [max(len(payload), 1)]
+    write_key(path, f"{rel}/zarr.json", json.dumps(doc).encode())
+    write_key(path, f"{rel}/c.0", payload + crc32c.crc32c(payload).to_bytes(4, "little"))

@@ -3,29 +3,26 @@
 A save given a base (``tsckpt.save(..., base=B)``) compares each outer chunk it
 is about to write with the same chunk of the same array in ``B``: same path,
 shape, data type, chunk grid, inner chunks and codecs, and an equal 128-bit
-content hash (:mod:`tsckpt.format.content_hashes`). Such a chunk is taken from
-the base only after the base's stored copy is read back and still passes the
-checks every read of the base makes, so a damaged chunk of the base is written
-afresh instead. Chunks tsckpt encodes itself (inner chunks, no compression: the
-default) are checked as stored, without decoding: their size, their shard index
-and the crc32c of every inner chunk (:func:`tsckpt.format.shards.check_stored`),
-one sequential read and one crc32c pass each. Other chunks are read through
-TensorStore's codecs and must still have the content hash.
+content hash (:mod:`tsckpt.format.content_hashes`, from ``B``'s ranks' digest
+tables). Such a chunk is taken from the base only after the base's stored copy
+is read back and still passes the checks every read of the base makes (its
+size, its shard index and the crc32c stored beside every inner chunk,
+:func:`tsckpt.format.shards.check_stored_codec`), so a damaged chunk of the base
+is written afresh instead.
 
 How a chunk is taken depends on where the checkpoints live, and in each case
 the new checkpoint stands alone (``docs/format.md``, section 8):
 
-* **plain layout, local filesystem**: the base's chunk file is hard-linked
-  into the new checkpoint. No bytes are copied; deleting the base leaves the
-  new checkpoint whole; files are only ever replaced, never written in place,
+* **packed layout, local filesystem**: the base's data file holding the chunk
+  is hard-linked into the new checkpoint under its own name (once), and the
+  new index refers to the chunk's bytes there. No bytes are copied; deleting
+  the base leaves the new checkpoint whole; files are never written in place,
   so neither checkpoint can change the other.
-* **packed layout, local filesystem**: the rank only reports the chunk; the
-  coordinator's join starts the new database from a hard-linked copy of the
-  base's (:mod:`tsckpt.storage.packed_reuse`), keeping the OCDBT references of
-  the chunks taken.
-* **object stores, memory, or a base in another layout**: nothing is taken
-  (TensorStore has no server-side copy, and OCDBT references cannot leave a
-  database's own prefix); the save writes everything and says why.
+* **plain layout, local filesystem**: the base's chunk file is hard-linked
+  into the new checkpoint.
+* **object stores, memory, a base in another layout or of an older format
+  version**: nothing is taken (TensorStore has no server-side copy); the save
+  writes everything and says why.
 
 :func:`choose_base` runs once, on the coordinator; :class:`BaseChunks` on every rank.
 """
@@ -40,17 +37,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from .errors import ChecksumError, OptionError, StorageError, TsckptError
-from .format import checksums, content_hashes, dtypes, shards, zarr_json
+from .format import content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
-from .storage.layouts import PLAIN
-from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
-from .storage.packed_reuse import KeptChunks
+from .format.digest_table import DigestTable
+from .format.metadata import CODEC_CHECKSUMS_VERSION, ArrayOptions, CheckpointMetadata, FileRef, TensorEntry
+from .format.ocdbt import Ref
 from .format.reuse import Reuse
-from .storage import chunk_files
-from .storage.store import Store, then
+from .storage.box_reader import ChunkSource
+from .storage.byte_reads import LocalFiles
+from .storage.layouts import PLAIN
+from .storage.store import Store
 from .storage.location import Location, LocationLike, parse_location
 
 #: How a rank takes a chunk from the base.
@@ -122,147 +120,191 @@ def _unusable(target: Location, base: Location, md: CheckpointMetadata, layout: 
                 "copy in TensorStore)")
     if md.layout != layout:
         return f"the base is in the {md.layout} layout, this save in the {layout} layout"
+    if md.version < CODEC_CHECKSUMS_VERSION:
+        return (f"the base was saved in format version {md.version}; chunks are taken from bases of version "
+                f"{CODEC_CHECKSUMS_VERSION} or later")
     if md.content_hash != content_hashes.ALGORITHM:
-        return "the base records no content hashes (saved by an older tsckpt, or with checksums=False)"
+        return "the base records no content hashes (saved with checksums=False)"
     if md.array_options != options:
         return "the base was saved with other codecs (crc32c_codec or compression)"
     return None
 
 
 class BaseChunks:
-    """One rank's view of the base: the tables of arrays it may take chunks from, reads and links.
+    """One rank's view of the base: its arrays' content hashes, reads of its chunks, and links to them.
 
     Made from the coordinator's :class:`BaseChoice` with a usable mode; the
-    rank reads the base's root document itself (one small read per rank).
+    rank reads the base's root document itself (one small read per rank), and
+    the digest tables (:mod:`tsckpt.format.digest_table`) of the base's ranks
+    whose chunks it may take: its own rank's first, then, packed, the rank
+    whose data file holds a chunk, plain, the others once one is looked for in
+    vain.
     """
 
-    def __init__(self, choice: BaseChoice, into: Store):
+    def __init__(self, choice: BaseChoice, into: Store, rank: int = 0):
         assert choice.mode is not None
         self.choice = choice
         self.into = into
         self.store, self.metadata = commit.open_committed(choice.location, io_concurrency=4)
-        self._tables: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
-        self._arrays: dict[str, Any] = {}
-        self._kvstores: dict[str, ts.Future] = {}
+        self.source = ChunkSource.of(self.store, self.metadata)
+        files = self.metadata.data_files
+        assert files is not None, "bases are version-4 checkpoints (choose_base)"
+        self._files = files
+        self._rank_of = {f.path: r for r, record in enumerate(files.ranks) for f in record.files}
+        self._sizes = {f.path: f.size for f in files.files}
+        self._digests: dict[str, dict[int, bytes]] = {}
+        self._loaded: set[int] = set()
+        self._linked: dict[str, bool] = {}
+        self._load(rank if rank < len(files.ranks) else 0)
 
     @property
     def mode(self) -> str:
         assert self.choice.mode is not None
         return self.choice.mode
 
-    def tables(self, fqn: str, entry: TensorEntry) -> tuple[np.ndarray, np.ndarray] | None:
-        """The base's crc32c (per piece of its checksum grid) and content hash (per outer chunk) tables of
-        ``fqn``, if its array is laid out and checksummed as ``entry``."""
-        if fqn not in self._tables:
-            found = self.metadata.tensors.get(fqn)
-            same = found is not None and (found.path, found.shape, found.dtype, found.chunk_shape,
-                                          found.inner_chunk_shape) == (entry.path, entry.shape, entry.dtype,
-                                                                       entry.chunk_shape, entry.inner_chunk_shape)
-            # The crc32c values of a chunk taken are the base's: they must cover the pieces ours do.
-            same = same and found.checksum_grid.chunk_shape == entry.checksum_grid.chunk_shape
-            if not same or found.checksums is None or found.content_hashes is None:
-                self._tables[fqn] = None
-            else:
-                what = f"tensor {fqn!r} of the base {self.choice.url}"
-                self._tables[fqn] = (checksums.decode_table(found.checksums, found.checksum_grid, what),
-                                     content_hashes.decode_table(found.content_hashes, found.grid, what))
-        return self._tables[fqn]
+    def _load(self, rank: int) -> None:
+        """Read base rank ``rank``'s digest table into the lookup (once)."""
+        if rank in self._loaded:
+            return
+        self._loaded.add(rank)
+        span = self._files.ranks[rank].digests
+        if span is None:
+            return
+        what = f"the digest table of rank {rank} of the base {self.choice.url}"
+        try:
+            batch = self.source.batch()
+            slot = batch.want(span.path, span.offset, span.offset + span.length)
+            batch.run()
+            table = DigestTable.decode(slot.data if slot.data is not None else b"", what)
+        except (ValueError, TsckptError):  # unreadable or damaged: its chunks are written afresh
+            return
+        for path, digests in table.by_array().items():
+            self._digests.setdefault(path, {}).update(digests)
 
-    def read(self, fqn: str, index: tuple[int, ...]) -> ts.Future:
-        """Start reading chunk ``index`` of ``fqn`` from the base, to check it (:meth:`sound`) before it is taken.
+    def digests(self, fqn: str, entry: TensorEntry) -> _Digests | None:
+        """The base's content hash of each outer chunk of ``fqn`` (by flat index), if its array is laid out
+        as ``entry``'s: same path, shape, data type, chunk shape and inner chunk shape."""
+        found = self.metadata.tensors.get(fqn)
+        if found is None or (found.path, found.shape, found.dtype, found.chunk_shape, found.inner_chunk_shape) != (
+                entry.path, entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape):
+            return None
+        return _Digests(self, found)
 
-        Chunks tsckpt encodes itself are read as stored: a plain base's chunk
-        file read and checked unit by unit on the read threads (the future
-        gives True, or raises), a packed base's one key each; others through
-        TensorStore's codecs.
-        """
+    def _lookup(self, entry: TensorEntry, flat: int) -> bytes | None:
+        digest = self._digests.get(entry.path, {}).get(flat)
+        if digest is not None or len(self._loaded) == len(self._files.ranks):
+            return digest
+        if self.mode == PACKED:
+            index = tuple(int(i) for i in np.unravel_index(flat, entry.grid.grid_shape)) if entry.shape else ()
+            found = self.source.locator.locate(f"{entry.path}/{zarr_json.chunk_key(index)}")
+            rank = self._rank_of.get(found.file) if found is not None else None
+            if rank is not None:
+                self._load(rank)
+        else:
+            for rank in range(len(self._files.ranks)):
+                self._load(rank)
+        return self._digests.get(entry.path, {}).get(flat)
+
+    def read(self, fqn: str, index: tuple[int, ...]) -> Any:
+        """Start reading chunk ``index`` of ``fqn`` from the base, as stored, to check it (:meth:`sound`)
+        before it is taken; a future of (its bytes, where they are), or of None if it is missing."""
         entry = self.metadata.tensors[fqn]
-        fmt = self._format(entry)
-        if fmt is not None:
-            if self.mode == LINK:  # the chunk is a file: read and checked in small parts, on the read threads
-                key = f"{entry.path}/{zarr_json.chunk_key(index)}"
-                tables = self.tables(fqn, entry)
-                assert tables is not None, "only chunks whose tables were compared are read"
-                return chunk_files.submit(_check_file, os.path.join(_path(self.choice.location), key), entry, fmt,
-                                          tables[0], index, f"tensor {fqn!r} of {self.choice.url}")
-            kv = self._kvstores.get(fqn)
-            if kv is None:
-                kv = self._kvstores[fqn] = ts.KvStore.open(self.store.array_kvstore(entry.path),
-                                                           context=self.store.context)
-            key = zarr_json.chunk_key(index)
-            return then(kv, lambda opened: opened.read(key))
-        arr = self._arrays.get(fqn)
-        if arr is None:
-            arr = self._arrays[fqn] = self.store.open_tensor(entry).result()
-        return arr[entry.grid.chunk_region(index)].read() if index else arr.read()
+        key = f"{entry.path}/{zarr_json.chunk_key(index)}"
+        found = self.source.locator.locate(key)
+        fmt = shards.value_format(entry, self.metadata.array_options or ArrayOptions())
+        if found is None or found.inline is not None:
+            return _Done(None)
+        if found.length is None and isinstance(self.source.fetcher, LocalFiles):
+            self.source.fetcher.expect(found.file, fmt.nbytes)
+        return _Then(self.source.fetcher.fetch(found.file, found.offset, found.offset + fmt.nbytes), found)
 
-    def _format(self, entry: TensorEntry) -> shards.ShardFormat | None:
-        """How the base's chunks of ``entry`` are checked as stored; chunk files of arrays without inner chunks
-        too (:func:`~tsckpt.format.shards.leaf_format`), where they are files a link takes."""
-        files = self.mode == LINK and entry.checksums_per_inner_chunk and entry.checksums is not None
-        return shards.file_format(entry, self.metadata.array_options, files)
-
-    def sound(self, fqn: str, index: tuple[int, ...], reading: ts.Future, digest: bytes) -> bool:
-        """Whether the base's chunk that :meth:`read` started still holds what the base recorded: False when
-        it is missing, truncated, replaced or any byte of it changed, so it must not be taken.
-
-        A chunk read as stored is checked as any read checks it (its crc32c per
-        inner chunk, the shard index, its size), on the stored bytes; one read
-        through the codecs by its content hash ``digest``.
-        """
-        entry = self.metadata.tensors[fqn]
-        fmt = self._format(entry)
+    def sound(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any) -> bool:
+        """Whether the base's chunk that :meth:`read` started still holds what the base wrote: False when it
+        is missing, truncated, replaced or any byte of it changed (its size, its shard index, the crc32c
+        of every inner chunk), so it must not be taken."""
+        fmt = shards.value_format(entry, self.metadata.array_options or ArrayOptions())
         try:
             found = reading.result()
-            if found is True:  # a chunk file, checked as it was read (_check_file)
-                return True
-            if fmt is None:
-                return content_hashes.digest(found) == digest
-            if found.state != "value":  # a kvstore read of a key that is missing
+            if found is None:
                 return False
-            data = found.value
-            tables = self.tables(fqn, entry)
-            assert tables is not None, "only chunks whose tables were compared are read"
-            shards.check_stored(entry, fmt, tables[0], index, data, f"tensor {fqn!r} of {self.choice.url}")
-        except (ValueError, ChecksumError):  # missing, undecodable or changed in the base: damaged
+            data, where = found
+            if where.length is not None and where.length != fmt.nbytes:
+                return False
+            shards.check_stored_codec(fmt, index, data, f"tensor {fqn!r} of {self.choice.url}")
+        except (ValueError, ChecksumError):  # missing, cut or changed in the base: damaged
             return False
         return True
 
-    def take(self, entry: TensorEntry, index: tuple[int, ...]) -> bool:
-        """Make chunk ``index`` of ``entry`` part of the new checkpoint; False when it must be written instead.
-
-        Plain layout: a hard link of the base's chunk file. Packed layout: the
-        coordinator's join keeps it, so there is nothing to do here.
-        """
+    def take(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any) -> Ref | bool | None:
+        """Make chunk ``index`` of ``entry`` part of the new checkpoint: where it is stored (packed: the
+        base's data file, linked into the new checkpoint), True (plain: its file linked), or None when it
+        must be written instead (the filesystem cannot link it)."""
+        data, where = reading.result()
         if self.mode == PACKED:
-            return True
-        key = f"{entry.path}/{zarr_json.chunk_key(index)}"
+            if not self._link(where.file):
+                return None
+            return Ref(where.file, where.offset, where.length if where.length is not None else len(data))
+        return True if self._link(f"{entry.path}/{zarr_json.chunk_key(index)}") else None
+
+    def _link(self, key: str) -> bool:
+        """Hard-link the base's file ``key`` into the new checkpoint under the same name (once); False where
+        the filesystem cannot."""
+        known = self._linked.get(key)
+        if known is not None:
+            return known
         source = os.path.join(_path(self.choice.location), key)
         dest = os.path.join(_path(self.into.location), key)
         try:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             os.link(source, dest)
+            ok = True
+        except FileExistsError:  # another rank linked it first (packed data files are shared)
+            ok = os.path.samefile(source, dest)
         except OSError as e:
-            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-                return False  # another filesystem, or one without (more) hard links: write it
-            raise StorageError(f"linking chunk {key} of the base {self.choice.url} into {self.into.url} "
-                              f"failed: {e.strerror}") from None
-        return True
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise StorageError(f"linking {key} of the base {self.choice.url} into {self.into.url} "
+                                   f"failed: {e.strerror}") from None
+            ok = False  # another filesystem, or one without (more) hard links: write it
+        self._linked[key] = ok
+        return ok
+
+    def linked_files(self) -> list[FileRef]:
+        """The base's data files linked into the new checkpoint (packed), with their sizes."""
+        return [FileRef(k, self._sizes[k]) for k, ok in self._linked.items() if ok and k in self._sizes]
 
 
-def _check_file(path: str, entry: TensorEntry, fmt: shards.ShardFormat, table: np.ndarray,
-                index: tuple[int, ...], what: str) -> bool:
-    """Check a base's chunk file as stored (:func:`tsckpt.format.shards.check_stored`), reading it one unit
-    (:mod:`tsckpt.format.shard_encoding`) at a time into a reused buffer, not whole into fresh memory."""
-    fd = chunk_files.open_read(path)
-    try:
-        size, tail = chunk_files.stored_tail(fd, path, fmt)
-        shards.check_layout(fmt, index, size, tail, what)
-        for first, unit in chunk_files.stored_units(fd, path, fmt):
-            shards.check_stored_pieces(entry, fmt, table, index, unit, first, what)
-    finally:
-        os.close(fd)
-    return True
+@dataclass(frozen=True)
+class _Digests:
+    """The base's content hashes of one array's chunks, looked up by flat index (tables loaded as needed)."""
+
+    base: BaseChunks
+    entry: TensorEntry
+
+    def get(self, flat: int) -> bytes | None:
+        return self.base._lookup(self.entry, flat)
+
+
+class _Done:
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+class _Then:
+    """A fetch of a base's chunk and where it is: its result is (bytes, where)."""
+
+    def __init__(self, fut: Any, where: Any):
+        self.fut, self.where = fut, where
+
+    def result(self) -> Any:
+        try:
+            return self.fut.result(), self.where
+        except ValueError as e:
+            if str(e).startswith("NOT_FOUND"):
+                return None
+            raise
 
 
 def _path(location: Location) -> str:
@@ -270,15 +312,14 @@ def _path(location: Location) -> str:
 
 
 def reuse_outcome(choice: BaseChoice | None, tensors: Mapping[str, TensorEntry],
-                  reused: Mapping[str, np.ndarray], blob_bytes: int) -> tuple[Reuse | None, KeptChunks | None]:
-    """Coordinator, at commit: the document's ``reuse`` record and, packed, the base's keys to keep.
+                  reused: Mapping[str, np.ndarray], blob_bytes: int) -> Reuse | None:
+    """Coordinator, at commit: the document's ``reuse`` record.
 
     ``reused[fqn]`` marks, in row-major grid order, the chunks the ranks took from the base.
     """
     if choice is None:
-        return None, None
+        return None
     reused_bytes = reused_chunks = 0
-    keys = []
     for fqn, entry in tensors.items():
         flat = np.flatnonzero(reused[fqn])
         if not len(flat):
@@ -287,9 +328,6 @@ def reuse_outcome(choice: BaseChoice | None, tensors: Mapping[str, TensorEntry],
         for i in flat.tolist():
             index = tuple(int(n) for n in np.unravel_index(i, grid.grid_shape)) if entry.shape else ()
             reused_bytes += math.prod(s.stop - s.start for s in grid.chunk_region(index)) * itemsize
-            keys.append(f"{entry.path}/{zarr_json.chunk_key(index)}")
         reused_chunks += len(flat)
     written = sum(e.nbytes for e in tensors.values()) - reused_bytes + blob_bytes
-    reuse = Reuse(choice.url, choice.save_id, reused_chunks, reused_bytes, written, choice.note)
-    kept = KeptChunks(choice.location, tuple(sorted(keys))) if choice.mode == PACKED else None
-    return reuse, kept
+    return Reuse(choice.url, choice.save_id, reused_chunks, reused_bytes, written, choice.note)

@@ -1,4 +1,4 @@
-"""One rank's writes into a save: arrays opened, chunks and value blobs written, checksummed, awaited.
+"""One rank's writes into a save: every outer chunk and value blob encoded once and stored through one sink.
 
 Both save pipelines write through :class:`RankWriter`: every rank of a DCP save
 (:class:`tsckpt.TensorStoreWriter`) and the one-process
@@ -6,33 +6,26 @@ Both save pipelines write through :class:`RankWriter`: every rank of a DCP save
 (its path, grid and codecs) is decided before it gets here; this module only
 moves bytes and remembers what it wrote:
 
-* arrays are opened before their ``zarr.json`` exists (:meth:`Store.create`,
-  TensorStore's ``assume_metadata``), through the layout's transaction batches
-  (:class:`~tsckpt.storage.batch.RankBatch`);
-* arrays with inner chunks and uncompressed data (the default) are encoded
-  here (:mod:`tsckpt.format.shards`, which yields each inner chunk's crc32c on
-  the way) and written as whole chunk keys through a ``uint8`` view of them
-  (:meth:`Store.create_raw`), or, for a plain checkpoint on a local disk, as
-  files from a few recycled buffers
-  (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`), which there also
-  writes the uncompressed arrays without inner chunks; every other array
-  through TensorStore's ``zarr3`` driver;
-* every piece of a tensor's checksum grid written (its inner chunks) gets its
-  crc32c (:mod:`tsckpt.format.checksums`), every outer chunk its content hash
-  (:mod:`tsckpt.format.content_hashes`), kept per tensor in
-  :attr:`RankWriter.written`;
+* each outer chunk of a region becomes one value in tsckpt's layout
+  (:class:`~tsckpt.format.shard_encoding.EncodedChunk`: inner chunks one after
+  the other, each followed by its crc32c, then the index), or compressed
+  (:class:`~tsckpt.format.compressed.CompressedChunk`); value blobs are their
+  bytes and a crc32c. Every value goes to the layout's
+  :class:`~tsckpt.storage.sinks.Sink` under its Zarr key: a rank's data file
+  (packed) or a file or object per key (plain);
+* every outer chunk gets its content hash (:mod:`tsckpt.format.content_hashes`),
+  kept in the rank's digest table, which :meth:`RankWriter.finish` stores
+  beside the data (:mod:`tsckpt.format.digest_table`);
 * given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
   with the base's content hash is not written: the base's copy is read back,
-  checked (:meth:`~tsckpt.base_chunks.BaseChunks.sound`), and taken; one that
-  fails is written after all;
+  checked, and taken; one that fails is written after all;
 * host copies of device tensors, and with ``bound_host_sources`` every source,
   pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
-  the host memory a rank holds while TensorStore works.
+  the host memory a rank holds while its sink writes.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,12 +34,15 @@ import numpy as np
 
 from .dcp.copy_window import CopyWindow
 from .errors import StorageError
-from .format import checksums, content_hashes, dtypes, shard_encoding, shards, zarr_json
-from .storage import chunk_files
-from .storage.batch import RankBatch
-from .storage.kvio import problem
+from .format import content_hashes, dtypes, shards, zarr_json
+from .format.compressed import CompressedChunk
+from .format.digest_table import DigestTable
 from .format.grid import ChunkGrid
-from .format.metadata import ArrayOptions, TensorEntry
+from .format.metadata import ArrayOptions, RankFiles, TensorEntry
+from .format.ocdbt import Ref
+from .format.shard_encoding import EncodedChunk
+from .storage.kvio import problem
+from .storage.sinks import Blob
 from .storage.store import Store
 
 if TYPE_CHECKING:
@@ -64,26 +60,23 @@ CHECK_WINDOW = 256 << 20
 
 @dataclass
 class WrittenChunks:
-    """The outer chunks of one tensor this rank saved, by flat grid index.
+    """The outer chunks of one tensor this rank saved, by flat grid index, in the order they were saved.
 
-    With checksums: each chunk's content hash, and the crc32c of every piece of
-    the tensor's checksum grid those chunks hold (``pieces``: flat indices in
-    that grid, ``crcs`` beside them). ``reused`` marks the chunks taken from
-    the base rather than written (empty without a base).
+    ``refs[k]``: where chunk ``indices[k]`` is stored (after :meth:`RankWriter.finish`), in the packed
+    layout; ``reused[k]``: it was taken from the base instead of written.
     """
 
     indices: list[int] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     reused: list[bool] = field(default_factory=list)
-    pieces: list[int] = field(default_factory=list)
-    crcs: list[int] = field(default_factory=list)
+    refs: list[Ref | None] = field(default_factory=list)
 
 
-def chunk_sums(source: np.ndarray, grid: ChunkGrid, offsets: Sequence[int]) -> Iterator[
-        tuple[tuple[int, ...], tuple[slice, ...], int, bytes]]:
-    """Every chunk of a region written at ``offsets``: grid index, slice of ``source``, crc32c, content hash."""
+def chunk_parts(grid: ChunkGrid, offsets: Sequence[int], source: np.ndarray) -> Iterator[
+        tuple[tuple[int, ...], np.ndarray]]:
+    """Every outer chunk of a region written at ``offsets``: its grid index and its part of ``source``."""
     for index, view in grid.chunks_within(offsets, source.shape):
-        yield index, view, *content_hashes.crc_and_digest(source[view])
+        yield index, source[(*view, ...)]  # an array even for a 0-d tensor's one chunk
 
 
 def _start(grid: ChunkGrid, index: Sequence[int]) -> list[int]:
@@ -95,27 +88,28 @@ class RankWriter:
 
     Call :meth:`open` with the arrays the rank will write, then :meth:`write`
     and :meth:`write_blob` in any order, then :meth:`finish` once: it returns
-    when every write is durable (committed, for layouts with transactions).
+    when every write is durable, with what the rank's files hold.
 
     Args:
         store: where this save's data goes (its staging location, or in place).
-        rank: the rank writing (the packed layout gives each rank a database).
-        where: the checkpoint, as named in errors; empty where the caller names it (a DCP save's
-            coordinator reports a rank's failure with the location and the rank).
+        rank: the rank writing (its data file and digest table are its own).
+        save_id: the save, which names the rank's files.
+        where: the checkpoint, as named in errors; empty where the caller names it.
         options: the codecs of every tensor array.
-        checksums: compute a crc32c of every outer chunk written.
-        window: bytes of host data kept in flight (:class:`CopyWindow`'s limit;
-            None: no bound).
+        checksums: record each outer chunk's content hash (the crc32c of every
+            inner chunk is part of the codecs, ``options.crc32c_codec``).
+        window: bytes of host data kept in flight (:class:`CopyWindow`'s limit; None: no bound).
         bound_host_sources: pass CPU sources through the window too, releasing
             each once written (a converter that must not hold every tensor);
-            otherwise CPU sources stay referenced until :meth:`finish`, and
-            their checksums are computed there while TensorStore's threads write.
+            otherwise CPU sources stay referenced until :meth:`finish`.
         base: the base checkpoint of an incremental save, whose equal chunks are
             taken instead of written.
+        sync: make the data durable (fsync) before :meth:`finish` returns.
     """
 
-    def __init__(self, store: Store, rank: int, where: str, *, options: ArrayOptions, checksums: bool,
-                 window: int | None, bound_host_sources: bool = False, base: BaseChunks | None = None):
+    def __init__(self, store: Store, rank: int, save_id: str, where: str, *, options: ArrayOptions,
+                 checksums: bool, window: int | None, bound_host_sources: bool = False,
+                 base: BaseChunks | None = None, sync: bool = True):
         self.store = store
         self.rank = rank
         self.where = where
@@ -123,145 +117,75 @@ class RankWriter:
         self.checksums = checksums
         self.bound_host_sources = bound_host_sources
         self.written: dict[str, WrittenChunks] = {}
+        #: Each value blob's key and, in the packed layout, where it is stored (after :meth:`finish`).
+        self.blobs: dict[str, Ref | None] = {}
         self._entries: dict[str, TensorEntry] = {}
-        self._opened: dict[str, Any] = {}
-        self._formats: dict[str, shards.ShardFormat | None] = {}
-        #: Arrays whose encoded chunks this rank writes as files itself (a plain checkpoint on a local disk).
-        self._files: dict[str, str] = {}
-        self._file_writer = chunk_files.ChunkFileWriter(sync=store.location.context.get("file_io_sync") is not False)
-        self._pending: list[tuple[str, Any]] = []
-        #: Chunks written as files whose crc32c values come with their futures: where to record them.
-        self._crcs_due: list[tuple[WrittenChunks, np.ndarray, Any]] = []
-        self._later: list[tuple[str, Sequence[int], np.ndarray]] = []
+        self._formats: dict[str, shards.ShardFormat] = {}
+        self._sink = store.layout.sink(store, rank, save_id, sync=sync)
+        #: What each value put into the sink was: (tensor, position in its WrittenChunks) or (blob name, -1).
+        self._puts: list[tuple[str, int]] = []
         self._held: list[Any] = []
         self._window = CopyWindow(window)
-        self._batch = RankBatch(store.layout, self._drain, where)
         self.base = base
         self._checks = CopyWindow(CHECK_WINDOW)
+        self.files: RankFiles | None = None
 
     def open(self, entries: Mapping[str, TensorEntry]) -> None:
-        """Start opening the arrays of ``entries`` (flat key -> entry), all at once."""
+        """Take the arrays of ``entries`` (flat key -> entry) this rank will write."""
         for fqn, e in entries.items():
             self._entries[fqn] = e
-            directory = chunk_files.local_directory(self.store, e.path)
-            # Chunk files written here include small arrays': no TensorStore open for each.
-            fmt = self._formats[fqn] = shards.file_format(e, self.options, directory is not None)
-            if directory is not None and fmt is not None:
-                self._files[fqn] = directory
-            elif fmt is None:
-                self._opened[fqn] = self.store.create(e.path, zarr_json.tensor_metadata(e, self.options), self.rank)
-            else:
-                self._opened[fqn] = self.store.create_raw(e.path, e.grid.grid_shape, fmt.nbytes, self.rank)
+            self._formats[fqn] = shards.value_format(e, self.options)
 
     def write(self, fqn: str, offsets: Sequence[int], data: Any) -> int:
-        """Start writing ``data`` (a torch tensor or numpy array) at ``offsets`` of tensor ``fqn``; its byte count.
+        """Store ``data`` (a torch tensor or numpy array) at ``offsets`` of tensor ``fqn``; its byte count.
 
         The data must not change until :meth:`finish` returns. A device tensor
-        is copied to host memory first, within the window; chunks encoded here
-        pass through the window too (their encoded copies live until written).
+        is copied to host memory first, within the window.
         """
         nbytes, copied = self._host_bytes(data)
-        # Chunks encoded into TensorStore writes live until written; those written as files, in a few buffers.
-        windowed = copied or self.bound_host_sources or (self._formats[fqn] is not None and fqn not in self._files)
+        windowed = copied or self.bound_host_sources
         if windowed:
             self._window.admit(nbytes)
         source, hold = self._as_numpy(data)
         chunks = self.written.setdefault(fqn, WrittenChunks())
         if not source.size:
             return nbytes
-        against = self.base.tables(fqn, self._entries[fqn]) if self.base is not None else None
-        if against is not None:
-            futures = self._write_against(fqn, offsets, source, chunks, against)
-        else:
-            futures = self._write_box(fqn, offsets, source, chunks)
-        if windowed:
-            if against is None:  # checksum now: the window may release the source once it is written
-                self._checksum(fqn, chunks, offsets, source)
-            self._window.add(nbytes, lambda: [self._wait(fqn, f) for f in futures], hold=hold)
-        else:
-            self._held.append(hold)
-            if against is None:
-                self._later.append((fqn, offsets, source))
-        return nbytes
-
-    def _write_box(self, fqn: str, offsets: Sequence[int], source: np.ndarray,
-                   chunks: WrittenChunks | None) -> list[Any]:
-        """Start writing ``source`` (whole outer chunks) at ``offsets``; its futures.
-
-        Chunks encoded here record their inner chunks' crc32c into ``chunks``
-        (None: already recorded), when checksums are on.
-        """
-        fmt = self._formats[fqn]
-        if fqn in self._files:
-            return self._write_files(fqn, offsets, source, chunks)
-        arr = self._batch.bind(self._opened[fqn].result())
-        if fmt is None:
-            futures = [arr[region(offsets, source.shape)].write(source, can_reference_source_data_indefinitely=True)]
-        else:
-            futures = []
-            for index, encoded, pieces, crcs in shard_encoding.encode_region(fmt, self._entries[fqn].shape, offsets, source):
-                at = (*index[:-1], slice(index[-1] * fmt.nbytes, (index[-1] + 1) * fmt.nbytes))
-                futures.append(arr[at].write(encoded, can_reference_source_data_indefinitely=True))
-                if chunks is not None and self.checksums:
-                    chunks.pieces += pieces.tolist()
-                    chunks.crcs += crcs
-        self._pending += [(fqn, fut) for fut in futures]
-        self._batch.wrote(fqn, source.nbytes)
-        return futures
-
-    def _write_files(self, fqn: str, offsets: Sequence[int], source: np.ndarray,
-                     chunks: WrittenChunks | None) -> list[Any]:
-        """:meth:`_write_box` for an array whose chunk files this rank writes itself."""
-        fmt, directory, shape = self._formats[fqn], self._files[fqn], self._entries[fqn].shape
-        assert fmt is not None
-        futures = []
-        for index, part in shard_encoding.region_chunks(fmt, shape, offsets, source):
-            fut = self._file_writer.write(os.path.join(directory, zarr_json.chunk_key(index)), fmt, part)
-            futures.append(fut)
-            if chunks is not None and self.checksums:
-                self._crcs_due.append((chunks, shard_encoding.pieces_of(fmt, shape, index, part.shape), fut))
-        self._pending += [(fqn, fut) for fut in futures]
-        return futures
-
-    def _write_against(self, fqn: str, offsets: Sequence[int], source: np.ndarray, chunks: WrittenChunks,
-                       base: tuple[np.ndarray, np.ndarray]) -> list[Any]:
-        """Write the chunks of a region whose content hash differs from the base's; check and take the others.
-
-        An unchanged chunk's crc32c values are the base's (its checksum grid is
-        ours, :meth:`BaseChunks.tables`): the content is the same, so only the
-        (faster) content hash is computed for it. A changed chunk encoded here
-        gets its crc32c values from the encoding.
-        """
-        crcs, digests = base
         entry = self._entries[fqn]
-        grid, units = entry.grid, entry.checksum_grid
-        encoded = self._formats[fqn] is not None
-        changed, seen = [], 0
-        for index, view in grid.chunks_within(offsets, source.shape):
-            seen += 1
-            part = np.ascontiguousarray(source[view])
-            flat, digest = grid.flat_index(index), content_hashes.digest(part)
-            same = digest == digests[flat].tobytes()
+        against = self.base.digests(fqn, entry) if self.base is not None else None
+        futures = []
+        for index, part in chunk_parts(entry.grid, offsets, source):
+            flat = entry.grid.flat_index(index)
+            digest = content_hashes.digest(part) if self.checksums else b""
             chunks.indices.append(flat)
             chunks.digests.append(digest)
-            chunks.reused.append(same)
-            if same or not encoded:
-                pieces = units.flat_indices_within(_start(grid, index), part.shape)
-                chunks.pieces += pieces.tolist()
-                chunks.crcs += crcs[pieces].tolist() if same else \
-                    checksums.region_checksums(part, units, _start(grid, index))[1]
-            if same:
-                self._check_then_take(fqn, index, len(chunks.reused) - 1, part)
+            chunks.reused.append(False)
+            chunks.refs.append(None)
+            position = len(chunks.indices) - 1
+            if against is not None and against.get(flat) == digest:
+                self._check_then_take(fqn, index, position, part)
             else:
-                changed.append((index, view))
-        if len(changed) == seen:  # nothing to take: one write, as without a base
-            return self._write_box(fqn, offsets, source, chunks)
-        return [f for index, view in changed for f in self._write_box(fqn, _start(grid, index), source[view], chunks)]
+                futures.append(self._put(fqn, index, position, part, hold))
+        if windowed:
+            self._window.add(nbytes, lambda: [f.result() for f in futures if f is not None], hold=hold)
+        else:
+            self._held.append(hold)
+        return nbytes
+
+    def _put(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray, hold: Any) -> Any:
+        """Encode outer chunk ``index`` (its part inside the array) and hand it to the sink."""
+        fmt, key = self._formats[fqn], f"{self._entries[fqn].path}/{zarr_json.chunk_key(index)}"
+        value = (CompressedChunk(fmt, part, self.options.compression) if self.options.compression is not None
+                 else EncodedChunk(fmt, part))
+        self._puts.append((fqn, position))
+        try:
+            return self._sink.put(key, value, hold)
+        except OSError as e:
+            raise StorageError(f"{problem(e)} writing {fqn!r}" + (f" to {self.where}" if self.where else "")) from e
 
     def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
         """Read the base's chunk back; take it if it is still sound, else write ``part`` after all.
 
-        The reads run on TensorStore's threads while this rank goes on; each is
+        The reads run on the reading threads while this rank goes on; each is
         checked once the window of reads in flight is full, or at the end.
         """
         assert self.base is not None
@@ -272,84 +196,63 @@ class RankWriter:
     def _settle(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray, reading: Any) -> None:
         assert self.base is not None
         chunks, entry = self.written[fqn], self._entries[fqn]
-        if self.base.sound(fqn, index, reading, chunks.digests[position]) and self.base.take(entry, index):
+        taken = self.base.take(fqn, entry, index, reading) if self.base.sound(fqn, entry, index, reading) else None
+        if taken is not None:
+            chunks.reused[position] = True
+            chunks.refs[position] = taken if isinstance(taken, Ref) else None
             return
-        chunks.reused[position] = False
-        self._write_box(fqn, _start(entry.grid, index), part, None)  # its crc32c values are recorded
+        self._held.append(part)
+        self._put(fqn, index, position, part, part)
 
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
-        """Start writing a value blob (``torch.save`` bytes) as the ``uint8`` array at ``path``."""
-        blob = np.frombuffer(payload, dtype=np.uint8)
-        if self.bound_host_sources:
-            self._window.admit(blob.size)
-        arr = self._batch.bind(self.store.create(path, zarr_json.blob_metadata(blob.size), self.rank).result())
-        self._batch.wrote(name, blob.size)
-        fut = arr.write(blob)
-        self._pending.append((name, fut))
-        if self.bound_host_sources:
-            self._window.add(blob.size, lambda: self._wait(name, fut), hold=blob)
-
-    def finish(self) -> None:
-        """Checksum what is left, wait for every write, commit the last batch."""
-        # TensorStore's threads write meanwhile: the checksums cost CPU, not wall time.
-        for fqn, offsets, source in self._later:
-            self._checksum(fqn, self.written[fqn], offsets, source)
-        self._later.clear()
-        self._checks.drain()
-        self._window.drain()
-        self._drain()
-        try:
-            self._file_writer.finish()
-        except OSError as e:
-            raise StorageError(f"{problem(e)} making the chunk files durable"
-                               + (f" in {self.where}" if self.where else "")) from e
-        self._batch.commit()
-        self._held.clear()
+        """Store a value blob (``torch.save`` bytes) as the one chunk of the ``uint8`` array at ``path``."""
+        self.blobs[name] = None
+        self._puts.append((name, -1))
+        self._sink.put(f"{path}/{zarr_json.chunk_key((0,))}", Blob(payload), payload)
 
     def flush(self) -> None:
-        """Wait until every write started so far is done (not committed: see :meth:`finish`)."""
+        """Wait until the sources of every write started so far may be released (not durable: see :meth:`finish`)."""
         self._checks.drain()
         self._window.drain()
-        self._drain()
+
+    def finish(self) -> RankFiles:
+        """Wait for every write, store the digest table, make everything durable; what the rank's files hold."""
+        self._checks.drain()
+        self._window.drain()
+        try:
+            self.files = self._sink.finish(self._digest_table() if self.checksums else None)
+        except (OSError, ValueError) as e:
+            raise StorageError(f"{problem(e)} making the rank's data durable"
+                               + (f" in {self.where}" if self.where else "")) from e
+        if self.base is not None:  # the base's data files this rank linked in are the new checkpoint's too
+            self.files = RankFiles(self.files.files + tuple(self.base.linked_files()), self.files.digests)
+        refs = self._sink.refs
+        if refs is not None:
+            for (name, position), ref in zip(self._puts, refs):
+                if position < 0:
+                    self.blobs[name] = ref
+                else:
+                    self.written[name].refs[position] = ref
+        self._held.clear()
+        return self.files
+
+    def _digest_table(self) -> bytes:
+        paths, tensor, chunk, digests = [], [], [], []
+        for fqn, written in self.written.items():
+            if not written.indices:
+                continue
+            paths.append(self._entries[fqn].path)
+            tensor += [len(paths) - 1] * len(written.indices)
+            chunk += written.indices
+            digests += written.digests
+        return DigestTable.of(paths, tensor, chunk, digests).encode()
 
     def abandon(self) -> None:
         """After a failure: wait for started writes, ignoring their errors, so no I/O outlives its source."""
-        for _, fut in self._pending:
-            try:
-                fut.result()
-            except Exception:
-                pass
-        self._pending.clear()
-        self._crcs_due.clear()
+        self._sink.abandon()
         self._window = CopyWindow(self._window.limit)
         self._checks = CopyWindow(CHECK_WINDOW)
         self._held.clear()
-
-    def _checksum(self, fqn: str, chunks: WrittenChunks, offsets: Sequence[int], source: np.ndarray) -> None:
-        """Record the outer chunks of a region written without a base: indices, content hashes, crc32c values.
-
-        Chunks encoded here recorded their crc32c values already; where the
-        checksum grid is the chunk grid, one pass computes both sums.
-        """
-        entry = self._entries[fqn]
-        grid, units = entry.grid, entry.checksum_grid
-        if not self.checksums:
-            chunks.indices += grid.flat_indices_within(offsets, source.shape).tolist()
-            return
-        if self._formats[fqn] is None and units.chunk_shape == grid.chunk_shape:
-            for index, _, crc, digest in chunk_sums(source, grid, offsets):
-                chunks.indices.append(grid.flat_index(index))
-                chunks.pieces.append(grid.flat_index(index))
-                chunks.crcs.append(crc)
-                chunks.digests.append(digest)
-            return
-        for index, view in grid.chunks_within(offsets, source.shape):
-            chunks.indices.append(grid.flat_index(index))
-            chunks.digests.append(content_hashes.digest(source[view]))
-        if self._formats[fqn] is None:
-            pieces, crcs = checksums.region_checksums(source, units, offsets)
-            chunks.pieces += pieces
-            chunks.crcs += crcs
 
     @staticmethod
     def _host_bytes(data: Any) -> tuple[int, bool]:
@@ -367,18 +270,3 @@ class RankWriter:
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         return dtypes.tensor_as_numpy(tensor), tensor
-
-    def _drain(self) -> None:
-        for name, fut in self._pending:
-            self._wait(name, fut)
-        self._pending.clear()
-        for chunks, pieces, fut in self._crcs_due:
-            chunks.pieces += pieces.tolist()
-            chunks.crcs += fut.result()
-        self._crcs_due.clear()
-
-    def _wait(self, name: str, fut: Any) -> None:
-        try:
-            fut.result()
-        except Exception as e:
-            raise StorageError(f"{problem(e)} writing {name!r}" + (f" to {self.where}" if self.where else "")) from e

@@ -18,7 +18,7 @@ import tensorstore as ts
 from ..errors import ConcurrentSaveError, TsckptError
 from ..storage.context import make_context, open_kvstore
 from ..storage.kvio import problem, storage_error
-from ..storage.packed import prefix_range
+from ..storage.kvio import prefix_range
 from ..storage.location import Location
 from .states import (
     ABSENT,

@@ -3,12 +3,14 @@
 :func:`commit_checkpoint` assembles the metadata document and commits it, for
 the DCP writer and :class:`~tsckpt.conversion.builder.CheckpointBuilder` alike.
 
-Ranks write only chunk files, under array paths that hold no ``zarr.json`` yet,
-so while a save runs nothing it wrote is a Zarr node. When every rank's data is
-durable, the coordinator writes each array's ``zarr.json``, then every
-intermediate group's ``zarr.json``, and last the root ``zarr.json`` whose
-``attributes["tsckpt"]`` is the metadata document. That single write is the
-commit: a directory without it is an incomplete checkpoint and is refused.
+Ranks write only chunk values (a data file each, or files under array paths
+that hold no ``zarr.json`` yet), so while a save runs nothing it wrote is a
+Zarr node. When every rank's data is durable, the coordinator writes each
+array's and each intermediate group's ``zarr.json`` (as files, or into the
+packed layout's index, with where every value is), and last the root
+``zarr.json`` whose ``attributes["tsckpt"]`` is the metadata document. That
+single write is the commit: a directory without it is an incomplete
+checkpoint and is refused.
 Where the save writes, and how the committed root becomes visible at the
 checkpoint's location (a rename of a staging directory, or a conditional
 write), is the save's :class:`~tsckpt.commit.target.SaveTarget`.
@@ -16,6 +18,7 @@ write), is the save's :class:`~tsckpt.commit.target.SaveTarget`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -35,9 +38,10 @@ from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..storage.kvio import encode_json, list_keys, read_json
 from ..format import checksums, dtypes, values, zarr_json
-from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
+from ..format import ocdbt
+from ..format.metadata import (MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, DataFiles, Mesh, ObjectEntry,
+                               RankFiles, Span, TensorEntry)
 from ..format.names import parent_groups
-from ..storage.packed_reuse import KeptChunks
 from ..format.reuse import Reuse
 from ..storage.store import Store
 from .states import ATTRIBUTE, FOREIGN, ROOT, without_root
@@ -46,19 +50,13 @@ from .target import SaveTarget
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
 
 
-def tensor_attributes(key: str, entry: TensorEntry, writers: Sequence[int] | None = None) -> dict[str, Any]:
-    """What each array says about itself in torch terms, for zarr-python users.
-
-    ``writers`` is the rank that wrote each outer chunk, in row-major grid order:
-    where a save's data came from, kept beside the array rather than in the
-    root document, whose size must not grow with ranks x tensors.
-    """
+def tensor_attributes(key: str, entry: TensorEntry) -> dict[str, Any]:
+    """What each array says about itself in torch terms, for zarr-python users (readers use the root document)."""
     return {ATTRIBUTE: {
         "kind": "tensor",
         "key": key,
         "torch_dtype": f"torch.{dtypes.from_zarr(entry.dtype).torch}",
         "placement": entry.placement.to_dict() if entry.placement else None,
-        "writers": list(writers) if writers is not None else None,
     }}
 
 
@@ -69,42 +67,45 @@ def blob_attributes(key: str) -> dict[str, Any]:
 def commit_checkpoint(
     store: Store,
     *,
+    save_id: str,
     world_size: int,
     tensors: Mapping[str, TensorEntry],
     objects: Mapping[str, ObjectEntry],
     blob_sizes: Mapping[str, int],
+    ranks: Sequence[RankFiles],
+    stored: ocdbt.Entries | None = None,
     meshes: Sequence[Mesh] = (),
     extra: Mapping[str, Any] | None = None,
     options: ArrayOptions = ArrayOptions(),
-    writers: Mapping[str, Sequence[int]] | None = None,
     target: SaveTarget | None = None,
     content_hash: str | None = None,
     reuse: Reuse | None = None,
-    kept: KeptChunks | None = None,
 ) -> CheckpointMetadata:
-    """Validate the entries, assemble the metadata document and commit it; call once all data is durable.
+    """Validate the entries, write every node, assemble the metadata document and commit it; call once all
+    data is durable.
 
     ``blob_sizes`` gives the byte count of every ``torch``-encoded value's blob;
-    ``options`` are the codecs the tensor chunks were written with; ``writers``
-    the rank that wrote each chunk of a tensor (see :func:`tensor_attributes`).
-    ``target`` (from :func:`~tsckpt.commit.target.begin_save`) writes and publishes
-    the root document; without one it is written to ``store`` directly. If the
-    commit fails, the target drops the save's staged data. ``content_hash``
-    names the algorithm of the entries' content hash tables; ``reuse`` and
-    ``kept`` say what an incremental save took from its base
-    (:mod:`tsckpt.base_chunks`).
+    ``options`` are the codecs the tensor chunks were written with; ``ranks``
+    what each rank stored besides chunk keys (its data files, its digest
+    table); ``stored`` where every chunk and blob value is, sorted by key, for
+    layouts that index them (packed). ``target`` (from
+    :func:`~tsckpt.commit.publication.begin_save`) writes and publishes the root
+    document; without one it is written to ``store`` directly. If the commit
+    fails, the target drops the save's staged data. ``content_hash`` names the
+    algorithm of the ranks' digest tables; ``reuse`` says what an incremental
+    save took from its base (:mod:`tsckpt.base_chunks`).
     """
     import torch  # only for its version string; every caller has it loaded already
 
     docs: dict[str, dict[str, Any]] = {}
     for fqn, entry in tensors.items():
         entry.validate(f"tensor {fqn!r}")
-        docs[entry.path] = zarr_json.tensor_metadata(
-            entry, options, tensor_attributes(fqn, entry, (writers or {}).get(fqn)))
+        docs[entry.path] = zarr_json.tensor_metadata(entry, options, tensor_attributes(fqn, entry))
     for fqn, size in blob_sizes.items():
         path = objects[fqn].path
         assert path is not None
         docs[path] = zarr_json.blob_metadata(size, blob_attributes(fqn))
+    packed = store.layout.name == "packed"
     md = CheckpointMetadata(
         world_size=world_size,
         tensors=dict(tensors),
@@ -118,11 +119,13 @@ def commit_checkpoint(
         layout=store.layout.name,
         content_hash=content_hash,
         reuse=reuse,
+        # Where the index will be is known once it is written: a stand-in of the same shape until then.
+        data_files=DataFiles(Span("", 0, 0) if packed else None, tuple(ranks)),
     )
     try:
         if target is not None:
             target.check_current()
-        commit(store.kvstore, md, docs, nodes=store.layout.nodes(store, world_size, kept), target=target)
+        commit(store, save_id, md, docs, stored, target=target)
     except BaseException:
         if target is not None:
             target.abort()
@@ -130,35 +133,43 @@ def commit_checkpoint(
     return md
 
 
-def commit(kv: ts.KvStore, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]],
-           nodes: tuple[ts.KvStore, Callable[[], None] | None] | None = None,
-           target: SaveTarget | None = None) -> None:
-    """Write array and group nodes, then the root document (the commit point).
+def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]],
+           stored: ocdbt.Entries | None, target: SaveTarget | None = None) -> CheckpointMetadata:
+    """Write array and group nodes (and the layout's index), then the root document (the commit point).
 
-    ``nodes`` optionally gives another kvstore for the nodes and a call that
-    makes them durable, which returns before the root is written. ``target``
-    writes the root and publishes it; without one the root is written to ``kv``.
+    ``target`` writes the root and publishes it; without one the root is
+    written to ``store`` directly. Returns the metadata as committed.
     """
-    node_kv, flush = nodes if nodes is not None else (kv, None)
-    document = md.to_dict()
-    root = encode_json(zarr_json.group_metadata(
-        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
-    if len(root) > MAX_DOCUMENT_BYTES:
-        # Refused before any node is written: a root that no reader accepts must never become the commit.
-        chunks = sum(e.grid.nchunks for e in md.tensors.values())
-        raise MetadataError(f"{target.url if target is not None else 'the checkpoint'}: its root {ROOT} would be "
-                            f"{len(root)} bytes, more than the {MAX_DOCUMENT_BYTES} a reader accepts ({chunks} chunks "
-                            f"in {len(md.tensors)} tensors; larger regions per rank make fewer chunks); "
-                            f"nothing was committed")
+    _check_size(md, target)
     groups = [g for g in parent_groups(list(array_docs)) if g]
-    _write_all(node_kv, {f"{path}/{ROOT}": doc for path, doc in array_docs.items()}
-               | {f"{g}/{ROOT}": zarr_json.group_metadata() for g in groups})
+    docs = {f"{path}/{ROOT}": encode_json(doc) for path, doc in array_docs.items()}
+    docs |= {f"{g}/{ROOT}": encode_json(zarr_json.group_metadata()) for g in groups}
+    index, flush = store.layout.write_nodes(store, save_id, docs, stored)
     if flush is not None:
         flush()
+    if md.data_files is not None:
+        md = dataclasses.replace(md, data_files=dataclasses.replace(md.data_files, index=index))
+    root = _root_bytes(md)
     if target is None:
-        kv.write(ROOT, root).result()
+        store.kvstore.write(ROOT, root).result()
     else:
-        target.commit_root(kv, root)
+        target.commit_root(store.kvstore, root)
+    return md
+
+
+def _root_bytes(md: CheckpointMetadata) -> bytes:
+    document = md.to_dict()
+    return encode_json(zarr_json.group_metadata(
+        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
+
+
+def _check_size(md: CheckpointMetadata, target: SaveTarget | None) -> None:
+    """Refuse, before any node is written, a root that no reader would accept: it must never become the commit."""
+    size = len(_root_bytes(md))
+    if size > MAX_DOCUMENT_BYTES:
+        raise MetadataError(f"{target.url if target is not None else 'the checkpoint'}: its root {ROOT} would be "
+                            f"{size} bytes, more than the {MAX_DOCUMENT_BYTES} a reader accepts ({len(md.tensors)} "
+                            f"tensors, {len(md.objects)} values, {md.world_size} ranks); nothing was committed")
 
 
 def document_checksum(document: Mapping[str, Any]) -> int:
@@ -169,12 +180,6 @@ def document_checksum(document: Mapping[str, Any]) -> int:
     """
     canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return checksums.crc32c(canonical.encode("utf-8"))
-
-
-def _write_all(kv: ts.KvStore, docs: dict[str, dict[str, Any]]) -> None:
-    futures = [kv.write(key, encode_json(doc)) for key, doc in docs.items()]
-    for f in futures:
-        f.result()
 
 
 def _read_root(kv: ts.KvStore, url: str) -> Any:

@@ -31,6 +31,9 @@ CLAIM = ".tsckpt-claim.json"
 #: document that is not JSON: the step scan reports it, a save treats it as committed.
 ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE, DAMAGED = "absent", "incomplete", "committed", "foreign", "file", "damaged"
 
+#: A save's own files (format version 4): ranks' data files and their parts, digest tables, the packed index.
+_DATA_FILE = r"^d/[0-9a-f]{32}(?:\.index|-\d+(?:\.\d+|\.digests)?)$"
+
 #: Keys a tsckpt save writes: node documents and chunk keys of either separator,
 #: the packed layout's OCDBT manifests and data files, and the claim. A location
 #: holding only these and no root is a dead save's leftovers.
@@ -38,6 +41,7 @@ OWN_KEYS: list[re.Pattern[str]] = [
     re.compile(r"(?:^|/)(?:zarr\.json|c|c(?:\.\d+)+)$"),
     re.compile(r"(?:^|/)c(?:/\d+)+$"),
     re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$"),
+    re.compile(_DATA_FILE),
     re.compile(re.escape(CLAIM) + "$"),
 ]
 
@@ -127,7 +131,7 @@ def without_root(keys: list[str]) -> Found:
 
 
 _NODE_OR_CHUNK = re.compile(r"^(?:zarr\.json|c|c(?:\.\d+)+|c(?:/\d+)+)$")
-_LAYOUT_KEY = re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$")
+_LAYOUT_KEY = re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$|" + _DATA_FILE)
 
 
 def checkpoint_keys(raw: bytes) -> Callable[[str], bool] | None:

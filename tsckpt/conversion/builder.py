@@ -27,17 +27,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import OptionError, PlanError, UnsupportedDtypeError
-from ..format import checksums, content_hashes, dtypes, values
+from ..format import content_hashes, dtypes, values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
-from ..storage.layouts import default_layout
+from ..storage.layouts import PACKED, default_layout
 from ..storage.store import Store
 from ..commit.publication import begin_save
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
-from ..rank_writer import RankWriter
+from ..dcp.merged_chunks import MergedChunks, stored_values
+from ..dcp.summary import SummaryBuilder
+from ..rank_writer import RankWriter, WrittenChunks
 
 if TYPE_CHECKING:
     import torch
@@ -98,13 +100,13 @@ class CheckpointBuilder:
         layout: str | None = None,
     ):
         self.checksums = checksums
-        self.array_options = ArrayOptions(crc32c_codec=crc32c_codec)
+        self.array_options = ArrayOptions(crc32c_codec=checksums or crc32c_codec)
         self.save_id = uuid.uuid4().hex
         self.target = begin_save(location, save_id=self.save_id, overwrite=overwrite)
         self.location = self.target.location
         self.store = Store.open(self.target.data_location, io_concurrency=io_concurrency, layout=layout or default_layout())
-        self._writer = RankWriter(self.store, 0, self.url, options=self.array_options, checksums=checksums,
-                                  window=max_inflight_bytes, bound_host_sources=True)
+        self._writer = RankWriter(self.store, 0, self.save_id, self.url, options=self.array_options,
+                                  checksums=checksums, window=max_inflight_bytes, bound_host_sources=True)
         self.inner_chunk_bytes = inner_chunk_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
@@ -205,17 +207,24 @@ class CheckpointBuilder:
 
     def commit(self) -> CheckpointMetadata:
         """Wait for all data, then write array, group and root documents (the commit)."""
-        self._writer.finish()
-        if self.checksums:
-            for fqn, entry in self._tensors.items():
-                written = self._writer.written[fqn]
-                self._tensors[fqn] = dataclasses.replace(
-                    entry, checksums=checksums.encode_table(entry.checksum_grid, written.pieces, written.crcs),
-                    content_hashes=content_hashes.encode_table(entry.grid, written.indices, written.digests))
+        stored = self._writer.finish()
+        summary = SummaryBuilder(0, self.save_id)
+        names = list(self._tensors)
+        for number, fqn in enumerate(names):
+            summary.add(number, self._writer.written.get(fqn) or WrittenChunks())
+        for fqn in self._blob_sizes:
+            summary.add_object(fqn, values.TORCH, None, self._blob_sizes[fqn])
+            summary.place_object(fqn, self._writer.blobs.get(fqn))
+        done = summary.done(stored)
+        written = MergedChunks.merge([done], [e.grid.nchunks for e in self._tensors.values()], names, self.url)
+        blobs = {self._objects[f].path: (done.files[info["ref"][0]], info["ref"][1:])
+                 for f, info in done.objects.items() if "ref" in info}
+        packed = self.store.layout.name == PACKED
         md = commit.commit_checkpoint(
-            self.store, world_size=1, tensors=self._tensors, objects=self._objects, blob_sizes=self._blob_sizes,
+            self.store, save_id=self.save_id, world_size=1, tensors=self._tensors, objects=self._objects,
+            blob_sizes=self._blob_sizes, ranks=[stored],
+            stored=stored_values(self._tensors, written, blobs) if packed else None,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,
-            writers={fqn: [0] * e.grid.nchunks for fqn, e in self._tensors.items()},
             content_hash=content_hashes.ALGORITHM if self.checksums else None)
         self._committed = True
         return md

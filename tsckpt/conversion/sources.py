@@ -38,7 +38,7 @@ import torch
 from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
 from ..commit import protocol as commit
 from ..format import dtypes, values
-from ..storage.box_reader import read_tensor
+from ..storage.box_reader import ChunkSource, read_tensor
 from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
@@ -125,6 +125,7 @@ class TsckptSource(Source):
     def __init__(self, path: Any, *, trust_pickle: bool = False):
         super().__init__(path, trust_pickle=trust_pickle)
         self._store, self.metadata = commit.open_committed(path)
+        self._source = ChunkSource.of(self._store, self.metadata)
         for key, e in self.metadata.tensors.items():
             self.tensors[key] = TensorInfo(e.key_path, e.shape, dtypes.to_torch_dtype(dtypes.from_zarr(e.dtype)))
         for key, o in self.metadata.objects.items():
@@ -140,11 +141,11 @@ class TsckptSource(Source):
     def _object(self, key: str, entry: Any) -> Any:
         if entry.encoding == values.JSON:
             return values.from_json(entry.value)
-        return values.load_torch_value(self._store.read_blob(key, entry.path), key=key, where=self._store.url,
+        return values.load_torch_value(self._source.read_blob(key, entry.path), key=key, where=self._store.url,
                                        allow_pickle=self.trust_pickle, opt_in="trust_pickle=True (--trust-pickle)")
 
     def read(self, key: str) -> torch.Tensor:
-        data = read_tensor(self._store, key, self.metadata.tensors[key])
+        data = read_tensor(self._source, key, self.metadata.tensors[key])
         # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
         return dtypes.numpy_as_tensor(data if data.flags.c_contiguous else data.copy())
 

@@ -35,13 +35,13 @@ DCP runs a save as four collectives around the storage writer's methods. With
    as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
    sync options are not used. It returns :class:`RankWrites`: one
    ``WriteResult`` per item, as DCP expects, and a columnar :class:`RankSummary`
-   (each outer chunk's tensor number, chunk index and content hash; the crc32c
-   of each piece of a tensor's checksum grid, its inner chunks; each value's encoding).
+   (each outer chunk's tensor number, chunk index and, packed, where it is
+   stored; each value's encoding; the rank's data files and digest table).
 5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
    it checks that every rank wrote with this save's orders, merges the
    summaries (:class:`~tsckpt.dcp.merged_chunks.MergedChunks`, linear in chunks), checks that every
-   chunk was written, and every piece checksummed, exactly once, writes every node and then the root
-   document: the commit.
+   chunk was written exactly once, writes every node (packed: the index of every value) and then the
+   root document: the commit.
 6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.
 
 What grows with the world size stays on the coordinator; what a rank receives
@@ -63,10 +63,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import OptionError, PlanError
 from ..base_chunks import BaseChoice
-from ..format import content_hashes, values
-from ..rank_writer import WrittenChunks as SavedChunks
+from ..format import values
 from ..storage.layouts import LAYOUTS
 from ..format.metadata import ArrayOptions, TensorEntry
+from .summary import RankSummary, SummaryBuilder  # noqa: F401 - part of the contract
 from ..format.names import zarr_path
 from ..storage.location import Location
 from .replica_writes import Holdings
@@ -281,101 +281,6 @@ class NewOrders:
         if not isinstance(cached.storage_data, RankPlan):
             return None
         return dataclasses.replace(cached, storage_data=dataclasses.replace(cached.storage_data, orders=self.orders))
-
-
-@dataclass(frozen=True)
-class RankSummary:
-    """What one rank wrote (step 4), in columns: one row per chunk, numbered as the coordinator numbered tensors.
-
-    ``digest`` (128-bit content hash of each outer chunk) and ``crc`` are None
-    when the plan's configuration turned checksums off; ``reused`` marks the
-    chunks taken from an incremental save's base instead of written. ``crc``
-    has its own rows: the crc32c of piece ``piece`` (flat index in the
-    tensor's checksum grid, :attr:`~tsckpt.format.metadata.TensorEntry.checksum_grid`)
-    of tensor ``crc_tensor``; without those two columns, one crc32c per row of
-    ``chunk`` (arrays whose checksum grid is their chunk grid).
-    ``objects``: each value's recorded encoding (and its JSON value, or blob size).
-    ``placements``: with DCP's own planner, whose plans carry none, the
-    placement records of the tensors this rank describes.
-    """
-
-    rank: int
-    save_id: str  # from the orders the rank wrote with
-    tensor: np.ndarray  # int32
-    chunk: np.ndarray  # int64, flat index in the tensor's chunk grid
-    crc: np.ndarray | None  # uint32
-    digest: np.ndarray | None = None  # uint8 [n, content_hashes.WIDTH]
-    reused: np.ndarray | None = None  # bool
-    crc_tensor: np.ndarray | None = None  # int32, one per crc
-    piece: np.ndarray | None = None  # int64, one per crc
-    objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
-    failure: Mapping[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "save_id": self.save_id, "tensor": self.tensor.tolist(),
-                "chunk": self.chunk.tolist(), "crc": None if self.crc is None else self.crc.tolist(),
-                "digest": None if self.digest is None else [bytes(d).hex() for d in self.digest],
-                "reused": None if self.reused is None else self.reused.tolist(),
-                "crc_tensor": None if self.crc_tensor is None else self.crc_tensor.tolist(),
-                "piece": None if self.piece is None else self.piece.tolist(),
-                "objects": dict(self.objects), "placements": dict(self.placements),
-                "failure": None if self.failure is None else dict(self.failure)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
-        crc, digest, reused, crc_tensor, piece = (d["crc"], d.get("digest"), d.get("reused"), d.get("crc_tensor"),
-                                                  d.get("piece"))
-        return cls(int(d["rank"]), d["save_id"], np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
-                   None if crc is None else np.asarray(crc, np.uint32),
-                   None if digest is None else np.frombuffer(b"".join(bytes.fromhex(h) for h in digest),
-                                                             np.uint8).reshape(-1, content_hashes.WIDTH),
-                   None if reused is None else np.asarray(reused, bool),
-                   None if crc_tensor is None else np.asarray(crc_tensor, np.int32),
-                   None if piece is None else np.asarray(piece, np.int64),
-                   dict(d["objects"]), dict(d.get("placements") or {}), d.get("failure"))
-
-
-class SummaryBuilder:
-    """Collects a rank's :class:`RankSummary` from what its :class:`~tsckpt.rank_writer.RankWriter` saved."""
-
-    def __init__(self, rank: int, orders: SaveOrders):
-        self.rank, self.save_id, self.with_checksums = rank, orders.save_id, orders.config.checksums
-        self.tensor: list[int] = []
-        self.chunk: list[int] = []
-        self.crc: list[int] = []
-        self.crc_tensor: list[int] = []
-        self.piece: list[int] = []
-        self.digests: list[bytes] = []
-        self.reused: list[bool] = []
-        self.objects: dict[str, dict[str, Any]] = {}
-        self.placements: dict[str, dict[str, Any]] = {}
-
-    def add(self, tensor_id: int, chunks: SavedChunks) -> None:
-        """Record the outer chunks of tensor ``tensor_id`` this rank saved (indices, content hashes, reuse)
-        and the crc32c of the pieces of its checksum grid they hold."""
-        self.chunk += chunks.indices
-        self.crc += chunks.crcs
-        self.piece += chunks.pieces
-        self.crc_tensor += [tensor_id] * len(chunks.pieces)
-        self.digests += chunks.digests
-        self.reused += chunks.reused or [False] * len(chunks.indices)
-        self.tensor += [tensor_id] * len(chunks.indices)
-
-    def add_object(self, fqn: str, encoding: str, payload: Any, nbytes: int) -> None:
-        self.objects[fqn] = {"encoding": values.JSON, "value": payload} if encoding == values.JSON \
-            else {"encoding": encoding, "nbytes": nbytes}
-
-    def done(self) -> RankSummary:
-        crc = digest = None
-        if self.with_checksums:
-            crc = np.asarray(self.crc, np.uint32)
-            digest = np.frombuffer(b"".join(self.digests), np.uint8).reshape(-1, content_hashes.WIDTH)
-        return RankSummary(self.rank, self.save_id, np.asarray(self.tensor, np.int32),
-                           np.asarray(self.chunk, np.int64), crc, digest, np.asarray(self.reused, bool),
-                           np.asarray(self.crc_tensor, np.int32), np.asarray(self.piece, np.int64),
-                           self.objects, self.placements)
 
 
 class RankWrites(list):

@@ -2,34 +2,40 @@
 
 :class:`MergedChunks` puts every row of every rank's
 :class:`~tsckpt.dcp.contract.RankSummary` at its tensor's chunk position with
-one ``bincount``-style pass, refusing a chunk written twice or never, and a
-checksum the plan asked for but a rank did not compute. ``finish`` then reads
-each tensor's writers, checksums and content hashes in grid order.
+one ``bincount``-style pass, refusing a chunk written twice or never, and
+gathers where each is stored. ``finish`` then reads each tensor's chunks in
+grid order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import PlanError
-from ..format import content_hashes
-from .contract import RankSummary
+from ..format import zarr_json
+from ..format.metadata import RankFiles, TensorEntry
+from ..storage.packed import StoredValues
+from .summary import RankSummary
 
 
 @dataclass(frozen=True)
 class TensorChunks:
     """One tensor's chunks in row-major grid order, as :meth:`MergedChunks.of` returns them.
 
-    ``crc``: one crc32c per piece of the tensor's checksum grid, in its row-major order.
+    ``file`` (an index into :attr:`MergedChunks.files`, -1 where chunks are keys of their own), ``offset``
+    and ``length``: where each is stored.
     """
 
     writer: np.ndarray
-    crc: np.ndarray | None
-    digest: np.ndarray | None
     reused: np.ndarray
+    file: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
 
 
 def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: Sequence[str], unit: str,
@@ -59,27 +65,23 @@ class MergedChunks:
     """Every chunk of every tensor as the ranks reported it (step 5), flat over tensors in coordinator order.
 
     Tensor ``t`` owns positions ``starts[t]:starts[t+1]``; ``writer`` is the
-    rank that wrote each chunk, ``digest`` its content hash (None with
-    checksums off), ``reused`` whether it was taken from an incremental base.
-    ``crc`` holds the crc32c of every piece of every tensor's checksum grid,
-    tensor ``t`` owning ``piece_starts[t]:piece_starts[t+1]``.
+    rank that wrote each chunk, ``reused`` whether it was taken from an
+    incremental base, ``file``/``offset``/``length`` where it is stored
+    (``file`` indexes ``files``; -1 in the plain layout).
     """
 
     starts: np.ndarray
     writer: np.ndarray
-    crc: np.ndarray | None
-    digest: np.ndarray | None
     reused: np.ndarray
-    piece_starts: np.ndarray
+    file: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    files: tuple[str, ...]
 
     @classmethod
     def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
-              with_checksums: bool, where: str, npieces: Sequence[int] | None = None) -> MergedChunks:
-        """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk.
-
-        ``npieces``: pieces of each tensor's checksum grid (default: its chunks);
-        with checksums, each piece must have been checksummed exactly once.
-        """
+              where: str) -> MergedChunks:
+        """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
         tensor = np.concatenate([s.tensor for s in summaries] or [np.zeros(0, np.int32)])
         chunk = np.concatenate([s.chunk for s in summaries] or [np.zeros(0, np.int64)])
         starts, flat = _place(tensor, chunk, nchunks, names, "chunk", "written", where)
@@ -87,33 +89,59 @@ class MergedChunks:
         writer = np.empty(total, np.int64)
         writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64),
                                  [len(s.tensor) for s in summaries])
+        files: dict[str, int] = {}
         reused = np.zeros(total, bool)
+        file = np.full(total, -1, np.int64)
+        offset = np.zeros(total, np.int64)
+        length = np.zeros(total, np.int64)
         for s, part in zip(summaries, np.split(flat, np.cumsum([len(s.tensor) for s in summaries])[:-1])):
             if s.reused is not None and len(s.reused) == len(part):
                 reused[part] = s.reused
-        npieces = nchunks if npieces is None else npieces
-        piece_starts = np.zeros(len(npieces) + 1, np.int64)
-        np.cumsum(np.asarray(npieces, np.int64), out=piece_starts[1:])
-        crc = digest = None
-        if with_checksums:
-            # A summary without piece columns checksums its chunks: one crc32c per chunk row.
-            pieces = [(s.tensor, s.chunk) if s.piece is None else (s.crc_tensor, s.piece) for s in summaries]
-            if any(s.crc is None or len(s.crc) != len(p[1]) or p[0] is None or len(p[0]) != len(p[1])
-                   or s.digest is None or len(s.digest) != len(s.tensor) for s, p in zip(summaries, pieces)):
-                raise PlanError(f"saving {where}: a rank wrote without the checksums the plan asked for")
-            piece_starts, at = _place(np.concatenate([p[0] for p in pieces] or [np.zeros(0, np.int32)]),
-                                      np.concatenate([p[1] for p in pieces] or [np.zeros(0, np.int64)]),
-                                      npieces, names, "inner chunk", "checksummed", where)
-            crc = np.empty(int(piece_starts[-1]), np.uint32)
-            crc[at] = np.concatenate([s.crc for s in summaries] or [np.zeros(0, np.uint32)])  # type: ignore[misc]
-            digest = np.empty((total, content_hashes.WIDTH), np.uint8)
-            digest[flat] = np.concatenate([s.digest for s in summaries]  # type: ignore[misc]
-                                          or [np.zeros((0, content_hashes.WIDTH), np.uint8)])
-        return cls(starts, writer, crc, digest, reused, piece_starts)
+            if s.file is None or s.offset is None or s.length is None or len(s.file) != len(part):
+                raise PlanError(f"saving {where}: rank {s.rank} did not say where its chunks are stored")
+            # The ranks' own numbers of the files they name, as numbers in the merged list.
+            mapping = np.asarray([files.setdefault(p, len(files)) for p in s.files] + [-1], np.int64)
+            file[part] = mapping[s.file.astype(np.int64)]  # -1 indexes the trailing -1
+            offset[part], length[part] = s.offset, s.length
+        return cls(starts, writer, reused, file, offset, length, tuple(files))
 
     def of(self, t: int) -> TensorChunks:
-        """Tensor ``t``'s chunks, one row each in row-major grid order (its crc32c values, per piece)."""
+        """Tensor ``t``'s chunks, one row each in row-major grid order."""
         a, b = int(self.starts[t]), int(self.starts[t + 1])
-        pa, pb = int(self.piece_starts[t]), int(self.piece_starts[t + 1])
-        return TensorChunks(self.writer[a:b], None if self.crc is None else self.crc[pa:pb],
-                            None if self.digest is None else self.digest[a:b], self.reused[a:b])
+        return TensorChunks(self.writer[a:b], self.reused[a:b], self.file[a:b], self.offset[a:b], self.length[a:b])
+
+
+def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
+                  blobs: Mapping[str, tuple[str, Sequence[int]]]) -> StoredValues:
+    """Where every chunk of ``tensors`` (in the coordinator's order, as merged) and every value blob
+    (``blobs``: array path -> (data file, [offset, length])) is stored, keyed by Zarr key."""
+    keys: list[bytes] = []
+    for entry in tensors.values():
+        prefix = f"{entry.path}/".encode()
+        keys += [prefix + k for k in chunk_keys(entry.grid.grid_shape)]
+    files = list(written.files)
+    numbers = {p: i for i, p in enumerate(files)}
+    blob_file = [numbers.setdefault(f, len(numbers)) for f, _ in blobs.values()]
+    files = list(numbers)
+    keys += [f"{path}/{zarr_json.chunk_key((0,))}".encode() for path in blobs]
+    return StoredValues(keys, np.concatenate([written.file, np.asarray(blob_file, np.int64)]),
+                        np.concatenate([written.offset, np.asarray([r[0] for _, r in blobs.values()], np.int64)]),
+                        np.concatenate([written.length, np.asarray([r[1] for _, r in blobs.values()], np.int64)]),
+                        files)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_keys(grid: tuple[int, ...]) -> list[bytes]:
+    """Every chunk key of a grid (``c.i.j``; ``c`` for a 0-d array), in row-major (flat index) order."""
+    return [zarr_json.chunk_key(index).encode() for index in itertools.product(*map(range, grid))]
+
+
+def once_each(ranks: Sequence[RankFiles]) -> list[RankFiles]:
+    """Each rank's files, a file several ranks name (a base's data file linked in) listed by the first only."""
+    seen: set[str] = set()
+    out = []
+    for record in ranks:
+        files = tuple(f for f in record.files if f.path not in seen)
+        seen.update(f.path for f in files)
+        out.append(RankFiles(files, record.digests))
+    return out

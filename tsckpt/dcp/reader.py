@@ -34,7 +34,7 @@ from torch.futures import Future
 from ..errors import OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader, PendingBox
+from ..storage.box_reader import BoxReader, ChunkSource
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
@@ -139,6 +139,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         if self.metadata is None:
             self.metadata = commit.read_metadata(self.store.kvstore, self.store.url)
             self._store = self.store.for_checkpoint(self.metadata)
+            self._source = None
         md = to_dcp_metadata(self.metadata)
         # As DCP's reader reports it: where the checkpoint is, the save that made it, this load.
         md.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.metadata.extra.get("save_id"),
@@ -174,16 +175,23 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 p.storage_data, RankNote) else p for p, share in zip(plans, shares)]
         return plans
 
+    @property
+    def source(self) -> ChunkSource:
+        """Where this load's bytes come from (one per load: the index of a packed checkpoint is read once)."""
+        assert self.metadata is not None
+        if getattr(self, "_source", None) is None:
+            self._source = ChunkSource.of(self.store, self.metadata)
+        return self._source
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.metadata is not None
         md = self.metadata
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
         # Every box is read as the whole checksummed pieces it touches, each checked before it is handed out.
-        readers = {fqn: BoxReader(self.store, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
+        readers = {fqn: BoxReader(self.source, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
                    for fqn in wanted}
         share = ReplicaShare.of(plan)
         transfers = share.transfers() if share is not None else []
-        pending: list[Callable[[], None]] = []
         buffers = CopyWindow(self.per_thread_copy_ahead)
         # With replicas waiting on this rank, a failure is kept until every transfer is done, then raised.
         # (What fails before this point fails alike on every rank: the same metadata, no transfer started.)
@@ -194,13 +202,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             for transfer in transfers:
                 self._guarded(failures, self._share, plan.items[transfer.item], transfer, planner,
                               readers[plan.items[transfer.item].storage_index.fqn], moving, buffers, failures)
-            shared = {t.item for t in transfers}
-            for k, item in enumerate(plan.items):
-                if k not in shared:
-                    self._guarded(failures, self._start, item, planner, readers, buffers, pending, failures)
             buffers.drain()
-            for complete in pending:
-                complete()
+            shared = {t.item for t in transfers}
+            alone = [item for k, item in enumerate(plan.items) if k not in shared]
+            self._guarded(failures, self._read_alone, alone, planner, readers)
         finally:
             if moving is not None:
                 moving.finish()
@@ -211,6 +216,53 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             logs.log_transfer("loaded", str(self.checkpoint_id), nbytes=nbytes, files=files, ranks=ranks,
                               seconds=time.perf_counter() - self._started)
         return done(None)
+
+    def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader]) -> None:
+        """Read the items this rank reads itself, in batches of at most ``per_thread_copy_ahead`` bytes held:
+        the byte ranges of a batch are merged per file and fetched together (:mod:`tsckpt.storage.byte_reads`)."""
+        batch = self.source.batch()
+        pending: list[tuple[ReadItem, torch.Tensor, Callable[[], np.ndarray], bool]] = []
+        held = 0
+        limit = self.per_thread_copy_ahead
+
+        def flush() -> None:
+            nonlocal held
+            batch.run()
+            for item, dest, finish, copy in pending:
+                self._result(item, dest, finish, copy)
+                planner.commit_tensor(item, dest)
+            pending.clear()
+            held = 0
+
+        for item in items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
+                continue
+            reader = readers[fqn]
+            self._opened(reader, fqn)
+            # Detached like DCP's own reader: a destination that requires grad is still filled in place.
+            dest = planner.resolve_tensor(item).detach()
+            in_place = _in_place(dest, reader.dtype)
+            nbytes = reader.held_bytes(item.lengths, out=in_place)
+            if pending and limit is not None and held + nbytes > limit:
+                flush()
+            out = dtypes.tensor_as_numpy(dest) if in_place else None
+            try:
+                finish = reader.plan(item.storage_offsets, item.lengths, batch, out)
+            except TsckptError:
+                raise
+            except Exception as e:
+                raise read_error(fqn, str(self.checkpoint_id), e) from e
+            pending.append((item, dest, finish, not in_place))
+            held += nbytes
+        try:
+            flush()
+        except TsckptError:
+            raise
+        except Exception as e:
+            fqn = pending[0][0].storage_index.fqn if pending else "?"
+            raise read_error(fqn, str(self.checkpoint_id), e) from e
 
     @staticmethod
     def _guarded(failures: list[Exception] | None, step: Callable[..., None], *args: Any) -> None:
@@ -234,39 +286,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         except ValueError as e:  # how TensorStore reports a failed open
             raise storage_error(e, f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}") from None
 
-    def _start(self, item: ReadItem, planner: LoadPlanner, readers: dict[str, BoxReader], buffers: CopyWindow,
-               pending: list[Callable[[], None]], failures: list[Exception] | None) -> None:
-        """Start reading one item this rank reads alone; its completion goes to ``buffers`` or ``pending``."""
-        fqn = item.storage_index.fqn
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
-            return
-        reader = readers[fqn]
-        self._opened(reader, fqn)
-        # Detached like DCP's own reader: a destination that requires grad is still filled in place.
-        dest = planner.resolve_tensor(item).detach()
-        in_place = _in_place(dest, reader.dtype)
-        # Host memory the read holds until completed: its buffer, or the bytes read before they are placed.
-        nbytes = reader.held_bytes(item.lengths, out=in_place)
-        if nbytes:
-            buffers.admit(nbytes)  # before the read starts: what it holds is what the window bounds
-        read = reader.read(item.storage_offsets, item.lengths, out=dtypes.tensor_as_numpy(dest) if in_place else None)
-        complete = functools.partial(self._guarded, failures, self._complete, planner, item, dest, read, not in_place)
-        if nbytes:
-            buffers.add(nbytes, complete)
-        else:
-            pending.append(complete)
-
-    def _complete(self, planner: LoadPlanner, item: ReadItem, dest: torch.Tensor, read: PendingBox,
-                  copy: bool) -> None:
-        """Finish one read (checked as it completes), copy it into ``dest`` unless read in place, hand it over."""
-        self._result(item, dest, read, copy)
-        planner.commit_tensor(item, dest)
-
-    def _result(self, item: ReadItem, dest: torch.Tensor, read: PendingBox, copy: bool) -> np.ndarray:
+    def _result(self, item: ReadItem, dest: torch.Tensor, read: Callable[[], np.ndarray], copy: bool) -> np.ndarray:
         """The checked values of one read, also copied into ``dest`` unless read in place; one clear error."""
         try:
-            data = read.result()
+            data = read()
             if copy:
                 dest.copy_(dtypes.numpy_as_tensor(data))
             return data
@@ -330,12 +353,12 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         in_place = _in_place(dest, reader.dtype)
         nbytes = reader.held_bytes(item.lengths, out=in_place)
         buffers.admit(nbytes)
-        read: PendingBox | None = None
+        read: Callable[[], np.ndarray] | None = None
         try:
             if error is None:
                 self._opened(reader, item.storage_index.fqn)
-                read = reader.read(item.storage_offsets, item.lengths,
-                                   out=dtypes.tensor_as_numpy(dest) if in_place else None)
+                read = reader.start(item.storage_offsets, item.lengths,
+                                    out=dtypes.tensor_as_numpy(dest) if in_place else None).result
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised
             error = e
 
@@ -366,7 +389,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         if entry.encoding == values.JSON:
             return values.from_json(entry.value)
         assert entry.path is not None
-        return values.load_torch_value(self.store.read_blob(fqn, entry.path), key=fqn,
+        return values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
 
 

@@ -30,11 +30,11 @@ from ..commit import protocol as commit
 from ..commit.publication import begin_save
 from ..commit.target import SaveTarget
 from ..errors import OptionError, PlanError
-from ..format import checksums, content_hashes, dtypes, values
-from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
+from ..format import content_hashes, dtypes, values
+from ..format.metadata import ArrayOptions, ObjectEntry, RankFiles, TensorEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
 from ..rank_writer import RankWriter
-from ..storage.layouts import get_layout
+from ..storage.layouts import PACKED, get_layout
 from ..storage.location import Location, LocationLike
 from ..storage.store import Store
 from . import compat, logs
@@ -43,7 +43,7 @@ from .contract import (NewOrders, Prepickled, RankPlan, RankSummary, RankWrites,
 from .failure import RankFailure, commit_or_clean_up, failed_summary
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .global_layout import GlobalLayout
-from .merged_chunks import MergedChunks
+from .merged_chunks import MergedChunks, once_each, stored_values
 from .io import TensorStoreIO, done
 from .plan_cache import CACHE
 from .planner import SavePlanner as TsckptSavePlanner
@@ -164,7 +164,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         compression = compat.resolve_compression(_extensions, compression)
         if not isinstance(checksums, bool):
             raise OptionError(f"checksums must be True or False, not {checksums!r}")
-        self.array_options = ArrayOptions(crc32c_codec=crc32c_codec, compression=compression)
+        # Every chunk carries its crc32c (Zarr's codec) whenever checksums are on: it is how reads check it.
+        self.array_options = ArrayOptions(crc32c_codec=checksums or crc32c_codec, compression=compression)
         self.layout = compat.resolve_layout(single_file_per_rank, layout)
         self.sync_files = bool(sync_files)
         self.per_thread_copy_ahead = check_copy_ahead(per_thread_copy_ahead)
@@ -249,7 +250,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             layout = GlobalLayout.plan(sent, self.inner_chunk_bytes, where)
         self._layout = layout
         self._target.record_writes(get_layout(self.config.layout).rank_prefixes(
-            [e.path for e in layout.entries.values()] + list(layout.blobs.values()), len(plans)))
+            [e.path for e in layout.entries.values()] + list(layout.blobs.values()), self.save_id))
         orders = Prepickled(SaveOrders(self.config, self._target.data_location, self.save_id, self._base))
         if kept is not None and CACHE.ranks_keep_their_plans(plans):
             # Every rank still holds the plan it was sent with this layout: this save's orders are all it needs.
@@ -288,12 +289,12 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
         arrays = rank_plan.arrays.value.entries(list(dict.fromkeys(tensors)), where)
         base = orders.base
-        writer = RankWriter(store, self.rank, "", options=config.array_options, checksums=config.checksums,
-                            window=self.per_thread_copy_ahead,
-                            base=BaseChunks(base, store) if base is not None and base.mode else None)
+        writer = RankWriter(store, self.rank, orders.save_id, "", options=config.array_options,
+                            checksums=config.checksums, window=self.per_thread_copy_ahead, sync=config.sync_files,
+                            base=BaseChunks(base, store, self.rank) if base is not None and base.mode else None)
         writers.append(writer)
         writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})
-        summary = SummaryBuilder(self.rank, orders)
+        summary = SummaryBuilder(self.rank, orders.save_id)
         if not isinstance(planner, TsckptSavePlanner):
             # DCP's own planner puts no placements in the plans: this rank describes its share here.
             summary.placements.update(placement_records(planner, self.rank))
@@ -314,10 +315,12 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 data = piece_of(data, item, where)
             nbytes = writer.write(fqn, chunk.offsets, data)
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
-        writer.finish()
+        stored = writer.finish()
         for fqn, chunks in writer.written.items():
             summary.add(arrays[fqn][0], chunks)
-        return RankWrites(results, summary.done())
+        for fqn, ref in writer.blobs.items():
+            summary.place_object(fqn, ref)
+        return RankWrites(results, summary.done(stored))
 
     @staticmethod
     def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:
@@ -347,6 +350,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         assert layout is not None and self._target is not None, "finish runs on the coordinator, after planning"
         objs: dict[str, ObjectEntry] = {}
         blob_sizes: dict[str, int] = {}
+        blob_refs: dict[str, tuple[str, list[int]]] = {}
         placements = dict(layout.placements)
         for summary in summaries:
             for fqn, record in summary.placements.items():
@@ -357,32 +361,30 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 else:
                     objs[fqn] = ObjectEntry(layout.key_path(fqn), values.TORCH, path=layout.blobs[fqn])
                     blob_sizes[fqn] = info["nbytes"]
+                    if "ref" in info:
+                        blob_refs[fqn] = (summary.files[info["ref"][0]], info["ref"][1:])
         self._check_against(metadata, layout.entries)
         names = list(layout.entries)
-        written = MergedChunks.merge(summaries, layout.nchunks, names, self.checksums, where,
-                                     [e.checksum_grid.nchunks for e in layout.entries.values()])
+        written = MergedChunks.merge(summaries, layout.nchunks, names, where)
         meshes: list = []
-        tensors, writers, reused = {}, {}, {}
+        tensors, reused = {}, {}
         for number, (fqn, planned) in enumerate(layout.entries.items()):
-            chunks = written.of(number)
-            writers[fqn] = chunks.writer.tolist()
-            reused[fqn] = chunks.reused
-            table = hashes = None
-            if chunks.crc is not None:
-                table = checksums.encode_table(planned.checksum_grid, np.arange(len(chunks.crc)), chunks.crc)
-                hashes = content_hashes.encode_table(planned.grid, np.arange(len(chunks.digest)), chunks.digest)
+            reused[fqn] = written.of(number).reused
             tensors[fqn] = dataclasses.replace(
-                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"),
-                checksums=table, content_hashes=hashes)
-        reuse, kept = reuse_outcome(self._base, tensors, reused, sum(blob_sizes.values()))
+                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"))
+        stored = None
+        if self.config.layout == PACKED:
+            stored = stored_values(tensors, written, {objs[f].path: r for f, r in blob_refs.items()})
+        reuse = reuse_outcome(self._base, tensors, reused, sum(blob_sizes.values()))
         extra: dict[str, Any] = {"save_id": self.save_id}
         if not self.sync_files:
             extra["synced"] = False
+        ranks = once_each([s.stored if s.stored is not None else RankFiles() for s in summaries])
         commit.commit_checkpoint(
-            self.data_store(self._target.data_location, self.config), world_size=len(summaries), tensors=tensors,
-            objects=objs, blob_sizes=blob_sizes, meshes=meshes, extra=extra, options=self.array_options,
-            writers=writers, target=self._target,
-            content_hash=content_hashes.ALGORITHM if self.checksums else None, reuse=reuse, kept=kept)
+            self.data_store(self._target.data_location, self.config), save_id=self.save_id,
+            world_size=len(summaries), tensors=tensors, objects=objs, blob_sizes=blob_sizes, ranks=ranks,
+            stored=stored, meshes=meshes, extra=extra, options=self.array_options, target=self._target,
+            content_hash=content_hashes.ALGORITHM if self.checksums else None, reuse=reuse)
         if logs.enabled():
             logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
                           seconds=time.perf_counter() - self._started, ranks=len(summaries), reuse=reuse)

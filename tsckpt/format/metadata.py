@@ -34,12 +34,16 @@ from .names import check_relative_path, parent_groups, zarr_path
 from .reuse import Reuse
 
 FORMAT = "tsckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Checkpoints of version 1 recorded every rank's region; version 2 records one
 #: checksum table per tensor instead, so the document grows with tensors, not ranks;
-#: version 3 checksums every inner chunk (the piece a read fetches) instead of every outer chunk.
+#: version 3 checksums every inner chunk (the piece a read fetches) instead of every outer chunk;
+#: version 4 keeps each inner chunk's crc32c beside it (Zarr's crc32c codec) and each rank's
+#: content hashes in a table of its own, so the document grows with tensors and ranks, not chunks.
 #: The first version whose checksum tables cover inner chunks.
 INNER_CHECKSUMS_VERSION = 3
+#: The first version whose chunks carry their own crc32c and whose root document holds no per-chunk table.
+CODEC_CHECKSUMS_VERSION = 4
 
 # Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
 #: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
@@ -109,6 +113,93 @@ class ArrayOptions:
 
 
 @dataclass(frozen=True)
+class FileRef:
+    """A file (or object) of a checkpoint that readers find through the root document: its path and size."""
+
+    path: str
+    size: int
+
+    def to_list(self) -> list[Any]:
+        return [self.path, self.size]
+
+    @classmethod
+    def from_list(cls, value: Any, what: str) -> FileRef:
+        if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
+                or not isinstance(value[1], int) or isinstance(value[1], bool) or value[1] < 0):
+            raise MetadataError(f"{what}: expected [path, size], got {value!r}")
+        return cls(check_relative_path(value[0], what=what), value[1])
+
+
+@dataclass(frozen=True)
+class Span:
+    """``length`` bytes at ``offset`` of file ``path`` (a rank's digest table)."""
+
+    path: str
+    offset: int
+    length: int
+
+    def to_list(self) -> list[Any]:
+        return [self.path, self.offset, self.length]
+
+    @classmethod
+    def from_list(cls, value: Any, what: str) -> Span:
+        if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value[1:])):
+            raise MetadataError(f"{what}: expected [path, offset, length], got {value!r}")
+        return cls(check_relative_path(value[0], what=what), value[1], value[2])
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """What one rank of a save wrote besides chunk keys: its data files (packed layout) and its digest table."""
+
+    files: tuple[FileRef, ...] = ()
+    digests: Span | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": [f.to_list() for f in self.files],
+                "digests": self.digests.to_list() if self.digests is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str) -> RankFiles:
+        files = tuple(FileRef.from_list(f, f"{what}: files[{i}]")
+                      for i, f in enumerate(get_field(d, "files", what, list)))
+        digests = d.get("digests")
+        return cls(files, Span.from_list(digests, f"{what}: digests") if digests is not None else None)
+
+
+@dataclass(frozen=True)
+class DataFiles:
+    """Version 4: where a checkpoint's bytes are, beyond its Zarr keys (``docs/format.md``, section 1).
+
+    ``index``: the packed layout's B+tree nodes, ``length`` bytes at
+    ``offset`` of their file (which may hold values too large for a leaf
+    before them, and ends with the nodes); None in the plain layout.
+    ``ranks``: what each rank wrote, in rank order.
+    """
+
+    index: Span | None
+    ranks: tuple[RankFiles, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index.to_list() if self.index is not None else None,
+                "ranks": [r.to_dict() for r in self.ranks]}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "data_files") -> DataFiles:
+        index = d.get("index") if isinstance(d, Mapping) else None
+        return cls(Span.from_list(index, f"{what}: index") if index is not None else None,
+                   tuple(RankFiles.from_dict(r, f"{what}: ranks[{i}]")
+                         for i, r in enumerate(get_field(d, "ranks", what, list))))
+
+    @property
+    def files(self) -> tuple[FileRef, ...]:
+        """Every data file, the index last."""
+        index = (FileRef(self.index.path, self.index.offset + self.index.length),) if self.index is not None else ()
+        return tuple(f for r in self.ranks for f in r.files) + index
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One global tensor, stored as one Zarr v3 array at ``path``."""
 
@@ -173,6 +264,9 @@ class TensorEntry:
             content_hashes=optional_field(d, "content_hashes", what, str),
             checksums_per_inner_chunk=version >= INNER_CHECKSUMS_VERSION,
         )
+        if version >= CODEC_CHECKSUMS_VERSION and (entry.checksums is not None or entry.content_hashes is not None):
+            raise MetadataError(f"{what}: a version-{version} entry holds per-chunk tables; its chunks carry their "
+                                f"own crc32c and its content hashes are in the ranks' digest tables")
         entry.validate(what)
         return entry
 
@@ -279,6 +373,13 @@ class CheckpointMetadata:
     content_hash: str | None = None
     #: What an incremental save took from its base (None for a save without a base).
     reuse: Reuse | None = None
+    #: Version 4: the data files and digest tables each rank wrote, and the packed layout's index.
+    data_files: DataFiles | None = None
+
+    @property
+    def codec_checksums(self) -> bool:
+        """Whether every chunk carries its own crc32c (Zarr's codec): version 4 with checksums on."""
+        return self.version >= CODEC_CHECKSUMS_VERSION and bool(self.array_options and self.array_options.crc32c_codec)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -296,6 +397,7 @@ class CheckpointMetadata:
             "layout": self.layout,
             "content_hash": self.content_hash,
             "reuse": self.reuse.to_dict() if self.reuse else None,
+            **({"data_files": self.data_files.to_dict()} if self.data_files is not None else {}),
         }
 
     @classmethod
@@ -346,5 +448,21 @@ class CheckpointMetadata:
             layout=optional_field(d, "layout", what, str) or "plain",
             content_hash=_content_hash(d, tensors, what),
             reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
+            data_files=_data_files(d, version, world_size, what),
         )
+
+
+def _data_files(d: Mapping[str, Any], version: int, world_size: int, what: str) -> DataFiles | None:
+    """Version 4's ``data_files``: required, one record per rank; absent before."""
+    if version < CODEC_CHECKSUMS_VERSION:
+        return None
+    files = DataFiles.from_dict(get_field(d, "data_files", what, dict), f"{what}: data_files")
+    if len(files.ranks) != world_size:
+        raise MetadataError(f"{what}: data_files lists {len(files.ranks)} ranks, world_size is {world_size}")
+    paths = [f.path for f in files.files]
+    if len(set(paths)) != len(paths):
+        raise MetadataError(f"{what}: data_files lists a file twice")
+    if (files.index is None) != (d.get("layout") in (None, "plain")):
+        raise MetadataError(f"{what}: data_files names an index exactly when the layout is packed")
+    return files
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import crc32c as _crc32c
 import numpy as np
@@ -114,7 +115,7 @@ def _encode_unit(fmt: ShardFormat, data: np.ndarray, u: int, out: np.ndarray, un
     for d, i in zip(fmt.order[:k], fixed):
         box[d] = slice(int(i) * fmt.inner[d], (int(i) + 1) * fmt.inner[d])
         grid[d] = 1
-    source = _padded(data, box)
+    source = padded(data, box)
     raw = math.prod(fmt.inner) * fmt.itemsize
     count = math.prod(grid)
     stored = out.reshape(count, fmt.piece_bytes)
@@ -129,7 +130,7 @@ def _encode_unit(fmt: ShardFormat, data: np.ndarray, u: int, out: np.ndarray, un
     return whole
 
 
-def _padded(data: np.ndarray, box: Sequence[slice]) -> np.ndarray:
+def padded(data: np.ndarray, box: Sequence[slice]) -> np.ndarray:
     """``box`` of the chunk whose part inside the array is ``data``: a view, or zero-padded past the array's edge."""
     if all(s.stop <= n for s, n in zip(box, data.shape)):
         return data[tuple(box)]
@@ -152,6 +153,22 @@ def _crcs(fmt: ShardFormat, data: np.ndarray, whole: list[int]) -> list[int]:
         # Pieces across the array's edge are checksummed over their elements inside it only.
         crcs.append(whole[fmt.positions[k]] if whole_piece else checksums.crc32c(data[within]))
     return crcs
+
+
+@dataclass
+class EncodedChunk:
+    """One outer chunk in tsckpt's layout, as a value a sink stores (:mod:`tsckpt.storage.sinks`):
+    ``fmt.nbytes`` long, encoded part by part while it is written (:func:`encode_to`)."""
+
+    fmt: ShardFormat
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.nbytes
+
+    def emit(self, write: Callable[[memoryview], None], scratch: Callable[[int], np.ndarray]) -> None:
+        encode_to(self.fmt, self.data, write, scratch)
 
 
 def encode_region(fmt: ShardFormat, shape: Sequence[int], offsets: Sequence[int], data: np.ndarray) -> Iterator[

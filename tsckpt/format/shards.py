@@ -215,6 +215,22 @@ def check_stored(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index:
     check_stored_pieces(entry, fmt, table, index, raw[:fmt.pieces * fmt.piece_bytes], 0, what)
 
 
+def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.ndarray, what: str) -> None:
+    """Check a whole outer chunk of a version-4 checkpoint as stored: exactly :attr:`ShardFormat.nbytes`
+    long, ending in tsckpt's index, every inner chunk matching the crc32c stored after it. Raises
+    :class:`ChecksumError` naming ``what`` otherwise."""
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    check_layout(fmt, index, raw.size, raw[max(raw.size - fmt.index_bytes, 0):], what)
+    if not fmt.crc32c_codec:
+        return
+    size = math.prod(fmt.inner) * fmt.itemsize
+    pieces = raw[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)
+    found = np.fromiter(map(_crc32c.crc32c, pieces[:, :size]), dtype="<u4", count=fmt.pieces)
+    if not np.array_equal(found, pieces[:, size:].copy().view("<u4").reshape(-1)):
+        raise ChecksumError(f"{what}: chunk {list(index)} does not match its stored crc32c "
+                            "(the data changed after it was written)")
+
+
 def check_layout(fmt: ShardFormat, index: Sequence[int], size: int, tail: np.ndarray, what: str) -> None:
     """Check a stored outer chunk's size (``size`` bytes) and its last bytes (``tail``): tsckpt's index."""
     if size != fmt.nbytes:
@@ -240,6 +256,14 @@ def check_stored_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray,
         found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=count)
         if not np.array_equal(found, pieces[:, size:].copy().view("<u4").reshape(-1)):
             raise ChecksumError(f"{what}: chunk {list(index)} does not match the crc32c codec's values")
+
+
+def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
+    """How every outer chunk of ``entry`` is laid out in a version-4 checkpoint: with inner chunks (the
+    sharding codec, indexed), or as one piece; each piece followed by its crc32c when the codecs have one."""
+    inner = entry.inner_chunk_shape
+    return _format(entry.chunk_shape, inner if inner is not None else entry.chunk_shape,
+                   dtypes.from_zarr(entry.dtype).itemsize, options.crc32c_codec, inner is not None)
 
 
 def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import MetadataError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader, PendingBox
+from ..storage.box_reader import BoxReader, ChunkSource, PendingBox
 from ..format.grid import ChunkGrid
 from ..format.metadata import (
     CheckpointMetadata,
@@ -167,7 +167,7 @@ class TensorHandle:
     def _reader(self) -> BoxReader:
         with self._lock:
             if self._box_reader is None:
-                reader = BoxReader(self._ck.store, self.entry, f"tensor {self.key!r} in {self._ck.url}")
+                reader = BoxReader(self._ck.source, self.entry, f"tensor {self.key!r} in {self._ck.url}")
                 try:
                     reader.opened()
                 except ValueError as e:
@@ -186,7 +186,7 @@ class TensorHandle:
         index = normalize_index(slice if slice is not None else (), self.entry.shape, self.key)
         box, rest = bounding_box(index, self.entry.shape)
         # The reader reads whole checksummed pieces and checks them, so every value returned is checked.
-        return PendingRead(self._reader().read([b.start for b in box], [b.stop - b.start for b in box]), rest)
+        return PendingRead(self._reader().start([b.start for b in box], [b.stop - b.start for b in box]), rest)
 
     def result(self, pending: PendingRead) -> np.ndarray:
         """Wait for a :meth:`read_async` read; a missing or damaged chunk raises naming the chunk."""
@@ -221,6 +221,13 @@ class Checkpoint(Mapping[str, Any]):
     @property
     def url(self) -> str:
         return self.location.url
+
+    @property
+    def source(self) -> ChunkSource:
+        """Where the tensors' bytes are read from (made on first use: a packed checkpoint's index is read then)."""
+        if getattr(self, "_source", None) is None:
+            self._source = ChunkSource.of(self.store, self.metadata)
+        return self._source
 
     @property
     def world_size(self) -> int:
@@ -295,7 +302,7 @@ class Checkpoint(Mapping[str, Any]):
         if entry.encoding == values.JSON:
             return values.from_json(entry.value)
         assert entry.path is not None
-        return values.load_torch_value(self.store.read_blob(key, entry.path), key=key, where=self.url,
+        return values.load_torch_value(self.source.read_blob(key, entry.path), key=key, where=self.url,
                                        allow_pickle=self.allow_pickle)
 
 

@@ -1,20 +1,25 @@
-"""Checks on the chunk bytes :func:`tsckpt.zarr_store` serves: zarr-python gets only bytes that were checked.
+"""Checks on the chunk bytes :func:`tsckpt.zarr_store` serves from checkpoints before format version 4.
 
-zarr-python reads a sharded chunk key whole, or its index and then the byte
-range of each inner chunk it needs. For a tensor whose outer chunks tsckpt
-encoded (:mod:`tsckpt.format.shards`), every request is widened to whole inner
-chunks, each is checked against the checkpoint's checksum table, and only then
-is the requested range handed over; a request for the shard index is compared
-with the index tsckpt writes, so a damaged index cannot point zarr-python at
-other bytes. For any other tensor with checksums (no inner chunks, compressed,
-or written before format version 3), the first request for a chunk key checks
-that whole outer chunk through a :class:`~tsckpt.storage.box_reader.BoxReader`
-before bytes are served. Keys that are not tensor chunks pass unchecked (value
-blobs carry their own crc32c codec, ``zarr.json`` documents are not data).
+Since version 4 every chunk carries Zarr's crc32c codec, which zarr-python
+checks itself, so the store serves those as stored. Older checkpoints keep
+their crc32c values in the root document, which zarr-python knows nothing of:
+zarr-python gets only bytes checked here first. It reads a sharded chunk key
+whole, or its index and then the byte range of each inner chunk it needs.
+For a tensor whose outer chunks tsckpt encoded (:mod:`tsckpt.format.shards`),
+every request is widened to whole inner chunks, each is checked against the
+checkpoint's checksum table, and only then is the requested range handed
+over; a request for the shard index is compared with the index tsckpt writes,
+so a damaged index cannot point zarr-python at other bytes. For any other
+tensor with checksums (no inner chunks, compressed, or written before format
+version 3), the whole chunk key is read, decoded and checked, and the
+requested range is cut from those same bytes. Keys that are not tensor chunks
+pass unchecked (value blobs carry their own crc32c codec, ``zarr.json``
+documents are not data).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ChecksumError, StorageError
-from ..format import checksums, dtypes, shards
-from ..storage.box_reader import BoxReader
+from ..format import checksums, compressed, dtypes, shards
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from ..storage.store import Store
 
@@ -68,9 +72,9 @@ class ServedChunks:
         what = f"tensor {name!r} in {self.store.url}"
         fmt = shards.shard_format(entry, self.store.array_options) if entry.checksums_per_inner_chunk else None
         if fmt is None:
-            # The whole key, clipped to what was asked as zarr's own stores clip a range past the end.
-            return Plan(None, lambda r: _clip(_bytes(r, key, self.store.url), request),
-                        before=lambda: self._check_chunk(name, entry, index, what))
+            # The whole key, checked, then clipped to what was asked as zarr's own stores clip a range past the end.
+            return Plan(None, lambda r: _clip(self._check_bytes(entry, index, _bytes(r, key, self.store.url), what),
+                                              request))
         return self._encoded(key, name, entry, fmt, index, request, what)
 
     def _encoded(self, key: str, name: str, entry: TensorEntry, fmt: shards.ShardFormat, index: tuple[int, ...],
@@ -111,18 +115,30 @@ class ServedChunks:
                 self._tables[name] = checksums.decode_table(entry.checksums or "", entry.checksum_grid, what)
             return self._tables[name]
 
-    def _check_chunk(self, name: str, entry: TensorEntry, index: tuple[int, ...], what: str) -> None:
-        """Check a whole outer chunk once (for arrays whose bytes are checked after decoding)."""
-        with self._lock:
-            if (name, index) in self._checked:
-                return
+    def _check_bytes(self, entry: TensorEntry, index: tuple[int, ...], data: bytes, what: str) -> bytes:
+        """``data``, a whole stored chunk of an array tsckpt did not encode itself, once its decoded values match
+        the checksum table (:class:`ChecksumError` otherwise)."""
+        options = self.store.array_options
+        fmt = shards.value_format(entry, options) if options is not None else None
+        dtype = dtypes.from_zarr(entry.dtype).numpy
         region = entry.grid.chunk_region(index)
-        try:
-            BoxReader(self.store, entry, what).read([r.start for r in region], [r.stop - r.start for r in region]).result()
-        except ValueError as e:
-            raise StorageError(f"reading tensor {name!r} from {self.store.url} failed: {e}") from None
-        with self._lock:
-            self._checked.add((name, index))
+        if fmt is not None and options is not None and options.compression is not None:
+            full = compressed.decode(fmt, options.compression, data, dtype, f"{what}: chunk {list(index)}")
+        else:
+            count = math.prod(entry.chunk_shape)
+            raw = np.frombuffer(data, dtype=np.uint8)
+            if raw.size < count * dtype.itemsize:
+                raise ChecksumError(f"{what}: chunk {list(index)} is {raw.size} bytes, too short for its "
+                                    f"{count} values (it was truncated)")
+            full = raw[:count * dtype.itemsize].view(dtype).reshape(entry.chunk_shape)
+        inside = full[tuple(slice(0, r.stop - r.start) for r in region)]
+        table = self._table(_name(self, entry), entry, what)
+        checksums.check_region(inside, entry.checksum_grid, [r.start for r in region], table, what)
+        return data
+
+
+def _name(served: ServedChunks, entry: TensorEntry) -> str:
+    return served.tensors[entry.path][0]
 
 
 def _chunk_index(leaf: str) -> tuple[int, ...] | None:

@@ -17,16 +17,19 @@ tells which tensors and which chunks are damaged. Torch-free.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import tensorstore as ts
 
-from ..errors import ChecksumError, MetadataError
-from ..format import checksums, zarr_json
+from ..errors import ChecksumError, MetadataError, TsckptError
+from ..format import zarr_json
+from ..format.digest_table import DigestTable
+from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader
+from ..storage.box_reader import BoxReader, ChunkSource
 from ..format.grid import ChunkGrid
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from ..storage.store import Store
@@ -149,8 +152,9 @@ def _expected_docs(target: _Target, doc: Mapping[str, Any], options: ArrayOption
 
 
 class _Checker:
-    def __init__(self, store: Store, advance: Callable[[int], None]):
-        self.store = store
+    def __init__(self, source: ChunkSource, advance: Callable[[int], None]):
+        self.source = source
+        self.store = source.store
         self.advance = advance
 
     def run(self, target: _Target) -> EntryReport:
@@ -217,7 +221,7 @@ class _Checker:
             return [], 0
         try:
             if target.entry is not None:
-                reader = BoxReader(self.store, target.entry, f"tensor {target.key!r}")
+                reader = BoxReader(self.source, target.entry, f"tensor {target.key!r}")
                 reader.opened()
             else:
                 blob = self.store.open_blob(target.path).result()
@@ -225,29 +229,24 @@ class _Checker:
             return [f"cannot open the array: {e}"], 0
         problems: list[str] = []
         checksummed = 0
-        entry, table = target.entry, None
-        if entry is not None:
-            try:
-                table = checksums.table_of(entry, f"tensor {target.key!r}")
-            except ChecksumError as e:  # still read every chunk: decoding errors are worth reporting too
-                problems.append(str(e))
-        if table is not None:
-            reader.table = table
+        entry = target.entry
+        # Whether each chunk read is compared with a crc32c: its own (version 4), or the root document's table.
+        table = entry is not None and (self.source.metadata.codec_checksums or entry.checksums is not None)
         chunk_bytes = max(nbytes // len(indices), 1)
         batch = max(1, _IN_FLIGHT_BYTES // chunk_bytes)
         for start in range(0, len(indices), batch):
             part = indices[start:start + batch]
             if target.entry is not None:
                 # Every inner chunk is checked against the checksum table as it is read.
-                futures = [(idx, reader.read([r.start for r in chunks.chunk_region(idx)],
-                                             [r.stop - r.start for r in chunks.chunk_region(idx)]))
+                futures = [(idx, reader.start([r.start for r in chunks.chunk_region(idx)],
+                                              [r.stop - r.start for r in chunks.chunk_region(idx)]))
                            for idx in part]
             else:
                 futures = [(idx, blob.read()) for idx in part]
             for idx, fut in futures:
                 try:
                     fut.result()  # checks every inner chunk it reads against the table
-                    checksummed += table is not None
+                    checksummed += table
                 except Exception as e:
                     problems.append(f"chunk {zarr_json.chunk_key(idx, sep)}: {e}")
             self.advance(chunk_bytes * len(part))
@@ -282,7 +281,51 @@ def verify(
             unreadable, so nothing else can be checked.
     """
     store, md = commit.open_committed(location, io_concurrency=io_concurrency)
+    source = ChunkSource.of(store, md)
     total = sum(t.nbytes for t in md.tensors.values())
     with progress_bar(wanted(progress, total), total, "verify", transient=True) as advance:
-        checker = _Checker(store, advance)
-        return VerifyReport(store.url, tuple(checker.run(t) for t in _targets(md)))
+        checker = _Checker(source, advance)
+        entries = tuple(checker.run(t) for t in _targets(md))
+    files = _files_report(source)
+    return VerifyReport(store.url, entries + ((files,) if files is not None else ()))
+
+
+def _files_report(source: ChunkSource) -> EntryReport | None:
+    """Version 4: the files beside the arrays, checked whole: each data file's size, each rank's digest
+    table and the packed layout's index (nodes and manifest, by their crc32c)."""
+    md = source.metadata
+    files = md.data_files
+    if files is None:
+        return None
+    problems: list[str] = []
+    kv = source.store.kvstore
+    for f in files.files:
+        try:
+            result = kv.read(f.path, byte_range=slice(f.size, f.size)).result() if f.size else kv.read(f.path).result()
+            missing = result.state != "value"
+        except ValueError as e:
+            problems.append(f"{f.path}: {e}")
+            continue
+        if missing:
+            problems.append(f"{f.path} is missing")
+        elif source.store.location.driver == "file":
+            size = os.path.getsize(os.path.join(str(source.store.location.spec.get("path", "")), f.path))
+            if size != f.size:
+                problems.append(f"{f.path} is {size} bytes, not the {f.size} written (truncated or replaced)")
+    for rank, record in enumerate(files.ranks):
+        if record.digests is None:
+            continue
+        span = record.digests
+        try:
+            data = kv.read(span.path, byte_range=slice(span.offset, span.offset + span.length)).result().value
+            DigestTable.decode(data, f"the digest table of rank {rank} ({span.path})")
+        except (ValueError, TsckptError) as e:
+            problems.append(str(e))
+    if files.index is not None:
+        try:
+            source.locator.locate("")
+            Manifest.decode(kv.read(MANIFEST_KEY).result().value, MANIFEST_KEY)
+        except (ValueError, TsckptError) as e:
+            problems.append(str(e))
+    nbytes = sum(f.size for f in files.files)
+    return EntryReport("(data files)", "d/", nbytes, len(files.files), tuple(problems))

@@ -6,9 +6,11 @@ every location tsckpt writes to (``s3://``, ``gs://``, ``memory://``, a kvstore
 spec) is readable by zarr-python, dask and xarray without fsspec.
 
 In a packed checkpoint every key but the root ``zarr.json`` lives in the
-joined OCDBT database (:mod:`tsckpt.storage.packed`); the root document is a plain
+OCDBT database (:mod:`tsckpt.storage.packed`); the root document is a plain
 file beside it. The store routes each key accordingly, so zarr-python sees one
-ordinary Zarr v3 hierarchy either way.
+ordinary Zarr v3 hierarchy either way. Chunks of format version 4 carry
+Zarr's crc32c codec, which zarr-python checks itself; older ones are checked
+here (:mod:`tsckpt.read.served_chunks`) before any byte is served.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..errors import StorageError, TsckptError
 from ..commit import protocol as commit
-from ..storage import packed
+from ..storage import kvio, packed
 from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
 from ..storage.store import Store as SpecStore
 from ..commit.states import ROOT
-from ..format.metadata import CheckpointMetadata
+from ..format.metadata import CODEC_CHECKSUMS_VERSION, CheckpointMetadata
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import problem
@@ -95,10 +97,12 @@ class TensorStoreZarrStore(Store):
         """(the plain kvstore at the root, the kvstore holding every other key)."""
         if self._stores is None:
             store = SpecStore.open(self.location, io_concurrency=self.io_concurrency, layout=self.layout)
-            plain, keys = store.kvstore, store.layout.hierarchy(store)
             if self.metadata is not None:
-                self._served = ServedChunks(self.metadata, store.for_checkpoint(self.metadata))
-            self._stores = (plain, keys)
+                store = store.for_checkpoint(self.metadata)
+                if self.metadata.version < CODEC_CHECKSUMS_VERSION:
+                    # Older chunks' crc32c values are in the root document: checked here before they are served.
+                    self._served = ServedChunks(self.metadata, store)
+            self._stores = (store.kvstore, store.layout.hierarchy(store))
             self._opened_at = time.time()
         return self._stores
 
@@ -220,7 +224,7 @@ class TensorStoreZarrStore(Store):
 
     async def _list(self, prefix: str) -> list[str]:
         plain, keys = self._kvstores()
-        rng = packed.prefix_range(prefix)
+        rng = kvio.prefix_range(prefix)
         try:
             found = {k.decode("utf-8", "surrogateescape") for k in await keys.list(rng)}
             if keys is not plain and ROOT.startswith(prefix):

@@ -1,21 +1,10 @@
-"""Chunk files of a plain checkpoint on a local filesystem, read and written with plain file calls.
+"""Files a rank writes one per key (the plain layout on a local disk), and the scratch buffers writers share.
 
-TensorStore's ``file`` kvstore reads a 32 MiB chunk file from the page cache
-at about 0.7 GB/s here (into a cord, then copied into a Python ``bytes``),
-where one ``readinto`` runs at 8.8 GB/s (``benchmarks/bench_chunk_reads.py``).
-So the verified reads (:mod:`tsckpt.storage.box_reader`) and an incremental
-save's base checks read tsckpt's own encoded chunk files with plain file
-calls, on a small thread pool (the GIL is released while a file is read).
-Everything else still goes through TensorStore.
-
-Saves write the outer chunks tsckpt encodes the same way
+Saves write the outer chunks tsckpt encodes each into its own file
 (:class:`ChunkFileWriter`), encoding each in small parts into a few reused
-buffers, where a write through TensorStore must keep every encoded chunk whole
-and alive until it is committed: a fresh copy of the rank's state.
-
-Read failures are reported as TensorStore reports them, as ``ValueError`` with a
-status prefix, so callers translate both alike: ``NOT_FOUND`` for a missing
-file and ``OUT_OF_RANGE`` for one shorter than a range asked for.
+buffers (:func:`scratch`), where a write through TensorStore must keep every
+encoded chunk whole and alive until it is committed: a fresh copy of the
+rank's state. Reads go through :mod:`tsckpt.storage.byte_reads`.
 """
 
 from __future__ import annotations
@@ -24,37 +13,20 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from ..format import shard_encoding
-from ..format.shards import ShardFormat
 from . import localfs
 
-from .layouts import PLAIN
-from .store import Store
-
-T = TypeVar("T")
-
-#: A few threads: enough to keep the page cache or a disk queue busy, few enough for 2-core machines.
-_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-chunk-read")
 #: Whether files may be made durable by one syncfs at the end (Linux) rather than an fsync each.
 _DEFER_SYNC = localfs.has_syncfs()
 #: Chunk files smaller than this are written on the rank's own thread.
-INLINE_BYTES = 1 << 20  # also: smaller chunk files are read whole, not streamed
+INLINE_BYTES = 1 << 20
 #: Writes have threads of their own: an fsync waiting on the disk must not hold up reads.
 _WRITE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-chunk-write")
-
-
-def local_directory(store: Store, path: str) -> str | None:
-    """The directory holding array ``path``'s chunk files, where ``store`` is a plain checkpoint on a local
-    filesystem; None elsewhere (object stores, the packed layout)."""
-    if store.location.driver != "file" or store.layout.name != PLAIN:
-        return None
-    return os.path.join(str(store.location.spec.get("path", ".")), path)
 
 
 #: Scratch buffers larger than this are not kept between uses.
@@ -79,93 +51,6 @@ def scratch() -> Iterator[Callable[[int], np.ndarray]]:
         if held[0].size <= _KEEP_SCRATCH:
             with _scratch_lock:
                 _free_scratch.append(held[0])
-
-
-def submit(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """Run ``fn(*args)`` on the read threads."""
-    return _POOL.submit(fn, *args)
-
-
-def open_read(path: str) -> int:
-    """A file descriptor of ``path`` for reading; ``NOT_FOUND`` if it is missing."""
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise _missing(path) from None
-
-
-def pread_into(fd: int, out: np.ndarray, offset: int, path: str) -> None:
-    """Fill ``out`` from ``fd`` at ``offset``; ``OUT_OF_RANGE`` if the file ends first."""
-    view, at = memoryview(out), 0
-    while at < out.size:
-        n = os.preadv(fd, [view[at:]], offset + at)
-        if not n:
-            raise ValueError(f"OUT_OF_RANGE: {path} ends before byte {offset + out.size} (it was truncated)")
-        at += n
-
-
-def stored_tail(fd: int, path: str, fmt: ShardFormat) -> tuple[int, np.ndarray]:
-    """An encoded chunk file's size and its last ``fmt.index_bytes`` bytes (zeros if it is shorter)."""
-    size = os.fstat(fd).st_size
-    tail = np.zeros(fmt.index_bytes, dtype=np.uint8)
-    if size >= fmt.index_bytes:
-        pread_into(fd, tail, size - fmt.index_bytes, path)
-    return size, tail
-
-
-def stored_units(fd: int, path: str, fmt: ShardFormat) -> Iterator[tuple[int, np.ndarray]]:
-    """An encoded chunk file's units (:mod:`~tsckpt.format.shard_encoding`), one at a time, each read into the
-    same scratch buffer (valid until the next): the storage position of its first inner chunk, its bytes."""
-    count, nbytes = fmt.pieces // shard_encoding.units(fmt), shard_encoding.unit_bytes(fmt)
-    with scratch() as get:
-        buffer = get(nbytes)
-        for u in range(shard_encoding.units(fmt)):
-            pread_into(fd, buffer, u * nbytes, path)
-            yield u * count, buffer
-
-
-def read_whole(path: str) -> Future[np.ndarray]:
-    """Start reading a whole file; its bytes (``uint8``)."""
-    return _POOL.submit(whole_file, path)
-
-
-def read_ranges(path: str, ranges: Sequence[tuple[int, int]]) -> Future[np.ndarray]:
-    """Start reading the byte ranges ``[start, stop)`` of a file, one after the other into one buffer."""
-    return _POOL.submit(_ranges, path, list(ranges))
-
-
-def whole_file(path: str) -> np.ndarray:
-    """The bytes of a whole file (``uint8``), read on the calling thread."""
-    try:
-        f = open(path, "rb", buffering=0)
-    except FileNotFoundError:
-        raise _missing(path) from None
-    with f:
-        data = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
-        view, got = memoryview(data), 0
-        while got < data.size:
-            n = f.readinto(view[got:])
-            if not n:
-                break  # shrank since it was opened: the caller's size check refuses it
-            got += n
-    return data[:got]
-
-
-def _ranges(path: str, ranges: list[tuple[int, int]]) -> np.ndarray:
-    out = np.empty(sum(b - a for a, b in ranges), dtype=np.uint8)
-    fd = open_read(path)
-    try:
-        at = 0
-        for start, stop in ranges:
-            pread_into(fd, out[at:at + stop - start], start, path)
-            at += stop - start
-    finally:
-        os.close(fd)
-    return out
-
-
-def _missing(path: str) -> ValueError:
-    return ValueError(f"NOT_FOUND: {path} is missing")
 
 
 class ChunkFileWriter:
@@ -201,37 +86,36 @@ class ChunkFileWriter:
             self._deferred = False
             localfs.syncfs_at(next(iter(self._dirs)))  # one filesystem: the save's staging directory
 
-    def write(self, path: str, fmt: ShardFormat, data: np.ndarray) -> Future[list[int]]:
-        """Start writing outer chunk ``data`` (its part inside the array) of layout ``fmt`` as file ``path``.
+    def write(self, path: str, value: Any) -> Future[None]:
+        """Start writing ``value`` (:class:`~tsckpt.storage.sinks.Value`: its size and bytes) as file ``path``.
 
-        A small chunk is written at once, on the calling thread: the write
+        A small value is written at once, on the calling thread: the write
         threads would spend more on taking turns with it for the GIL than on
         its bytes.
         """
-        if fmt.nbytes >= INLINE_BYTES:
-            return _WRITE_POOL.submit(self._write, path, fmt, data)
-        done: Future[list[int]] = Future()
+        if value.nbytes >= INLINE_BYTES:
+            return _WRITE_POOL.submit(self._write, path, value)
+        done: Future[None] = Future()
         try:
-            done.set_result(self._write(path, fmt, data))
+            done.set_result(self._write(path, value))
         except Exception as e:  # noqa: BLE001 - reported by the future, as from the write threads
             done.set_exception(e)
         return done
 
-    def _write(self, path: str, fmt: ShardFormat, data: np.ndarray) -> list[int]:
+    def _write(self, path: str, value: Any) -> None:
         fd = self._create(path)
         try:
             with scratch() as get:
-                crcs = shard_encoding.encode_to(fmt, data, functools.partial(_write_all, fd), get)
+                value.emit(functools.partial(_write_all, fd), get)
             if self.sync:
                 # A small file's writeback is left to finish's syncfs: starting it costs
                 # a system call per file, and the kernel writes small files in one go anyway.
-                if _DEFER_SYNC and (fmt.nbytes < INLINE_BYTES or localfs.start_writeback(fd)):
+                if _DEFER_SYNC and (value.nbytes < INLINE_BYTES or localfs.start_writeback(fd)):
                     self._deferred = True
                 else:
                     os.fsync(fd)
         finally:
             os.close(fd)
-        return crcs
 
     def _create(self, path: str) -> int:
         parent = os.path.dirname(path)

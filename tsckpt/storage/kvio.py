@@ -129,3 +129,11 @@ def kv_name(kv: ts.KvStore) -> str:
 def encode_json(doc: Any) -> bytes:
     # Compact: the root document of a large save is megabytes, read by every rank.
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+    """The range of keys starting with ``prefix`` (every key when it is empty)."""
+    if not prefix:
+        return ts.KvStore.KeyRange()
+    # UTF-8 keeps code point order, so bumping the last character bounds every key under the prefix.
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))

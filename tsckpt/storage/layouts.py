@@ -1,93 +1,120 @@
-"""Storage layouts: where a checkpoint's array keys live under its location, registered by name.
+"""Storage layouts: where a checkpoint's Zarr keys live under its location, registered by name.
 
-A layout decides only which kvstore holds each array's ``zarr.json`` and chunk
-keys; the arrays, their chunk grids and codecs are the same in every layout,
-and every spec is still built by :mod:`tsckpt.storage.store`.
+A layout decides only where each array's ``zarr.json`` and chunk keys are
+stored; the arrays, their chunk grids and codecs are the same in every layout,
+and every TensorStore spec is still built by :mod:`tsckpt.storage.store`.
 
+* ``"packed"`` (the default): every key in one OCDBT database whose values
+  are one data file per rank (:mod:`tsckpt.storage.packed`). Zarr readers
+  open it through :func:`tsckpt.zarr_store`, TensorStore through its
+  ``ocdbt`` kvstore.
 * ``"plain"``: each array under its own path below the location, one file (or
   object) per chunk. Any Zarr v3 reader opens it directly.
-* ``"packed"``: every key in one OCDBT database whose data files are a few
-  large files per rank (:mod:`tsckpt.storage.packed`). Zarr readers open it
-  through :func:`tsckpt.zarr_store`.
 
-A new layout subclasses :class:`KvLayout` and is decorated with
+Checkpoints packed before format version 4 are read through TensorStore's
+OCDBT kvstore (:class:`LegacyPackedLayout`), never written.
+
+A layout subclasses :class:`KvLayout` and is decorated with
 :func:`register_layout`; a checkpoint's metadata names its layout and
 :func:`layout_for` selects it.
 
-Which method runs where, in a save: :meth:`KvLayout.write_kvstore` and
-:meth:`KvLayout.rank_transaction` on every rank while it writes;
-:meth:`KvLayout.nodes` once, on the coordinator, after every rank's data is
-durable and before the root document is written. :meth:`KvLayout.array_kvstore`
-and :meth:`KvLayout.context` on every process that reads.
+Which method runs where, in a save: :meth:`KvLayout.sink` on every rank while
+it writes; :meth:`KvLayout.write_nodes` once, on the coordinator, after every
+rank's data is durable and before the root document is written. When reading,
+:meth:`KvLayout.locator` once per process, then :meth:`Locator.locate` per chunk.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import tensorstore as ts
 
 from ..errors import MetadataError, OptionError
-from .location import Location
-from .localfs import unsynced_nodes
-from ..format.metadata import CheckpointMetadata
+from ..format import ocdbt
+from ..format.metadata import CODEC_CHECKSUMS_VERSION, CheckpointMetadata, Span
+from . import packed, sinks
 from .kvio import storage_error
-from .packed import PROCESS_PREFIX, PackedLayout, reader_context
-from .packed_reuse import KeptChunks
+from .localfs import unsynced_nodes
+from .location import Location
 
 if TYPE_CHECKING:
     from .store import Store
 
 PLAIN = "plain"
-PACKED = PackedLayout.name
-#: Environment variable naming the layout of saves that name none (``plain`` when unset).
+PACKED = "packed"
+#: Environment variable naming the layout of saves that name none (``packed`` when unset).
 LAYOUT_ENV = "TSCKPT_LAYOUT"
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where a key's value is: ``length`` bytes (None: the whole file) at ``offset`` of file ``file``,
+    relative to the checkpoint, or ``inline`` bytes (the value itself)."""
+
+    file: str
+    offset: int = 0
+    length: int | None = None
+    inline: bytes | None = None
+
+
+class Locator(ABC):
+    """A committed checkpoint's keys, as a reader finds them (see :meth:`KvLayout.locator`)."""
+
+    #: The kvstore files are read from: the location's own, or an older packed checkpoint's database.
+    kvstore: ts.KvStore
+
+    @abstractmethod
+    def locate(self, key: str) -> Located | None:
+        """Where ``key`` (relative to the checkpoint) is stored; None if the checkpoint has no such key."""
+
+    def sizes(self) -> Mapping[str, int]:
+        """Files whose size is known from the root document: a file of another size is damaged."""
+        return {}
+
+
 class KvLayout(ABC):
-    """How a checkpoint's arrays and node documents map onto kvstores under its location."""
+    """How a checkpoint's arrays and node documents map onto files or objects under its location."""
 
     name: ClassVar[str]
+    #: Whether saves may use it (layouts of older format versions are read only).
+    writable: ClassVar[bool] = True
 
     @abstractmethod
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
-        """The kvstore spec readers find the array (or group) at ``path`` in."""
-
-    def write_kvstore(self, location: Location, rank: int, path: str) -> dict[str, Any]:
-        """The kvstore spec rank ``rank`` writes the chunks of the array at ``path`` into."""
-        return self.array_kvstore(location, path)
+        """The kvstore spec TensorStore finds the array (or group) at ``path`` in."""
 
     def context(self, parent: ts.Context) -> ts.Context:
         """The context every array of a location is opened with (a layout may add resources)."""
         return parent
 
     @abstractmethod
-    def rank_prefixes(self, paths: list[str], world_size: int) -> tuple[str, ...]:
-        """The key prefixes ranks write the arrays at ``paths`` under before the commit (what a failed save removes)."""
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+        """Where rank ``rank`` stores its values in save ``save_id``."""
 
-    def rank_transaction(self) -> ts.Transaction | None:
-        """A transaction a rank's writes go through, committed every :attr:`batch_bytes` (None: none)."""
-        return None
+    @abstractmethod
+    def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
+        """The key prefixes ranks write under before the commit (what a failed save removes)."""
 
-    #: How many bytes a rank writes through one :meth:`rank_transaction` before committing it.
-    batch_bytes: int = 0
+    @abstractmethod
+    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+        """Coordinator: store every array's and group's ``zarr.json`` (``docs``, by key) and, for layouts that
+        index them, where every value is (``values``, sorted by key). Returns the index written (if any)
+        and a call that makes it all durable, run before the root document is written."""
 
-    def nodes(self, store: Store, world_size: int,
-              kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        """Where the commit writes ``<path>/zarr.json`` documents, and a call that makes them durable.
-
-        ``world_size`` ranks wrote the arrays; ``kept`` names chunks of an
-        incremental save's base that the layout must keep (the plain layout's
-        ranks linked them already). The flush (if any) runs before the root
-        document is written.
-        """
-        return store.kvstore, None
+    @abstractmethod
+    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+        """Readers: how to find the keys of the committed checkpoint at ``store``."""
 
     def hierarchy(self, store: Store) -> ts.KvStore:
-        """The kvstore holding every key of a committed checkpoint but the root document, by full key."""
+        """A kvstore holding every key of a committed checkpoint but the root document, by full key."""
         return store.kvstore
 
 
@@ -102,19 +129,20 @@ def register_layout(cls: type[KvLayout]) -> type[KvLayout]:
 
 def get_layout(name: str) -> KvLayout:
     try:
-        return LAYOUTS[name]
+        layout = LAYOUTS[name]
     except KeyError:
         raise OptionError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
+    return layout
 
 
 def default_layout() -> str:
-    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"plain"``.
+    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"packed"``.
 
     A cluster-wide choice belongs in the job's environment rather than in every
     training script. In a multi-rank save only the coordinator's choice counts:
     it is sent to every rank with the plan.
     """
-    name = os.environ.get(LAYOUT_ENV, "").strip() or PLAIN
+    name = os.environ.get(LAYOUT_ENV, "").strip() or PACKED
     if name not in LAYOUTS:
         raise OptionError(f"{LAYOUT_ENV}={name!r}: unknown storage layout; expected one of {sorted(LAYOUTS)}")
     return name
@@ -122,11 +150,25 @@ def default_layout() -> str:
 
 def layout_for(metadata: CheckpointMetadata) -> KvLayout:
     """The layout a committed checkpoint was written with (every version-1 checkpoint is plain)."""
+    if metadata.layout == PACKED and metadata.version < CODEC_CHECKSUMS_VERSION:
+        return LegacyPackedLayout()
     try:
         return LAYOUTS[metadata.layout]
     except KeyError:
         raise MetadataError(f"checkpoint metadata: unknown storage layout {metadata.layout!r}; "
                             f"expected one of {sorted(LAYOUTS)}") from None
+
+
+def _local_root(location: Location) -> str | None:
+    return str(location.spec.get("path", ".")) if location.driver == "file" else None
+
+
+class _KeysAsFiles(Locator):
+    def __init__(self, kv: ts.KvStore):
+        self.kvstore = kv
+
+    def locate(self, key: str) -> Located | None:
+        return Located(key)
 
 
 @register_layout
@@ -138,51 +180,144 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def rank_prefixes(self, paths: list[str], world_size: int) -> tuple[str, ...]:
-        return tuple(f"{p}/" for p in paths)
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+        root = _local_root(store.location)
+        if root is not None:
+            return sinks.KeyFiles(root, save_id, rank, sync=sync)
+        return sinks.KeyObjects(store.kvstore, save_id, rank)
 
-    def nodes(self, store: Store, world_size: int,
-              kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
+    def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
+        return (*(f"{p}/" for p in paths), f"d/{save_id}")
+
+    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
         # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
         fast = unsynced_nodes(store.location)
-        return fast if fast is not None else (store.kvstore, None)
+        kv, flush = fast if fast is not None else (store.kvstore, None)
+        try:
+            for f in [kv.write(key, doc) for key, doc in docs.items()]:
+                f.result()
+        except ValueError as e:
+            raise storage_error(e, f"writing the array documents of {store.url} failed") from None
+        return None, flush
+
+    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+        return _KeysAsFiles(store.kvstore)
+
+
+class _PackedLocator(Locator):
+    def __init__(self, store: Store, metadata: CheckpointMetadata):
+        assert metadata.data_files is not None and metadata.data_files.index is not None
+        self.kvstore = store.kvstore
+        self.files = metadata.data_files
+        self._index: packed.PackedIndex | None = None
+        self._store = store
+
+    def _load(self) -> packed.PackedIndex:
+        if self._index is None:
+            span = self.files.index
+            assert span is not None
+            where = f"{self._store.url}/{span.path}"
+            try:
+                result = self.kvstore.read(span.path, byte_range=slice(span.offset, span.offset + span.length)).result()
+            except ValueError as e:
+                raise storage_error(e, f"reading the index of {self._store.url} failed") from None
+            if result.state != "value":
+                raise MetadataError(f"{where}: the checkpoint's index is missing")
+            if len(result.value) != span.length:
+                raise MetadataError(f"{where}: the index is {len(result.value)} bytes, not the {span.length} written")
+            self._index = packed.PackedIndex.decode(result.value, where)
+        return self._index
+
+    def locate(self, key: str) -> Located | None:
+        value = self._load().get(key)
+        if value is None:
+            return None
+        if isinstance(value, ocdbt.Ref):
+            return Located(value.path, value.offset, value.length)
+        return Located("", inline=value)
+
+    def sizes(self) -> Mapping[str, int]:
+        return {f.path: f.size for f in self.files.files}
 
 
 @register_layout
-class PackedKvLayout(KvLayout):
-    """Every key in one OCDBT database: per-rank databases joined at commit (:mod:`tsckpt.storage.packed`)."""
+class PackedLayout(KvLayout):
+    """Every key in one OCDBT database over one data file per rank (:mod:`tsckpt.storage.packed`)."""
 
     name = PACKED
 
-    def __init__(self, packed: PackedLayout = PackedLayout()) -> None:
-        self.packed = packed
-
-    @property
-    def batch_bytes(self) -> int:  # type: ignore[override]
-        return self.packed.options.target_data_file_size
-
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
-        return self.packed.read_kvstore(dict(location.spec), path)
-
-    def write_kvstore(self, location: Location, rank: int, path: str) -> dict[str, Any]:
-        return self.packed.write_kvstore(dict(location.spec), rank, path)
-
-    def rank_prefixes(self, paths: list[str], world_size: int) -> tuple[str, ...]:
-        return tuple(f"{PROCESS_PREFIX}{r}/" for r in range(world_size))
+        return packed.read_kvstore(dict(location.spec), path)
 
     def context(self, parent: ts.Context) -> ts.Context:
-        return reader_context(parent)
+        return packed.reader_context(parent)
 
-    def rank_transaction(self) -> ts.Transaction | None:
-        # One OCDBT commit per batch: data files of about the target size, not one per flush.
-        return self.packed.rank_transaction()
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+        root = _local_root(store.location)
+        if root is not None:
+            return sinks.RankFile(root, save_id, rank, sync=sync)
+        return sinks.RankObjects(store.kvstore, save_id, rank)
 
-    def nodes(self, store: Store, world_size: int,
-              kept: KeptChunks | None = None) -> tuple[ts.KvStore, Callable[[], None] | None]:
-        return self.packed.join(dict(store.location.spec), world_size, store.context, kept)
+    def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
+        return (f"d/{save_id}",)
+
+    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+        assert values is not None, "a packed checkpoint indexes its values"
+        entries = packed.merged_entries(docs, values)
+        return packed.write_index(store.kvstore, save_id, entries, store.url), None
+
+    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+        return _PackedLocator(store, metadata)
 
     def hierarchy(self, store: Store) -> ts.KvStore:
-        try:
-            return ts.KvStore.open(self.array_kvstore(store.location, ""), context=store.context).result()
-        except ValueError as e:
-            raise storage_error(e, f"cannot open the packed database of {store.url}") from None
+        return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
+
+
+class _LegacyLocator(Locator):
+    def __init__(self, kv: ts.KvStore):
+        self.kvstore = kv
+
+    def locate(self, key: str) -> Located | None:
+        return Located(key)
+
+
+class LegacyPackedLayout(KvLayout):
+    """A checkpoint packed before format version 4 (per-rank OCDBT databases joined by TensorStore): read only."""
+
+    name = PACKED
+    writable = False
+
+    def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
+        return packed.read_kvstore(dict(location.spec), path)
+
+    def context(self, parent: ts.Context) -> ts.Context:
+        return packed.reader_context(parent)
+
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+        raise OptionError("checkpoints are no longer written in the packed layout of format version 3")
+
+    def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
+        return ()
+
+    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+        raise OptionError("checkpoints are no longer written in the packed layout of format version 3")
+
+    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+        return _LegacyLocator(self.hierarchy(store))
+
+    def hierarchy(self, store: Store) -> ts.KvStore:
+        return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
+
+
+def _open(spec: dict[str, Any], store: Store) -> ts.KvStore:
+    try:
+        return ts.KvStore.open(spec, context=store.context).result()
+    except ValueError as e:
+        raise storage_error(e, f"cannot open the packed database of {store.url}") from None
+
+
+def encode_doc(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()

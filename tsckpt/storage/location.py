@@ -140,11 +140,14 @@ class Location:
     """The root of a checkpoint: a TensorStore kvstore spec plus context resources.
 
     ``spec`` never holds a ``"context"`` member; those resources live in
-    ``context`` and are given to :func:`make_context`.
+    ``context`` and are given to :func:`make_context`. Nor tsckpt's own
+    members (:data:`TSCKPT_MEMBERS`, such as ``read_cost``, the cost model of
+    :mod:`tsckpt.storage.byte_reads`), which live in ``options``.
     """
 
     spec: Mapping[str, Any]
     context: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def driver(self) -> str:
@@ -167,8 +170,9 @@ class Location:
         return {**self.spec, "path": f"{self.spec.get('path', '')}{relpath.strip('/')}/"}
 
     def to_dict(self) -> dict[str, Any]:
-        """The full kvstore spec, context resources included (accepted by :func:`parse_location`)."""
-        return {**self.spec, "context": dict(self.context)} if self.context else dict(self.spec)
+        """The full kvstore spec, context resources and tsckpt's members included (accepted by :func:`parse_location`)."""
+        out = {**self.spec, **self.options}
+        return {**out, "context": dict(self.context)} if self.context else out
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Location:
@@ -176,6 +180,9 @@ class Location:
 
 
 LocationLike = str | os.PathLike[str] | Mapping[str, Any] | Location
+
+#: Members of a location dict that are tsckpt's own, not TensorStore's: how reads are planned.
+TSCKPT_MEMBERS = ("read_cost",)
 
 
 def parse_location(location: LocationLike) -> Location:
@@ -188,6 +195,10 @@ def parse_location(location: LocationLike) -> Location:
         return location
     if isinstance(location, Mapping):
         members = dict(location)
+        options = {k: members.pop(k) for k in TSCKPT_MEMBERS if k in members}
+        if options:
+            found = parse_location(members)
+            return Location(found.spec, found.context, {**found.options, **options})
         context = members.pop("context", None) or {}
         if not isinstance(context, Mapping):
             raise LocationError(f"kvstore spec {location!r}: 'context' must be a dict of context resources")

@@ -16,7 +16,11 @@ source) is opened through :class:`Store`, so all of them share the same options:
 
 Where an array's keys live is the store's :class:`~tsckpt.storage.layouts.KvLayout`
 (one file per chunk, or a packed OCDBT database): the layout gives the kvstore
-spec, this module everything around it.
+spec, this module everything around it. tsckpt itself writes chunks through
+its own sinks (:mod:`tsckpt.storage.sinks`) and reads those of version-3 and
+later checkpoints by byte range (:mod:`tsckpt.storage.box_reader`); the array
+specs here open what TensorStore reads for it: older checkpoints' arrays and
+value blobs.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ..errors import StorageError, TsckptError
 from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from .location import Location, LocationLike, parse_location
 from ..format import zarr_json
-from .layouts import PLAIN, KvLayout, get_layout, layout_for
+from .layouts import PACKED, KvLayout, get_layout, layout_for
 from .kvio import problem, storage_error
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
@@ -79,20 +83,6 @@ def read_spec(
     if expect:
         spec["metadata"] = expect
     return spec
-
-
-def raw_chunks_metadata(grid_shape: Sequence[int], chunk_nbytes: int) -> dict[str, Any]:
-    """A ``uint8`` view of an array's chunk keys: its chunk ``(i, ..., j)`` holds the bytes of key ``c.i. ... .j``.
-
-    The array has one dimension per dimension of the tensor's chunk grid, the
-    last one ``chunk_nbytes`` times longer, with chunks of ``[1, ..., 1,
-    chunk_nbytes]`` and no codec but ``bytes``, so writing ``chunk_nbytes``
-    encoded bytes into chunk ``(i, ..., j)`` stores them verbatim under the
-    tensor's own chunk key, straight from the caller's buffer.
-    """
-    shape = [*grid_shape[:-1], grid_shape[-1] * chunk_nbytes]
-    chunk = [1] * (len(shape) - 1) + [chunk_nbytes]
-    return zarr_json.array_metadata(shape, "uint8", chunk, checksums=False)
 
 
 def tensor_read_spec(kvstore: Mapping[str, Any], entry: TensorEntry,
@@ -198,13 +188,13 @@ class Store:
     location: Location
     context: ts.Context
     kvstore: ts.KvStore
-    layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PLAIN))
+    layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PACKED))
     #: The checkpoint's codecs, once its metadata is known (None: read each array's zarr.json).
     array_options: ArrayOptions | None = None
 
     @classmethod
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-             layout: str = PLAIN) -> Store:
+             layout: str = PACKED) -> Store:
         loc = parse_location(location)
         kv_layout = get_layout(layout)
         context = kv_layout.context(make_context(io_concurrency, loc))
@@ -221,23 +211,6 @@ class Store:
 
     def array_kvstore(self, path: str) -> dict[str, Any]:
         return self.layout.array_kvstore(self.location, path)
-
-    def create(self, path: str, zarr_metadata: Mapping[str, Any], rank: int = 0) -> ts.Future:
-        """Open the array at ``path`` for rank ``rank`` to write chunks, before its ``zarr.json`` exists."""
-        kvstore = self.layout.write_kvstore(self.location, rank, path)
-        return ts.open(write_spec(kvstore, zarr_metadata), context=self.context)
-
-    def create_raw(self, path: str, grid_shape: Sequence[int], chunk_nbytes: int, rank: int = 0) -> ts.Future:
-        """Open the chunk keys of the array at ``path`` for rank ``rank`` to write encoded chunks into.
-
-        See :func:`raw_chunks_metadata`; nothing but chunk keys is ever written through it.
-        """
-        return self.create(path, raw_chunks_metadata(grid_shape, chunk_nbytes), rank)
-
-    def open_raw(self, path: str, grid_shape: Sequence[int], chunk_nbytes: int) -> ts.Future:
-        """Open the chunk keys of the array at ``path`` for reading them whole, as bytes (:func:`raw_chunks_metadata`)."""
-        spec = write_spec(self.array_kvstore(path), raw_chunks_metadata(grid_shape, chunk_nbytes))
-        return ts.open(spec, context=self.context, read=True)
 
     def open_tensor(self, entry: TensorEntry) -> ts.Future:
         """Open a tensor's array for reading as the root document describes it.

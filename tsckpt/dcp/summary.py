@@ -1,0 +1,121 @@
+"""What one rank of a save wrote, as the coordinator learns it: :class:`RankSummary` (contract step 4).
+
+Columns of numbers, so that gathering every rank's summary costs bytes
+linear in chunks and nothing per Python object. Torch-free: the one-process
+:class:`~tsckpt.conversion.builder.CheckpointBuilder` summarises its writes
+the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..format import values
+from ..format.metadata import RankFiles
+from ..format.ocdbt import Ref
+from ..rank_writer import WrittenChunks as SavedChunks
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank wrote (step 4), in columns: one row per outer chunk, numbered as the coordinator numbered tensors.
+
+    ``file``/``offset``/``length``: where each chunk is stored in the packed
+    layout (``file`` indexes ``files``: the rank's own data files and those of
+    an incremental save's base it took chunks from); -1 in the plain layout,
+    whose chunks are keys of their own. ``reused`` marks the chunks taken from
+    the base instead of written. ``stored``: the rank's data files and digest
+    table (:class:`~tsckpt.format.metadata.RankFiles`). ``objects``: each
+    value's recorded encoding (and its JSON value, or blob size and, packed,
+    where it is stored). ``placements``: with DCP's own planner, whose plans
+    carry none, the placement records of the tensors this rank describes.
+    """
+
+    rank: int
+    save_id: str  # from the orders the rank wrote with
+    tensor: np.ndarray  # int32
+    chunk: np.ndarray  # int64, flat index in the tensor's chunk grid
+    file: np.ndarray | None = None  # int32, into files; -1 for chunks that are keys of their own
+    offset: np.ndarray | None = None  # int64
+    length: np.ndarray | None = None  # int64
+    reused: np.ndarray | None = None  # bool
+    files: tuple[str, ...] = ()
+    stored: RankFiles | None = None
+    objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
+    failure: Mapping[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        def column(a: np.ndarray | None) -> list[Any] | None:
+            return None if a is None else a.tolist()
+
+        return {"rank": self.rank, "save_id": self.save_id, "tensor": self.tensor.tolist(),
+                "chunk": self.chunk.tolist(), "file": column(self.file), "offset": column(self.offset),
+                "length": column(self.length), "reused": column(self.reused), "files": list(self.files),
+                "stored": None if self.stored is None else self.stored.to_dict(),
+                "objects": dict(self.objects), "placements": dict(self.placements),
+                "failure": None if self.failure is None else dict(self.failure)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankSummary:
+        def column(key: str, dtype: Any) -> np.ndarray | None:
+            return None if d.get(key) is None else np.asarray(d[key], dtype)
+
+        stored = d.get("stored")
+        return cls(int(d["rank"]), d["save_id"], np.asarray(d["tensor"], np.int32), np.asarray(d["chunk"], np.int64),
+                   column("file", np.int32), column("offset", np.int64), column("length", np.int64),
+                   column("reused", bool), tuple(d.get("files") or ()),
+                   None if stored is None else RankFiles.from_dict(stored, "rank summary"),
+                   dict(d["objects"]), dict(d.get("placements") or {}), d.get("failure"))
+
+
+class SummaryBuilder:
+    """Collects a rank's :class:`RankSummary` from what its :class:`~tsckpt.rank_writer.RankWriter` saved."""
+
+    def __init__(self, rank: int, save_id: str):
+        self.rank, self.save_id = rank, save_id
+        self.tensor: list[int] = []
+        self.chunk: list[int] = []
+        self.file: list[int] = []
+        self.offset: list[int] = []
+        self.length: list[int] = []
+        self.reused: list[bool] = []
+        self.files: dict[str, int] = {}
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.placements: dict[str, dict[str, Any]] = {}
+
+    def _where(self, ref: Ref | None) -> tuple[int, int, int]:
+        if ref is None:
+            return -1, 0, 0
+        return self.files.setdefault(ref.path, len(self.files)), ref.offset, ref.length
+
+    def add(self, tensor_id: int, chunks: SavedChunks) -> None:
+        """Record the outer chunks of tensor ``tensor_id`` this rank saved: indices, where stored, reuse."""
+        self.chunk += chunks.indices
+        self.tensor += [tensor_id] * len(chunks.indices)
+        self.reused += chunks.reused or [False] * len(chunks.indices)
+        for ref in chunks.refs or [None] * len(chunks.indices):
+            file, offset, length = self._where(ref)
+            self.file.append(file)
+            self.offset.append(offset)
+            self.length.append(length)
+
+    def add_object(self, fqn: str, encoding: str, payload: Any, nbytes: int) -> None:
+        self.objects[fqn] = {"encoding": values.JSON, "value": payload} if encoding == values.JSON \
+            else {"encoding": encoding, "nbytes": nbytes}
+
+    def place_object(self, fqn: str, ref: Ref | None) -> None:
+        """Where blob ``fqn`` is stored (packed layout)."""
+        if ref is not None:
+            self.objects[fqn]["ref"] = [self._where(ref)[0], ref.offset, ref.length]
+
+    def done(self, stored: RankFiles | None) -> RankSummary:
+        return RankSummary(self.rank, self.save_id, np.asarray(self.tensor, np.int32),
+                           np.asarray(self.chunk, np.int64), np.asarray(self.file, np.int32),
+                           np.asarray(self.offset, np.int64), np.asarray(self.length, np.int64),
+                           np.asarray(self.reused, bool), tuple(self.files), stored, self.objects, self.placements)

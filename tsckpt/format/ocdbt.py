@@ -1,0 +1,505 @@
+"""TensorStore's OCDBT on-disk format: the manifest and B+tree nodes, encoded and decoded here.
+
+The packed layout keeps every key of a checkpoint's Zarr hierarchy in one
+OCDBT database, as TensorStore's ``ocdbt`` kvstore reads it, but writes the
+database itself: each rank's chunk values go back to back into one data file
+of its own, and the coordinator writes the B+tree over them (one node file)
+and the manifest. TensorStore's own writer commits through transactions that
+cost several times a raw write, and joins per-rank databases by copying their
+B+trees; the format is documented (``kvstore/ocdbt/index.rst`` in
+TensorStore), so a writer that knows where every value is can write it in one
+pass. Pure functions of bytes; no I/O.
+
+What is written, of what the format allows: manifest kind ``single`` with one
+version (generation 1) and no version tree nodes; nodes uncompressed; B+tree
+keys stored whole (``subtree_common_prefix_length`` 0), prefix-compressed
+within each node; every data file path relative to the database root, with
+an empty base path. The decoder reads what this module writes and refuses the
+rest (compressed nodes, other manifest kinds) with :class:`OcdbtFormatError`;
+databases written by TensorStore itself are read through TensorStore.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid as _uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+import numpy as np
+
+MANIFEST_MAGIC = 0x0CDB3A2A
+BTREE_MAGIC = 0x0CDB20DE
+#: The key of the manifest under the database root.
+MANIFEST_KEY = "manifest.ocdbt"
+#: TensorStore refuses a leaf value stored inline above this size.
+MAX_INLINE_VALUE_BYTES = 1 << 20
+#: TensorStore's limit on entries per node.
+MAX_NODE_ARITY = 1 << 20
+_HEADER = struct.Struct(">IQ")  # magic (big-endian), then the whole encoded length (little-endian, below)
+
+
+class OcdbtFormatError(ValueError):
+    """An OCDBT manifest or node that is damaged or not of the kind this module writes."""
+
+
+# --- varints and columns -------------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    """``n`` (unsigned) as LEB128."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def varints(values: np.ndarray | Sequence[int]) -> bytes:
+    """A column of unsigned integers as LEB128, one after the other (vectorised: columns hold millions)."""
+    v = np.asarray(values, dtype=np.uint64).reshape(-1)
+    if not v.size:
+        return b""
+    nbytes = np.ones(v.size, dtype=np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        nbytes += rest != 0
+        rest >>= np.uint64(7)
+    starts = np.zeros(v.size, dtype=np.int64)
+    np.cumsum(nbytes[:-1], out=starts[1:])
+    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
+    rest = v.copy()
+    for k in range(int(nbytes.max())):
+        live = nbytes > k
+        byte = (rest[live] & np.uint64(0x7F)).astype(np.uint8)
+        more = nbytes[live] > k + 1
+        out[starts[live] + k] = byte | (more.astype(np.uint8) << 7)
+        rest[live] >>= np.uint64(7)
+    return out.tobytes()
+
+
+class Reader:
+    """A cursor over encoded bytes; every read past the end raises :class:`OcdbtFormatError`."""
+
+    def __init__(self, data: bytes | memoryview, where: str):
+        self.data, self.at, self.where = memoryview(data), 0, where
+
+    def fail(self, what: str) -> OcdbtFormatError:
+        return OcdbtFormatError(f"{self.where}: {what} (at byte {self.at})")
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.at + n > len(self.data):
+            raise self.fail(f"ends before {n} more bytes")
+        out = self.data[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def byte(self) -> int:
+        return self.take(1)[0]
+
+    def varint(self) -> int:
+        value, shift = 0, 0
+        while True:
+            b = self.byte()
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value
+            shift += 7
+            if shift > 63:
+                raise self.fail("a varint longer than 64 bits")
+
+    def varints(self, n: int) -> list[int]:
+        return [self.varint() for _ in range(n)]
+
+    def done(self) -> None:
+        if self.at != len(self.data):
+            raise self.fail(f"{len(self.data) - self.at} bytes left over")
+
+
+# --- the common envelope of manifests and nodes ----------------------------------
+
+
+def envelope(magic: int, body: bytes) -> bytes:
+    """Header (magic, total length, version 0, uncompressed), ``body``, then the crc32c of all before it."""
+    length = _HEADER.size + 2 + len(body) + 4
+    head = struct.pack(">I", magic) + struct.pack("<Q", length) + b"\x00\x00"
+    crc = _crc32c.crc32c(body, _crc32c.crc32c(head))
+    return head + body + struct.pack("<I", crc)
+
+
+def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
+    """The body of an encoded manifest or node, after checking its header and crc32c."""
+    data = memoryview(data)
+    if len(data) < _HEADER.size + 2 + 4:
+        raise OcdbtFormatError(f"{where}: {len(data)} bytes is too short for an OCDBT record")
+    found = struct.unpack(">I", data[:4])[0]
+    if found != magic:
+        raise OcdbtFormatError(f"{where}: starts with 0x{found:08x}, expected 0x{magic:08x}")
+    length = struct.unpack("<Q", data[4:12])[0]
+    if length != len(data):
+        raise OcdbtFormatError(f"{where}: its header says {length} bytes, but it is {len(data)}")
+    stored = struct.unpack("<I", data[-4:])[0]
+    if _crc32c.crc32c(data[:-4]) != stored:
+        raise OcdbtFormatError(f"{where}: does not match its crc32c (it was damaged)")
+    reader = Reader(data[:-4], where)
+    reader.at = 12
+    if reader.varint() != 0:
+        raise reader.fail("format version other than 0")
+    if reader.varint() != 0:
+        raise reader.fail("compressed; tsckpt writes and reads uncompressed records only")
+    return reader
+
+
+# --- data file tables --------------------------------------------------------------
+
+
+def encode_file_table(paths: Sequence[str]) -> bytes:
+    """A data file table of ``paths`` (sorted, distinct; base paths empty)."""
+    raw = [p.encode() for p in paths]
+    if raw != sorted(set(raw)):
+        raise ValueError("data file paths must be sorted and distinct")
+    prefixes = [0] + [_common(a, b) for a, b in zip(raw, raw[1:])]
+    return (varint(len(raw)) + varints(prefixes[1:]) + varints([len(p) - n for p, n in zip(raw, prefixes)])
+            + varints([0] * len(raw)) + b"".join(p[n:] for p, n in zip(raw, prefixes)))
+
+
+def decode_file_table(r: Reader) -> list[str]:
+    n = r.varint()
+    prefixes = [0] + r.varints(n - 1) if n else []
+    suffixes = r.varints(n)
+    bases = r.varints(n)
+    out: list[str] = []
+    prev = b""
+    for k in range(n):
+        if prefixes[k] > len(prev):
+            raise r.fail(f"data file {k}'s prefix is longer than the path before it")
+        path = prev[:prefixes[k]] + bytes(r.take(suffixes[k]))
+        if bases[k] > len(path):
+            raise r.fail(f"data file {k}'s base path is longer than its path")
+        out.append(path.decode("utf-8", "surrogateescape"))
+        prev = path
+    return out
+
+
+def _common(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _keys_columns(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
+    """The prefix-length, suffix-length and suffix columns of sorted ``keys``."""
+    prefixes = prefix_lengths(keys).tolist()
+    return (varints(prefixes[1:]), varints([len(k) - p for k, p in zip(keys, prefixes)]),
+            b"".join(k[p:] for k, p in zip(keys, prefixes)))
+
+
+def _read_keys(r: Reader, n: int, interior: bool) -> tuple[list[bytes], list[int]]:
+    prefixes = [0] + r.varints(n - 1)
+    suffixes = r.varints(n)
+    subtree = r.varints(n) if interior else []
+    keys: list[bytes] = []
+    prev = b""
+    for k in range(n):
+        if prefixes[k] > len(prev):
+            raise r.fail(f"key {k}'s prefix is longer than the key before it")
+        key = prev[:prefixes[k]] + bytes(r.take(suffixes[k]))
+        if keys and key <= prev:
+            raise r.fail("keys out of order")
+        keys.append(key)
+        prev = key
+    return keys, subtree
+
+
+# --- B+tree nodes --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a value or node is stored: ``length`` bytes at ``offset`` of data file ``path``."""
+
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What an interior entry or a manifest version says of the subtree below it."""
+
+    num_keys: int
+    num_tree_bytes: int
+    num_indirect_value_bytes: int
+
+    def __add__(self, other: Stats) -> Stats:
+        return Stats(self.num_keys + other.num_keys, self.num_tree_bytes + other.num_tree_bytes,
+                     self.num_indirect_value_bytes + other.num_indirect_value_bytes)
+
+
+def encode_leaf(keys: Sequence[bytes], values: Sequence[bytes | Ref]) -> tuple[bytes, Stats]:
+    """A leaf node of sorted ``keys``: each value inline (``bytes``) or stored in a data file (:class:`Ref`)."""
+    return encode_leaf_columns(Entries.of(keys, values), 0, len(keys))
+
+
+def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stats]:
+    """The leaf node of ``entries[lo:hi]``."""
+    n = hi - lo
+    if not 0 < n <= MAX_NODE_ARITY:
+        raise ValueError(f"a leaf holds 1 to {MAX_NODE_ARITY} entries; got {n}")
+    keys, files = entries.keys[lo:hi], entries.file[lo:hi]
+    indirect = files >= 0
+    used = np.unique(files[indirect])
+    paths = [entries.files[i] for i in used.tolist()]
+    order = sorted(range(len(paths)), key=lambda k: paths[k])
+    number = np.zeros(len(entries.files), dtype=np.int64)
+    number[used[order]] = np.arange(len(order))
+    prefix = entries.prefixes[lo:hi].copy()
+    prefix[0] = 0
+    lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=n)
+    inline = [entries.inline[lo + k] for k in np.flatnonzero(~indirect).tolist()] if not indirect.all() else []
+    value_lengths = entries.length[lo:hi].copy()
+    if inline:
+        value_lengths[~indirect] = [len(v) for v in inline]
+    body = b"".join((
+        b"\x00", encode_file_table(sorted(paths)), varint(n), varints(prefix[1:]), varints(lengths - prefix),
+        b"".join(k[p:] for k, p in zip(keys, prefix.tolist())), varints(value_lengths),
+        indirect.astype(np.uint8).tobytes(), varints(number[files[indirect]]), varints(entries.offset[lo:hi][indirect]),
+        b"".join(inline)))  # type: ignore[arg-type]
+    node = envelope(BTREE_MAGIC, body)
+    return node, Stats(n, len(node), int(entries.length[lo:hi][indirect].sum()))
+
+
+@dataclass
+class Entries:
+    """Sorted keys and their values, in columns: each value inline (``inline[k]``, ``file[k]`` -1) or
+    ``length[k]`` bytes at ``offset[k]`` of data file ``files[file[k]]``."""
+
+    keys: list[bytes]
+    inline: list[bytes | None]
+    file: np.ndarray  # int64
+    offset: np.ndarray  # int64
+    length: np.ndarray  # int64
+    files: list[str]
+
+    def __post_init__(self) -> None:
+        self.prefixes = prefix_lengths(self.keys)
+        bad = next((k for k in range(1, len(self.keys)) if self.keys[k - 1] >= self.keys[k]), None)
+        if bad is not None:
+            raise ValueError(f"keys out of order or repeated: {self.keys[bad - 1]!r} before {self.keys[bad]!r}")
+
+    @classmethod
+    def of(cls, keys: Sequence[bytes], values: Sequence[bytes | Ref]) -> Entries:
+        files = sorted({v.path for v in values if isinstance(v, Ref)})
+        number = {p: i for i, p in enumerate(files)}
+        return cls(list(keys), [None if isinstance(v, Ref) else v for v in values],
+                   np.asarray([number[v.path] if isinstance(v, Ref) else -1 for v in values], dtype=np.int64),
+                   np.asarray([v.offset if isinstance(v, Ref) else 0 for v in values], dtype=np.int64),
+                   np.asarray([v.length if isinstance(v, Ref) else 0 for v in values], dtype=np.int64), files)
+
+
+def prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> np.ndarray:
+    """For each key, the length of its common prefix with the key before it (0 for the first); vectorised."""
+    n = len(keys)
+    out = np.zeros(n, dtype=np.int64)
+    for start in range(1, n, block):
+        part = keys[start - 1:start + block]
+        width = max(len(k) for k in part) or 1
+        rows = np.array(part, dtype=f"S{width}").view(np.uint8).reshape(len(part), width)
+        differ = rows[1:] != rows[:-1]
+        first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+        shorter = np.minimum(np.fromiter((len(k) for k in part[:-1]), np.int64, len(part) - 1),
+                             np.fromiter((len(k) for k in part[1:]), np.int64, len(part) - 1))
+        out[start:start + len(part) - 1] = np.minimum(first, shorter)
+    return out
+
+
+def encode_interior(height: int, keys: Sequence[bytes], children: Sequence[Ref],
+                    stats: Sequence[Stats]) -> tuple[bytes, Stats]:
+    """An interior node at ``height`` (>= 1): child ``i`` holds the keys from ``keys[i]`` up to ``keys[i + 1]``."""
+    n = len(keys)
+    if not 0 < n <= MAX_NODE_ARITY or not n == len(children) == len(stats):
+        raise ValueError(f"an interior node holds 1 to {MAX_NODE_ARITY} children, one reference each; got {n}")
+    if not 1 <= height <= 255:
+        raise ValueError(f"an interior node's height is 1 to 255, not {height}")
+    files = sorted({c.path for c in children})
+    number = {p: i for i, p in enumerate(files)}
+    prefix, suffix_lengths, suffixes = _keys_columns(keys)
+    body = b"".join((
+        bytes([height]), encode_file_table(files), varint(n), prefix, suffix_lengths, varints([0] * n), suffixes,
+        varints([number[c.path] for c in children]), varints([c.offset for c in children]),
+        varints([c.length for c in children]), varints([s.num_keys for s in stats]),
+        varints([s.num_tree_bytes for s in stats]), varints([s.num_indirect_value_bytes for s in stats])))
+    node = envelope(BTREE_MAGIC, body)
+    total = sum(stats, Stats(0, 0, 0))
+    return node, Stats(total.num_keys, total.num_tree_bytes + len(node), total.num_indirect_value_bytes)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A decoded B+tree node: a leaf's keys and values, or an interior node's first keys and children."""
+
+    height: int
+    keys: list[bytes]
+    #: Leaves: each value, inline bytes or a :class:`Ref`; interior nodes: each child's :class:`Ref`.
+    values: list[bytes | Ref]
+
+
+def decode_node(data: bytes | memoryview, where: str) -> Node:
+    """A node as :func:`encode_leaf` or :func:`encode_interior` writes it (any OCDBT node, uncompressed)."""
+    r = open_envelope(data, BTREE_MAGIC, where)
+    height = r.byte()
+    files = decode_file_table(r)
+    n = r.varint()
+    if not 0 < n <= MAX_NODE_ARITY:
+        raise r.fail(f"a node of {n} entries")
+    keys, subtree = _read_keys(r, n, height > 0)
+    if any(subtree):
+        raise r.fail("subtree common prefixes, which tsckpt never writes")
+
+    def file(i: int) -> str:
+        if i >= len(files):
+            raise r.fail(f"data file number {i} of a table of {len(files)}")
+        return files[i]
+
+    values: list[bytes | Ref] = []
+    if height:
+        ids, offsets, lengths = r.varints(n), r.varints(n), r.varints(n)
+        r.varints(3 * n)  # statistics
+        values = [Ref(file(i), o, n_) for i, o, n_ in zip(ids, offsets, lengths)]
+    else:
+        lengths = r.varints(n)
+        kinds = bytes(r.take(n))
+        if any(k > 1 for k in kinds):
+            raise r.fail("a value kind other than 0 (inline) or 1 (in a data file)")
+        indirect = [k for k in range(n) if kinds[k]]
+        ids, offsets = r.varints(len(indirect)), r.varints(len(indirect))
+        refs = {k: Ref(file(i), o, lengths[k]) for k, i, o in zip(indirect, ids, offsets)}
+        values = [refs[k] if kinds[k] else bytes(r.take(lengths[k])) for k in range(n)]
+    r.done()
+    return Node(height, keys, values)
+
+
+# --- the manifest -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A single-file manifest of one version: the database configuration and its B+tree root."""
+
+    uuid: bytes
+    root: Ref | None
+    root_height: int
+    stats: Stats
+    commit_time_ns: int
+    max_inline_value_bytes: int = 1024
+    max_decoded_node_bytes: int = 8 << 20
+    version_tree_arity_log2: int = 4
+
+    def encode(self) -> bytes:
+        files = [self.root.path] if self.root is not None else []
+        config = b"".join((self.uuid, b"\x00", varint(self.max_inline_value_bytes),
+                           varint(self.max_decoded_node_bytes), bytes([self.version_tree_arity_log2]), varint(0)))
+        root = self.root or Ref("", 0, 0)
+        version = b"".join((
+            varint(1), varint(1), bytes([self.root_height]), varint(0), varint(root.offset), varint(root.length),
+            varint(self.stats.num_keys), varint(self.stats.num_tree_bytes),
+            varint(self.stats.num_indirect_value_bytes), struct.pack("<Q", self.commit_time_ns)))
+        return envelope(MANIFEST_MAGIC, config + encode_file_table(files) + version + varint(0))
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, where: str) -> Manifest:
+        r = open_envelope(data, MANIFEST_MAGIC, where)
+        uuid = bytes(r.take(16))
+        if r.byte() != 0:
+            raise r.fail("a manifest kind other than single, which tsckpt never writes")
+        inline, node_bytes, arity = r.varint(), r.varint(), r.byte()
+        if r.varint() != 0:
+            raise r.fail("compressed nodes, which tsckpt never writes")
+        files = decode_file_table(r)
+        if r.varint() != 1:
+            raise r.fail("a number of versions other than the one tsckpt writes")
+        r.varint()  # generation number
+        height = r.byte()
+        file_id, offset, length = r.varint(), r.varint(), r.varint()
+        stats = Stats(r.varint(), r.varint(), r.varint())
+        commit = struct.unpack("<Q", r.take(8))[0]
+        if r.varint() != 0:
+            raise r.fail("version tree nodes, which tsckpt never writes")
+        r.done()
+        if length and file_id >= len(files):
+            raise r.fail(f"root in data file number {file_id} of a table of {len(files)}")
+        root = Ref(files[file_id], offset, length) if length else None
+        return cls(uuid, root, height, stats, commit, inline, node_bytes, arity)
+
+
+def new_uuid() -> bytes:
+    return _uuid.uuid4().bytes
+
+
+# --- a whole tree ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A B+tree encoded into one node file: its bytes, and the root the manifest points to."""
+
+    nodes: bytes
+    root: Ref
+    height: int
+    stats: Stats
+
+
+def build_tree(keys: Sequence[bytes] | Entries, values: Sequence[bytes | Ref] | None = None, path: str = "",
+               max_node_bytes: int = 8 << 20, start: int = 0) -> Tree:
+    """Every leaf, then every level of interior nodes up to the root, back to back in node file ``path``.
+
+    ``keys`` must be sorted and distinct (or :class:`Entries`, with ``values``
+    None); leaves and interior nodes are cut to stay under ``max_node_bytes``
+    (estimated from the keys and inline values before encoding) and
+    :data:`MAX_NODE_ARITY` entries. ``start``: where the nodes begin in the
+    file (after values stored there first).
+    """
+    entries = keys if isinstance(keys, Entries) else Entries.of(keys, values or [])
+    if not entries.keys:
+        raise ValueError("an OCDBT tree of no keys has no root node")
+    sizes = np.fromiter((len(k) for k in entries.keys), dtype=np.int64, count=len(entries.keys)) + 24
+    inline = np.flatnonzero(entries.file < 0)
+    sizes[inline] += np.asarray([len(entries.inline[k] or b"") for k in inline.tolist()], dtype=np.int64)
+    out = bytearray()
+    level: list[tuple[bytes, Ref, Stats]] = []
+    for lo, hi in _cuts(sizes.tolist(), max_node_bytes):
+        node, stats = encode_leaf_columns(entries, lo, hi)
+        level.append((entries.keys[lo], Ref(path, start + len(out), len(node)), stats))
+        out += node
+    height = 0
+    while len(level) > 1:
+        height += 1
+        upper = []
+        for lo, hi in _cuts([len(k) + 40 for k, _, _ in level], max_node_bytes, least=2):
+            part = level[lo:hi]
+            node, stats = encode_interior(height, [k for k, _, _ in part], [r for _, r, _ in part],
+                                          [s for _, _, s in part])
+            upper.append((part[0][0], Ref(path, start + len(out), len(node)), stats))
+            out += node
+        level = upper
+    _, root, stats = level[0]
+    return Tree(bytes(out), root, height, stats)
+
+
+def _cuts(sizes: Sequence[int], limit: int, least: int = 1) -> list[tuple[int, int]]:
+    """Consecutive ``[lo, hi)`` runs of entries whose estimated sizes stay under ``limit``, each of at least
+    ``least`` entries (interior levels take two, so the tree narrows to one root)."""
+    runs, lo, total = [], 0, 64
+    for k, size in enumerate(sizes):
+        if k - lo >= least and (total + size > limit or k - lo >= MAX_NODE_ARITY):
+            runs.append((lo, k))
+            lo, total = k, 64
+        total += size
+    runs.append((lo, len(sizes)))
+    return runs

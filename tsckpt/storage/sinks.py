@@ -1,0 +1,322 @@
+"""Where one rank's encoded values go in a save: a data file of its own, or a file or object per key.
+
+Every save writes through one path: the rank encodes each outer chunk (or
+value blob) as a :class:`Value`, which knows its stored size and emits its
+bytes in order, and hands it to its :class:`Sink` with the Zarr key it is
+stored under. The layout decides the sink:
+
+* :class:`RankFile`, the packed layout on a local disk: every value back to
+  back in one file, ``d/<save id>-<rank>``, written by one thread in large
+  sequential writes, its writeback started as it goes and one ``fsync`` at
+  the end; where each value landed is reported for the index.
+* :class:`RankObjects`, the packed layout on object stores: values back to
+  back in parts of at most ``part_bytes``, each part one object
+  ``d/<save id>-<rank>.<part>`` written in one request (TensorStore has no
+  multipart upload), two parts in memory at most.
+* :class:`KeyFiles` and :class:`KeyObjects`, the plain layout: one file or
+  object per key.
+
+Each rank also stores its digest table (:mod:`tsckpt.format.digest_table`):
+at the end of its data file, or as ``d/<save id>-<rank>.digests``.
+Which method runs where: :meth:`Sink.put` on the rank's thread, in any order;
+:meth:`Sink.finish` once, after the last put, returns when everything is
+durable; :meth:`Sink.abandon` after a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+import tensorstore as ts
+
+from ..format.metadata import FileRef, RankFiles, Span
+from ..format.ocdbt import Ref
+from . import chunk_files, localfs
+
+#: A writer's scratch buffers: ``get(n)`` returns ``n`` reusable bytes.
+Scratch = Callable[[int], np.ndarray]
+Emit = Callable[[memoryview], None]
+
+#: Bytes written to a rank's data file between two starts of its writeback: the disk works while
+#: the rank encodes, and the final fsync waits for the last stretch only.
+WRITEBACK_BYTES = 64 << 20
+#: The largest object a rank writes on an object store (one PUT, held in memory until sent).
+DEFAULT_PART_BYTES = 1 << 30
+
+
+class Value(ABC):
+    """One stored value: its size, known before it is written, and its bytes, emitted in order."""
+
+    nbytes: int
+
+    @abstractmethod
+    def emit(self, write: Emit, scratch: Scratch) -> None:
+        """Pass the value's bytes to ``write`` in order (each part valid only during its call)."""
+
+
+@dataclass
+class Blob(Value):
+    """Bytes stored as they are, followed by their crc32c (a value blob's one chunk, a digest table)."""
+
+    payload: bytes | memoryview | np.ndarray
+    checksum: bool = True
+
+    def __post_init__(self) -> None:
+        self.nbytes = memoryview(self.payload).nbytes + (4 if self.checksum else 0)
+
+    def emit(self, write: Emit, scratch: Scratch) -> None:
+        view = memoryview(self.payload).cast("B")
+        write(view)
+        if self.checksum:
+            write(memoryview(_crc32c.crc32c(view).to_bytes(4, "little")))
+
+
+def data_file(save_id: str, rank: int, part: int | None = None) -> str:
+    """The path, relative to the checkpoint, of rank ``rank``'s data file (or its part) in save ``save_id``."""
+    return f"d/{save_id}-{rank}" + (f".{part}" if part is not None else "")
+
+
+def digest_file(save_id: str, rank: int) -> str:
+    """Where the plain layout keeps a rank's digest table."""
+    return f"d/{save_id}-{rank}.digests"
+
+
+class Sink(ABC):
+    """One rank's destination for the values of one save; see the module docstring."""
+
+    @abstractmethod
+    def put(self, key: str, value: Value, hold: Any = None) -> Future[None] | None:
+        """Store ``value`` under Zarr key ``key``; ``hold`` (its source) stays referenced until it is written.
+
+        Returns a future done once the value's source is no longer needed (None: it already is).
+        """
+
+    @abstractmethod
+    def finish(self, digests: bytes | None) -> RankFiles:
+        """Store the digest table (if any), make everything durable, and say what was written."""
+
+    @property
+    def refs(self) -> list[Ref] | None:
+        """Where each value put went (in put order, after :meth:`finish`); None where values are keys of their own."""
+        return None
+
+    def abandon(self) -> None:
+        """After a failure: wait for writes in flight, ignoring their errors, so none outlives its source."""
+
+
+def _write_all(fd: int, at: list[int], view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], at[0] + done)
+    at[0] += len(view)
+
+
+class RankFile(Sink):
+    """The packed layout on a local disk: every value back to back in one file, written by one thread."""
+
+    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool):
+        self.path = data_file(save_id, rank)
+        self.sync = sync
+        full = os.path.join(root, self.path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self._size = 0
+        self._refs: list[Ref] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsckpt-rank-file")
+        self._pending: list[Future[None]] = []
+        self._written = [0]
+        self._since_writeback = 0
+
+    def put(self, key: str, value: Value, hold: Any = None) -> Future[None]:
+        self._refs.append(Ref(self.path, self._size, value.nbytes))
+        self._size += value.nbytes
+        future = self._pool.submit(self._write, value, hold)
+        self._pending.append(future)
+        if len(self._pending) > 64:  # surface failures early, and keep the list short
+            for f in self._pending:
+                if f.done():
+                    f.result()
+            self._pending = [f for f in self._pending if not f.done()]
+        return future
+
+    def _write(self, value: Value, hold: Any) -> None:
+        start = self._written[0]
+        with chunk_files.scratch() as get:
+            value.emit(functools.partial(_write_all, self._fd, self._written), get)
+        if self._written[0] - start != value.nbytes:
+            raise RuntimeError(f"{self.path}: a value emitted {self._written[0] - start} bytes, "
+                               f"not the {value.nbytes} it declared")
+        self._since_writeback += value.nbytes
+        if self.sync and self._since_writeback >= WRITEBACK_BYTES:
+            localfs.start_writeback(self._fd)
+            self._since_writeback = 0
+
+    @property
+    def refs(self) -> list[Ref]:
+        return self._refs
+
+    def finish(self, digests: bytes | None) -> RankFiles:
+        table = None
+        if digests is not None:
+            table = Span(self.path, self._size, len(digests))
+            self.put("", Blob(digests, checksum=False))
+            self._refs.pop()
+        try:
+            for f in self._pending:
+                f.result()
+            if self.sync:
+                os.fsync(self._fd)
+        finally:
+            self._close()
+        return RankFiles((FileRef(self.path, self._size),), table)
+
+    def abandon(self) -> None:
+        for f in self._pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the failure that got here is already being reported
+                pass
+        self._close()
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _Parts:
+    """Bytes gathered into one object at a time, each written in one request; two in flight at most."""
+
+    def __init__(self, kv: ts.KvStore):
+        self.kv = kv
+        self.inflight: list[Any] = []
+
+    def send(self, key: str, data: bytes) -> None:
+        while len(self.inflight) >= 2:
+            self.inflight.pop(0).result()
+        self.inflight.append(self.kv.write(key, data))
+
+    def wait(self) -> None:
+        while self.inflight:
+            self.inflight.pop(0).result()
+
+
+class RankObjects(Sink):
+    """The packed layout on an object store: values back to back in parts of at most ``part_bytes``."""
+
+    def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, part_bytes: int = DEFAULT_PART_BYTES):
+        self.kv, self.save_id, self.rank, self.part_bytes = kv, save_id, rank, part_bytes
+        self._parts = _Parts(kv)
+        self._buffer = bytearray()
+        self._files: list[FileRef] = []
+        self._refs: list[Ref] = []
+
+    def _path(self) -> str:
+        return data_file(self.save_id, self.rank, len(self._files))
+
+    def put(self, key: str, value: Value, hold: Any = None) -> None:  # copied at once: nothing to wait for
+        if self._buffer and len(self._buffer) + value.nbytes > self.part_bytes:
+            self._send()
+        self._refs.append(Ref(self._path(), len(self._buffer), value.nbytes))
+        with chunk_files.scratch() as get:
+            value.emit(self._buffer.extend, get)
+
+    def _send(self) -> None:
+        path = self._path()
+        self._files.append(FileRef(path, len(self._buffer)))
+        self._parts.send(path, bytes(self._buffer))
+        self._buffer = bytearray()
+
+    @property
+    def refs(self) -> list[Ref]:
+        return self._refs
+
+    def finish(self, digests: bytes | None) -> RankFiles:
+        table = None
+        if digests is not None:
+            table = Span(self._path(), len(self._buffer), len(digests))
+            self._buffer += digests
+        if self._buffer or not self._files:
+            self._send()
+        self._parts.wait()
+        return RankFiles(tuple(self._files), table)
+
+    def abandon(self) -> None:
+        try:
+            self._parts.wait()
+        except Exception:  # noqa: BLE001 - the failure that got here is already being reported
+            pass
+
+
+class KeyFiles(Sink):
+    """The plain layout on a local disk: each value a file of its own (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`)."""
+
+    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool):
+        self.root, self.save_id, self.rank = root, save_id, rank
+        self._writer = chunk_files.ChunkFileWriter(sync=sync)
+        self._pending: list[Future[None]] = []
+
+    def put(self, key: str, value: Value, hold: Any = None) -> Future[None]:
+        future = self._writer.write(os.path.join(self.root, key), value)
+        self._pending.append(future)
+        return future
+
+    def finish(self, digests: bytes | None) -> RankFiles:
+        table = None
+        if digests is not None:
+            path = digest_file(self.save_id, self.rank)
+            self.put(path, Blob(digests, checksum=False))
+            table = Span(path, 0, len(digests))
+        for f in self._pending:
+            f.result()
+        self._writer.finish()
+        return RankFiles((), table)
+
+    def abandon(self) -> None:
+        for f in self._pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the failure that got here is already being reported
+                pass
+
+
+class KeyObjects(Sink):
+    """The plain layout on object stores and in memory: each value an object of its own."""
+
+    def __init__(self, kv: ts.KvStore, save_id: str, rank: int):
+        self.kv, self.save_id, self.rank = kv, save_id, rank
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+
+    def put(self, key: str, value: Value, hold: Any = None) -> None:  # copied at once: nothing to wait for
+        out = bytearray()
+        with chunk_files.scratch() as get:
+            value.emit(out.extend, get)
+        self._pending.append(self.kv.write(key, bytes(out)))
+
+    def finish(self, digests: bytes | None) -> RankFiles:
+        table = None
+        if digests is not None:
+            path = digest_file(self.save_id, self.rank)
+            self._pending.append(self.kv.write(path, digests))
+            table = Span(path, 0, len(digests))
+        for f in self._pending:
+            f.result()
+        return RankFiles((), table)
+
+    def abandon(self) -> None:
+        for f in self._pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the failure that got here is already being reported
+                pass
