@@ -26,6 +26,7 @@ from .errors import (
     NotACheckpointError,
     OptionError,
     PlanError,
+    SaveFailedError,
     StorageError,
     TsckptError,
     UnsafeObjectError,
@@ -71,6 +72,7 @@ __all__ = [
     "ForeignContentError", "FileInTheWayError", "ConcurrentSaveError", "NotACheckpointError",
     "MetadataError", "PlanError", "LoadMismatchError", "UnsafeObjectError", "UnsupportedDtypeError",
     "ChecksumError", "DamagedValueError", "StorageError", "OptionError", "LocationError", "ConversionError",
+    "SaveFailedError",
 ]
 
 

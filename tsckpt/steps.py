@@ -2,9 +2,17 @@
 
 Training loops save to ``ROOT/step_1000``, ``ROOT/step_2000``... This module
 reads such a root (a local directory or an object-store prefix) without
-loading anything. Each entry directly under the root whose name contains an
-integer is a candidate; its step is the last integer in its name, so
-``step_900`` sorts before ``step_1000`` (the integer, not the text, decides).
+loading anything.
+
+The step rule: an entry directly under the root is a candidate when its name
+*ends with* an integer, and that integer is its step (``step_1000``,
+``ckpt-000500``, ``1500``, ``epoch3_step_1000`` -> 1000), compared as a number,
+so ``step_900`` sorts before ``step_1000``. A name with anything after its last
+digit is not a step entry at all: ``step_5_async``, ``step_5.old`` or
+``step_5-tmp`` are another save's or another tool's names for something beside
+step 5, not a newer step 5, so :func:`latest` never returns them and
+:func:`prune` never counts or touches them.
+
 A candidate is in one of four states:
 
 ``committed``
@@ -22,8 +30,8 @@ A candidate is in one of four states:
     not write, an empty directory, a symbolic link. Never returned by :func:`latest`, never
     touched by :func:`prune`.
 
-Entries without an integer in their name (``logs/``, ``config.yaml``) are not
-candidates at all. Torch-free.
+Entries whose names do not end with an integer (``logs/``, ``config.yaml``,
+``step_5_async``) are not candidates at all. Torch-free.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from typing import Any, overload
 
 import tensorstore as ts
 
-from .errors import LocationError, OptionError, StorageError
+from .errors import LocationError, OptionError, StorageError, TsckptError
 from .native_logs import quiet_on
 from .commit.staged import STAGING_NAME, remove_leftovers, remove_tree, staging_path
 from .commit.states import (ABSENT, ATTRIBUTE, CLAIM, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, checkpoint_keys,
@@ -52,7 +60,8 @@ from .storage.kvio import read_json, storage_error
 log = logging.getLogger(__name__)
 
 
-_STEP = re.compile(r"\d+")
+#: A step entry's name ends with its step number (see the module docstring).
+_STEP = re.compile(r"(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ class StepCheckpoint:
 
     #: The entry's name under the root, e.g. ``"step_1000"``.
     name: str
-    #: The last integer in ``name``.
+    #: The integer ``name`` ends with.
     step: int
     #: ``committed``, ``incomplete``, ``damaged`` or ``foreign`` (see the module docstring).
     state: str
@@ -234,9 +243,9 @@ def _candidates(root: _Root) -> list[tuple[int, str, Callable[[], list[str]]]]:
     for name, keys in root.entries():
         if name.startswith("."):
             continue  # hidden: a save's staging directory (docs/format.md, section 8), or not ours
-        numbers = _STEP.findall(name)
-        if numbers:
-            found.append((int(numbers[-1]), name, keys))
+        step = _STEP.search(name)
+        if step:
+            found.append((int(step.group(1)), name, keys))
     return sorted(found, key=lambda c: (c[0], c[1]))
 
 
@@ -268,9 +277,10 @@ def latest(root: Mapping[str, Any] | Location) -> dict[str, Any] | None: ...
 def latest(root: LocationLike) -> str | dict[str, Any] | None:
     """The newest committed checkpoint directly under ``root``, or None when there is none.
 
-    The newest is the one with the largest step number (the last integer in
-    its name). Incomplete saves (running or dead), damaged and foreign
-    entries are skipped. The result has the root's form: a path or URL string
+    The newest is the one with the largest step number (the integer its name
+    ends with; ``step_5_async`` is not a step entry). Incomplete saves
+    (running or dead), damaged and foreign entries are skipped. The result
+    has the root's form: a path or URL string
     for a string root (``"ckpt/step_2000"``, ``"s3://bucket/run/step_2000"``),
     a kvstore spec dict for a dict root, ready for ``tsckpt.load``::
 
@@ -290,6 +300,26 @@ def latest(root: LocationLike) -> str | dict[str, Any] | None:
         if _is_tsckpt_root(doc):
             return _entry(r, step, name, COMMITTED).location
     return None
+
+
+def run_directory_error(location: LocationLike, error: TsckptError) -> TsckptError:
+    """``error``, or when ``location`` holds step checkpoints rather than being one, the error that says so.
+
+    Loading or opening a run directory (``ckpt`` instead of ``ckpt/step_1000``)
+    finds no committed root document there and would be reported as an
+    incomplete checkpoint; the message names the newest committed step and
+    :func:`latest` instead, keeping ``error``'s class.
+    """
+    try:
+        newest = latest(location)
+    except (TsckptError, OSError):
+        return error
+    if newest is None:
+        return error
+    shown = os.fspath(location) if isinstance(location, (str, os.PathLike)) else parse_location(location).url
+    step = newest if isinstance(newest, str) else parse_location(newest).url
+    return type(error)(f"{shown} is a directory of step checkpoints, not a checkpoint: the newest committed one is "
+                       f"{step}, which tsckpt.latest({shown!r}) returns (`tsckpt latest {shown}` in a shell)")
 
 
 @quiet_on

@@ -116,6 +116,7 @@ def diff_cmd(
     tolerances are reported as "close" and do not count as differences.
     """
     from ..conversion.diff import diff
+    from .inspect import print_wide
 
     try:
         result = diff(a, b, trust_pickle=trust_pickle, rtol=rtol, atol=atol)
@@ -132,15 +133,15 @@ def diff_cmd(
             style = "green" if e.equal else "yellow" if e.matches else "red"
             mad = "" if e.max_abs_diff is None else f"{e.max_abs_diff:.6g}"
             table.add_row(escape(e.key), f"[{style}]{e.status}[/{style}]", side[0], side[1], mad)
-        out.print(table)
+        print_wide(table, out)  # piped or redirected: rows at full width, never wrapped at 80 columns
     n_diff = len(result.differences)
     if n_diff:
-        out.print(f"[red]{n_diff} of {len(result.entries)} entries differ[/red]")
+        out.print(f"[red]{n_diff} of {len(result.entries)} entries differ[/red]", soft_wrap=True)
     elif not result.identical:
         close = sum(e.status == "close" for e in result.entries)
         out.print(f"[green]equal within tolerance[/green]: {len(result.entries)} entries, {close} close but not "
-                  f"bit-identical")
+                  f"bit-identical", soft_wrap=True)
     else:
-        out.print(f"[green]identical[/green]: {len(result.entries)} entries")
+        out.print(f"[green]identical[/green]: {len(result.entries)} entries", soft_wrap=True)
     sys.stdout.flush()
     raise typer.Exit(FOUND if n_diff else OK)

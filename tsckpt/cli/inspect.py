@@ -67,7 +67,7 @@ def ls(
 
             _print_json(summary.listing(ck))
             return
-        _print_wide(_tree_table(ck, list(ck), title=ck.url))
+        print_wide(_tree_table(ck, list(ck), title=ck.url))
         out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
                   f"{count(len(ck.metadata.objects), 'value')}; world size {ck.world_size}", highlight=False)
 
@@ -99,13 +99,14 @@ def _tree_table(ck: Any, keys: list[str], title: str) -> Table:
     return table
 
 
-def _print_wide(table: Table) -> None:
+def print_wide(table: Table, console: Console | None = None) -> None:
     """In a terminal the table fits the window; piped, it takes its natural width, so no cell is cut."""
-    if out.is_terminal:
-        out.print(table, highlight=False)
+    console = console or out
+    if console.is_terminal:
+        console.print(table, highlight=False)
     else:
-        width = out.measure(table, options=out.options.update_width(1 << 16)).maximum
-        Console(width=max(width, 20)).print(table, highlight=False)
+        width = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+        Console(width=max(width, 20), file=console.file).print(table, highlight=False)
 
 
 def _print_json(doc: Any) -> None:
@@ -149,7 +150,7 @@ def show(
         ck = checkpoint.open(path, allow_pickle=allow_pickle)
         if key not in ck and (under := summary.members(ck, key)):
             out.print(f"{key} is a group of {len(under)} entries:", highlight=False, markup=False)
-            _print_wide(_tree_table(ck, under, title=""))
+            print_wide(_tree_table(ck, under, title=""))
             return
         if key not in ck.tensors:
             value = ck[key]
@@ -205,7 +206,10 @@ def info(
             ("values", str(len(md.objects))),
             ("layout", md.layout),
             ("files", str(files)),
-            ("bytes stored", human_bytes(stored) + (f" ({stored} B)" if stored is not None else "")),
+            ("bytes stored", f"{human_bytes(stored)} ({stored} B)" if stored is not None else
+             # TensorStore lists an object store's keys but not their sizes (there is no HEAD request either)
+             "not known here: TensorStore lists an object store's keys without their sizes; the bucket's own "
+             "listing (aws s3 ls --summarize --recursive) has them"),
         ]
         if md.reuse is not None:
             rows += [("base", md.reuse.base + (f" (save {md.reuse.base_save_id})" if md.reuse.base_save_id else "")),
@@ -220,4 +224,4 @@ def info(
             rows.append(("leftovers", left))
         for name, value in rows:
             table.add_row(name, value)
-        _print_wide(table)
+        print_wide(table)

@@ -29,9 +29,9 @@ def latest_cmd(
 ) -> None:
     """Print the newest committed checkpoint under ROOT; exit 1 when there is none.
 
-    The newest is the entry with the largest integer in its name; saves that
-    have not committed (running or dead) and entries that are not tsckpt
-    checkpoints are skipped.
+    The newest is the entry whose name ends with the largest integer
+    (step_5_async is not a step entry); saves that have not committed
+    (running or dead) and entries that are not tsckpt checkpoints are skipped.
     """
     from ..steps import COMMITTED, latest, scan
 
@@ -112,12 +112,11 @@ def _details(entry: StepCheckpoint) -> dict[str, Any]:
 
 def list_steps(root: str, as_json: bool) -> bool:
     """Print the step checkpoints under ``root`` (state, size, time); False when it holds none of tsckpt's."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from ..steps import FOREIGN, scan
-    from .inspect import human_bytes
+    from .inspect import human_bytes, print_wide
 
     entries = scan(root)
     if all(e.state == FOREIGN for e in entries):
@@ -133,7 +132,7 @@ def list_steps(root: str, as_json: bool) -> bool:
     for row in rows:
         table.add_row(str(row["step"]), escape(row["name"]), row["state"], human_bytes(row["nbytes"]),
                       row["time"] or "?")
-    Console().print(table, highlight=False)
+    print_wide(table)
     committed = [r for r in rows if r["state"] == "committed"]
     print(f"{count(len(rows), 'step')}, {len(committed)} committed"
           + (f"; the newest committed: {committed[-1]['url']}" if committed else ""))

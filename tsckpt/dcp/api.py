@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from ..errors import TsckptError
+from ..errors import IncompleteCheckpointError, NotACheckpointError, TsckptError
 from ..native_logs import quiet
+from ..steps import run_directory_error
 from ..storage.kvio import storage_error
 from ..storage.location import LocationLike, parse_location
 from . import failure
@@ -100,7 +101,10 @@ def load(
     """
     reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
     with quiet(path):
-        reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
+        try:
+            reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
+        except (IncompleteCheckpointError, NotACheckpointError) as e:
+            raise run_directory_error(path, e) from None
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
     try:
         with quiet(path), gc_paused(), _single_process_quiet():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import MetadataError, TsckptError
+from ..errors import IncompleteCheckpointError, MetadataError, NotACheckpointError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader, ChunkSource, PendingBox
@@ -352,5 +352,10 @@ def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open
         io_concurrency: TensorStore file I/O concurrency for all reads.
     """
     with quiet(location):  # the AWS SDK's credentials chain logs to stderr as the store opens
-        store, md = commit.open_committed(location, io_concurrency=io_concurrency)
+        try:
+            store, md = commit.open_committed(location, io_concurrency=io_concurrency)
+        except (IncompleteCheckpointError, NotACheckpointError) as e:
+            from ..steps import run_directory_error
+
+            raise run_directory_error(location, e) from None
     return Checkpoint(store, md, allow_pickle=allow_pickle)
