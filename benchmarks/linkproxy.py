@@ -239,6 +239,9 @@ class _RankLink:
         self.up, self.down = TokenBucket(rate, burst), TokenBucket(rate, burst)
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
+        # asyncio holds a connection's task only while the client's side is open, and the server's reader only
+        # weakly: a client that hangs up before the server would leave the task to the garbage collector.
+        self.connections: set[asyncio.Task[None]] = set()
 
     def add(self, field: str, n: int) -> None:
         self.owner.counts[self.rank * len(FIELDS) + FIELDS.index(field)] += n
@@ -248,6 +251,15 @@ class _RankLink:
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def serve(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections.add(task)
+        try:
+            await self._forward(client_in, client_out)
+        finally:
+            self.connections.discard(task)
+
+    async def _forward(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
         try:
             server_in, server_out = await asyncio.open_connection(HOST, self.owner.upstream_port)
         except OSError:

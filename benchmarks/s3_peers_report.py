@@ -156,10 +156,10 @@ def verdicts(block: dict[str, Any]) -> list[str]:
                 parts.append(f"{phase} {f['vs_faster'][0]:.2f}x (>= {least:g}x {_met(f['vs_faster'][0] >= least)})")
         for phase, f in s[name].items():
             peer = s.get(CONNECTOR, {}).get(phase)
-            if peer and phase != "save" and peer["requests"]:
+            if peer and peer["requests"]:
                 r = f["requests"] / peer["requests"]
                 parts.append(f"{phase} requests {r:.2f}x s3torchconnector's (<= {REQUESTS_TARGET}x {_met(r <= REQUESTS_TARGET)})")
-            if phase not in ("save", "replicated"):
+            if phase != "save":
                 parts.append(f"{phase} fetched {f['ratio']:.2f}x needed (<= {FETCH_TARGET}x "
                              f"{_met(f['ratio'] <= FETCH_TARGET)})")
         out.append(f"- {label(name)}: " + "; ".join(parts))
