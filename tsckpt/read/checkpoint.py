@@ -6,6 +6,10 @@ grid come from the metadata; its array is opened on first data access (one
 shared TensorStore context for all of them) and a slice reads only the chunks
 it overlaps. ``handle.numpy()`` never imports torch; ``handle[...]`` and
 ``handle.dtype`` do, on first use.
+
+Once data is read, a checkpoint holds TensorStore objects (its context, open
+arrays, a packed checkpoint's node cache of up to 64 MiB): ``ck.close()`` or a
+``with`` block releases them at once, not at the next cyclic collection.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import IncompleteCheckpointError, MetadataError, NotACheckpointError, TsckptError
+from ..errors import IncompleteCheckpointError, MetadataError, NotACheckpointError, OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader, ChunkSource, PendingBox
@@ -154,6 +158,17 @@ class TensorHandle:
             return {}
         return dict(zip(self.chunks.indices(), ranks))
 
+    def close(self) -> None:
+        """Release this tensor's open array (TensorStore handles and buffers); a later read opens it again."""
+        with self._lock:
+            self._box_reader = None
+
+    def __enter__(self) -> TensorHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __len__(self) -> int:
         if not self.entry.shape:
             raise TypeError("len() of a 0-d tensor")
@@ -165,9 +180,10 @@ class TensorHandle:
 
     # --- data --------------------------------------------------------------
     def _reader(self) -> BoxReader:
+        source = self._ck.source  # raises once the checkpoint is closed
         with self._lock:
             if self._box_reader is None:
-                reader = BoxReader(self._ck.source, self.entry, f"tensor {self.key!r} in {self._ck.url}")
+                reader = BoxReader(source, self.entry, f"tensor {self.key!r} in {self._ck.url}")
                 try:
                     reader.opened()
                 except ValueError as e:
@@ -208,11 +224,13 @@ class Checkpoint(Mapping[str, Any]):
     """A committed checkpoint, opened for reading. Keys are DCP's flat keys.
 
     ``ck[key]`` is a :class:`TensorHandle` for tensors and the decoded value
-    for everything else. Created by :func:`open`.
+    for everything else. Created by :func:`open`; :meth:`close` (or a
+    ``with`` block) releases its TensorStore objects.
     """
 
     def __init__(self, store: Store, metadata: CheckpointMetadata, *, allow_pickle: bool = False):
-        self.store = store
+        self._store: Store | None = store
+        self._source: ChunkSource | None = None
         self.location = store.location
         self.metadata = metadata
         self.allow_pickle = allow_pickle
@@ -223,11 +241,40 @@ class Checkpoint(Mapping[str, Any]):
         return self.location.url
 
     @property
+    def store(self) -> Store:
+        """The opened location: its TensorStore context and root kvstore."""
+        if self._store is None:
+            raise OptionError(f"checkpoint {self.url} is closed: open it again with tsckpt.open to read its data")
+        return self._store
+
+    @property
     def source(self) -> ChunkSource:
         """Where the tensors' bytes are read from (made on first use: a packed checkpoint's index is read then)."""
-        if getattr(self, "_source", None) is None:
+        if self._source is None:
             self._source = ChunkSource.of(self.store, self.metadata)
         return self._source
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def close(self) -> None:
+        """Release the checkpoint's TensorStore objects: its context, open arrays, a packed index.
+
+        The metadata (keys, shapes, placements, plain values) stays; reading
+        tensor data or a ``torch.save``'d value afterwards raises
+        :class:`~tsckpt.errors.OptionError`. Idempotent.
+        """
+        for handle in self._handles.values():
+            handle.close()
+        self._source = None
+        self._store = None
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def world_size(self) -> int:
@@ -270,7 +317,8 @@ class Checkpoint(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return (f"Checkpoint({self.url!r}, {len(self.metadata.tensors)} tensors, "
-                f"{len(self.metadata.objects)} values, world_size={self.world_size})")
+                f"{len(self.metadata.objects)} values, world_size={self.world_size}"
+                + (", closed)" if self.closed else ")"))
 
     def to_state_dict(self) -> dict[str, Any]:
         """Everything as a nested dict of plain CPU tensors and values (reads all tensor data).
@@ -342,7 +390,8 @@ def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open
     """Open a committed checkpoint for reading, in any process (no process group needed).
 
     Reads only the root metadata document; arrays are opened when their data
-    is first read. Raises :class:`~tsckpt.errors.CheckpointNotFoundError` or
+    is first read. ``with tsckpt.open(path) as ck:`` (or ``ck.close()``)
+    releases its TensorStore objects when you are done. Raises :class:`~tsckpt.errors.CheckpointNotFoundError` or
     :class:`~tsckpt.errors.IncompleteCheckpointError` like ``tsckpt.load``.
 
     Args:

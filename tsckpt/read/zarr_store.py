@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -90,6 +91,7 @@ class TensorStoreZarrStore(Store):
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
         self._served: ServedChunks | None = None
         self._opened_at = 0.0
+        self._copies: list[weakref.ref[TensorStoreZarrStore]] = []  # what close() closes too
 
     # --- plumbing ----------------------------------------------------------
 
@@ -112,7 +114,7 @@ class TensorStoreZarrStore(Store):
 
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle (dask may pickle the store); reopen lazily.
-        return {**self.__dict__, "_stores": None, "_served": None}
+        return {**self.__dict__, "_stores": None, "_served": None, "_copies": []}
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, TensorStoreZarrStore) and self.location == other.location
@@ -127,9 +129,25 @@ class TensorStoreZarrStore(Store):
     def __repr__(self) -> str:
         return f"TensorStoreZarrStore({self.location.url!r}, layout={self.layout!r})"
 
+    def close(self) -> None:
+        """Release the TensorStore objects (context, kvstores, node cache); a later read opens them again.
+
+        The read-only copies zarr reads through (``zarr.open_array(store,
+        mode="r")`` makes one) are closed with it. ``with store:`` calls it.
+        """
+        self._copies = [ref for ref in self._copies if ref() is not None]
+        for ref in self._copies:
+            copy = ref()
+            if copy is not None:
+                copy.close()
+        self._stores, self._served = None, None
+        super().close()
+
     def with_read_only(self, read_only: bool = False) -> TensorStoreZarrStore:
-        return type(self)(self.location, layout=self.layout, read_only=read_only,
+        copy = type(self)(self.location, layout=self.layout, read_only=read_only,
                           io_concurrency=self.io_concurrency, metadata=self.metadata)
+        self._copies.append(weakref.ref(copy))
+        return copy
 
     # --- reads -------------------------------------------------------------
 
