@@ -8,6 +8,7 @@ directory, so nothing they write lands after it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from tsckpt.cli.exits import INTERRUPTED
 from tsckpt.commit.staged import staging_dirs
 
 HERE = os.path.dirname(__file__)
+BUCKET = "tsckpt-interrupted"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 #: Chunk files of 1 MiB and more go through the write threads: these are still being written at the interrupt.
 STATE = "{f'w{i}': torch.full((256, 1024), float(i)) for i in range(12)}"
 
@@ -50,6 +52,23 @@ def test_ctrl_c_during_tsckpt_save_is_one_line_and_leaves_nothing_behind(tmp_pat
                          f"nothing was committed; what it had staged was removed"), result.stderr
     assert len(lines) <= 6, result.stderr  # the caller's frame and tsckpt.save's, not DCP's or the writer's
     assert os.listdir(tmp_path / "run") == [] and not staging_dirs(str(target))
+
+
+def test_ctrl_c_during_a_save_to_s3_removes_what_it_wrote(s3):
+    location = s3.location(BUCKET, "run/step_2")
+    result = _python(f"""
+        import json, sys, torch, tsckpt
+        from ctrl_c import CtrlC
+        state = {STATE}
+        state["z"] = CtrlC()
+        tsckpt.save(state, json.loads(sys.argv[1]))
+        """, json.dumps(location))
+    assert result.returncode == -signal.SIGINT, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"KeyboardInterrupt: save to s3://{BUCKET}/run/step_2 was interrupted (Ctrl-C on rank 0); "
+        f"nothing was committed; what it had staged was removed"), result.stderr
+    # Every key went, the claim last: nothing is left that no save claims and tsckpt could no longer remove.
+    assert s3.keys(BUCKET, "run/") == []
 
 
 def _interrupt_rank_1(rank: int, world_size: int, path: str) -> tuple[str, str]:

@@ -29,6 +29,7 @@ only stopped).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -178,12 +179,30 @@ def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | No
 
 def _abort_interrupted(target: SaveTarget) -> str | None:
     try:
-        abort = getattr(target, "abort_interrupted", target.abort)  # a local disk waits for late writes
-        return abort()
+        if hasattr(target, "abort_interrupted"):  # a staging directory: waits for late writes itself
+            return target.abort_interrupted()
+        _settle_keys(target)
+        return target.abort()
     except (OSError, ValueError, TsckptError) as e:
         return f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
     except KeyboardInterrupt:  # Ctrl-C once more: stop waiting, say what is there
         return f"what it had staged may be left: `tsckpt clean {target.url}` removes it"
+
+
+def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) -> None:
+    """Wait until the keys at an in-place target stop changing: the interrupted rank's writes still land.
+
+    What lands after the save's data is deleted would stay with no claim over
+    it, which no later save or ``tsckpt clean`` may remove as the save's own.
+    """
+    kv = open_kvstore(target.location, make_context(location=target.location))
+    deadline = time.monotonic() + limit
+    last, calm_since = set(kv.list().result()), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - calm_since < quiet:
+        time.sleep(0.05)
+        now = set(kv.list().result())
+        if now != last:
+            last, calm_since = now, time.monotonic()
 
 
 def _committed_by(target: SaveTarget) -> bool:
