@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError, TsckptError
+from ..commit.staged import StagedTarget
 from ..commit.states import ROOT, describe_root
 from ..commit.target import SaveTarget
 from ..storage.context import make_context, open_kvstore
@@ -179,7 +180,7 @@ def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | No
 
 def _abort_interrupted(target: SaveTarget) -> str | None:
     try:
-        if hasattr(target, "abort_interrupted"):  # a staging directory: waits for late writes itself
+        if isinstance(target, StagedTarget):  # a staging directory: waits for late writes itself
             return target.abort_interrupted()
         _settle_keys(target)
         return target.abort()
