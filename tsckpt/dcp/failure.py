@@ -166,7 +166,8 @@ def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | No
     and says what is left; other ranks name the command that removes it.
     Ctrl-C that came after the commit says the checkpoint is complete.
     """
-    where = f"Ctrl-C on rank {stopped[0]}" + (f" and {len(stopped) - 1} other" if len(stopped) > 1 else "")
+    others = len(stopped) - 1
+    where = f"Ctrl-C on rank {stopped[0]}" + (f" and {others} other{'s' if others > 1 else ''}" if others else "")
     if target is None:
         outcome = f"nothing was committed; `tsckpt clean {url}` removes what it left, if the coordinator did not"
     elif _committed_by(target):
