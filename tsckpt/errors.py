@@ -94,7 +94,9 @@ class ConversionError(TsckptError):
 
 
 class SaveFailedError(TsckptError):
-    """A save failed on one or more ranks; nothing was committed and the save's staged data was removed.
+    """A save failed on one or more ranks (an error there, or Ctrl-C on another rank); nothing was committed.
 
-    The first line names the location, the rank and the problem.
+    The first line names the location, the rank and the problem; the message
+    also says whether what the save had staged was removed, or what is left
+    where and the command that removes it.
     """
