@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tsckpt.dcp.contract import PlannerNotes, RankSummary, RankWrites
+from tsckpt.format.metadata import FileRef, RankFiles, Span
 
 
 class World:
@@ -138,29 +139,30 @@ def sent_plan(plan: SavePlan, gathered: SavePlan, items: list[WriteItem]) -> Sav
 
 
 def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str) -> RankWrites:
-    """What rank ``r``'s ``TensorStoreWriter.write_data`` returns: a result per item and one columnar summary."""
+    """What rank ``r``'s ``TensorStoreWriter.write_data`` returns: a result per item and one columnar summary
+    (each chunk where the packed layout stores it: back to back in the rank's data file)."""
     numbers = {fqn: i for i, fqn in enumerate(layout.entries)}
-    found_for: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
-    tensor, chunk, crc_tensor, piece, results = [], [], [], [], []
+    found_for: dict[tuple[Any, ...], list[int]] = {}
+    tensor, chunk, length, results = [], [], [], []
     for item in items:
         entry = layout.entries[item.index.fqn]
         c = item.tensor_data.chunk
         key = (entry.shape, entry.chunk_shape, tuple(c.offsets), tuple(c.sizes))
         found = found_for.get(key)
         if found is None:  # every tensor has the same grid here: computed once per rank
-            units = entry.checksum_grid
-            found = found_for[key] = ([entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)],
-                                      [units.flat_index(i) for i, _ in units.chunks_within(c.offsets, c.sizes)])
+            found = found_for[key] = [entry.grid.flat_index(i) for i, _ in entry.grid.chunks_within(c.offsets, c.sizes)]
         number = numbers[item.index.fqn]
-        chunk += found[0]
-        tensor += [number] * len(found[0])
-        piece += found[1]
-        crc_tensor += [number] * len(found[1])
+        chunk += found
+        tensor += [number] * len(found)
+        length += [math.prod(entry.chunk_shape) * 2] * len(found)
         results.append(WriteResult(index=item.index, size_in_bytes=math.prod(c.sizes) * 2, storage_data=None))
-    crc = (np.arange(len(piece), dtype=np.uint32) * np.uint32(2654435761) + np.uint32(r)).astype(np.uint32)
-    summary = RankSummary(r, save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64), crc,
-                          np.zeros((len(chunk), 16), np.uint8), crc_tensor=np.asarray(crc_tensor, np.int32),
-                          piece=np.asarray(piece, np.int64))
+    sizes = np.asarray(length, np.int64)
+    offsets = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    path = f"d/{save_id}-{r}"
+    summary = RankSummary(r, save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64),
+                          np.zeros(len(sizes), np.int32), offsets, sizes, np.zeros(len(sizes), bool), (path,),
+                          RankFiles((FileRef(path, int(sizes.sum())),), Span(path, int(sizes.sum()), 0)))
     return RankWrites(results, summary)
 
 

@@ -7,6 +7,8 @@ real ranks are in test_distributed.py, test_dropin_args.py and test_writer_optio
 
 from __future__ import annotations
 
+import dataclasses
+
 import pickle
 
 import numpy as np
@@ -20,7 +22,7 @@ from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, RankWrites, S
 from tsckpt.dcp.merged_chunks import MergedChunks
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import PlanError
-from tsckpt.format.metadata import ArrayOptions
+from tsckpt.format.metadata import ArrayOptions, FileRef, RankFiles
 from tsckpt.storage.location import parse_location
 
 
@@ -87,20 +89,22 @@ def test_a_plan_whose_tensors_changed_after_global_planning_is_refused():
         got.storage_data.arrays.value.entries(list(reversed(fqns)), "ckpt")
 
 
-def _summary(rank: int, tensor: list[int], chunk: list[int], crc: list[int] | None = None) -> RankSummary:
-    """A rank's summary; its content hashes are its crc32c values repeated, so each chunk's is told apart."""
-    digest = None if crc is None else np.repeat(np.array(crc, np.uint8)[:, None], 16, axis=1)
+def _summary(rank: int, tensor: list[int], chunk: list[int], offset: list[int] | None = None) -> RankSummary:
+    """A rank's summary: its chunks stored back to back in its own data file, at ``offset`` when given."""
+    offset = offset if offset is not None else [10 * k for k in range(len(chunk))]
     return RankSummary(rank, "s1", np.array(tensor, np.int32), np.array(chunk, np.int64),
-                       None if crc is None else np.array(crc, np.uint32), digest,
-                       np.array([c == 12 for c in chunk] if crc else [False] * len(chunk), bool))
+                       np.zeros(len(chunk), np.int32), np.array(offset, np.int64), np.full(len(chunk), 10, np.int64),
+                       np.array([c == 2 for c in chunk], bool), (f"d/s1-{rank}",),
+                       RankFiles((FileRef(f"d/s1-{rank}", 10 * len(chunk)),), None))
 
 
 def test_written_chunks_are_placed_per_tensor_in_grid_order():
     merged = MergedChunks.merge([_summary(1, [1, 0, 1], [1, 0, 0], [11, 20, 10]), _summary(0, [1], [2], [12])],
-                                [1, 3], ["a", "b"], True, "ckpt")
+                                [1, 3], ["a", "b"], "ckpt")
     b = merged.of(1)
-    assert b.writer.tolist() == [1, 1, 0] and b.crc.tolist() == [10, 11, 12]
-    assert b.digest[:, 0].tolist() == [10, 11, 12] and b.reused.tolist() == [False, False, False]
+    assert b.writer.tolist() == [1, 1, 0] and b.offset.tolist() == [10, 11, 12]
+    assert [merged.files[f] for f in b.file.tolist()] == ["d/s1-1", "d/s1-1", "d/s1-0"]
+    assert b.reused.tolist() == [False, False, True]
     assert merged.of(0).writer.tolist() == [1]
 
 
@@ -112,12 +116,13 @@ def test_written_chunks_are_placed_per_tensor_in_grid_order():
 ])
 def test_a_missing_doubled_or_stray_chunk_stops_the_commit(summaries, message):
     with pytest.raises(PlanError, match=message):
-        MergedChunks.merge(summaries, [2], ["a"], False, "ckpt")
+        MergedChunks.merge(summaries, [2], ["a"], "ckpt")
 
 
-def test_checksums_asked_for_but_not_computed_stop_the_commit():
-    with pytest.raises(PlanError, match="without the checksums the plan asked for"):
-        MergedChunks.merge([_summary(0, [0], [0])], [1], ["a"], True, "ckpt")
+def test_a_rank_that_does_not_say_where_its_chunks_are_stops_the_commit():
+    silent = dataclasses.replace(_summary(0, [0], [0]), offset=None)
+    with pytest.raises(PlanError, match="did not say where its chunks are stored"):
+        MergedChunks.merge([silent], [1], ["a"], "ckpt")
 
 
 def test_contract_records_round_trip_through_dicts():

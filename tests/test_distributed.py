@@ -67,12 +67,11 @@ def test_packed_reshard_4_ranks_to_2(packed4):
 def test_packed_verify_convert_and_diff(packed4, tmp_path):
     import shutil
 
-    import tensorstore as ts
     from typer.testing import CliRunner
 
     import tsckpt.cli.convert  # noqa: F401  (registers the commands)
+    from damage import write_key
     from tsckpt.cli import app
-    from tsckpt.storage.packed import PackedLayout
 
     assert tsckpt.verify(packed4).ok
     plain, repacked = str(tmp_path / "plain"), str(tmp_path / "repacked")
@@ -84,12 +83,10 @@ def test_packed_verify_convert_and_diff(packed4, tmp_path):
     assert os.path.exists(os.path.join(repacked, "manifest.ocdbt"))
     assert tsckpt.diff(packed4, plain).identical and tsckpt.diff(plain, repacked).identical
     assert tsckpt.verify(repacked).ok
-    # A chunk key missing from the joined database is found there (there are no chunk files to look at).
+    # A chunk key missing from the index is found there (there are no chunk files to look at).
     damaged = str(tmp_path / "damaged")
     shutil.copytree(packed4, damaged)
-    root = PackedLayout().root_database(dict(parse_location(damaged).spec), writable=True)
-    key = "model/even/c.1.0"
-    ts.KvStore.open(root).result().delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+    write_key(damaged, "model/even/c.1.0", None)
     report = tsckpt.verify(damaged)
     assert [e.key for e in report.failed] == ["model.even"]
     assert "c.1.0" in " ".join(report.failed[0].problems)
@@ -104,9 +101,10 @@ def test_zarr_python_reads_float32_written_by_4_ranks(zoo4):
     assert model["even"].attrs["tsckpt"]["key"] == "model.even"
 
 
-def _writers(ckpt, t) -> list:
-    doc = json.load(open(os.path.join(ckpt, t["path"], "zarr.json")))
-    return doc["attributes"]["tsckpt"]["writers"]
+def _writers(ckpt, key) -> list:
+    """The rank that saved each chunk, in row-major grid order (from the ranks' digest tables)."""
+    found = tsckpt.open(ckpt)[key].writers()
+    return [found[i] for i in sorted(found)]
 
 
 def test_every_chunk_file_has_exactly_one_writing_rank(zoo4):
@@ -118,7 +116,7 @@ def test_every_chunk_file_has_exactly_one_writing_rank(zoo4):
         on_disk = {tuple(int(p) for p in f.split(".")[1:]) for f in os.listdir(array_dir)
                    if f == "c" or f.startswith("c.")}
         grid = ChunkGrid(tuple(t["shape"]), tuple(t["chunk_shape"]))
-        writers = _writers(zoo4, t)
+        writers = _writers(zoo4, key)
         # one writing rank recorded per chunk of the grid, and every chunk of the grid on disk
         assert len(writers) == grid.nchunks and all(0 <= r < 4 for r in writers), (key, writers)
         assert on_disk == set(grid.indices()), key
@@ -138,12 +136,12 @@ def test_metadata_records_meshes_placements_and_dedups_replicas(zoo4):
     assert md.tensors["model.nested"].chunk_shape == (1, 4)       # 3,2,3,2 rows: gcd
     assert md.tensors["model.st"].placement.kind == "sharded_tensor"
     # rows 2,1,3,3,1 of the ShardedTensor come from its 5 shards on 4 ranks
-    assert _writers(zoo4, doc["tensors"]["model.st"]) == [0, 0, 1, 2, 2, 2, 3, 3, 3, 0]
+    assert _writers(zoo4, "model.st") == [0, 0, 1, 2, 2, 2, 3, 3, 3, 0]
     # A replicated tensor is written once; replicas of a hybrid tensor are spread over ranks.
-    assert len(_writers(zoo4, doc["tensors"]["model.repl"])) == 1
-    assert len(_writers(zoo4, doc["tensors"]["model.plain"])) == 1
-    assert len(set(_writers(zoo4, doc["tensors"]["model.hybrid"]))) == 2
-    assert all(t.checksums is not None for t in md.tensors.values())
+    assert len(_writers(zoo4, "model.repl")) == 1
+    assert len(_writers(zoo4, "model.plain")) == 1
+    assert len(set(_writers(zoo4, "model.hybrid"))) == 2
+    assert md.codec_checksums and all(t.checksums is None for t in md.tensors.values())  # beside each chunk
     assert md.objects["extra.lr"].encoding == "json" and md.objects["extra.lr"].value == 0.1
 
 

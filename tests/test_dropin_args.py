@@ -133,9 +133,9 @@ def test_sync_files_false_skips_fsync_and_says_so(tmp_path):
 
 
 def test_single_file_per_rank_asks_for_the_packed_layout(monkeypatch):
-    monkeypatch.delenv("TSCKPT_LAYOUT", raising=False)  # the default without it is plain
+    monkeypatch.delenv("TSCKPT_LAYOUT", raising=False)  # the default without it is packed
     assert tsckpt.TensorStoreWriter("x", single_file_per_rank=False).layout == "plain"
-    assert tsckpt.TensorStoreWriter("x").layout == "plain"
+    assert tsckpt.TensorStoreWriter("x").layout == "packed"
     assert tsckpt.TensorStoreWriter("x", True).layout == "packed" and "packed" in LAYOUTS
     with pytest.raises(tsckpt.TsckptError, match="layout='plain'"):
         tsckpt.TensorStoreWriter("x", single_file_per_rank=True, layout="plain")

@@ -102,7 +102,7 @@ def test_hostile_keys_stay_inside_and_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def good_ckpt(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("good") / "ckpt"
-    tsckpt.save({"model": {"w": torch.randn(4, 3)}, "blob": {1, 2}, "lr": 0.5}, ckpt)
+    tsckpt.save({"model": {"w": torch.randn(4, 3)}, "blob": {1, 2}, "lr": 0.5}, ckpt, layout="packed")
     return ckpt
 
 
@@ -144,11 +144,15 @@ BROKEN = {
     "dotdot object path": (lambda md, c: md["objects"]["blob"].update(path="../blob"), "not a safe relative path"),
     "negative size": (lambda md, c: _w(md).update(shape=[-4, 3]), "integers >= 0"),
     "wrong shape": (lambda md, c: _w(md).update(shape=[2, 3]), "larger than shape"),
-    "bigger shape": (lambda md, c: _w(md).update(shape=[8, 3]), "one entry per chunk"),
+    "index outside": (lambda md, c: md["data_files"].update(index=["../outside", 0, 10]), "not a safe relative path"),
+    "data file outside": (lambda md, c: md["data_files"]["ranks"][0].update(files=[["/etc/passwd", 1]]),
+                          "not a safe relative path"),
+    "ranks of files": (lambda md, c: md["data_files"].update(ranks=[]), "lists 0 ranks, world_size is 1"),
+    "no index": (lambda md, c: md["data_files"].update(index=None), "names no index"),
     "unknown dtype": (lambda md, c: _w(md).update(dtype="float128"), "unknown data type 'float128'"),
     "zero chunk": (lambda md, c: _w(md).update(chunk_shape=[0, 3]), "integers >= 1"),
     "chunk rank": (lambda md, c: _w(md).update(chunk_shape=[4]), "wrong rank"),
-    "short checksum table": (lambda md, c: _w(md).update(checksums=_w(md)["checksums"][:-4]), "one entry per chunk"),
+    "a table beside the chunks": (lambda md, c: _w(md).update(checksums="AAAAAA=="), "holds per-chunk tables"),
     "string size": (lambda md, c: _w(md).update(shape=["4", 3]), "list of integers"),
     "bool size": (lambda md, c: _w(md).update(shape=[True, 3]), "list of integers"),
     "tensors list": (lambda md, c: md.update(tensors=[]), "wrong type"),

@@ -25,12 +25,13 @@ from tsckpt.errors import (
     TsckptError,
 )
 from tsckpt.storage.layouts import layout_for
-from tsckpt.format.metadata import CheckpointMetadata
-from tsckpt.storage.packed import PackedLayout, PackedOptions
+from tsckpt.format.metadata import CheckpointMetadata, DataFiles, RankFiles
+from tsckpt.storage import packed
 from tsckpt.storage.location import parse_location
 
-#: Every file a packed checkpoint may hold (docs/format.md).
-PACKED_FILE = re.compile(r"^(zarr\.json|manifest\.ocdbt|d/[0-9a-f]{32}|ocdbt\.process_\d+/d/[0-9a-f]{32})$")
+#: Every file a packed checkpoint may hold (docs/format.md): the root document, the manifest, the index and a
+#: data file per rank (in parts on object stores).
+PACKED_FILE = re.compile(r"^(zarr\.json|manifest\.ocdbt|d/[0-9a-f]{32}\.index|d/[0-9a-f]{32}-\d+(\.\d+)?)$")
 
 
 def files(path: str) -> list[str]:
@@ -72,15 +73,15 @@ def test_packed_save_is_few_files_and_every_reader_gets_the_same_bits(tmp_path):
     tsckpt.save(sd, path, layout="packed")
     found = files(path)
     assert all(PACKED_FILE.match(f) for f in found), found
-    # the root document, the joined database (manifest + one B+tree file) and one data file of rank 0
-    assert len(found) <= 4 and "manifest.ocdbt" in found
+    # the root document, the manifest, the index and one data file of rank 0
+    assert len(found) == 4 and "manifest.ocdbt" in found
 
     out = zeros_like(sd)
     tsckpt.load(out, path)
     assert_same(out, sd)
     ck = tsckpt.open(path)
     assert ck.metadata.layout == "packed"
-    assert ck["model.w"].writers() == {(0, 0): 0}  # read from the array's zarr.json in the database
+    assert ck["model.w"].writers() == {(0, 0): 0}  # read from the rank's digest table
     np.testing.assert_array_equal(ck["model.w"].numpy()[10:20, 3:9], sd["model"]["w"].numpy()[10:20, 3:9])
     group = zarr.open_group(tsckpt.zarr_store(path), mode="r")
     np.testing.assert_array_equal(group["model/w"][...], sd["model"]["w"].numpy())
@@ -102,7 +103,7 @@ def test_packed_and_plain_overwrite_each_other_and_nothing_of_the_old_layout_sta
     tsckpt.load(out, path)
     assert_same(out, state(2))
     tsckpt.save(state(3), path, overwrite=True, layout="plain")
-    assert not [f for f in files(path) if "ocdbt" in f or f.startswith("d/")]
+    assert not [f for f in files(path) if "ocdbt" in f or PACKED_FILE.match(f) and f != "zarr.json"]
     tsckpt.load(out, path)
     assert_same(out, state(3))
 
@@ -132,12 +133,12 @@ def test_in_place_packed_save_that_died_is_incomplete_and_the_next_save_clears_i
         tsckpt.zarr_store(location)
     with pytest.raises(IncompleteCheckpointError):
         tsckpt.load({"old": torch.zeros(6, 4)}, location)
-    # Its claim says a save may still be running; once cleaned, its databases count as a dead save's
-    # leftovers (not foreign data) and the next save replaces them without overwrite=True.
+    # Its claim says a save may still be running; cleaned with force, its claim and data files go, and the
+    # next save needs no overwrite=True.
     assert [c.what for c in tsckpt.clean(location, force=True)][0].startswith("claim of save")
     tsckpt.save({"new": torch.full((6, 4), 2.0)}, location, layout="packed")
     group = zarr.open_group(tsckpt.zarr_store(location), mode="r")
-    assert sorted(group.array_keys()) == ["new"]  # the dead save's rank database was not joined in
+    assert sorted(group.array_keys()) == ["new"]  # nothing of the dead save's data is indexed
     np.testing.assert_array_equal(group["new"][...], np.full((6, 4), 2.0, np.float32))
 
 
@@ -157,7 +158,7 @@ def _flip_middle_byte(path: str) -> None:
 def test_a_flipped_byte_in_a_rank_data_file_is_caught_by_load_and_verify(tmp_path):
     sd, path = {"w": torch.randn(256, 64)}, str(tmp_path / "ck")
     tsckpt.save(sd, path, layout="packed")
-    data = [f for f in files(path) if f.startswith("ocdbt.process_0/d/")]
+    data = [f for f in files(path) if re.match(r"d/[0-9a-f]{32}-0$", f)]
     assert len(data) == 1
     _flip_middle_byte(os.path.join(path, data[0]))
     with pytest.raises(ChecksumError, match="'w'"):
@@ -166,19 +167,23 @@ def test_a_flipped_byte_in_a_rank_data_file_is_caught_by_load_and_verify(tmp_pat
     assert [e.key for e in report.failed] == ["w"]
 
 
-def test_a_damaged_manifest_fails_cleanly_naming_the_checksum(tmp_path):
+def test_a_damaged_manifest_fails_tensorstore_readers_and_verify_but_not_tsckpts_reads(tmp_path):
+    """The manifest is how TensorStore finds the index; tsckpt finds it through the root document."""
     path = str(tmp_path / "ck")
     tsckpt.save(state(), path, layout="packed")
     _flip_middle_byte(os.path.join(path, "manifest.ocdbt"))
-    with pytest.raises(TsckptError, match="checksum"):
+    with pytest.raises(TsckptError, match="checksum|damaged"):
         zarr.open_group(tsckpt.zarr_store(path), mode="r")["model/w"][...]
-    with pytest.raises(TsckptError, match="checksum"):
-        tsckpt.load(zeros_like(state()), path)
-    assert not tsckpt.verify(path).ok
+    out = zeros_like(state())
+    tsckpt.load(out, path)
+    assert_same(out, state())
+    report = tsckpt.verify(path)
+    assert not report.ok and "manifest.ocdbt" in " ".join(report.files.problems)
 
 
 def test_root_document_names_its_layout_and_an_unknown_one_is_refused():
-    md = CheckpointMetadata(world_size=1, tensors={}, objects={}, layout="packed")
+    md = CheckpointMetadata(world_size=1, tensors={}, objects={}, layout="packed",
+                            data_files=DataFiles(None, (RankFiles(),)))
     assert md.to_dict()["layout"] == "packed"
     assert layout_for(CheckpointMetadata.from_dict(md.to_dict())).name == "packed"
     legacy = {k: v for k, v in md.to_dict().items() if k != "layout"}
@@ -189,30 +194,41 @@ def test_root_document_names_its_layout_and_an_unknown_one_is_refused():
         CheckpointMetadata.from_dict(md.to_dict() | {"layout": 3})
 
 
-def test_options_are_checked_and_round_trip():
-    opts = PackedOptions(target_data_file_size=1 << 20, max_inline_value_bytes=64, compress_nodes=False)
-    assert PackedOptions.from_dict(opts.to_dict()) == opts
-    assert opts.ocdbt_config()["compression"] is None
-    with pytest.raises(TsckptError, match="target_data_file_size"):
-        PackedOptions(target_data_file_size=-1)
-    with pytest.raises(TsckptError, match="unknown packed layout options"):
-        PackedOptions.from_dict({"target_file_size": 1})
-    with pytest.raises(TsckptError, match="rank must be"):
-        PackedLayout().rank_database({"driver": "memory", "path": "x/"}, -1)
+def test_every_key_is_stored_where_the_index_says_and_tensorstore_reads_the_index(tmp_path):
+    """The index tsckpt writes is OCDBT as TensorStore reads it: the same keys, values and bytes."""
+    import json
+
+    sd, path = state(), str(tmp_path / "ck")
+    tsckpt.save(sd, path, layout="packed")
+    md = json.load(open(os.path.join(path, "zarr.json")))["attributes"]["tsckpt"]
+    file, offset, length = md["data_files"]["index"]
+    with open(os.path.join(path, file), "rb") as f:
+        f.seek(offset)
+        ours = packed.PackedIndex.decode(f.read(length), file).values
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    assert sorted(k.decode() for k in kv.list().result()) == sorted(ours)
+    for key, value in ours.items():
+        stored = kv.read(key).result().value
+        if isinstance(value, bytes):
+            assert stored == value, key
+        else:
+            with open(os.path.join(path, value.path), "rb") as f:
+                f.seek(value.offset)
+                assert stored == f.read(value.length), key
 
 
-def test_writes_are_batched_into_bounded_data_files(tmp_path, monkeypatch):
-    # A small batch: each commit of the rank's transaction writes one data file of about that size.
-    from tsckpt.storage import layouts
-
-    small = layouts.PackedKvLayout(PackedLayout(PackedOptions(target_data_file_size=256 << 10)))
-    monkeypatch.setitem(layouts.LAYOUTS, "packed", small)
+def test_a_rank_writes_its_values_back_to_back_in_one_file(tmp_path):
     sd = {f"w{i}": torch.randn(64, 256) for i in range(12)}  # 64 KiB each, 768 KiB in all
     path = str(tmp_path / "ck")
     tsckpt.save(sd, path, layout="packed")
-    sizes = [os.path.getsize(os.path.join(path, f)) for f in files(path) if f.startswith("ocdbt.process_0/d/")]
-    # each batch is one commit: one data file holding its chunks and their B+tree nodes
-    assert len(sizes) == 3 and all((256 << 10) <= n <= (256 << 10) + 8192 for n in sizes), sizes
+    data = [f for f in files(path) if re.match(r"d/[0-9a-f]{32}-0$", f)]
+    assert len(data) == 1
+    md = tsckpt.open(path).metadata
+    [record] = md.data_files.ranks
+    assert [f.path for f in record.files] == data and record.files[0].size == os.path.getsize(os.path.join(path, data[0]))
+    # the chunks (each its data and a crc32c per inner chunk, then the index), then the digest table
+    assert record.digests.path == data[0] and record.digests.offset + record.digests.length == record.files[0].size
+    assert sum(64 * 256 * 4 for _ in sd) < record.digests.offset < sum(64 * 256 * 4 for _ in sd) * 1.01
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     tsckpt.load(out, path)
     assert all(torch.equal(out[k], sd[k]) for k in sd)
@@ -245,12 +261,13 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> list[str]:
     return bad + ([] if out["step"] == 7 else ["step"])
 
 
-def test_dcp_default_planners_with_single_file_per_rank_write_one_database_per_rank(tmp_path):
+def test_dcp_default_planners_with_single_file_per_rank_write_one_data_file_per_rank(tmp_path):
     path = str(tmp_path / "ck")
     assert run_ranks(WORLD, _dcp_round_trip, path) == [[]] * WORLD
     found = files(path)
     assert all(PACKED_FILE.match(f) for f in found), found
-    assert {f.split("/")[0] for f in found if f.startswith("ocdbt.")} == {f"ocdbt.process_{r}" for r in range(WORLD)}
+    assert sorted(int(f.rsplit("-", 1)[1]) for f in found if re.match(r"d/[0-9a-f]{32}-\d+$", f)) == list(range(WORLD))
+    assert len(found) == WORLD + 3
     assert tsckpt.open(path).metadata.layout == "packed" and tsckpt.verify(path).ok
 
 
@@ -258,7 +275,7 @@ def test_packed_checkpoint_in_memory_location_reads_through_tensorstore_spec():
     location = "memory://packed-tests/spec"
     sd = {"w": torch.randn(9, 4)}
     tsckpt.save(sd, location, layout="packed")
-    spec = {"driver": "zarr3", "kvstore": PackedLayout().read_kvstore(dict(parse_location(location).spec), "w")}
+    spec = {"driver": "zarr3", "kvstore": packed.read_kvstore(dict(parse_location(location).spec), "w")}
     arr = ts.open(spec, context=tsckpt.open(location).store.context).result()
     np.testing.assert_array_equal(arr.read().result(), sd["w"].numpy())
 

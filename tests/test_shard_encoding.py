@@ -65,7 +65,7 @@ def test_a_chunk_file_that_exists_is_replaced_never_written_into(tmp_path):
     target.parent.mkdir(parents=True)
     os.link(base, target)  # as an incremental save's reused chunk would be
     writer = chunk_files.ChunkFileWriter(sync=True)
-    writer.write(str(target), fmt, data).result()
+    writer.write(str(target), shard_encoding.EncodedChunk(fmt, data)).result()
     writer.finish()
     assert base.read_bytes() == b"the base checkpoint's chunk"
     assert target.read_bytes() == shard_encoding.encode(fmt, data)[0].tobytes()

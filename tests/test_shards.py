@@ -13,9 +13,9 @@ import zarr
 import tsckpt  # noqa: F401  (registers bfloat16 with zarr-python)
 from tsckpt.errors import ChecksumError
 from tsckpt.format import checksums, shard_encoding, shards, zarr_json
-from tsckpt.storage.box_reader import BoxReader
+from tsckpt.storage.box_reader import BoxReader, ChunkSource
 from tsckpt.format.grid import ChunkGrid
-from tsckpt.format.metadata import ArrayOptions, TensorEntry
+from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from tsckpt.storage.store import Store
 
 SHAPE = (10, 13)
@@ -65,14 +65,15 @@ def test_encoded_chunks_are_zarr_that_other_readers_read(tmp_path, inner, dtype,
 def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refused(tmp_path, inner):
     data = _data(np.float32)
     entry, options = _save(tmp_path, data, inner, False)
-    store = Store.open(tmp_path)
-    store = type(store)(store.location, store.context, store.kvstore, store.layout, options)
-    reader = BoxReader(store, entry, "tensor 'w'")
+    # A version-3 plain checkpoint: the crc32c of each inner chunk in the root document's table.
+    md = CheckpointMetadata(world_size=1, tensors={"w": entry}, objects={}, version=3, array_options=options)
+    source = ChunkSource.of(Store.open(tmp_path).for_checkpoint(md), md)
+    reader = BoxReader(source, entry, "tensor 'w'")
     rng = np.random.default_rng(1)
     for _ in range(60):
         lo = [int(rng.integers(0, n)) for n in SHAPE]
         hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, SHAPE)]
-        got = reader.read(lo, [b - a for a, b in zip(lo, hi)]).result()
+        got = reader.read(lo, [b - a for a, b in zip(lo, hi)])
         np.testing.assert_array_equal(got, data[lo[0]:hi[0], lo[1]:hi[1]])
     # Flip one byte of the value at (4, 9); every box touching its inner chunk is refused, others are not.
     fmt = shards.ShardFormat(CHUNK, inner, 4)
@@ -86,16 +87,16 @@ def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refus
         f.write(bytes([byte[0] ^ 0x08]))
     units = ChunkGrid(SHAPE, inner)
     damaged = units.chunks_overlapping([slice(4, 5), slice(9, 10)])[0]
-    reader = BoxReader(store, entry, "tensor 'w'")
+    reader = BoxReader(source, entry, "tensor 'w'")
     for _ in range(120):
         lo = [int(rng.integers(0, n)) for n in SHAPE]
         hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, SHAPE)]
         box = [slice(a, b) for a, b in zip(lo, hi)]
         if damaged in units.chunks_overlapping(box):
             with pytest.raises(ChecksumError, match=r"'w'.*chunk \[1, 0\] does not match its stored crc32c"):
-                reader.read(lo, [b - a for a, b in zip(lo, hi)]).result()
+                reader.read(lo, [b - a for a, b in zip(lo, hi)])
         else:
-            np.testing.assert_array_equal(reader.read(lo, [b - a for a, b in zip(lo, hi)]).result(),
+            np.testing.assert_array_equal(reader.read(lo, [b - a for a, b in zip(lo, hi)]),
                                           data[lo[0]:hi[0], lo[1]:hi[1]])
 
 

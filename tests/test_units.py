@@ -9,7 +9,7 @@ from tsckpt.format import values
 from tsckpt.format import inner_chunks
 from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
-from tsckpt.format.metadata import CheckpointMetadata, TensorEntry
+from tsckpt.format.metadata import CheckpointMetadata, DataFiles, RankFiles, Span, TensorEntry
 
 
 def rows(*sizes, cols=4):
@@ -158,13 +158,22 @@ def test_non_json_values_are_refused_by_the_json_encoding():
 
 def entry(**kw):
     base = dict(key_path=("m", "w"), path="m/w", shape=(4, 2), dtype="float32", chunk_shape=(2, 2),
-                inner_chunk_shape=None, placement=None, checksums="A" * 12)
+                inner_chunk_shape=None, placement=None)
     return TensorEntry(**(base | kw))
 
 
+def _metadata(**kw) -> CheckpointMetadata:
+    """A version-4 document of two ranks: plain layout, each rank with a digest table of its own."""
+    ranks = tuple(RankFiles((), Span(f"d/{'0' * 32}-{r}.digests", 0, 40)) for r in range(2))
+    return CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}, data_files=DataFiles(None, ranks),
+                              **kw)
+
+
 def test_metadata_round_trips_through_json():
-    md = CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={})
+    md = _metadata()
     assert CheckpointMetadata.from_dict(md.to_dict()) == md
+    v3 = CheckpointMetadata(world_size=2, tensors={"m.w": entry(checksums="A" * 12)}, objects={}, version=3)
+    assert CheckpointMetadata.from_dict(v3.to_dict()) == v3
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -172,16 +181,22 @@ def test_metadata_round_trips_through_json():
     (dict(path="m/x"), "does not match key path"),
     (dict(dtype="float99"), "unknown data type"),
     (dict(chunk_shape=(2,)), "wrong rank"),
-    (dict(checksums="A" * 8), "one entry per chunk"),
+    (dict(checksums="A" * 8), "per-chunk tables"),  # version 4 keeps them beside the data
     (dict(chunk_shape=(8, 2)), "larger than shape"),
     (dict(inner_chunk_shape=(3, 2)), "larger than chunk_shape"),
 ])
 def test_metadata_validation_names_the_tensor(bad, message):
-    doc = CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}).to_dict()
+    doc = _metadata().to_dict()
     doc["tensors"]["m.w"] = entry(**bad).to_dict()
     with pytest.raises(errors.TsckptError, match=message) as info:
         CheckpointMetadata.from_dict(doc)
     assert "m.w" in str(info.value) or "checkpoint metadata" in str(info.value)
+
+
+def test_version_3_checksum_tables_must_fit_the_grid():
+    doc = CheckpointMetadata(world_size=2, tensors={"m.w": entry(checksums="A" * 8)}, objects={}, version=3).to_dict()
+    with pytest.raises(errors.MetadataError, match="one entry per chunk"):
+        CheckpointMetadata.from_dict(doc)
 
 
 def test_metadata_refuses_newer_format_versions():

@@ -49,9 +49,12 @@ def test_options_round_trip_and_zarr_python_reads_them(tmp_path, options):
     doc = json.loads(read_key(tmp_path / "c", "big/zarr.json"))
     names = _codec_names(doc["codecs"])
     assert names[0] == "sharding_indexed"
-    assert ("crc32c" in names) == options.get("crc32c_codec", False)
+    # Every chunk carries its crc32c whenever checksums are on (crc32c_codec=True asks for nothing more).
+    assert ("crc32c" in names) == (options.get("checksums", True) or options.get("crc32c_codec", False))
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
-    assert (root["tensors"]["big"]["checksums"] is not None) == options.get("checksums", True)
+    assert root["tensors"]["big"]["checksums"] is None  # no table in the root document: beside each chunk
+    digests = [r["digests"] for r in root["data_files"]["ranks"]]
+    assert all(d is not None for d in digests) == options.get("checksums", True)
     if "compression" in options:
         assert options["compression"] in names
     back = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -173,8 +176,8 @@ def test_every_rank_writes_with_the_coordinators_options(tmp_path):
     path = str(tmp_path / "c")
     run_ranks(2, save_with_rank_options, path)
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
-    assert root["layout"] == "plain" and root["array_options"] == {"crc32c_codec": False, "compression": None}
-    assert all(t["checksums"] is not None for t in root["tensors"].values())
+    assert root["layout"] == "plain" and root["array_options"] == {"crc32c_codec": True, "compression": None}
+    assert all(r["digests"] is not None for r in root["data_files"]["ranks"])
     assert _codec_names(json.loads(read_key(tmp_path / "c", "big/zarr.json"))["codecs"])[0] == "sharding_indexed"
     sd = {k: v for k, v in _state_dict().items() if k != "mask"}
     back = {k: torch.empty_like(v) for k, v in sd.items()}

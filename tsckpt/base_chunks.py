@@ -175,7 +175,7 @@ class BaseChunks:
             batch = self.source.batch()
             slot = batch.want(span.path, span.offset, span.offset + span.length)
             batch.run()
-            table = DigestTable.decode(slot.data if slot.data is not None else b"", what)
+            table = DigestTable.decode(slot.bytes, what)
         except (ValueError, TsckptError):  # unreadable or damaged: its chunks are written afresh
             return
         for path, digests in table.by_array().items():
@@ -218,10 +218,11 @@ class BaseChunks:
             self.source.fetcher.expect(found.file, fmt.nbytes)
         return _Then(self.source.fetcher.fetch(found.file, found.offset, found.offset + fmt.nbytes), found)
 
-    def sound(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any) -> bool:
+    def sound(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any, digest: bytes) -> bool:
         """Whether the base's chunk that :meth:`read` started still holds what the base wrote: False when it
         is missing, truncated, replaced or any byte of it changed (its size, its shard index, the crc32c
-        of every inner chunk), so it must not be taken."""
+        of every inner chunk, then the content hash ``digest`` of its values: a chunk replaced whole by
+        another intact one has every crc32c right), so it must not be taken."""
         fmt = shards.value_format(entry, self.metadata.array_options or ArrayOptions())
         try:
             found = reading.result()
@@ -231,9 +232,11 @@ class BaseChunks:
             if where.length is not None and where.length != fmt.nbytes:
                 return False
             shards.check_stored_codec(fmt, index, data, f"tensor {fqn!r} of {self.choice.url}")
+            values = shards.decode_stored(fmt, data, dtypes.from_zarr(entry.dtype).numpy)
+            inside = values[tuple(slice(0, r.stop - r.start) for r in entry.grid.chunk_region(index))]
         except (ValueError, ChecksumError):  # missing, cut or changed in the base: damaged
             return False
-        return True
+        return content_hashes.digest(inside) == digest
 
     def take(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any) -> Ref | bool | None:
         """Make chunk ``index`` of ``entry`` part of the new checkpoint: where it is stored (packed: the

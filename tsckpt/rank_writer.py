@@ -42,7 +42,7 @@ from .format.metadata import ArrayOptions, RankFiles, TensorEntry
 from .format.ocdbt import Ref
 from .format.shard_encoding import EncodedChunk
 from .storage.kvio import problem
-from .storage.sinks import Blob
+from .storage.sinks import Blob, WriteFailed
 from .storage.store import Store
 
 if TYPE_CHECKING:
@@ -120,6 +120,8 @@ class RankWriter:
         #: Each value blob's key and, in the packed layout, where it is stored (after :meth:`finish`).
         self.blobs: dict[str, Ref | None] = {}
         self._entries: dict[str, TensorEntry] = {}
+        #: What each array path holds, by name: for errors, which name keys and not names.
+        self._names: dict[str, str] = {}
         self._formats: dict[str, shards.ShardFormat] = {}
         self._sink = store.layout.sink(store, rank, save_id, sync=sync)
         #: What each value put into the sink was: (tensor, position in its WrittenChunks) or (blob name, -1).
@@ -134,6 +136,7 @@ class RankWriter:
         """Take the arrays of ``entries`` (flat key -> entry) this rank will write."""
         for fqn, e in entries.items():
             self._entries[fqn] = e
+            self._names[e.path] = fqn
             self._formats[fqn] = shards.value_format(e, self.options)
 
     def write(self, fqn: str, offsets: Sequence[int], data: Any) -> int:
@@ -166,7 +169,7 @@ class RankWriter:
             else:
                 futures.append(self._put(fqn, index, position, part, hold))
         if windowed:
-            self._window.add(nbytes, lambda: [f.result() for f in futures if f is not None], hold=hold)
+            self._window.add(nbytes, lambda: self._wait(futures), hold=hold)
         else:
             self._held.append(hold)
         return nbytes
@@ -179,8 +182,8 @@ class RankWriter:
         self._puts.append((fqn, position))
         try:
             return self._sink.put(key, value, hold)
-        except OSError as e:
-            raise StorageError(f"{problem(e)} writing {fqn!r}" + (f" to {self.where}" if self.where else "")) from e
+        except (WriteFailed, OSError) as e:
+            raise self._failed(e) from e
 
     def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
         """Read the base's chunk back; take it if it is still sound, else write ``part`` after all.
@@ -196,7 +199,8 @@ class RankWriter:
     def _settle(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray, reading: Any) -> None:
         assert self.base is not None
         chunks, entry = self.written[fqn], self._entries[fqn]
-        taken = self.base.take(fqn, entry, index, reading) if self.base.sound(fqn, entry, index, reading) else None
+        sound = self.base.sound(fqn, entry, index, reading, chunks.digests[position])
+        taken = self.base.take(fqn, entry, index, reading) if sound else None
         if taken is not None:
             chunks.reused[position] = True
             chunks.refs[position] = taken if isinstance(taken, Ref) else None
@@ -207,6 +211,7 @@ class RankWriter:
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
         """Store a value blob (``torch.save`` bytes) as the one chunk of the ``uint8`` array at ``path``."""
         self.blobs[name] = None
+        self._names[path] = name
         self._puts.append((name, -1))
         self._sink.put(f"{path}/{zarr_json.chunk_key((0,))}", Blob(payload), payload)
 
@@ -221,6 +226,8 @@ class RankWriter:
         self._window.drain()
         try:
             self.files = self._sink.finish(self._digest_table() if self.checksums else None)
+        except WriteFailed as e:
+            raise self._failed(e) from e
         except (OSError, ValueError) as e:
             raise StorageError(f"{problem(e)} making the rank's data durable"
                                + (f" in {self.where}" if self.where else "")) from e
@@ -246,6 +253,21 @@ class RankWriter:
             chunk += written.indices
             digests += written.digests
         return DigestTable.of(paths, tensor, chunk, digests).encode()
+
+    def _wait(self, futures: list[Any]) -> None:
+        for f in futures:
+            if f is not None:
+                try:
+                    f.result()
+                except WriteFailed as e:
+                    raise self._failed(e) from e
+
+    def _failed(self, e: BaseException) -> StorageError:
+        """One line naming the tensor (or value) whose write failed, and why."""
+        key, cause = (e.key, e.cause) if isinstance(e, WriteFailed) else ("", e)
+        path = key.rsplit("/", 1)[0]
+        name = self._names.get(path, key)
+        return StorageError(f"{problem(cause)} writing {name!r}" + (f" to {self.where}" if self.where else ""))
 
     def abandon(self) -> None:
         """After a failure: wait for started writes, ignoring their errors, so no I/O outlives its source."""

@@ -44,7 +44,7 @@ from ..format.metadata import (MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetad
 from ..format.names import parent_groups
 from ..format.reuse import Reuse
 from ..storage.store import Store
-from .states import ATTRIBUTE, FOREIGN, ROOT, without_root
+from .states import ATTRIBUTE, FOREIGN, ROOT, is_data_file, without_root
 from .target import SaveTarget
 
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
@@ -241,6 +241,8 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
 def _written_by_tsckpt(kv: ts.KvStore, keys: list[bytes]) -> bool:
     """Whether an array document among ``keys`` says tsckpt wrote it (groups' say nothing; a few are read):
     evidence enough to call the location an incomplete checkpoint when loading, never to delete anything."""
+    if any(is_data_file(k.decode("utf-8", "replace")) for k in keys):
+        return True  # a save's data files (format version 4) are named after it
     nodes = [k for k in keys if k.endswith(b"/" + ROOT.encode())]
     for node in sorted(nodes, key=lambda k: -k.count(b"/"))[:4]:  # the deepest are arrays
         try:

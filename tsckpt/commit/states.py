@@ -34,6 +34,8 @@ ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE, DAMAGED = "absent", "incomplete", 
 #: A save's own files (format version 4): ranks' data files and their parts, digest tables, the packed index.
 _DATA_FILE = r"^d/[0-9a-f]{32}(?:\.index|-\d+(?:\.\d+|\.digests)?)$"
 
+_DATA_FILE_KEY = re.compile(_DATA_FILE)
+
 #: Keys a tsckpt save writes: node documents and chunk keys of either separator,
 #: the packed layout's OCDBT manifests and data files, and the claim. A location
 #: holding only these and no root is a dead save's leftovers.
@@ -48,6 +50,11 @@ OWN_KEYS: list[re.Pattern[str]] = [
 
 #: TensorStore's file driver writes ``<key>.__lock`` beside a key while it replaces it.
 LOCK_SUFFIX = ".__lock"
+
+
+def is_data_file(key: str) -> bool:
+    """Whether ``key`` is named as a version-4 save names its data files, digest tables and index."""
+    return _DATA_FILE_KEY.match(key) is not None
 
 
 def is_own_key(key: str) -> bool:

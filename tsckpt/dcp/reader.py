@@ -228,11 +228,13 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         def flush() -> None:
             nonlocal held
             batch.run()
-            for item, dest, finish, copy in pending:
-                self._result(item, dest, finish, copy)
-                planner.commit_tensor(item, dest)
-            pending.clear()
-            held = 0
+            try:
+                for item, dest, finish, copy in pending:
+                    self._result(item, dest, finish, copy)
+                    planner.commit_tensor(item, dest)
+            finally:
+                pending.clear()
+                held = 0
 
         for item in items:
             fqn = item.storage_index.fqn
@@ -256,13 +258,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 raise read_error(fqn, str(self.checkpoint_id), e) from e
             pending.append((item, dest, finish, not in_place))
             held += nbytes
-        try:
-            flush()
-        except TsckptError:
-            raise
-        except Exception as e:
-            fqn = pending[0][0].storage_index.fqn if pending else "?"
-            raise read_error(fqn, str(self.checkpoint_id), e) from e
+        flush()
 
     @staticmethod
     def _guarded(failures: list[Exception] | None, step: Callable[..., None], *args: Any) -> None:

@@ -125,7 +125,7 @@ class FileRef:
     @classmethod
     def from_list(cls, value: Any, what: str) -> FileRef:
         if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
-                or not isinstance(value[1], int) or isinstance(value[1], bool) or value[1] < 0):
+                or not isinstance(value[1], int) or isinstance(value[1], bool) or not 0 <= value[1] <= MAX_TENSOR_BYTES):
             raise MetadataError(f"{what}: expected [path, size], got {value!r}")
         return cls(check_relative_path(value[0], what=what), value[1])
 
@@ -144,8 +144,9 @@ class Span:
     @classmethod
     def from_list(cls, value: Any, what: str) -> Span:
         if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value[1:])):
-            raise MetadataError(f"{what}: expected [path, offset, length], got {value!r}")
+                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TENSOR_BYTES
+                           for v in value[1:]) or value[1] + value[2] > MAX_TENSOR_BYTES):
+            raise MetadataError(f"{what}: expected [path, offset, length] within a file, got {value!r}")
         return cls(check_relative_path(value[0], what=what), value[1], value[2])
 
 
@@ -462,7 +463,11 @@ def _data_files(d: Mapping[str, Any], version: int, world_size: int, what: str) 
     paths = [f.path for f in files.files]
     if len(set(paths)) != len(paths):
         raise MetadataError(f"{what}: data_files lists a file twice")
-    if (files.index is None) != (d.get("layout") in (None, "plain")):
-        raise MetadataError(f"{what}: data_files names an index exactly when the layout is packed")
+    packed = d.get("layout") not in (None, "plain")
+    if files.index is not None and not packed:
+        raise MetadataError(f"{what}: data_files names an index, but the layout is not packed")
+    if files.index is None and packed and (d.get("tensors") or any(
+            isinstance(o, Mapping) and o.get("path") for o in (d.get("objects") or {}).values())):
+        raise MetadataError(f"{what}: a packed checkpoint with arrays names no index")
     return files
 

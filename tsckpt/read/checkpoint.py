@@ -147,10 +147,11 @@ class TensorHandle:
         return self.entry.grid
 
     def writers(self) -> dict[tuple[int, ...], int]:
-        """Which rank wrote each outer chunk, from the array's ``zarr.json`` (one small read).
-
-        Empty when the save did not record it (version-1 checkpoints and conversions).
-        """
+        """Which rank saved each outer chunk: from the ranks' digest tables (format version 4, read once per
+        checkpoint), or the array's ``zarr.json`` before. Empty when the save did not record it."""
+        if self._ck.metadata.data_files is not None:
+            saved = self._ck.source.writers(self.entry)
+            return {index: saved[flat] for flat, index in enumerate(self.chunks.indices()) if flat in saved}
         doc = read_json(self._ck.store.node_kvstore(self.entry.path), commit.ROOT)
         attrs = doc.get("attributes", {}).get(commit.ATTRIBUTE, {}) if isinstance(doc, dict) else {}
         ranks = attrs.get("writers") if isinstance(attrs, dict) else None

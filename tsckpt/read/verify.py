@@ -25,7 +25,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError, TsckptError
-from ..format import zarr_json
+from ..format import content_hashes, zarr_json
 from ..format.digest_table import DigestTable
 from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
@@ -72,14 +72,18 @@ class VerifyReport:
 
     location: str
     entries: tuple[EntryReport, ...] = field(default_factory=tuple)
+    #: Version 4: the data files, digest tables and index beside the arrays (None before).
+    files: EntryReport | None = None
 
     @property
     def ok(self) -> bool:
-        return all(e.ok for e in self.entries)
+        return all(e.ok for e in self.entries) and (self.files is None or self.files.ok)
 
     @property
     def failed(self) -> tuple[EntryReport, ...]:
-        return tuple(e for e in self.entries if not e.ok)
+        """What is damaged: arrays and values, then the files beside them."""
+        found = tuple(e for e in self.entries if not e.ok)
+        return found + ((self.files,) if self.files is not None and not self.files.ok else ())
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +99,8 @@ class VerifyReport:
         return sum(e.checksummed for e in self.entries)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"location": self.location, "ok": self.ok, "entries": [e.to_dict() for e in self.entries]}
+        return {"location": self.location, "ok": self.ok, "entries": [e.to_dict() for e in self.entries],
+                "files": self.files.to_dict() if self.files is not None else None}
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,13 @@ class _Checker:
         problems: list[str] = []
         checksummed = 0
         entry = target.entry
+        # Each chunk's values are also compared with the content hash its rank recorded: a chunk replaced
+        # whole by another intact one has every crc32c right.
+        try:
+            hashes = self.source.digests(entry) if entry is not None else {}
+        except TsckptError as e:
+            problems.append(str(e))
+            hashes = {}
         # Whether each chunk read is compared with a crc32c: its own (version 4), or the root document's table.
         table = entry is not None and (self.source.metadata.codec_checksums or entry.checksums is not None)
         chunk_bytes = max(nbytes // len(indices), 1)
@@ -245,10 +257,15 @@ class _Checker:
                 futures = [(idx, blob.read()) for idx in part]
             for idx, fut in futures:
                 try:
-                    fut.result()  # checks every inner chunk it reads against the table
+                    values = fut.result()  # checks every inner chunk it reads against its crc32c
                     checksummed += table
                 except Exception as e:
                     problems.append(f"chunk {zarr_json.chunk_key(idx, sep)}: {e}")
+                    continue
+                recorded = hashes.get(chunks.flat_index(idx)) if entry is not None else None
+                if recorded is not None and content_hashes.digest(values) != recorded:
+                    problems.append(f"chunk {zarr_json.chunk_key(idx, sep)}: its values do not have the content "
+                                    f"hash recorded when it was saved (the chunk was replaced by another)")
             self.advance(chunk_bytes * len(part))
         return problems, checksummed
 
@@ -286,8 +303,7 @@ def verify(
     with progress_bar(wanted(progress, total), total, "verify", transient=True) as advance:
         checker = _Checker(source, advance)
         entries = tuple(checker.run(t) for t in _targets(md))
-    files = _files_report(source)
-    return VerifyReport(store.url, entries + ((files,) if files is not None else ()))
+    return VerifyReport(store.url, entries, _files_report(source))
 
 
 def _files_report(source: ChunkSource) -> EntryReport | None:
@@ -327,5 +343,4 @@ def _files_report(source: ChunkSource) -> EntryReport | None:
             Manifest.decode(kv.read(MANIFEST_KEY).result().value, MANIFEST_KEY)
         except (ValueError, TsckptError) as e:
             problems.append(str(e))
-    nbytes = sum(f.size for f in files.files)
-    return EntryReport("(data files)", "d/", nbytes, len(files.files), tuple(problems))
+    return EntryReport("(data files)", "d/", sum(f.size for f in files.files), 0, tuple(problems))

@@ -34,6 +34,7 @@ import tensorstore as ts
 
 from ..errors import ChecksumError
 from ..format import checksums, compressed, dtypes, shards, zarr_json
+from ..format.digest_table import DigestTable
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from .byte_reads import Fetcher, KvFiles, LocalFiles, RangeBatch, read_cost
 from .layouts import Locator
@@ -60,6 +61,8 @@ class ChunkSource:
     metadata: CheckpointMetadata
     locator: Locator
     fetcher: Fetcher
+    #: Which rank saved each chunk and its content hash, by array path and flat index (read on first use).
+    _saved: dict[str, dict[int, tuple[int, bytes]]] | None = None
 
     @classmethod
     def of(cls, store: Store, metadata: CheckpointMetadata) -> ChunkSource:
@@ -68,6 +71,50 @@ class ChunkSource:
         fetcher: Fetcher = (LocalFiles(str(store.location.spec.get("path", ".")), locator.sizes()) if local
                             else KvFiles(locator.kvstore))
         return cls(store, metadata, locator, fetcher)
+
+    def _tables(self) -> dict[str, dict[int, tuple[int, bytes]]]:
+        """Every rank's digest table, read once: (rank, content hash) of each chunk, by array path and flat index."""
+        if self._saved is None:
+            self._saved = {}
+            files = self.metadata.data_files
+            for rank, record in enumerate(files.ranks if files is not None else ()):
+                if record.digests is None:
+                    continue
+                span = record.digests
+                data = self.read_range(span.path, span.offset, span.length)
+                table = DigestTable.decode(data, f"the digest table of rank {rank} in {self.store.url}")
+                for path, chunks in table.by_array().items():
+                    self._saved.setdefault(path, {}).update({c: (rank, d) for c, d in chunks.items()})
+        return self._saved
+
+    def digests(self, entry: TensorEntry) -> dict[int, bytes]:
+        """The content hash each rank recorded for each outer chunk of ``entry``, by flat index (version 4)."""
+        return {flat: digest for flat, (_, digest) in self._tables().get(entry.path, {}).items()}
+
+    def writers(self, entry: TensorEntry) -> dict[int, int]:
+        """Which rank saved each outer chunk of ``entry`` (by flat index), from the ranks' digest tables
+        (version 4; where a save recorded none, from which rank's data file holds it, packed)."""
+        files = self.metadata.data_files
+        if files is None:
+            return {}
+        found = self._tables().get(entry.path)
+        if found is not None or not files.index:
+            return {flat: rank for flat, (rank, _) in (found or {}).items()}
+        rank_of = {f.path: r for r, record in enumerate(files.ranks) for f in record.files}
+        out = {}
+        for flat in range(entry.grid.nchunks):
+            index = tuple(int(i) for i in np.unravel_index(flat, entry.grid.grid_shape)) if entry.shape else ()
+            where = self.locator.locate(f"{entry.path}/{zarr_json.chunk_key(index)}")
+            if where is not None and where.file in rank_of:
+                out[flat] = rank_of[where.file]
+        return out
+
+    def read_range(self, key: str, offset: int, length: int) -> np.ndarray:
+        """``length`` bytes at ``offset`` of file ``key``, read at once."""
+        batch = self.batch()
+        slot = batch.want(key, offset, offset + length)
+        batch.run()
+        return slot.bytes
 
     def batch(self) -> RangeBatch:
         """A new batch of reads, merged by the location's cost model."""
@@ -101,11 +148,7 @@ class ChunkSource:
             if result.state != "value":
                 raise ValueError(f"NOT_FOUND: {what} is missing ({key})")
             return np.frombuffer(result.value, dtype=np.uint8)
-        batch = self.batch()
-        slot = batch.want(found.file, found.offset, found.offset + found.length)
-        batch.run()
-        assert slot.data is not None
-        return slot.data
+        return self.read_range(found.file, found.offset, found.length)
 
 
 def _mode(entry: TensorEntry, md: CheckpointMetadata) -> str:
@@ -172,7 +215,7 @@ class BoxReader:
             return lambda: out
         if self.mode == "array":
             return self._read_array(offsets, sizes, out)
-        steps = [self._plan_chunk(index, offsets, sizes, batch, out)
+        steps = [self._planned(index, offsets, sizes, batch, out)
                  for index in self.entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, sizes)])]
 
         def finish() -> np.ndarray:
@@ -190,6 +233,20 @@ class BoxReader:
     def _where(self, index: Sequence[int]) -> str:
         return f"{self.source.store.url}/{self._key(index)}"
 
+    def _planned(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], batch: RangeBatch,
+                 out: np.ndarray) -> Callable[[], None]:
+        """:meth:`_plan_chunk`, a chunk found missing or damaged while planning failing when its step runs
+        (with the other chunks' reads, as a read of it would)."""
+        try:
+            return self._plan_chunk(index, offsets, sizes, batch, out)
+        except ValueError as e:
+            error = e
+
+            def fail() -> None:
+                raise error
+
+            return fail
+
     def _plan_chunk(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
                     batch: RangeBatch, out: np.ndarray) -> Callable[[], None]:
         fmt = self.fmt
@@ -205,7 +262,7 @@ class BoxReader:
             if found.length is None:  # a plain layout's file: its size is known only to the store
                 return self._compressed_file(found.file, index, start, offsets, sizes, out)
             whole = batch.want(found.file, found.offset, found.offset + found.length)
-            return lambda: self._place_compressed(index, start, whole.data, offsets, sizes, out)
+            return lambda: self._place_compressed(index, start, whole.bytes, offsets, sizes, out)
         if found.length is not None and found.length != fmt.nbytes:
             raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} is "
                              f"{found.length} bytes, not the {fmt.nbytes} written (truncated or replaced)")
@@ -219,7 +276,7 @@ class BoxReader:
         last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
         if first == (0,) * len(fmt.grid) and last == fmt.grid:
             whole = batch.want(found.file, base, base + fmt.nbytes)  # index included: it is checked too
-            return lambda: self._place(index, start, first, last, self._whole(index, whole.data), offsets, sizes, out)
+            return lambda: self._place(index, start, first, last, self._whole(index, whole.bytes), offsets, sizes, out)
         block = [b - a for a, b in zip(first, last)]
         coords = np.indices(block).reshape(len(block), -1).T + np.asarray(first)
         positions = np.sort(fmt.position(coords))
@@ -227,7 +284,7 @@ class BoxReader:
                  for p in positions.tolist()]
 
         def step() -> None:
-            data = np.concatenate([s.data for s in slots]) if len(slots) > 1 else slots[0].data
+            data = np.concatenate([s.bytes for s in slots]) if len(slots) > 1 else slots[0].bytes
             self._place(index, start, first, last, (data, positions), offsets, sizes, out)
 
         return step

@@ -181,12 +181,20 @@ class KvFiles(Fetcher):
 
 @dataclass
 class Slot:
-    """One wanted range; :attr:`data` is its bytes once the batch has run."""
+    """One wanted range; once the batch has run, :attr:`bytes` gives them (or raises why they could not be read)."""
 
     key: str
     start: int
     stop: int
     data: np.ndarray | None = None
+    error: BaseException | None = None
+
+    @property
+    def bytes(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        assert self.data is not None, "read before its batch ran"
+        return self.data
 
 
 @dataclass
@@ -227,7 +235,8 @@ class RangeBatch:
         return requests
 
     def run(self) -> None:
-        """Fetch every wanted range (all requests in flight at once); raises the first failure."""
+        """Fetch every wanted range (all requests in flight at once). A range whose request failed raises
+        that failure when its :attr:`Slot.bytes` are taken, so each reader reports its own."""
         requests = self.plan()
         started = []
         for key, start, stop, _ in requests:
@@ -242,19 +251,17 @@ class RangeBatch:
         self.requests += sum(len(f) for _, f in started)
         self.fetched += sum(stop - start for _, start, stop, _ in requests)
         self.wanted += sum(s.stop - s.start for s in self.slots)
-        failure: BaseException | None = None
         for (key, start, stop, group), (buffer, futures) in zip(requests, started):
             try:
                 parts = [f.result() for f in futures]
-            except BaseException as e:  # noqa: BLE001 - every request is waited for, the first failure raised
-                failure = failure or e
+            except Exception as e:  # noqa: BLE001 - handed to each range the request was for
+                for slot in group:
+                    slot.error = e
                 continue
             data = parts[0] if buffer is None else buffer
             for slot in group:
                 slot.data = data[slot.start - start:slot.stop - start]
         self.slots = []
-        if failure is not None:
-            raise failure
 
 
 def split(total: int, pieces: int) -> list[tuple[int, int]]:

@@ -86,7 +86,7 @@ class ChunkFileWriter:
             self._deferred = False
             localfs.syncfs_at(next(iter(self._dirs)))  # one filesystem: the save's staging directory
 
-    def write(self, path: str, value: Any) -> Future[None]:
+    def write(self, path: str, value: Any, key: str = "") -> Future[None]:
         """Start writing ``value`` (:class:`~tsckpt.storage.sinks.Value`: its size and bytes) as file ``path``.
 
         A small value is written at once, on the calling thread: the write
@@ -94,16 +94,21 @@ class ChunkFileWriter:
         its bytes.
         """
         if value.nbytes >= INLINE_BYTES:
-            return _WRITE_POOL.submit(self._write, path, value)
+            return _WRITE_POOL.submit(self._write, path, value, key)
         done: Future[None] = Future()
         try:
-            done.set_result(self._write(path, value))
+            done.set_result(self._write(path, value, key))
         except Exception as e:  # noqa: BLE001 - reported by the future, as from the write threads
             done.set_exception(e)
         return done
 
-    def _write(self, path: str, value: Any) -> None:
-        fd = self._create(path)
+    def _write(self, path: str, value: Any, key: str) -> None:
+        from .sinks import WriteFailed  # sinks builds on this module
+
+        try:
+            fd = self._create(path)
+        except OSError as e:
+            raise WriteFailed(key or path, e) from e
         try:
             with scratch() as get:
                 value.emit(functools.partial(_write_all, fd), get)
@@ -114,6 +119,8 @@ class ChunkFileWriter:
                     self._deferred = True
                 else:
                     os.fsync(fd)
+        except OSError as e:
+            raise WriteFailed(key or path, e) from e
         finally:
             os.close(fd)
 

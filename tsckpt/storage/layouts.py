@@ -207,13 +207,15 @@ class PlainLayout(KvLayout):
 
 class _PackedLocator(Locator):
     def __init__(self, store: Store, metadata: CheckpointMetadata):
-        assert metadata.data_files is not None and metadata.data_files.index is not None
+        assert metadata.data_files is not None
         self.kvstore = store.kvstore
         self.files = metadata.data_files
         self._index: packed.PackedIndex | None = None
         self._store = store
 
     def _load(self) -> packed.PackedIndex:
+        if self._index is None and self.files.index is None:  # a checkpoint of no arrays
+            self._index = packed.PackedIndex({})
         if self._index is None:
             span = self.files.index
             assert span is not None

@@ -136,7 +136,7 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
 
 
 
-def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str) -> Span:
+def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str) -> Span | None:
     """Write the B+tree over ``entries`` as node file :func:`index_file` and the manifest pointing at it.
 
     ``entries``: every key of the checkpoint but the root document, sorted,
@@ -144,6 +144,8 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
     written first, so a manifest never points at nodes that are not there;
     both before the root document, which alone commits the checkpoint.
     """
+    if not entries.keys:  # a save of no arrays has nothing to index
+        return None
     path = index_file(save_id)
     # Values too large for a leaf (a zarr.json with a long placement) go first into the node file.
     large = [k for k, v in enumerate(entries.inline) if v is not None and len(v) > MAX_INLINE_VALUE_BYTES]

@@ -53,6 +53,14 @@ WRITEBACK_BYTES = 64 << 20
 DEFAULT_PART_BYTES = 1 << 30
 
 
+class WriteFailed(Exception):
+    """A value that could not be written: its key and the operating system's or store's error."""
+
+    def __init__(self, key: str, cause: BaseException):
+        super().__init__(f"{key}: {cause}")
+        self.key, self.cause = key, cause
+
+
 class Value(ABC):
     """One stored value: its size, known before it is written, and its bytes, emitted in order."""
 
@@ -139,7 +147,7 @@ class RankFile(Sink):
     def put(self, key: str, value: Value, hold: Any = None) -> Future[None]:
         self._refs.append(Ref(self.path, self._size, value.nbytes))
         self._size += value.nbytes
-        future = self._pool.submit(self._write, value, hold)
+        future = self._pool.submit(self._write, key, value, hold)
         self._pending.append(future)
         if len(self._pending) > 64:  # surface failures early, and keep the list short
             for f in self._pending:
@@ -148,10 +156,13 @@ class RankFile(Sink):
             self._pending = [f for f in self._pending if not f.done()]
         return future
 
-    def _write(self, value: Value, hold: Any) -> None:
+    def _write(self, key: str, value: Value, hold: Any) -> None:
         start = self._written[0]
-        with chunk_files.scratch() as get:
-            value.emit(functools.partial(_write_all, self._fd, self._written), get)
+        try:
+            with chunk_files.scratch() as get:
+                value.emit(functools.partial(_write_all, self._fd, self._written), get)
+        except OSError as e:
+            raise WriteFailed(key, e) from e
         if self._written[0] - start != value.nbytes:
             raise RuntimeError(f"{self.path}: a value emitted {self._written[0] - start} bytes, "
                                f"not the {value.nbytes} it declared")
@@ -267,7 +278,7 @@ class KeyFiles(Sink):
         self._pending: list[Future[None]] = []
 
     def put(self, key: str, value: Value, hold: Any = None) -> Future[None]:
-        future = self._writer.write(os.path.join(self.root, key), value)
+        future = self._writer.write(os.path.join(self.root, key), value, key)
         self._pending.append(future)
         return future
 
