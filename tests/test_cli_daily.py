@@ -73,7 +73,7 @@ def test_info_json(zoo_ckpt):
     assert set(doc) == {"location", "format_version", "tsckpt_version", "torch_version", "created", "world_size",
                         "meshes", "tensors", "tensor_nbytes", "values", "layout", "files", "bytes_stored",
                         "content_hash", "reuse"}
-    assert doc["content_hash"] == "xxh3_128" and doc["reuse"] is None
+    assert doc["content_hash"] == "xxh3_128_stored" and doc["reuse"] is None
 
 
 def test_verify_json_reports_damage_per_entry(zoo_ckpt, tmp_path):

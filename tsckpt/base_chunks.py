@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, OptionError, StorageError, TsckptError
-from .format import content_hashes, dtypes, shards, zarr_json
+from .format import compressed, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
 from .format.digest_table import DigestTable
 from .format.metadata import CODEC_CHECKSUMS_VERSION, ArrayOptions, CheckpointMetadata, FileRef, TensorEntry
@@ -123,7 +123,7 @@ def _unusable(target: Location, base: Location, md: CheckpointMetadata, layout: 
     if md.version < CODEC_CHECKSUMS_VERSION:
         return (f"the base was saved in format version {md.version}; chunks are taken from bases of version "
                 f"{CODEC_CHECKSUMS_VERSION} or later")
-    if md.content_hash != content_hashes.ALGORITHM:
+    if md.content_hash != content_hashes.STORED_ALGORITHM:
         return "the base records no content hashes (saved with checksums=False)"
     if md.array_options != options:
         return "the base was saved with other codecs (crc32c_codec or compression)"
@@ -211,32 +211,36 @@ class BaseChunks:
         entry = self.metadata.tensors[fqn]
         key = f"{entry.path}/{zarr_json.chunk_key(index)}"
         found = self.source.locator.locate(key)
-        fmt = shards.value_format(entry, self.metadata.array_options or ArrayOptions())
         if found is None or found.inline is not None:
             return _Done(None)
-        if found.length is None and isinstance(self.source.fetcher, LocalFiles):
-            self.source.fetcher.expect(found.file, fmt.nbytes)
-        return _Then(self.source.fetcher.fetch(found.file, found.offset, found.offset + fmt.nbytes), found)
+        length = found.length
+        if length is None:  # a plain base's chunk file: its size is what the file holds (checked below)
+            try:
+                length = os.path.getsize(os.path.join(_path(self.choice.location), found.file))
+            except OSError:
+                return _Done(None)
+        return _Then(self.source.fetcher.fetch(found.file, found.offset, found.offset + length), found)
 
     def sound(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any, digest: bytes) -> bool:
         """Whether the base's chunk that :meth:`read` started still holds what the base wrote: False when it
         is missing, truncated, replaced or any byte of it changed (its size, its shard index, the crc32c
-        of every inner chunk, then the content hash ``digest`` of its values: a chunk replaced whole by
-        another intact one has every crc32c right), so it must not be taken."""
-        fmt = shards.value_format(entry, self.metadata.array_options or ArrayOptions())
+        of every inner chunk, then the content hash ``digest`` of its stored bytes: a chunk replaced whole
+        by another intact one has every crc32c right), so it must not be taken."""
+        options = self.metadata.array_options or ArrayOptions()
+        fmt = shards.value_format(entry, options)
+        what = f"tensor {fqn!r} of {self.choice.url}"
         try:
             found = reading.result()
             if found is None:
                 return False
-            data, where = found
-            if where.length is not None and where.length != fmt.nbytes:
-                return False
-            shards.check_stored_codec(fmt, index, data, f"tensor {fqn!r} of {self.choice.url}")
-            values = shards.decode_stored(fmt, data, dtypes.from_zarr(entry.dtype).numpy)
-            inside = values[tuple(slice(0, r.stop - r.start) for r in entry.grid.chunk_region(index))]
+            data, _ = found
+            if options.compression is not None:
+                compressed.decode(fmt, options.compression, data, dtypes.from_zarr(entry.dtype).numpy, what)
+            else:
+                shards.check_stored_codec(fmt, index, data, what)
         except (ValueError, ChecksumError):  # missing, cut or changed in the base: damaged
             return False
-        return content_hashes.digest(inside) == digest
+        return content_hashes.stored(data) == digest
 
     def take(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any) -> Ref | bool | None:
         """Make chunk ``index`` of ``entry`` part of the new checkpoint: where it is stored (packed: the

@@ -123,7 +123,7 @@ class RankWriter:
         #: What each array path holds, by name: for errors, which name keys and not names.
         self._names: dict[str, str] = {}
         self._formats: dict[str, shards.ShardFormat] = {}
-        self._sink = store.layout.sink(store, rank, save_id, sync=sync)
+        self._sink = store.layout.sink(store, rank, save_id, sync=sync, hashed=checksums)
         #: What each value put into the sink was: (tensor, position in its WrittenChunks) or (blob name, -1).
         self._puts: list[tuple[str, int]] = []
         self._held: list[Any] = []
@@ -158,30 +158,38 @@ class RankWriter:
         futures = []
         for index, part in chunk_parts(entry.grid, offsets, source):
             flat = entry.grid.flat_index(index)
-            digest = content_hashes.digest(part) if self.checksums else b""
             chunks.indices.append(flat)
-            chunks.digests.append(digest)
             chunks.reused.append(False)
             chunks.refs.append(None)
             position = len(chunks.indices) - 1
+            value = self._value(fqn, part)
+            # A chunk is hashed as it is written; one that may be the base's is hashed first, to decide.
+            digest = content_hashes.stored_value(value) if against is not None else b""
+            chunks.digests.append(digest)
             if against is not None and against.get(flat) == digest:
                 self._check_then_take(fqn, index, position, part)
             else:
-                futures.append(self._put(fqn, index, position, part, hold))
+                futures.append(self._put(fqn, index, position, value, hold, background=copied))
         if windowed:
             self._window.add(nbytes, lambda: self._wait(futures), hold=hold)
         else:
             self._held.append(hold)
         return nbytes
 
-    def _put(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray, hold: Any) -> Any:
-        """Encode outer chunk ``index`` (its part inside the array) and hand it to the sink."""
-        fmt, key = self._formats[fqn], f"{self._entries[fqn].path}/{zarr_json.chunk_key(index)}"
-        value = (CompressedChunk(fmt, part, self.options.compression) if self.options.compression is not None
-                 else EncodedChunk(fmt, part))
+    def _value(self, fqn: str, part: np.ndarray) -> Any:
+        """Outer chunk ``part`` (its part inside the array) as the value stored for it."""
+        fmt = self._formats[fqn]
+        return (CompressedChunk(fmt, part, self.options.compression) if self.options.compression is not None
+                else EncodedChunk(fmt, part))
+
+    def _put(self, fqn: str, index: tuple[int, ...], position: int, value: Any, hold: Any,
+             background: bool = False) -> Any:
+        """Hand outer chunk ``index`` of ``fqn``, encoded as ``value``, to the sink (``background``: while this
+        rank copies more device tensors to host memory)."""
+        key = f"{self._entries[fqn].path}/{zarr_json.chunk_key(index)}"
         self._puts.append((fqn, position))
         try:
-            return self._sink.put(key, value, hold)
+            return self._sink.put(key, value, hold, background)
         except (WriteFailed, OSError) as e:
             raise self._failed(e) from e
 
@@ -206,7 +214,7 @@ class RankWriter:
             chunks.refs[position] = taken if isinstance(taken, Ref) else None
             return
         self._held.append(part)
-        self._put(fqn, index, position, part, part)
+        self._put(fqn, index, position, self._value(fqn, part), part)
 
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
         """Store a value blob (``torch.save`` bytes) as the one chunk of the ``uint8`` array at ``path``."""
@@ -225,7 +233,7 @@ class RankWriter:
         self._checks.drain()
         self._window.drain()
         try:
-            self.files = self._sink.finish(self._digest_table() if self.checksums else None)
+            self.files = self._sink.finish(self._collect)
         except WriteFailed as e:
             raise self._failed(e) from e
         except (OSError, ValueError) as e:
@@ -233,15 +241,21 @@ class RankWriter:
                                + (f" in {self.where}" if self.where else "")) from e
         if self.base is not None:  # the base's data files this rank linked in are the new checkpoint's too
             self.files = RankFiles(self.files.files + tuple(self.base.linked_files()), self.files.digests)
-        refs = self._sink.refs
-        if refs is not None:
-            for (name, position), ref in zip(self._puts, refs):
-                if position < 0:
-                    self.blobs[name] = ref
-                else:
-                    self.written[name].refs[position] = ref
         self._held.clear()
         return self.files
+
+    def _collect(self) -> bytes | None:
+        """Once every value is written: where each is, its content hash, and so the digest table (if any)."""
+        refs = self._sink.refs
+        for k, (name, position) in enumerate(self._puts):
+            if position < 0:
+                self.blobs[name] = refs[k] if refs is not None else None
+                continue
+            if refs is not None:
+                self.written[name].refs[position] = refs[k]
+            if self._sink.hashed:
+                self.written[name].digests[position] = self._sink.digests[k]
+        return self._digest_table() if self.checksums else None
 
     def _digest_table(self) -> bytes:
         paths, tensor, chunk, digests = [], [], [], []

@@ -225,7 +225,7 @@ class CheckpointBuilder:
             blob_sizes=self._blob_sizes, ranks=[stored],
             stored=stored_values(self._tensors, written, blobs) if packed else None,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,
-            content_hash=content_hashes.ALGORITHM if self.checksums else None)
+            content_hash=content_hashes.STORED_ALGORITHM if self.checksums else None)
         self._committed = True
         return md
 

@@ -384,7 +384,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             self.data_store(self._target.data_location, self.config), save_id=self.save_id,
             world_size=len(summaries), tensors=tensors, objects=objs, blob_sizes=blob_sizes, ranks=ranks,
             stored=stored, meshes=meshes, extra=extra, options=self.array_options, target=self._target,
-            content_hash=content_hashes.ALGORITHM if self.checksums else None, reuse=reuse)
+            content_hash=content_hashes.STORED_ALGORITHM if self.checksums else None, reuse=reuse)
         if logs.enabled():
             logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
                           seconds=time.perf_counter() - self._started, ranks=len(summaries), reuse=reuse)

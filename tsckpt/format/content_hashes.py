@@ -1,4 +1,9 @@
-"""Content hashes: a 128-bit digest of every outer chunk's elements, which incremental saves compare.
+"""Content hashes: a 128-bit digest of every outer chunk, which incremental saves compare.
+
+Since format version 4 the digest covers the chunk's stored bytes
+(:data:`STORED_ALGORITHM`) and each rank keeps its own in a digest table
+(:mod:`tsckpt.format.digest_table`). Before, it covered the elements and sat
+in the root document, as described below.
 
 Each tensor's ``content_hashes`` table holds one XXH3-128 digest per outer
 chunk of its grid, in row-major grid order, over exactly the bytes its crc32c
@@ -23,6 +28,7 @@ from memory once for both.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
@@ -32,8 +38,38 @@ from .checksums import decode_rows, encode_rows, table_length
 from .grid import ChunkGrid
 
 ALGORITHM = "xxh3_128"
+#: Format version 4: XXH3-128 of an outer chunk's *stored* bytes (tsckpt's layout: inner chunks, their
+#: crc32c, the index), taken from the buffers being written, where hashing the elements would cost one
+#: more pass over the tensor. Stored bytes are a function of the elements (and the codecs), so equal
+#: digests still mean equal chunks.
+STORED_ALGORITHM = "xxh3_128_stored"
 #: Bytes of one digest.
 WIDTH = 16
+
+
+def hasher() -> Any:
+    """A running XXH3-128: ``update`` with each part of a value in order, then ``digest``."""
+    return xxhash.xxh3_128()
+
+
+def stored(data: bytes | memoryview | np.ndarray) -> bytes:
+    """The digest of a value's stored bytes (:data:`STORED_ALGORITHM`)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def stored_value(value: Any) -> bytes:
+    """The digest of what ``value`` (a value as sinks store it: ``emit(write, scratch)``) would store, without
+    storing it: its bytes are made part by part in one reused buffer and hashed."""
+    state = hasher()
+    buffer = [np.empty(0, dtype=np.uint8)]
+
+    def scratch(n: int) -> np.ndarray:
+        if buffer[0].size < n:
+            buffer[0] = np.empty(n, dtype=np.uint8)
+        return buffer[0][:n]
+
+    value.emit(state.update, scratch)
+    return state.digest()
 
 
 def digest(data: np.ndarray) -> bytes:

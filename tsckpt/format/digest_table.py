@@ -15,10 +15,10 @@ Encoding, all integers little-endian::
     magic      8 bytes  b"TSCKDGST"
     version    u32      1
     header     u32      length of the JSON header that follows
-    JSON       {"algorithm": "xxh3_128", "paths": [array path, ...], "count": n}
+    JSON       {"algorithm": "xxh3_128_stored", "paths": [array path, ...], "count": n}
     tensor     n x u32  index into "paths" of each chunk's array
     chunk      n x u64  flat index of each chunk in its array's chunk grid (row-major)
-    digest     n x 16 bytes
+    digest     n x 16 bytes (XXH3-128 of the chunk's stored bytes, canonical big-endian form)
     crc32c     u32      of every byte before it
 
 Pure functions of bytes; no I/O.
@@ -53,7 +53,7 @@ class DigestTable:
     digests: np.ndarray  # uint8 [n, 16]
 
     def encode(self) -> bytes:
-        header = json.dumps({"algorithm": content_hashes.ALGORITHM, "paths": list(self.paths),
+        header = json.dumps({"algorithm": content_hashes.STORED_ALGORITHM, "paths": list(self.paths),
                              "count": len(self.tensor)}, separators=(",", ":")).encode()
         body = b"".join((_HEAD.pack(MAGIC, VERSION, len(header)), header,
                          np.asarray(self.tensor, "<u4").tobytes(), np.asarray(self.chunk, "<u8").tobytes(),
@@ -76,7 +76,7 @@ class DigestTable:
             algorithm, paths, n = header["algorithm"], header["paths"], header["count"]
         except (ValueError, KeyError, TypeError) as e:
             raise MetadataError(f"{where}: the digest table's header is malformed ({e})") from None
-        if algorithm != content_hashes.ALGORITHM or not isinstance(n, int) or n < 0 or not (
+        if algorithm != content_hashes.STORED_ALGORITHM or not isinstance(n, int) or n < 0 or not (
                 isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
             raise MetadataError(f"{where}: the digest table's header is malformed")
         at = _HEAD.size + size

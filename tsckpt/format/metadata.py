@@ -76,11 +76,13 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _content_hash(d: Mapping[str, Any], tensors: Mapping[str, TensorEntry], what: str) -> str | None:
-    """The document's content hash algorithm: one this reader knows, and named wherever a table exists."""
+def _content_hash(d: Mapping[str, Any], tensors: Mapping[str, TensorEntry], what: str,
+                  version: int = FORMAT_VERSION) -> str | None:
+    """The document's content hash algorithm: the one its version uses, and named wherever a table exists."""
     name = optional_field(d, "content_hash", what, str)
-    if name is not None and name != content_hashes.ALGORITHM:
-        raise MetadataError(f"{what}: unknown content_hash {name!r}; expected {content_hashes.ALGORITHM!r}")
+    expected = content_hashes.STORED_ALGORITHM if version >= CODEC_CHECKSUMS_VERSION else content_hashes.ALGORITHM
+    if name is not None and name != expected:
+        raise MetadataError(f"{what}: unknown content_hash {name!r}; expected {expected!r}")
     if name is None and any(t.content_hashes is not None for t in tensors.values()):
         raise MetadataError(f"{what}: tensors carry content hash tables but 'content_hash' names no algorithm")
     return name
@@ -447,7 +449,7 @@ class CheckpointMetadata:
             array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
             # Absent before the packed layout existed: every such checkpoint is plain.
             layout=optional_field(d, "layout", what, str) or "plain",
-            content_hash=_content_hash(d, tensors, what),
+            content_hash=_content_hash(d, tensors, what, version),
             reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
             data_files=_data_files(d, version, world_size, what),
         )

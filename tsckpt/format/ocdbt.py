@@ -113,7 +113,29 @@ class Reader:
                 raise self.fail("a varint longer than 64 bits")
 
     def varints(self, n: int) -> list[int]:
-        return [self.varint() for _ in range(n)]
+        return self.column(n).tolist()
+
+    def column(self, n: int) -> np.ndarray:
+        """The next ``n`` varints at once, as ``uint64`` (vectorised: a leaf holds up to a million)."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.uint64)
+        window = np.frombuffer(self.data, dtype=np.uint8, count=min(10 * n, len(self.data) - self.at),
+                               offset=self.at)
+        ends = np.flatnonzero(window < 0x80)[:n]
+        if len(ends) < n:
+            raise self.fail(f"ends inside a column of {n} varints")
+        starts = np.empty(n, dtype=np.int64)
+        starts[0] = 0
+        starts[1:] = ends[:-1] + 1
+        lengths = ends - starts + 1
+        if int(lengths.max()) > 10:
+            raise self.fail("a varint longer than 64 bits")
+        values = np.zeros(n, dtype=np.uint64)
+        for k in range(int(lengths.max())):
+            live = lengths > k
+            values[live] |= (window[starts[live] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+        self.at += int(ends[-1]) + 1
+        return values
 
     def done(self) -> None:
         if self.at != len(self.data):
@@ -204,12 +226,14 @@ def _read_keys(r: Reader, n: int, interior: bool) -> tuple[list[bytes], list[int
     prefixes = [0] + r.varints(n - 1)
     suffixes = r.varints(n)
     subtree = r.varints(n) if interior else []
+    blob = bytes(r.take(sum(suffixes)))
     keys: list[bytes] = []
-    prev = b""
+    prev, at = b"", 0
     for k in range(n):
         if prefixes[k] > len(prev):
             raise r.fail(f"key {k}'s prefix is longer than the key before it")
-        key = prev[:prefixes[k]] + bytes(r.take(suffixes[k]))
+        key = prev[:prefixes[k]] + blob[at:at + suffixes[k]]
+        at += suffixes[k]
         if keys and key <= prev:
             raise r.fail("keys out of order")
         keys.append(key)
@@ -370,16 +394,19 @@ def decode_node(data: bytes | memoryview, where: str) -> Node:
     values: list[bytes | Ref] = []
     if height:
         ids, offsets, lengths = r.varints(n), r.varints(n), r.varints(n)
-        r.varints(3 * n)  # statistics
+        r.column(3 * n)  # statistics
         values = [Ref(file(i), o, n_) for i, o, n_ in zip(ids, offsets, lengths)]
     else:
         lengths = r.varints(n)
-        kinds = bytes(r.take(n))
-        if any(k > 1 for k in kinds):
+        kinds = np.frombuffer(r.take(n), dtype=np.uint8)
+        if (kinds > 1).any():
             raise r.fail("a value kind other than 0 (inline) or 1 (in a data file)")
-        indirect = [k for k in range(n) if kinds[k]]
+        indirect = np.flatnonzero(kinds).tolist()
         ids, offsets = r.varints(len(indirect)), r.varints(len(indirect))
-        refs = {k: Ref(file(i), o, lengths[k]) for k, i, o in zip(indirect, ids, offsets)}
+        paths = [file(i) for i in range(len(files))] if indirect else []
+        if any(i >= len(paths) for i in ids):
+            raise r.fail(f"a data file number beyond a table of {len(files)}")
+        refs = {k: Ref(paths[i], o, lengths[k]) for k, i, o in zip(indirect, ids, offsets)}
         values = [refs[k] if kinds[k] else bytes(r.take(lengths[k])) for k in range(n)]
     r.done()
     return Node(height, keys, values)

@@ -231,20 +231,6 @@ def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.
                             "(the data changed after it was written)")
 
 
-def decode_stored(fmt: ShardFormat, data: bytes | np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """A whole outer chunk stored in tsckpt's layout (uncompressed) as its values, shape ``fmt.chunk``."""
-    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
-    size = math.prod(fmt.inner) * fmt.itemsize
-    pieces = raw[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)[:, :size]
-    values = pieces.view(dtype).reshape(fmt.pieces, *fmt.inner)
-    if not fmt.grid:
-        return values.reshape(fmt.chunk)
-    full = np.empty(fmt.chunk, dtype=dtype)
-    tiles, body = tile_views(full, fmt.grid_view(values), fmt.grid, fmt.inner)
-    np.copyto(tiles, body)
-    return full
-
-
 def check_layout(fmt: ShardFormat, index: Sequence[int], size: int, tail: np.ndarray, what: str) -> None:
     """Check a stored outer chunk's size (``size`` bytes) and its last bytes (``tail``): tsckpt's index."""
     if size != fmt.nbytes:

@@ -262,7 +262,7 @@ class BoxReader:
             if found.length is None:  # a plain layout's file: its size is known only to the store
                 return self._compressed_file(found.file, index, start, offsets, sizes, out)
             whole = batch.want(found.file, found.offset, found.offset + found.length)
-            return lambda: self._place_compressed(index, start, whole.bytes, offsets, sizes, out)
+            return lambda: _used([whole], lambda: self._place_compressed(index, start, whole.bytes, offsets, sizes, out))
         if found.length is not None and found.length != fmt.nbytes:
             raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} is "
                              f"{found.length} bytes, not the {fmt.nbytes} written (truncated or replaced)")
@@ -276,7 +276,8 @@ class BoxReader:
         last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
         if first == (0,) * len(fmt.grid) and last == fmt.grid:
             whole = batch.want(found.file, base, base + fmt.nbytes)  # index included: it is checked too
-            return lambda: self._place(index, start, first, last, self._whole(index, whole.bytes), offsets, sizes, out)
+            return lambda: _used([whole], lambda: self._place(index, start, first, last, self._whole(index, whole.bytes),
+                                                              offsets, sizes, out))
         block = [b - a for a, b in zip(first, last)]
         coords = np.indices(block).reshape(len(block), -1).T + np.asarray(first)
         positions = np.sort(fmt.position(coords))
@@ -287,7 +288,7 @@ class BoxReader:
             data = np.concatenate([s.bytes for s in slots]) if len(slots) > 1 else slots[0].bytes
             self._place(index, start, first, last, (data, positions), offsets, sizes, out)
 
-        return step
+        return lambda: _used(slots, step)
 
     def _whole(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """A whole stored outer chunk as (its inner chunks' bytes one after the other, their storage positions)."""
@@ -434,6 +435,15 @@ class BoxReader:
             return out
 
         return finish
+
+
+def _used(slots: list[Any], step: Callable[[], None]) -> None:
+    """Run ``step`` on the bytes of ``slots``, then let their buffers go (placed or failed, they are done)."""
+    try:
+        step()
+    finally:
+        for slot in slots:
+            slot.release()
 
 
 def read_tensor(source: ChunkSource, key: str, entry: TensorEntry) -> np.ndarray:

@@ -5,8 +5,10 @@ the byte ranges it needs (:meth:`RangeBatch.want`), from any number of files,
 then runs the batch once: per file, the ranges are sorted and two neighbours
 are fetched by one request when the bytes between them cost less to fetch than
 a request does (:class:`ReadCost`: latency x bandwidth), large requests are
-split so several are in flight, and all of them run concurrently. Each range
-then gives its bytes as a view into the request's buffer.
+split so several are in flight, and requests run concurrently, a bounded
+number of bytes of them at once, in the order the reader uses them. Each range
+then gives its bytes as a view into the request's buffer, which is reused
+once every range in it has been used.
 
 How files are fetched is a :class:`Fetcher`: plain file calls on a local disk
 (:class:`LocalFiles`: ``preadv`` into one buffer per request, on a few
@@ -48,6 +50,9 @@ class ReadCost:
     latency_s: float
     bandwidth: float  # bytes per second
     max_request: int
+    #: Bytes of requests in flight at once: enough to keep the link busy, few enough that read buffers
+    #: are reused rather than made anew (fresh memory costs the kernel a page fault every 4 KiB).
+    max_inflight: int
 
     @property
     def gap_bytes(self) -> int:
@@ -55,22 +60,22 @@ class ReadCost:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], default: ReadCost) -> ReadCost:
-        unknown = set(d) - {"latency_s", "bandwidth", "max_request"}
+        members = ("latency_s", "bandwidth", "max_request", "max_inflight")
+        unknown = set(d) - set(members)
         if unknown:
-            raise OptionError(f"read_cost: unknown members {sorted(unknown)}; expected latency_s, bandwidth, "
-                              f"max_request")
-        values = {"latency_s": default.latency_s, "bandwidth": default.bandwidth,
-                  "max_request": default.max_request, **d}
+            raise OptionError(f"read_cost: unknown members {sorted(unknown)}; expected {', '.join(members)}")
+        values = {m: getattr(default, m) for m in members} | dict(d)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values.values()):
             raise OptionError(f"read_cost: every member is a number >= 0, not {dict(d)!r}")
-        return cls(float(values["latency_s"]), float(values["bandwidth"]), max(int(values["max_request"]), 1))
+        return cls(float(values["latency_s"]), float(values["bandwidth"]), max(int(values["max_request"]), 1),
+                   max(int(values["max_inflight"]), 1))
 
 
-#: Measured defaults (``benchmarks/bench_s3_peers.py``): a local disk's page cache or NVMe answers
-#: in tens of microseconds at GB/s, an object store in tens of milliseconds at 25-200 MB/s per node.
-LOCAL_COST = ReadCost(latency_s=50e-6, bandwidth=2e9, max_request=64 << 20)
-OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=16 << 20)
-MEMORY_COST = ReadCost(latency_s=0.0, bandwidth=1e10, max_request=1 << 30)
+#: Defaults: a local disk's page cache or NVMe answers in tens of microseconds at GB/s, an object store
+#: in tens of milliseconds at 25-200 MB/s per node.
+LOCAL_COST = ReadCost(latency_s=50e-6, bandwidth=2e9, max_request=8 << 20, max_inflight=64 << 20)
+OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=16 << 20, max_inflight=256 << 20)
+MEMORY_COST = ReadCost(latency_s=0.0, bandwidth=1e10, max_request=1 << 30, max_inflight=1 << 30)
 #: The location member that overrides the model: ``{"read_cost": {"latency_s": 0.005, "bandwidth": 2e8}}``.
 COST_MEMBER = "read_cost"
 
@@ -179,27 +184,84 @@ class KvFiles(Fetcher):
         return out
 
 
+#: Requests this large or larger read into reused buffers of ``max_request`` bytes.
+_POOLED = 256 << 10
+
+
+class _Request:
+    """One request (maybe in pieces): started in turn, its bytes shared by its ranges, its buffer reused
+    once every range has been used (:meth:`Slot.release`)."""
+
+    def __init__(self, batch: RangeBatch, key: str, start: int, stop: int, ranges: int):
+        self.batch, self.key, self.start, self.stop, self.left = batch, key, start, stop, ranges
+        self.seq = len(batch._queue)  # its turn
+        self.futures: list[Any] | None = None
+        self.buffer: np.ndarray | None = None
+        self._data: np.ndarray | None = None
+        self._error: BaseException | None = None
+
+    def begin(self, buffer: np.ndarray | None) -> None:
+        """Start fetching, into ``buffer`` (a reused one) if given, in pieces of at most ``max_request``."""
+        size, limit = self.stop - self.start, self.batch.cost.max_request
+        pieces = -(-size // limit)
+        if buffer is None and pieces > 1:
+            buffer = np.empty(size, dtype=np.uint8)
+        self.buffer = buffer
+        fetch = self.batch.fetcher.fetch
+        if buffer is None:
+            self.futures = [fetch(self.key, self.start, self.stop)]
+        else:
+            self.futures = [fetch(self.key, self.start + a, self.start + b, buffer[a:b])
+                            for a, b in split(size, pieces)]
+        self.batch.requests += len(self.futures)
+
+    def data(self) -> np.ndarray:
+        if self.futures is None:
+            self.batch._begin_up_to(self)
+        if self._data is None and self._error is None:
+            assert self.futures is not None
+            try:
+                parts = [f.result() for f in self.futures]
+                self._data = parts[0] if self.buffer is None else self.buffer
+            except Exception as e:  # noqa: BLE001 - raised to every range of the request
+                self._error = e
+            self.futures = []
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None
+        return self._data
+
+
 @dataclass
 class Slot:
-    """One wanted range; once the batch has run, :attr:`bytes` gives them (or raises why they could not be read)."""
+    """One wanted range; once its batch runs, :attr:`bytes` waits for its request and gives them (or raises
+    why they could not be read). :meth:`release` says they are no longer needed (their buffer is reused)."""
 
     key: str
     start: int
     stop: int
-    data: np.ndarray | None = None
-    error: BaseException | None = None
+    _request: _Request | None = None
 
     @property
     def bytes(self) -> np.ndarray:
-        if self.error is not None:
-            raise self.error
-        assert self.data is not None, "read before its batch ran"
-        return self.data
+        assert self._request is not None, "read before its batch ran"
+        return self._request.data()[self.start - self._request.start:self.stop - self._request.start]
+
+    def release(self) -> None:
+        request, self._request = self._request, None
+        if request is not None:
+            request.batch._released(request)
 
 
 @dataclass
 class RangeBatch:
-    """Byte ranges read together: wanted first, then fetched at once, merged by :class:`ReadCost`."""
+    """Byte ranges read together: wanted first, then fetched in turn, merged by :class:`ReadCost`.
+
+    Requests start in the order their ranges were wanted (the order a reader
+    uses them), with at most ``cost.max_inflight`` bytes of them unreleased;
+    a range used before its request started starts it at once. Buffers of
+    released requests (local files) are reused for the next ones.
+    """
 
     fetcher: Fetcher
     cost: ReadCost
@@ -209,14 +271,23 @@ class RangeBatch:
     fetched: int = 0
     wanted: int = 0
 
+    def __post_init__(self) -> None:
+        self._queue: list[_Request] = []
+        self._next = 0
+        self._held = 0
+        self._pool: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
     def want(self, key: str, start: int, stop: int) -> Slot:
         slot = Slot(key, start, stop)
         self.slots.append(slot)
         return slot
 
     def plan(self) -> list[tuple[str, int, int, list[Slot]]]:
-        """The requests: per file, sorted ranges merged across gaps up to the cost's, cut at ``max_request``."""
+        """The requests: per file, sorted ranges merged across gaps up to the cost's, cut at ``max_request``;
+        in the order their first range was wanted."""
         gap, limit = self.cost.gap_bytes, self.cost.max_request
+        order = {id(s): k for k, s in enumerate(self.slots)}
         by_key: dict[str, list[Slot]] = {}
         for slot in self.slots:
             by_key.setdefault(slot.key, []).append(slot)
@@ -232,36 +303,61 @@ class RangeBatch:
                 requests.append((key, start, stop, group))
                 start, stop, group = slot.start, slot.stop, [slot]
             requests.append((key, start, stop, group))
+        requests.sort(key=lambda r: min(order[id(s)] for s in r[3]))
         return requests
 
     def run(self) -> None:
-        """Fetch every wanted range (all requests in flight at once). A range whose request failed raises
-        that failure when its :attr:`Slot.bytes` are taken, so each reader reports its own."""
+        """Start fetching the wanted ranges and return: each range's :attr:`Slot.bytes` waits for its own
+        request, so what arrives first is used first. A request that failed raises its failure to each of
+        its ranges, so each reader reports its own."""
         requests = self.plan()
-        started = []
-        for key, start, stop, _ in requests:
-            pieces = -(-(stop - start) // self.cost.max_request)
-            if pieces <= 1:
-                started.append((None, [self.fetcher.fetch(key, start, stop)]))
-                continue
-            # A long request in pieces, each into its part of one buffer, so the link carries several at once.
-            buffer = np.empty(stop - start, dtype=np.uint8)
-            started.append((buffer, [self.fetcher.fetch(key, start + a, start + b, buffer[a:b])
-                                     for a, b in split(stop - start, pieces)]))
-        self.requests += sum(len(f) for _, f in started)
+        for key, start, stop, group in requests:
+            request = _Request(self, key, start, stop, len(group))
+            for slot in group:
+                slot._request = request
+            self._queue.append(request)
         self.fetched += sum(stop - start for _, start, stop, _ in requests)
         self.wanted += sum(s.stop - s.start for s in self.slots)
-        for (key, start, stop, group), (buffer, futures) in zip(requests, started):
-            try:
-                parts = [f.result() for f in futures]
-            except Exception as e:  # noqa: BLE001 - handed to each range the request was for
-                for slot in group:
-                    slot.error = e
-                continue
-            data = parts[0] if buffer is None else buffer
-            for slot in group:
-                slot.data = data[slot.start - start:slot.stop - start]
         self.slots = []
+        self._pump()
+
+    def _pump(self, upto: _Request | None = None) -> None:
+        """Start queued requests while they fit in ``max_inflight`` (and all up to ``upto``, whatever it takes)."""
+        while True:
+            with self._lock:
+                if self._next >= len(self._queue):
+                    return
+                request = self._queue[self._next]
+                size = request.stop - request.start
+                due = upto is not None and upto.seq >= self._next
+                if not due and self._held and self._held + size > self.cost.max_inflight:
+                    return
+                self._next += 1
+                self._held += size
+                buffer = self._buffer(size)
+            request.begin(buffer)
+
+    def _begin_up_to(self, request: _Request) -> None:
+        self._pump(request)
+
+    def _buffer(self, size: int) -> np.ndarray | None:
+        """A reused buffer for a request of ``size`` bytes into local files (None: the fetcher makes its own:
+        object stores hand over bytes of their own, and small requests are cheap to allocate)."""
+        if not isinstance(self.fetcher, LocalFiles) or not _POOLED <= size <= self.cost.max_request:
+            return None
+        buffer = self._pool.pop() if self._pool else np.empty(self.cost.max_request, dtype=np.uint8)
+        return buffer[:size]
+
+    def _released(self, request: _Request) -> None:
+        with self._lock:
+            request.left -= 1
+            if request.left:
+                return
+            self._held -= request.stop - request.start
+            if request.buffer is not None and request.buffer.base is not None:
+                self._pool.append(request.buffer.base)
+            request.buffer, request._data = None, None
+        self._pump()
 
 
 def split(total: int, pieces: int) -> list[tuple[int, int]]:

@@ -86,7 +86,8 @@ class ChunkFileWriter:
             self._deferred = False
             localfs.syncfs_at(next(iter(self._dirs)))  # one filesystem: the save's staging directory
 
-    def write(self, path: str, value: Any, key: str = "") -> Future[None]:
+    def write(self, path: str, value: Any, key: str = "",
+              emit: Callable[[Any, Callable[[memoryview], None]], None] | None = None) -> Future[None]:
         """Start writing ``value`` (:class:`~tsckpt.storage.sinks.Value`: its size and bytes) as file ``path``.
 
         A small value is written at once, on the calling thread: the write
@@ -94,15 +95,16 @@ class ChunkFileWriter:
         its bytes.
         """
         if value.nbytes >= INLINE_BYTES:
-            return _WRITE_POOL.submit(self._write, path, value, key)
+            return _WRITE_POOL.submit(self._write, path, value, key, emit)
         done: Future[None] = Future()
         try:
-            done.set_result(self._write(path, value, key))
+            done.set_result(self._write(path, value, key, emit))
         except Exception as e:  # noqa: BLE001 - reported by the future, as from the write threads
             done.set_exception(e)
         return done
 
-    def _write(self, path: str, value: Any, key: str) -> None:
+    def _write(self, path: str, value: Any, key: str,
+               emit: Callable[[Any, Callable[[memoryview], None]], None] | None) -> None:
         from .sinks import WriteFailed  # sinks builds on this module
 
         try:
@@ -110,8 +112,11 @@ class ChunkFileWriter:
         except OSError as e:
             raise WriteFailed(key or path, e) from e
         try:
-            with scratch() as get:
-                value.emit(functools.partial(_write_all, fd), get)
+            if emit is not None:  # the caller's way: it hashes what goes by
+                emit(value, functools.partial(_write_all, fd))
+            else:
+                with scratch() as get:
+                    value.emit(functools.partial(_write_all, fd), get)
             if self.sync:
                 # A small file's writeback is left to finish's syncfs: starting it costs
                 # a system call per file, and the kernel writes small files in one go anyway.

@@ -95,8 +95,8 @@ class KvLayout(ABC):
         return parent
 
     @abstractmethod
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
-        """Where rank ``rank`` stores its values in save ``save_id``."""
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
+        """Where rank ``rank`` stores its values in save ``save_id`` (``hashed``: taking their content hashes)."""
 
     @abstractmethod
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
@@ -180,11 +180,11 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         root = _local_root(store.location)
         if root is not None:
-            return sinks.KeyFiles(root, save_id, rank, sync=sync)
-        return sinks.KeyObjects(store.kvstore, save_id, rank)
+            return sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed)
+        return sinks.KeyObjects(store.kvstore, save_id, rank, hashed=hashed)
 
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (*(f"{p}/" for p in paths), f"d/{save_id}")
@@ -255,11 +255,11 @@ class PackedLayout(KvLayout):
     def context(self, parent: ts.Context) -> ts.Context:
         return packed.reader_context(parent)
 
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         root = _local_root(store.location)
         if root is not None:
-            return sinks.RankFile(root, save_id, rank, sync=sync)
-        return sinks.RankObjects(store.kvstore, save_id, rank)
+            return sinks.RankFile(root, save_id, rank, sync=sync, hashed=hashed)
+        return sinks.RankObjects(store.kvstore, save_id, rank, hashed=hashed)
 
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (f"d/{save_id}",)
@@ -297,7 +297,7 @@ class LegacyPackedLayout(KvLayout):
     def context(self, parent: ts.Context) -> ts.Context:
         return packed.reader_context(parent)
 
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool) -> sinks.Sink:
+    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         raise OptionError("checkpoints are no longer written in the packed layout of format version 3")
 
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ import crc32c as _crc32c
 import numpy as np
 import tensorstore as ts
 
+from ..format import content_hashes
 from ..format.metadata import FileRef, RankFiles, Span
 from ..format.ocdbt import Ref
 from . import chunk_files, localfs
@@ -99,18 +100,31 @@ def digest_file(save_id: str, rank: int) -> str:
 
 
 class Sink(ABC):
-    """One rank's destination for the values of one save; see the module docstring."""
+    """One rank's destination for the values of one save; see the module docstring.
+
+    With ``hashed`` (the save records content hashes) every value's content
+    hash (:func:`~tsckpt.format.content_hashes.hasher`, over the bytes stored)
+    is taken while it is written, from the same buffers: :attr:`digests`.
+    """
+
+    def __init__(self, hashed: bool):
+        self.hashed = hashed
+        #: The content hash of each value put, in put order (complete once :meth:`finish` calls its table).
+        self.digests: list[bytes] = []
 
     @abstractmethod
-    def put(self, key: str, value: Value, hold: Any = None) -> Future[None] | None:
+    def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None] | None:
         """Store ``value`` under Zarr key ``key``; ``hold`` (its source) stays referenced until it is written.
 
-        Returns a future done once the value's source is no longer needed (None: it already is).
+        ``background``: the caller has other work meanwhile (a device copy to
+        make), so the write may go to a thread of the sink's. Returns a future
+        done once the value's source is no longer needed (None: it already is).
         """
 
     @abstractmethod
-    def finish(self, digests: bytes | None) -> RankFiles:
-        """Store the digest table (if any), make everything durable, and say what was written."""
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
+        """Once every value is written, store the digest table ``table()`` gives (if any), make everything
+        durable, and say what was written."""
 
     @property
     def refs(self) -> list[Ref] | None:
@@ -120,8 +134,29 @@ class Sink(ABC):
     def abandon(self) -> None:
         """After a failure: wait for writes in flight, ignoring their errors, so none outlives its source."""
 
+    def _emit(self, value: Value, write: Emit, at: int) -> None:
+        """``value``'s bytes to ``write``, its content hash recorded at :attr:`digests` ``[at]`` when hashed."""
+        with chunk_files.scratch() as get:
+            if not self.hashed:
+                value.emit(write, get)
+                return
+            state = content_hashes.hasher()
+
+            def tee(view: memoryview) -> None:
+                state.update(view)
+                write(view)
+
+            value.emit(tee, get)
+        self.digests[at] = state.digest()
+
+    def _slot(self) -> int:
+        self.digests.append(b"")
+        return len(self.digests) - 1
+
 
 def _write_all(fd: int, at: list[int], view: memoryview) -> None:
+    """Write ``view`` at offset ``at[0]`` of ``fd`` (advanced past it): positional, so values written by
+    several threads into one file cannot interleave."""
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], at[0] + done)
@@ -129,9 +164,17 @@ def _write_all(fd: int, at: list[int], view: memoryview) -> None:
 
 
 class RankFile(Sink):
-    """The packed layout on a local disk: every value back to back in one file, written by one thread."""
+    """The packed layout on a local disk: every value back to back in one file.
 
-    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool):
+    A value's place in the file is fixed when it is put, so values are
+    written where they go whatever the order: on the rank's own thread
+    (sources in host memory: no thread to hand them to, as DCP's writer with
+    one thread), or with ``background`` on the rank file's writing thread,
+    so that the rank copies the next device tensor to host memory meanwhile.
+    """
+
+    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
+        super().__init__(hashed)
         self.path = data_file(save_id, rank)
         self.sync = sync
         full = os.path.join(root, self.path)
@@ -139,15 +182,22 @@ class RankFile(Sink):
         self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         self._size = 0
         self._refs: list[Ref] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsckpt-rank-file")
+        self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
-        self._written = [0]
         self._since_writeback = 0
+        self._lock = threading.Lock()
 
-    def put(self, key: str, value: Value, hold: Any = None) -> Future[None]:
-        self._refs.append(Ref(self.path, self._size, value.nbytes))
+    def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None] | None:
+        at = self._size
+        self._refs.append(Ref(self.path, at, value.nbytes))
         self._size += value.nbytes
-        future = self._pool.submit(self._write, key, value, hold)
+        slot = self._slot()
+        if not background:
+            self._write(key, value, at, slot)
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsckpt-rank-file")
+        future = self._pool.submit(self._write, key, value, at, slot, hold)
         self._pending.append(future)
         if len(self._pending) > 64:  # surface failures early, and keep the list short
             for f in self._pending:
@@ -156,39 +206,40 @@ class RankFile(Sink):
             self._pending = [f for f in self._pending if not f.done()]
         return future
 
-    def _write(self, key: str, value: Value, hold: Any) -> None:
-        start = self._written[0]
+    def _write(self, key: str, value: Value, at: int, slot: int, hold: Any = None) -> None:
+        where = [at]
         try:
-            with chunk_files.scratch() as get:
-                value.emit(functools.partial(_write_all, self._fd, self._written), get)
+            self._emit(value, functools.partial(_write_all, self._fd, where), slot)
         except OSError as e:
             raise WriteFailed(key, e) from e
-        if self._written[0] - start != value.nbytes:
-            raise RuntimeError(f"{self.path}: a value emitted {self._written[0] - start} bytes, "
-                               f"not the {value.nbytes} it declared")
-        self._since_writeback += value.nbytes
-        if self.sync and self._since_writeback >= WRITEBACK_BYTES:
+        if where[0] - at != value.nbytes:
+            raise RuntimeError(f"{self.path}: a value emitted {where[0] - at} bytes, not the {value.nbytes} it declared")
+        with self._lock:
+            self._since_writeback += value.nbytes
+            start = self.sync and self._since_writeback >= WRITEBACK_BYTES
+            if start:
+                self._since_writeback = 0
+        if start:
             localfs.start_writeback(self._fd)
-            self._since_writeback = 0
 
     @property
     def refs(self) -> list[Ref]:
         return self._refs
 
-    def finish(self, digests: bytes | None) -> RankFiles:
-        table = None
-        if digests is not None:
-            table = Span(self.path, self._size, len(digests))
-            self.put("", Blob(digests, checksum=False))
-            self._refs.pop()
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
         try:
             for f in self._pending:
                 f.result()
+            digests, where = table(), None
+            if digests is not None:
+                where = Span(self.path, self._size, len(digests))
+                _write_all(self._fd, [self._size], memoryview(digests))
+                self._size += len(digests)
             if self.sync:
                 os.fsync(self._fd)
         finally:
             self._close()
-        return RankFiles((FileRef(self.path, self._size),), table)
+        return RankFiles((FileRef(self.path, self._size),), where)
 
     def abandon(self) -> None:
         for f in self._pending:
@@ -199,7 +250,9 @@ class RankFile(Sink):
         self._close()
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -225,7 +278,9 @@ class _Parts:
 class RankObjects(Sink):
     """The packed layout on an object store: values back to back in parts of at most ``part_bytes``."""
 
-    def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, part_bytes: int = DEFAULT_PART_BYTES):
+    def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, hashed: bool,
+                 part_bytes: int = DEFAULT_PART_BYTES):
+        super().__init__(hashed)
         self.kv, self.save_id, self.rank, self.part_bytes = kv, save_id, rank, part_bytes
         self._parts = _Parts(kv)
         self._buffer = bytearray()
@@ -235,12 +290,12 @@ class RankObjects(Sink):
     def _path(self) -> str:
         return data_file(self.save_id, self.rank, len(self._files))
 
-    def put(self, key: str, value: Value, hold: Any = None) -> None:  # copied at once: nothing to wait for
+    def put(self, key: str, value: Value, hold: Any = None,
+            background: bool = False) -> None:  # copied at once: nothing to wait for
         if self._buffer and len(self._buffer) + value.nbytes > self.part_bytes:
             self._send()
         self._refs.append(Ref(self._path(), len(self._buffer), value.nbytes))
-        with chunk_files.scratch() as get:
-            value.emit(self._buffer.extend, get)
+        self._emit(value, self._buffer.extend, self._slot())
 
     def _send(self) -> None:
         path = self._path()
@@ -252,15 +307,15 @@ class RankObjects(Sink):
     def refs(self) -> list[Ref]:
         return self._refs
 
-    def finish(self, digests: bytes | None) -> RankFiles:
-        table = None
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
+        digests, where = table(), None
         if digests is not None:
-            table = Span(self._path(), len(self._buffer), len(digests))
+            where = Span(self._path(), len(self._buffer), len(digests))
             self._buffer += digests
         if self._buffer or not self._files:
             self._send()
         self._parts.wait()
-        return RankFiles(tuple(self._files), table)
+        return RankFiles(tuple(self._files), where)
 
     def abandon(self) -> None:
         try:
@@ -272,26 +327,29 @@ class RankObjects(Sink):
 class KeyFiles(Sink):
     """The plain layout on a local disk: each value a file of its own (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`)."""
 
-    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool):
+    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
+        super().__init__(hashed)
         self.root, self.save_id, self.rank = root, save_id, rank
         self._writer = chunk_files.ChunkFileWriter(sync=sync)
         self._pending: list[Future[None]] = []
 
-    def put(self, key: str, value: Value, hold: Any = None) -> Future[None]:
-        future = self._writer.write(os.path.join(self.root, key), value, key)
+    def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None]:
+        at = self._slot()
+        future = self._writer.write(os.path.join(self.root, key), value, key,
+                                    lambda v, w: self._emit(v, w, at))
         self._pending.append(future)
         return future
 
-    def finish(self, digests: bytes | None) -> RankFiles:
-        table = None
-        if digests is not None:
-            path = digest_file(self.save_id, self.rank)
-            self.put(path, Blob(digests, checksum=False))
-            table = Span(path, 0, len(digests))
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
         for f in self._pending:
             f.result()
+        digests, where = table(), None
+        if digests is not None:
+            path = digest_file(self.save_id, self.rank)
+            self._writer.write(os.path.join(self.root, path), Blob(digests, checksum=False), path).result()
+            where = Span(path, 0, len(digests))
         self._writer.finish()
-        return RankFiles((), table)
+        return RankFiles((), where)
 
     def abandon(self) -> None:
         for f in self._pending:
@@ -304,26 +362,27 @@ class KeyFiles(Sink):
 class KeyObjects(Sink):
     """The plain layout on object stores and in memory: each value an object of its own."""
 
-    def __init__(self, kv: ts.KvStore, save_id: str, rank: int):
+    def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, hashed: bool):
+        super().__init__(hashed)
         self.kv, self.save_id, self.rank = kv, save_id, rank
         self._pending: list[Any] = []
         self._lock = threading.Lock()
 
-    def put(self, key: str, value: Value, hold: Any = None) -> None:  # copied at once: nothing to wait for
+    def put(self, key: str, value: Value, hold: Any = None,
+            background: bool = False) -> None:  # copied at once: nothing to wait for
         out = bytearray()
-        with chunk_files.scratch() as get:
-            value.emit(out.extend, get)
+        self._emit(value, out.extend, self._slot())
         self._pending.append(self.kv.write(key, bytes(out)))
 
-    def finish(self, digests: bytes | None) -> RankFiles:
-        table = None
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
+        digests, where = table(), None
         if digests is not None:
             path = digest_file(self.save_id, self.rank)
             self._pending.append(self.kv.write(path, digests))
-            table = Span(path, 0, len(digests))
+            where = Span(path, 0, len(digests))
         for f in self._pending:
             f.result()
-        return RankFiles((), table)
+        return RankFiles((), where)
 
     def abandon(self) -> None:
         for f in self._pending:
