@@ -25,7 +25,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ import tensorstore as ts
 
 from ..errors import OptionError
 from .location import Location, scheme_for_driver
+from .pools import ProcessPool
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Fetcher(ABC):
 
 
 #: Local reads run on a few threads: enough to keep the page cache or a disk queue busy, few for 2 cores.
-_LOCAL_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-read")
+_LOCAL_POOL = ProcessPool(max_workers=4, thread_name_prefix="tsckpt-read")
 
 
 class LocalFiles(Fetcher):

@@ -14,19 +14,20 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from . import localfs
+from .pools import ProcessPool
 
 #: Whether files may be made durable by one syncfs at the end (Linux) rather than an fsync each.
 _DEFER_SYNC = localfs.has_syncfs()
 #: Chunk files smaller than this are written on the rank's own thread.
 INLINE_BYTES = 1 << 20
 #: Writes have threads of their own: an fsync waiting on the disk must not hold up reads.
-_WRITE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tsckpt-chunk-write")
+_WRITE_POOL = ProcessPool(max_workers=4, thread_name_prefix="tsckpt-chunk-write")
 
 
 #: Scratch buffers larger than this are not kept between uses.
