@@ -19,6 +19,11 @@ requests (``rate``, drawn from a seeded generator) meets one of these faults:
 ``denied``
     a 403 ``AccessDenied`` answer, as for missing or wrong credentials (only when asked for).
 
+``hold(match)`` holds every request for which ``match(method, path)`` is true
+(after its body has arrived, before it is forwarded) until ``release()``:
+writes kept on their way while the test does something else. ``holding`` is
+set once the first one is held.
+
 ``counts`` says how many requests came and how many met each fault;
 ``get_bytes``, how many bytes of GET answers it forwarded. The
 proxy runs in threads of the test process; spawned ranks reach it over
@@ -70,6 +75,10 @@ class FaultProxy:
         self.get_bytes = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._hold: Any = None
+        self._gate = threading.Event()
+        #: Set once a request is held by :meth:`hold`.
+        self.holding = threading.Event()
 
     @property
     def endpoint(self) -> str:
@@ -81,6 +90,24 @@ class FaultProxy:
         with self._lock:
             self._change = (self.counts["requests"] + after,
                             self.rate if rate is None else rate, self.kinds if kinds is None else kinds)
+
+    def hold(self, match: Any) -> None:
+        """Hold each request for which ``match(method, path)`` is true until :meth:`release` (60 s at most)."""
+        with self._lock:
+            self._hold = match
+            self._gate.clear()
+            self.holding.clear()
+
+    def release(self) -> None:
+        """Forward the held requests, and every later one at once."""
+        self._gate.set()
+
+    def wait_if_held(self, method: str, path: str) -> None:
+        with self._lock:
+            match = self._hold if not self._gate.is_set() else None
+        if match is not None and match(method, path):
+            self.holding.set()
+            self._gate.wait(timeout=60)
 
     @property
     def faulted(self) -> int:
@@ -168,6 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
             _reset(self.connection)
             return
         body = self._body()
+        proxy.wait_if_held(self.command, self.path)
         if fault == "stall":
             time.sleep(proxy.stall_seconds)
             self.close_connection = True

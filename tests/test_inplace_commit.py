@@ -1,9 +1,10 @@
 """Saves on stores without rename (memory://, S3 on a real moto server): claims, conditional commits.
 
 These stores are written in place. A claim object, written only if nobody
-holds one, keeps a second save out while one runs; the root document is
-written only if it is still absent; overwriting un-commits the old checkpoint
-first, which docs/publication.md states is not crash-safe there.
+holds one, keeps a second save out while one runs (with overwrite=True too,
+unless every key the running save writes carries its save id); the root
+document is written only if it is still absent; overwriting un-commits the old
+checkpoint first, which docs/publication.md states is not crash-safe there.
 """
 
 from __future__ import annotations
@@ -70,16 +71,17 @@ def test_second_save_is_refused_while_the_first_holds_the_location(location):
 
 
 @pytest.mark.parametrize("layout", ["plain", "packed"])
-def test_an_overwriting_save_overtakes_and_the_overtaken_one_fails(location, layout):
-    # Packed: the overtaken save's data is still in its batch when the other
-    # commits; it must not join it into the committed database on its way out.
+def test_an_overwriting_save_does_not_take_over_a_claim_it_cannot_fence(location, layout):
+    # A CheckpointBuilder's claim does not say its keys carry its save id: its writes still
+    # on their way could land in the new checkpoint, so overwrite=True does not take over.
     first = tsckpt.CheckpointBuilder(location, layout=layout)
     first.add_tensor("w", torch.full((4, 3), 1.0))
     first.add_object("step", 1)
-    tsckpt.save(_state(2), location, overwrite=True, layout=layout)
-    with pytest.raises(ConcurrentSaveError, match=f"save {first.save_id} was overtaken"):
-        first.commit()
-    assert _loaded(location) == 2
+    with pytest.raises(ConcurrentSaveError, match=f"save {first.save_id} .*overwrite=True cannot take the "
+                                                  f"location over.*tsckpt clean --force"):
+        tsckpt.save(_state(2), location, overwrite=True, layout=layout)
+    first.commit()
+    assert _loaded(location) == 1
 
 
 def test_committed_checkpoint_and_foreign_data_are_refused(location):
@@ -118,10 +120,39 @@ def test_overwriting_a_dead_save_removes_its_leftovers(location):
     dead.add_tensor(("gone", "x"), torch.ones(5))
     dead.flush()
     del dead
+    with pytest.raises(ConcurrentSaveError, match="overwrite=True cannot take the location over"):
+        tsckpt.save(_state(4), location, overwrite=True)
+    assert len(tsckpt.clean(location, force=True)) == 1
     tsckpt.save(_state(4), location, overwrite=True)
     assert _loaded(location) == 4
     keys = [k.decode() for k in _kv(location).list().result()]
     assert not any(k.startswith("gone/") for k in keys) and CLAIM not in keys
+
+
+def test_overwrite_takes_over_a_dead_packed_save_and_removes_its_data_files(location):
+    """A claim saying every key of its save carries the save's id (packed) is taken over by overwrite=True."""
+    dead_id = "d" * 32
+    kv = _kv(location)
+    kv.write(f"d/{dead_id}-0.0", b"\0" * 64).result()
+    kv.write(CLAIM, json.dumps({"save_id": dead_id, "host": "h", "pid": 1, "started": "2020-01-01T00:00:00+00:00",
+                                "keys": "own"}).encode()).result()
+    with pytest.raises(ConcurrentSaveError, match="pass overwrite=True"):
+        tsckpt.save(_state(5), location, layout="packed")
+    tsckpt.save(_state(5), location, overwrite=True, layout="packed")
+    assert _loaded(location) == 5
+    keys = [k.decode() for k in _kv(location).list().result()]
+    assert not any(dead_id in k for k in keys) and CLAIM not in keys
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_a_builder_that_fails_removes_what_it_wrote_and_its_claim(location, layout):
+    with pytest.raises(RuntimeError, match="stop"):
+        with tsckpt.CheckpointBuilder(location, layout=layout) as builder:
+            builder.add_tensor(("gone", "x"), torch.ones(5))
+            builder.add_object("blob", object())
+            builder.flush()
+            raise RuntimeError("stop")
+    assert list(_kv(location).list().result()) == []  # nothing left that no claim marks as a save's
 
 
 def test_overwrite_uncommits_first_so_a_dead_overwrite_loses_the_old_checkpoint(location):

@@ -125,7 +125,9 @@ def test_prefix_with_array_data_but_no_root_metadata_is_refused(s3):
     kv.write(CLAIM, b'{"save_id": "0123"}').result()  # a save that died keeps its claim down
     with pytest.raises(tsckpt.IncompleteCheckpointError, match="runs/crashed"):
         tsckpt.load(small_state_dict(), location)
-    # The root document alone decides: array nodes without it are still incomplete.
+    # The root document alone decides: array nodes without it are still incomplete. (A plain save's claim is
+    # never taken over by overwrite=True: its writes could still be on their way; clean --force removes it.)
+    tsckpt.clean(location, force=True)
     tsckpt.save(small_state_dict(), location, overwrite=True, layout="plain")
     delete(kv, "zarr.json")
     assert "runs/crashed/w/zarr.json" in bucket_keys(s3, "runs/crashed")

@@ -2,8 +2,10 @@
 
 The claim is written only if the generation seen a moment before still
 holds, so of two saves starting together one gets it and the other fails
-before writing anything. Overwriting takes over any claim and deletes the
-old root before the new data is written: not crash-safe on these stores.
+before writing anything. Overwriting deletes the old root before the new
+data is written: not crash-safe on these stores. It takes over another
+save's claim only where that save can never write into the new checkpoint
+(see :meth:`InPlaceTarget._refuse_claim`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import datetime
 import json
 import os
 import socket
+from typing import Any
 
 import tensorstore as ts
 
@@ -39,20 +42,26 @@ from .states import (
 )
 from .target import Leftover, SaveTarget
 
+#: A claim's ``keys`` when every key its save's ranks write carries its save id (the packed layout).
+OWN_KEYS_ONLY = "own"
+
 
 class InPlaceTarget(SaveTarget):
     """Write in place; fence with a claim object; commit with a conditional write of the root.
 
     The claim is written only if the generation seen a moment before still
     holds, so of two saves starting together one gets it and the other fails
-    before writing anything. Overwriting takes over any claim and deletes the
-    old root before the new data is written: not crash-safe on these stores.
+    before writing anything; the commit first turns it into a committing
+    claim, again only if it is still this save's. Overwriting deletes the old
+    root before the new data is written: not crash-safe on these stores.
     """
 
     def __init__(self, location: Location, save_id: str, overwrite: bool):
         super().__init__(location, save_id, overwrite)
         self._kv: ts.KvStore | None = None
         self._claim_generation: bytes | None = None
+        self._started: str | None = None
+        self._aborted: tuple[str | None] | None = None
 
     @property
     def data_location(self) -> Location:
@@ -67,11 +76,8 @@ class InPlaceTarget(SaveTarget):
     def begin(self) -> None:
         kv = self.kv
         claim = read_key(kv, CLAIM, self.url)
-        if claim.state == "value" and not self.overwrite:
-            raise ConcurrentSaveError(
-                f"{self.url}: {describe_claim(claim.value)} has not finished: it is still running, or it "
-                f"died; if no save is running there, pass overwrite=True or run `tsckpt clean --force "
-                f"{self.url}`")
+        if claim.state == "value":
+            self._refuse_claim(claim.value)
         found = classify(kv, self.url, inside=self.overwrite)
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
         try:
@@ -91,9 +97,73 @@ class InPlaceTarget(SaveTarget):
         except ValueError as e:
             raise storage_error(e, f"cannot prepare {self.url} for save {self.save_id}") from None
 
-    def _claim_document(self) -> bytes:
+    def _refuse_claim(self, raw: bytes) -> None:
+        """Raise unless ``overwrite`` may take over the claim ``raw``: only where the save holding it can
+        never write into this one's checkpoint.
+
+        Its ranks may still be writing: every key they write must carry its
+        save id (the packed layout), since an object store cannot stop a
+        write that is already on its way. Its commit is fenced by the claim:
+        it commits only after turning the claim it holds into a committing
+        one, which a takeover never touches.
+        """
+        holder, fields = describe_claim(raw), _claim_fields(raw)
+        command = f"`tsckpt clean --force {self.url}`"
+        if fields.get("committing"):
+            raise ConcurrentSaveError(f"{self.url}: {holder} is committing there; save {self.save_id} was refused "
+                                      f"and wrote nothing (if that save died, {command} removes its claim)")
+        fenced = fields.get("keys") == OWN_KEYS_ONLY
+        if self.overwrite and fenced:
+            return
+        if not self.overwrite:
+            remedy = f"pass overwrite=True or run {command}" if fenced else f"run {command}"
+            raise ConcurrentSaveError(f"{self.url}: {holder} has not finished: it is still running, or it died; "
+                                      f"if no save is running there, {remedy}")
+        raise ConcurrentSaveError(
+            f"{self.url}: {holder} has not finished (it is still running, or it died), and overwrite=True cannot "
+            f"take the location over: that save may write keys this one writes (only a packed save's all carry "
+            f"its save id), and its writes still on their way would land in this save's checkpoint; save "
+            f"{self.save_id} wrote nothing (if no save is running there, {command} removes its claim)")
+
+    def _claim_document(self, **fields: Any) -> bytes:
+        if self._started is None:
+            self._started = _now()
+        given = {k: v for k, v in fields.items() if v is not None}
         return json.dumps({"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(),
-                           "started": _now()}).encode()
+                           "started": self._started, **given}).encode()
+
+    def record_writes(self, prefixes: tuple[str, ...]) -> None:
+        """Also say in the claim when every key this save's ranks write carries its save id: only then may
+        a save with ``overwrite`` take the location over while this one runs."""
+        super().record_writes(prefixes)
+        if self._claim_generation is not None and self._own_keys_only():
+            self._rewrite_claim(keys=OWN_KEYS_ONLY)
+
+    def _own_keys_only(self) -> bool:
+        """Whether every key this save's ranks write is known to carry its save id."""
+        return bool(self.written) and all(p.startswith(f"d/{self.save_id}") for p in self.written)
+
+    def _rewrite_claim(self, **fields: Any) -> None:
+        """Replace this save's claim with one saying ``fields``, only if it is still this save's."""
+        doc = self._claim_document(**fields)
+        try:
+            written = self.kv.write(CLAIM, doc, if_equal=self._claim_generation).result()
+            generation = written.generation
+            if not generation:  # or the answer was lost after the write took effect
+                found = read_key(self.kv, CLAIM, self.url)
+                generation = found.stamp.generation if found.state == "value" and found.value == doc else None
+        except ValueError as e:
+            raise storage_error(e, f"{self.url}: cannot update the claim of save {self.save_id}") from None
+        if not generation:
+            self.check_current()
+            raise ConcurrentSaveError(f"{self.url}: the claim of save {self.save_id} changed under it; "
+                                      f"it was not committed")
+        self._claim_generation = generation
+
+    def begin_commit(self) -> None:
+        """Turn this save's claim into a committing one, only if it still holds it: from then on no save
+        takes the location over, so the nodes and the root document this save writes next are its own."""
+        self._rewrite_claim(keys=OWN_KEYS_ONLY if self._own_keys_only() else None, committing=True)
 
     def check_current(self) -> None:
         claim = read_key(self.kv, CLAIM, self.url)
@@ -113,10 +183,7 @@ class InPlaceTarget(SaveTarget):
             refuse(found, self.url, overwrite=False, save_id=self.save_id, at_commit=True)
             raise ConcurrentSaveError(f"{self.url}: the root document changed while save {self.save_id} "
                                       f"committed; it was not committed")
-        try:
-            self._release()
-        except ValueError:
-            pass  # committed all the same; the claim left behind is reported, and cleaned with --force
+        self._release_quietly()  # committed all the same
 
     def _own_generation(self, kv: ts.KvStore, key: str) -> bytes | None:
         """After a conditional write of ``key`` reported "not written": its generation if it is this save's anyway.
@@ -136,28 +203,57 @@ class InPlaceTarget(SaveTarget):
             self._claim_generation = None
 
     def abort(self) -> str | None:
-        """Delete the data this save wrote in place (while its claim still fences the location), then the claim.
+        """Delete the data this save wrote in place, then its claim; returns None once nothing of it is left.
 
-        Nothing is deleted when another save overtook this one (it may be
-        writing the same keys), nor when the root document commits this save
-        after all (the write that seemed to fail took effect).
+        Deleted only while this save's claim fences the location, or, after
+        another save took the location over, where every key this save wrote
+        carries its save id (no other save writes those). Nothing is deleted
+        when the root document commits this save after all (the write that
+        seemed to fail took effect). What is left is listed, not assumed
+        gone: the claim then stays, marking it as this save's to remove.
         """
+        if self._aborted is None:
+            self._aborted = (self._abort(),)
+        return self._aborted[0]
+
+    def _abort(self) -> str | None:
+        if self._claim_generation is None:
+            return None  # no claim was written: nothing was
         try:
-            if self.written and self._claim_generation is not None:
-                self.check_current()
-                raw, _ = read_root(self.kv, self.url)
-                if raw is None or describe_root(raw).save_id != self.save_id:
-                    for prefix in self.written:
-                        self.kv.delete_range(prefix_range(prefix)).result()
+            holds = self._holds_claim()
+            if not holds and not self._own_keys_only():
+                self.check_current()  # raises: says which save holds the location now
+            raw, _ = read_root(self.kv, self.url)
+            if raw is not None and describe_root(raw).save_id == self.save_id:
+                self._release_quietly()
+                return None
+            if self.written:
+                for prefix in self.written:
+                    self.kv.delete_range(prefix_range(prefix)).result()
+                left = [k for k in list_keys(self.kv, self.url) if k.startswith(self.written)]
+            else:  # where it wrote was not recorded (CheckpointBuilder): every key a save writes, under its claim
+                if raw is None:
+                    delete_own_keys(self.kv, [k for k in list_keys(self.kv, self.url) if k != CLAIM], self.url)
+                left = [k for k in list_keys(self.kv, self.url) if k != CLAIM and is_own_key(k)]
         except (ValueError, TsckptError) as e:
-            # The claim stays: it is what marks the data left behind as this save's to remove.
             return (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
                     f"removes it")
+        if left:
+            return (f"{len(left)} key(s) it wrote are still there, e.g. {left[0]!r}; once no save is running "
+                    f"there, `tsckpt clean --force {self.url}` removes them")
+        if holds:
+            self._release_quietly()
+        return None
+
+    def _holds_claim(self) -> bool:
+        claim = read_key(self.kv, CLAIM, self.url)
+        return claim.state == "value" and claim.stamp.generation == self._claim_generation
+
+    def _release_quietly(self) -> None:
         try:
             self._release()
         except ValueError:
-            pass
-        return None
+            pass  # the claim left behind is reported, and cleaned with --force
 
     @classmethod
     def leftovers(cls, location: Location) -> list[Leftover]:
@@ -180,11 +276,16 @@ class InPlaceTarget(SaveTarget):
         return found
 
 
-def _claim_save_id(raw: bytes) -> str | None:
+def _claim_fields(raw: bytes) -> dict[str, Any]:
     try:
-        save_id = json.loads(raw).get("save_id")
-    except (ValueError, AttributeError):
-        return None
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _claim_save_id(raw: bytes) -> str | None:
+    save_id = _claim_fields(raw).get("save_id")
     return save_id if isinstance(save_id, str) else None
 
 

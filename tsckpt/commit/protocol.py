@@ -124,7 +124,7 @@ def commit_checkpoint(
     )
     try:
         if target is not None:
-            target.check_current()
+            target.begin_commit()
         commit(store, save_id, md, docs, stored, target=target)
     except BaseException:
         if target is not None:

@@ -66,7 +66,7 @@ class SaveTarget(ABC):
         """Coordinator, before the commit writes anything shared: raise if this save can no longer commit.
 
         A save that another one has overtaken must not write node documents
-        or join databases into what the other save committed.
+        or an index into what the other save committed.
         """
 
     #: Key prefixes under :attr:`data_location` that this save's ranks write before its commit.
@@ -82,6 +82,11 @@ class SaveTarget(ABC):
         Returns None when what the save wrote is gone, else what is left and why.
         """
         return None
+
+    def begin_commit(self) -> None:
+        """Coordinator, once every rank's data is durable and before any node is written: raise if this save
+        can no longer commit, and from here on keep other saves from taking the location over."""
+        self.check_current()
 
     @classmethod
     @abstractmethod
