@@ -18,8 +18,9 @@ first line names the coordinator, where the failure was raised);
 ``tsckpt.save`` raises it as itself.
 
 Ctrl-C is not a failure a rank reports: the ``KeyboardInterrupt`` leaves the
-rank's ``write_data`` at once, with its writes still running, and DCP never
-calls ``finish``. ``tsckpt.save`` then calls :func:`interrupted` on every rank:
+rank's ``write_data`` once the writes it started have ended (a second Ctrl-C
+stops that wait too), and DCP never calls ``finish``. ``tsckpt.save`` then
+calls :func:`interrupted` on every rank:
 the coordinator waits for the writes to land, removes what the save staged,
 and every rank raises one line that says what is left where
 (a ``KeyboardInterrupt`` where Ctrl-C was pressed, so the program still
@@ -192,7 +193,8 @@ def _abort_interrupted(target: SaveTarget) -> str | None:
 
 
 def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) -> None:
-    """Wait until the keys at an in-place target stop changing: the interrupted rank's writes still land.
+    """Wait until the keys at an in-place target stop changing: writes of a rank whose own wait for them was
+    cut short (Ctrl-C pressed twice) may still land.
 
     What lands after the save's data is deleted would stay with no claim over
     it, which no later save or ``tsckpt clean`` may remove as the save's own.

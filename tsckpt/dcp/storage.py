@@ -265,7 +265,9 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
 
         A failure is reported, not raised: only the coordinator's ``finish`` can
         remove what this save staged, and DCP calls it only when no rank raised
-        (:mod:`tsckpt.dcp.failure`).
+        (:mod:`tsckpt.dcp.failure`). Either way, and after Ctrl-C too, every
+        write this rank started has ended before it returns or raises: none
+        lands after the clean-up has removed the save's data.
         """
         writers: list[RankWriter] = []
         try:
@@ -276,6 +278,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             orders = getattr(plan.storage_data, "orders", None)
             save_id = orders.value.save_id if orders is not None else self.save_id
             return done(RankWrites([], failed_summary(self.rank, save_id, RankFailure.of(self.rank, e))))
+        except BaseException:
+            for writer in writers:  # Ctrl-C, which tsckpt.save reports (tsckpt.dcp.failure.interrupted)
+                writer.abandon()
+            raise
 
     def _write(self, plan: SavePlan, planner: SavePlanner, writers: list[RankWriter]) -> RankWrites:
         where = str(self.checkpoint_id)
