@@ -38,7 +38,7 @@ from ..storage.localfs import DirLock, exchange, fsync_dir, liveness
 from ..storage.location import Location
 from .states import (ABSENT, COMMITTED, FILE, ROOT, Found, checkpoint_keys, classify, describe_root, is_own_key,
                      refuse)
-from .target import Leftover, SaveTarget
+from .target import Leftover, SaveTarget, warn_committed
 from ..wording import human_bytes
 
 #: The name of a save's staging directory, or of a checkpoint it replaced, beside the target ``name``.
@@ -298,11 +298,26 @@ class StagedTarget(SaveTarget):
             replaced = self._publish()
         except OSError as e:
             raise StorageError(f"publishing {self.url} failed: {e}") from None
+        # Published: the checkpoint is committed, and whatever fails from here on is said as such.
+        problems = []
         parent = os.path.dirname(self.path)
-        fsync_dir(parent)
+        try:
+            fsync_dir(parent)
+        except OSError as e:
+            problems.append(f"its publication may not survive a power loss (fsync of {parent} failed: "
+                            f"{e.strerror})")
         self.release()
         for old in replaced:
-            remove_tree(old)
+            why = ""
+            try:
+                remove_tree(old)
+            except OSError as e:
+                why = f" ({e.strerror}: {e.filename})"
+            if os.path.lexists(old):
+                problems.append(f"the checkpoint it replaced is left at {old} ({human_bytes(tree_bytes(old))}){why}: "
+                                f"`tsckpt clean {self.url}` removes it")
+        if problems:
+            warn_committed(self.url, self.save_id, problems)
 
     def _publish(self) -> list[str]:
         """Move the committed staging directory to the target; returns old trees to delete."""
@@ -313,6 +328,9 @@ class StagedTarget(SaveTarget):
                 return replaced
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    if replaced:  # not published: the checkpoint moved aside goes back, or it would be a leftover
+                        with contextlib.suppress(OSError):
+                            os.rename(replaced[-1], self.path)
                     raise
             found = self._found()
             if found.state == ABSENT:

@@ -15,13 +15,27 @@ Which kind a location gets, and the calls on it, are in :mod:`tsckpt.commit.publ
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import tensorstore as ts
 
 from ..storage.location import Location
+
+
+class PublicationWarning(UserWarning):
+    """A save is committed, but something after its commit could not be done; the message says what is left
+    where, and the command that removes it."""
+
+
+def warn_committed(url: str, save_id: str, problems: Sequence[str]) -> None:
+    """Say that save ``save_id`` is committed at ``url`` although ``problems`` happened after its commit."""
+    warnings.warn(f"{url}: save {save_id} is committed, but {'; and '.join(problems)}", PublicationWarning,
+                  stacklevel=2)
+
 
 @dataclass(frozen=True)
 class Leftover:
@@ -69,6 +83,11 @@ class SaveTarget(ABC):
         or an index into what the other save committed.
         """
 
+    def begin_commit(self) -> None:
+        """Coordinator, once every rank's data is durable and before any node is written: raise if this save
+        can no longer commit, and from here on keep other saves from taking the location over."""
+        self.check_current()
+
     #: Key prefixes under :attr:`data_location` that this save's ranks write before its commit.
     written: tuple[str, ...] = ()
 
@@ -82,11 +101,6 @@ class SaveTarget(ABC):
         Returns None when what the save wrote is gone, else what is left and why.
         """
         return None
-
-    def begin_commit(self) -> None:
-        """Coordinator, once every rank's data is durable and before any node is written: raise if this save
-        can no longer commit, and from here on keep other saves from taking the location over."""
-        self.check_current()
 
     @classmethod
     @abstractmethod

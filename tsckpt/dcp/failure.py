@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import SaveFailedError, TsckptError
 from ..commit.staged import StagedTarget
 from ..commit.states import ROOT, describe_root
-from ..commit.target import SaveTarget
+from ..commit.target import SaveTarget, warn_committed
 from ..storage.context import make_context, open_kvstore
 from ..storage.hints import hint
 from ..storage.kvio import one_line, problem
@@ -123,10 +123,16 @@ def commit_or_clean_up(target: SaveTarget, rank: int, summaries: list[RankSummar
         raise save_failed(target.url, failures, clean_up(target))
     try:
         commit()
-    except TsckptError:
-        clean_up(target)
-        raise
-    except Exception as e:  # how TensorStore reports a failed request: ValueError
+    except Exception as e:
+        if _committed_by(target):
+            # Its root document is at the location: committed, whatever failed after that (a request
+            # whose answer was lost after it took effect, the clean-up of a replaced checkpoint).
+            warn_committed(target.url, target.save_id, [f"{RankFailure.of(rank, e).problem} after its commit"])
+            return
+        if isinstance(e, TsckptError):
+            clean_up(target)
+            raise
+        # How TensorStore reports a failed request: ValueError.
         cleanup = clean_up(target)
         reason = RankFailure.of(rank, e)
         raise save_failed(target.url, [RankFailure(rank, f"{reason.problem} (while committing)")], cleanup) from None
