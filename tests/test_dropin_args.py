@@ -32,6 +32,7 @@ from tsckpt.cli import inspect as _commands  # noqa: F401 - registers info on ap
 from tsckpt.dcp.copy_window import DEFAULT_COPY_AHEAD, CopyWindow
 from tsckpt.storage.layouts import LAYOUTS
 from tsckpt.storage.location import parse_location
+from tsckpt.storage import localfs
 from tsckpt.storage.localfs import unsynced_nodes
 from zoo import expected, same_bits
 
@@ -116,19 +117,25 @@ def test_thread_count_is_io_concurrency_and_conflicts_are_refused():
         tsckpt.TensorStoreWriter("x", thread_count=0)
 
 
-def test_sync_files_false_skips_fsync_and_says_so(tmp_path):
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_sync_files_false_skips_fsync_and_says_so(tmp_path, monkeypatch, layout):
+    syncs = []
+    real_syncfs = localfs.syncfs_at
+    monkeypatch.setattr(localfs, "syncfs_at", lambda path: syncs.append(path) or real_syncfs(path))
     sd = _sd()
-    unsynced = tsckpt.TensorStoreWriter(tmp_path / "fast", sync_files=False)
+    unsynced = tsckpt.TensorStoreWriter(tmp_path / "fast", sync_files=False, layout=layout)
     dcp.save(sd, storage_writer=unsynced)
-    assert unsynced.context["file_io_sync"].to_json() is False
-    assert unsynced_nodes(unsynced.store.location)[1] is None  # no syncfs before the commit either
+    # The option travels as an option: the location is as given, TensorStore's own writes are told not to sync.
+    assert unsynced.context["file_io_sync"].to_json() is False and not unsynced.store.location.context
+    assert syncs == []  # no syncfs before the commit either
     assert _doc(tmp_path / "fast")["extra"]["synced"] is False
     _assert_same(_load(tmp_path / "fast"), sd)
 
-    synced = tsckpt.TensorStoreWriter(tmp_path / "safe")
+    synced = tsckpt.TensorStoreWriter(tmp_path / "safe", layout=layout)
     dcp.save(sd, storage_writer=synced)
     assert synced.context["file_io_sync"].to_json() is True
-    assert unsynced_nodes(parse_location(tmp_path / "safe"))[1] is not None
+    if layout == "plain" and unsynced_nodes(parse_location(tmp_path / "safe")) is not None:
+        assert syncs  # chunk files and nodes made durable by syncfs, not an fsync each
     assert "synced" not in _doc(tmp_path / "safe")["extra"]
 
 

@@ -138,14 +138,16 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
     """Write array and group nodes (and the layout's index), then the root document (the commit point).
 
     ``target`` writes the root and publishes it; without one the root is
-    written to ``store`` directly. Returns the metadata as committed.
+    written to ``store`` directly. The nodes are made durable before the root
+    is written, unless the store does not sync (``sync_files=False``).
+    Returns the metadata as committed.
     """
     _check_size(md, target)
     groups = [g for g in parent_groups(list(array_docs)) if g]
     docs = {f"{path}/{ROOT}": encode_json(doc) for path, doc in array_docs.items()}
     docs |= {f"{g}/{ROOT}": encode_json(zarr_json.group_metadata()) for g in groups}
     index, flush = store.layout.write_nodes(store, save_id, docs, stored)
-    if flush is not None:
+    if flush is not None and store.sync:
         flush()
     if md.data_files is not None:
         md = dataclasses.replace(md, data_files=dataclasses.replace(md.data_files, index=index))

@@ -193,11 +193,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
 
     def _open_store(self, location: Location, config: WriteConfig | None = None) -> Store:
         config = config or self.config
-        if not config.sync_files:
-            # One context for every file of the save, so chunks, nodes and root all skip fsync
-            # (and the filesystem flush before the commit, see location.unsynced_nodes).
-            location = dataclasses.replace(location, context={**location.context, "file_io_sync": False})
-        return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout)
+        # Without syncing, nothing the save writes through this store is fsynced, nor flushed before the commit.
+        return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout, sync=config.sync_files)
 
     def data_store(self, location: Location, config: WriteConfig) -> Store:
         """This save's store: where and how the coordinator said to write (its staging directory, or in place)."""

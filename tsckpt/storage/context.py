@@ -65,12 +65,16 @@ def _release_before_shutdown() -> None:
     gc.collect()
 
 
-def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> dict[str, Any]:
-    """The context resources for ``location``: tsckpt's defaults, then the location's own."""
+def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None, *,
+                 sync: bool = True) -> dict[str, Any]:
+    """The context resources for ``location``: tsckpt's defaults, then the location's own.
+
+    ``sync``: whether TensorStore fsyncs each file it writes (what a save writes through it).
+    """
     spec: dict[str, Any] = {
         "file_io_concurrency": {"limit": io_concurrency},
-        # fsync every chunk and metadata file: the commit promises durable data.
-        "file_io_sync": True,
+        # fsync every file TensorStore writes, unless the save asked not to: the commit promises durable data.
+        "file_io_sync": sync,
         "data_copy_concurrency": {"limit": max(os.cpu_count() or 1, 1)},
     }
     if os.environ.get("AWS_ACCESS_KEY_ID") and (location is None or location.driver == "s3"):
@@ -98,9 +102,10 @@ def s3_retries() -> dict[str, Any]:
     return {"max_retries": retries, "initial_delay": "1s", "max_delay": "16s"}
 
 
-def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None) -> ts.Context:
+def make_context(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None, *,
+                 sync: bool = True) -> ts.Context:
     """One context per rank: shared I/O pools (and credentials) for every array it touches."""
-    spec = context_spec(io_concurrency, location)
+    spec = context_spec(io_concurrency, location, sync=sync)
     try:
         return ts.Context(spec, parent=process_context())
     except ValueError as e:

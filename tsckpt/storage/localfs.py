@@ -28,21 +28,19 @@ _RENAME_EXCHANGE = 2
 UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
 
 
-def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None] | None] | None:
+def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None]] | None:
     """A kvstore that skips per-file fsync, and the one call that makes its writes durable.
 
     Only for local paths on Linux, where ``syncfs`` flushes the whole filesystem
     in one journal commit: writing hundreds of small ``zarr.json`` files with an
     fsync each costs more than the commit's data. None elsewhere (object stores
-    are durable per PUT; other systems keep per-file fsync). When the location's
-    own context sets ``file_io_sync: false``, there is no flush call either.
+    are durable per PUT; other systems keep per-file fsync). A save that makes
+    nothing durable (``sync_files=False``) does not call the flush
+    (:func:`tsckpt.commit.protocol.commit`).
     """
     if location.driver != "file" or not has_syncfs():
         return None
-    spec = {**context_spec(location=location), "file_io_sync": False}
-    kv = open_kvstore(location, ts.Context(spec, parent=process_context()))
-    if location.context.get("file_io_sync") is False:
-        return kv, None  # the location turned syncing off altogether: no flush either
+    kv = open_kvstore(location, ts.Context(context_spec(location=location, sync=False), parent=process_context()))
     root = str(location.spec.get("path", "."))
 
     def flush() -> None:

@@ -191,14 +191,17 @@ class Store:
     layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PACKED))
     #: The checkpoint's codecs, once its metadata is known (None: read each array's zarr.json).
     array_options: ArrayOptions | None = None
+    #: Whether what is written here is made durable before the commit (False: nothing is fsynced,
+    #: ``sync_files=False``).
+    sync: bool = True
 
     @classmethod
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-             layout: str = PACKED) -> Store:
+             layout: str = PACKED, sync: bool = True) -> Store:
         loc = parse_location(location)
         kv_layout = get_layout(layout)
-        context = kv_layout.context(make_context(io_concurrency, loc))
-        return cls(loc, context, open_kvstore(loc, context), kv_layout)
+        context = kv_layout.context(make_context(io_concurrency, loc, sync=sync))
+        return cls(loc, context, open_kvstore(loc, context), kv_layout, sync=sync)
 
     @property
     def url(self) -> str:
