@@ -15,12 +15,15 @@ on the coordinator for it:
   as ``gather_object`` does (``_tensor_to_object``), then ``finish``: for
   tsckpt the checksum tables, every ``zarr.json`` and the root document, for
   DCP its ``.metadata`` file;
-* ``plan, caching on: first save``: the plan phase of a first save with DCP's
-  plan caching on (DCP's cache filled as ``DefaultSavePlanner(enable_plan_caching=True)``
-  fills it), where tsckpt pickles each rank's items once and keeps them;
-* ``plan, cached: ...``: the plan phase of the save repeated with no plan
-  changed, made by DCP's planner (tsckpt re-sends the items it pickled) and by
-  tsckpt's (which sends each rank only this save's orders);
+* ``plan, caching on: first save``: the plan phase of a first save with
+  ``tsckpt.SavePlanner(enable_plan_caching=True)``, which hands the writer
+  every rank's full plan: tsckpt pickles each rank's items once and keeps them
+  (with DCP's own planner, which does not say that it caches, a first save
+  costs what ``plan`` costs);
+* ``plan, cached: ...``: the plan phase of a save repeated with no plan
+  changed, made by DCP's planner (tsckpt re-sends the items it pickled on the
+  first such save, not timed, from the plans it noted after the first save)
+  and by tsckpt's (which sends each rank only this save's orders);
 * ``notes``: unpickling rank 0's placement notes among the gathered local
   plans (tsckpt's planner only; the plans themselves cost both the same).
 
@@ -66,6 +69,7 @@ exists, so no disk time is counted) and are deleted at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -77,25 +81,26 @@ import statistics
 import tempfile
 import time
 import tracemalloc
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.distributed_c10d import _object_to_tensor, _tensor_to_object
 
 from scale_world import World, as_sent, dcp_results, sent_plan, slices, tsckpt_results
 from tsckpt.commit import protocol as commit
-from tsckpt.dcp.contract import PlannerNotes, RankWrites
+from tsckpt.dcp.contract import GlobalPlans, RankWrites
 from tsckpt.dcp.plan_cache import CACHE
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import MetadataError
 from tsckpt.storage.location import parse_location
 from tsckpt.storage.store import Store
 
-# DCP keys its plan cache by planner class name
-DCP_KEY, TSCKPT_KEY = "BenchDefaultSavePlanner", "BenchTsckptSavePlanner"
+# tsckpt's planner names its cache by its class
+TSCKPT_KEY = "BenchTsckptSavePlanner"
 CPU = torch.device("cpu")
 
 
@@ -203,27 +208,31 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))
     clocks = {"tsckpt": Clock(), "dcp": Clock()}
     sizes: dict[str, list[int]] = {}
-    # What DCP's planner returns when its cache found no plan changed (tsckpt's planner marks them).
+    # What DCP's planner returns when its cache found no plan changed.
     unusable = [SavePlan([], usable=False)] * args.ranks
-    marked = [SavePlan([], storage_data=PlannerNotes(cache_key=TSCKPT_KEY), usable=False)] * args.ranks
     # DCP's own planner puts nothing in storage_data; tsckpt's puts placement notes (on rank 0 here).
     dcp_planned = [SavePlan(p.items, planner_data=p.planner_data) for p in plans]
-    # name, what tsckpt's prepare_global_plan gets, what FileSystemWriter's gets, DCP's plan cache to fill first
-    # (as DefaultSavePlanner(enable_plan_caching=True) fills it: the plans it returns are the ones it keeps).
+    # tsckpt's caching planner hands the writer every rank's full plan beside the ones DCP returns.
+    handed = GlobalPlans(plans, TSCKPT_KEY)
+    first = [dataclasses.replace(p, storage_data=handed) for p in plans]
+    marked = [SavePlan([], storage_data=handed, usable=False)] * args.ranks
+    # name, what tsckpt's prepare_global_plan gets, what FileSystemWriter's gets, what comes first (not timed)
     steps = [("plan", plans, plans, None),
-             ("plan, caching on: first save", dcp_planned, dcp_planned, (DCP_KEY, dcp_planned)),
-             ("plan, cached: DCP's planner", unusable, unusable, None),
-             ("plan, cached: tsckpt's planner", marked, unusable, (TSCKPT_KEY, plans))]
+             ("plan, cached: DCP's planner", unusable, unusable, "recall"),
+             ("plan, caching on: first save", first, dcp_planned, "forget"),
+             ("plan, cached: tsckpt's planner", marked, unusable, None)]
     try:
-        for step, (phase, ts_in, dcp_in, cache) in enumerate(steps):
-            if cache is not None:
-                SavePlanner._cached_global_plan[cache[0]] = cache[1]
-            if cache is not None and cache[0] == TSCKPT_KEY:  # the first save with tsckpt's planner, not timed
-                CACHE._entries.pop(DCP_KEY, None)  # DCP's planner's entry is done with: its memory back
+        for step, (phase, ts_in, dcp_in, before) in enumerate(steps):
+            if before == "recall":
+                # The first save with DCP's caching planner: its coordinator noted the planner's full plans,
+                # which DCP's cache holds; the second recalled them and pickled each rank's items once.
+                CACHE.note(types.SimpleNamespace(global_plan=dcp_planned))
                 warm = TensorStoreWriter(os.path.join(base, "warm"), overwrite=True)
                 warm.set_up_storage_writer(True, rank=0)
-                warm.prepare_global_plan(plans)
+                warm.prepare_global_plan(unusable)
                 del warm
+            if before == "forget":
+                CACHE.clear()  # DCP's planner's entry is done with: its memory back
             writers = {"tsckpt": TensorStoreWriter(os.path.join(base, f"tsckpt{step}"), overwrite=True),
                        "dcp": FileSystemWriter(os.path.join(base, f"dcp{step}"))}
             os.makedirs(writers["dcp"].path)  # each rank's prepare_local_plan does this
@@ -246,10 +255,8 @@ def main() -> None:
         clocks["dcp"].wall["notes"] = clocks["dcp"].cpu["notes"] = 0.0
         shared_bytes = len(pickle.dumps(SavePlan(plans[0].items, planner_data=plans[0].planner_data)))
         own_bytes = len(pickle.dumps(SavePlan(as_sent(plans[0].items), planner_data=plans[0].planner_data)))
-        for key in (DCP_KEY, TSCKPT_KEY):
-            SavePlanner._cached_global_plan.pop(key, None)
-            CACHE._entries.pop(key, None)
-        del plans, dcp_planned
+        CACHE.clear()
+        del plans, dcp_planned, first, handed
 
         raw, parse_s, parse_cpu, peak, md = b"", math.nan, math.nan, 0, None
         if refused is None:
@@ -262,9 +269,7 @@ def main() -> None:
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
     finally:
-        for key in (DCP_KEY, TSCKPT_KEY):
-            SavePlanner._cached_global_plan.pop(key, None)
-            CACHE._entries.pop(key, None)
+        CACHE.clear()
         shutil.rmtree(base, ignore_errors=True)
     load.append(os.getloadavg()[0])
     phases = [step[0] for step in steps] + ["finish", "notes"]

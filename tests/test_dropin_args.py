@@ -6,6 +6,7 @@ saves, tensors that require grad, the log line and the single-process warning.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -342,6 +343,65 @@ def test_two_caching_planners_in_turn_each_get_their_own_plans(tmp_path):
             dcp.load(back, storage_reader=tsckpt.TensorStoreReader(tmp_path / f"{name}{round_}"))
             for k, v in sd.items():
                 assert same_bits(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, (name, round_, k)
+
+
+def test_dcps_caching_planner_gets_what_its_cache_holds_not_the_last_saves_plans(tmp_path):
+    """DCP's planner says nothing about its cache: the writer recalls the plans DCP's cache still holds (noted
+    from the planner's global_plan after each save), not those of a save between that did not cache."""
+    other = {"x": expected("x", (7,), torch.float32), "step": 1}
+    for step in range(3):
+        sd = {k: v + step if isinstance(v, torch.Tensor) else v for k, v in _sd().items()}
+        dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(tmp_path / f"c{step}"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        dcp.save(other, storage_writer=tsckpt.TensorStoreWriter(tmp_path / f"o{step}"), planner=DefaultSavePlanner())
+    for step in range(3):
+        assert set(_doc(tmp_path / f"c{step}")["tensors"]) == {"w", "h"}
+        _assert_same(_load(tmp_path / f"c{step}"),
+                     {k: v + step if isinstance(v, torch.Tensor) else v for k, v in _sd().items()})
+        assert set(_doc(tmp_path / f"o{step}")["tensors"]) == {"x"}
+
+
+class _DcpCachingA(DefaultSavePlanner):
+    """Two of DCP's planner classes: DCP keeps one plan cache per class, and says which to nobody."""
+
+
+class _DcpCachingB(DefaultSavePlanner):
+    pass
+
+
+def _two_dcp_caching_classes(rank, world, path):
+    first, second = {"w": torch.ones(4)}, {"v": torch.ones(3), "u": torch.zeros(2)}
+    for name, sd, planner in (("a0", first, _DcpCachingA), ("b0", second, _DcpCachingB)):
+        dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(f"{path}/{name}"), planner=planner(enable_plan_caching=True))
+    try:
+        dcp.save(first, storage_writer=tsckpt.TensorStoreWriter(f"{path}/a1"),
+                 planner=_DcpCachingA(enable_plan_caching=True))
+    except BaseException as e:  # DCP's CheckpointException
+        return str(e)
+    return None
+
+
+def test_two_of_dcps_caching_planner_classes_in_one_process_are_refused_not_guessed(tmp_path):
+    # In a process of its own: DCP's plan caches are class attributes that outlive the test.
+    refusal = run_ranks(1, _two_dcp_caching_classes, str(tmp_path))[0]
+    assert refusal is not None and "use tsckpt.SavePlanner" in refusal
+    assert not (tmp_path / "a1" / "zarr.json").exists()
+
+
+def test_a_prepickled_plan_is_a_plan_with_its_pickled_items_as_a_field():
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from tsckpt.dcp.contract import Prepickled
+    from tsckpt.dcp.plan_cache import PrepickledPlan
+
+    plan = create_default_local_save_plan({"w": torch.ones(2, 3), "step": 1}, True)
+    sent = PrepickledPlan.of(plan, Prepickled(SavePlan(plan.items, planner_data=plan.planner_data)), "orders")
+    assert set(vars(sent)) == {f.name for f in dataclasses.fields(sent)}  # nothing set beside its fields
+    back = pickle.loads(pickle.dumps(sent))
+    assert type(back) is SavePlan and back.items == plan.items and back.storage_data == "orders"
+    changed = pickle.loads(pickle.dumps(dataclasses.replace(sent, items=plan.items[:1])))
+    assert changed.items == plan.items[:1] and changed.storage_data == "orders"  # not the bytes pickled before
 
 
 # --- logging and warnings --------------------------------------------------------------

@@ -5,7 +5,7 @@ DCP runs a save as four collectives around the storage writer's methods. With
 
 1. ``reset(checkpoint_id)``, ``storage_meta()``, ``set_up_storage_writer(is_coordinator, rank=r)``
    -- every rank. The coordinator alone begins the save
-   (:func:`~tsckpt.commit.target.begin_save`): it refuses what must not be
+   (:func:`~tsckpt.commit.publication.begin_save`): it refuses what must not be
    replaced, fences off other saves and chooses where this save's data goes
    (a staging directory beside the target on a local filesystem, the target
    itself elsewhere). Nothing is written by any rank yet.
@@ -16,10 +16,10 @@ DCP runs a save as four collectives around the storage writer's methods. With
    writer wraps it in the rank's :class:`~tsckpt.dcp.replica_writes.Holdings`,
    by which the coordinator finds replicas and spreads their writes.
 3. ``planner.create_global_plan(plans)``, then ``writer.prepare_global_plan(plans)`` -- the
-   coordinator only. (When DCP's plan cache found no plan changed, tsckpt's
-   planner marks the empty plans it returns with its cache key.) The writer
-   lays out every array from all ranks' regions
-   (:class:`~tsckpt.dcp.global_layout.GlobalLayout`) and returns, for each
+   coordinator only. (With DCP's plan caching on, DCP returns only the plans
+   that changed; tsckpt's planner hands the writer every rank's full plan
+   beside them, :class:`GlobalPlans`.) The writer lays out every array from
+   all ranks' regions (:class:`~tsckpt.dcp.global_layout.GlobalLayout`) and returns, for each
    rank, that rank's plan with a :class:`RankPlan` as ``storage_data``: the
    whole :class:`WriteConfig`, the data location, and the layouts of the arrays
    *that rank* writes, pre-pickled (:class:`Prepickled`) once per distinct set
@@ -27,7 +27,7 @@ DCP runs a save as four collectives around the storage writer's methods. With
    back unusable. Every save writes to a new location, so each rank must
    hear of it: with tsckpt's planner, the empty plans carry only this save's
    :class:`NewOrders`; with another planner, the coordinator sends the ranks
-   their cached plans again, pre-pickled (:mod:`tsckpt.dcp.plan_cache`).
+   their cached plans again, pre-pickled, as it recalls them (:mod:`tsckpt.dcp.plan_cache`).
 4. The plans are **scattered** (DCP pickles each rank's plan); every rank runs
    ``planner.finish_plan(plan)`` (tsckpt's applies :class:`NewOrders` to the
    plan DCP cached), then ``writer.write_data(plan, planner)``. A rank
@@ -134,17 +134,12 @@ class WriteConfig:
 
 @dataclass(frozen=True)
 class PlannerNotes:
-    """What tsckpt's planner adds to the plans, in ``storage_data`` (steps 2 and 3).
+    """What tsckpt's planner adds to a rank's local plan, in ``storage_data`` (step 2).
 
-    ``placements``: in a rank's local plan, the placement record (mesh inline)
-    of each tensor this rank describes. ``cache_key``: on the empty plans DCP's
-    global planning returns when its plan cache found nothing changed, DCP's
-    cache key for this planner, so that the writer knows whose cached plans
-    these are.
+    ``placements``: the placement record (mesh inline) of each tensor this rank describes.
     """
 
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    cache_key: str | None = None
 
     @staticmethod
     def of(plan: SavePlan) -> PlannerNotes:
@@ -155,6 +150,27 @@ class PlannerNotes:
         """The notes tsckpt's planner put in the plan (under the writer's :class:`Holdings`), if it did."""
         data = Holdings.unwrapped(plan.storage_data)
         return data if isinstance(data, PlannerNotes) else None
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalPlans:
+    """What tsckpt's caching planner hands the writer in step 3, on the coordinator, in every plan's ``storage_data``.
+
+    ``plans``: every rank's full plan, as DCP's global planning made them (its
+    ``global_plan``: the very list its plan cache keeps, while nothing
+    changed), where the plans it returns leave out those of ranks whose plan
+    did not change. ``cache_key``: the planner's class, whose saves share one
+    cache in DCP. It stays on the coordinator: the writer replaces it before
+    the plans are scattered.
+    """
+
+    plans: list[SavePlan]
+    cache_key: str
+
+    @staticmethod
+    def found(plans: Sequence[SavePlan]) -> GlobalPlans | None:
+        data = plans[0].storage_data if plans else None
+        return data if isinstance(data, GlobalPlans) else None
 
 
 def fqn_digest(fqns: Sequence[str]) -> int:

@@ -6,47 +6,66 @@ plan did not change since the last save with that planner class, and that rank
 then writes with the plan it received last time, storage data included. tsckpt
 cannot let it: that storage data names the last save's data location (a new
 staging directory on every save to a local filesystem) and the last writer's
-options. So the coordinator sends every rank a usable plan on every save: the
-rank's cached plan items with fresh storage data. The items were pickled once,
-when they were first sent (:class:`PrepickledPlan`); sending them again copies
-bytes, so a repeated save costs the coordinator about what it costs DCP.
-tsckpt's own planner does better: it applies this save's orders to the plan
-each rank holds (:class:`~tsckpt.dcp.contract.NewOrders`), so a repeated save
-sends each rank a few hundred bytes.
+options. So the coordinator needs every rank's full plan to lay out the arrays,
+and sends every rank a usable plan on every save: the rank's cached plan items
+with fresh storage data. The items were pickled once, when they were first
+sent (:class:`PrepickledPlan`); sending them again copies bytes, so a repeated
+save costs the coordinator about what it costs DCP. tsckpt's own planner does
+better: it applies this save's orders to the plan each rank holds
+(:class:`~tsckpt.dcp.contract.NewOrders`), so a repeated save sends each rank
+a few hundred bytes.
 
-The cache is keyed as DCP keys its own (the planner's ``_cached_plans_key``,
-its class name) and trusts only what DCP still holds: an entry is used while
-DCP's cache holds the very global plans it was made from.
+Where the full plans come from, with nothing read from DCP's private caches:
+
+* tsckpt's planner hands them over with the plans DCP returns
+  (:class:`~tsckpt.dcp.contract.GlobalPlans`: its ``global_plan``, the very
+  list DCP's cache keeps while nothing changed);
+* another planner (DCP's own) says nothing, so the coordinator recalls them:
+  its writer's ``write_data`` notes the planner's public ``global_plan`` after
+  every save, by weak reference (:meth:`PlanCache.note`). Only the plans that
+  someone still holds stay: those DCP's cache keeps, not those of a save that
+  did not cache (the entry this cache keeps of a recalled save is dropped
+  when a save brings every plan anew). The unchanged ranks' plans are the one
+  set of that many ranks still held; two different sets (two caching planner
+  classes in one process) cannot be told apart, and the save is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ..errors import PlanError
-from .contract import PlannerNotes, Prepickled, RankPlan
+from .contract import GlobalPlans, Prepickled, RankPlan
 from .global_layout import GlobalLayout
 
+#: The cache entry of saves planned by a planner other than tsckpt's, which names no cache key.
+RECALLED = "recalled"
 
+
+@dataclass(frozen=True)
 class PrepickledPlan(SavePlan):
     """A rank's plan whose items were pickled before: DCP's scatter copies their bytes, then adds the storage data."""
 
+    #: The plan without its storage data, pickled when it was first sent.
+    pickled: Prepickled[SavePlan] | None = None
+
     @classmethod
     def of(cls, plan: SavePlan, pickled: Prepickled[SavePlan], storage_data: Any) -> PrepickledPlan:
-        obj = cls(items=plan.items, storage_data=storage_data, planner_data=plan.planner_data, usable=True)
-        object.__setattr__(obj, "_pickled", (plan.items, pickled))
-        return obj
+        return cls(items=plan.items, storage_data=storage_data, planner_data=plan.planner_data, usable=True,
+                   pickled=pickled)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        items, pickled = self.__dict__.get("_pickled", (None, None))
-        if items is not self.items:  # changed since (dataclasses.replace): pickle it as a plain plan
+        bare = self.pickled.value if self.pickled is not None else None
+        if bare is None or bare.items is not self.items or bare.planner_data is not self.planner_data:
+            # changed since (dataclasses.replace): pickled as a plain plan
             return (SavePlan, (self.items, self.storage_data, self.planner_data, self.usable))
-        return (_with_storage_data, (pickled, self.storage_data))
+        return (_with_storage_data, (self.pickled, self.storage_data))
 
 
 def _with_storage_data(pickled: Prepickled[SavePlan], storage_data: Any) -> SavePlan:
@@ -58,58 +77,86 @@ def _bare(plan: SavePlan) -> SavePlan:
     return SavePlan(items=plan.items, planner_data=plan.planner_data)
 
 
-def _dcp_cache() -> dict[str, list[SavePlan]]:
-    return getattr(SavePlanner, "_cached_global_plan", None) or {}
+def _same_objects(a: list[SavePlan], b: list[SavePlan]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _same_items(a: list[SavePlan], b: list[SavePlan]) -> bool:
+    return len(a) == len(b) and all(x is y or x.items == y.items for x, y in zip(a, b))
 
 
 @dataclass(frozen=True)
 class CachedSave:
-    """The last save made from one cached set of DCP global plans."""
+    """The last save made from one set of full plans."""
 
-    global_plans: list[SavePlan]  # DCP's own cached list: identity says whether DCP moved on since
+    global_plans: list[SavePlan]  # every rank's full plan: the same objects mean the same save plan
     pickled: list[Prepickled[SavePlan]]
     layout: GlobalLayout
     sent: list[SavePlan]  # what the ranks were sent: the global plans with replicas' writes spread
 
 
 class PlanCache:
-    """The coordinator's side of DCP's plan cache, one entry per DCP cache key (thread-safe)."""
+    """The coordinator's side of DCP's plan cache (thread-safe): full plans recalled, layouts and pickles kept.
+
+    One entry per cache key: a tsckpt planner class's, or :data:`RECALLED` for other planners.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, CachedSave] = {}
+        self._noted: list[list[weakref.ref[SavePlan]]] = []
 
-    @staticmethod
-    def full_plans(plans: list[SavePlan], where: str) -> tuple[list[SavePlan], str | None]:
-        """Every rank's full global plan, and DCP's cache key when the planner caches (None when it does not).
+    def note(self, planner: Any) -> None:
+        """Coordinator, in ``write_data``: keep a weak reference to each of the full plans ``planner`` made.
 
-        DCP's cached global plans hold the very plan objects it passes on for
-        ranks whose plans changed, so they tell which cache entry these are.
-        When no plan changed, the key tsckpt's planner put in the plans tells,
-        or else the one entry for this world size made by another planner.
+        For planners that do not hand them over (DCP's own): its public
+        ``global_plan``, set by DCP's global planning, is what DCP's cache
+        keeps when caching is on.
         """
-        cache = _dcp_cache()
-        usable = [r for r, p in enumerate(plans) if p.usable]
-        if usable:
-            for key, cached in cache.items():
-                if len(cached) == len(plans) and all(cached[r] is plans[r] for r in usable):
-                    return cached, key
-            if len(usable) == len(plans):
+        plans = getattr(planner, "global_plan", None)
+        if not isinstance(plans, list) or not plans or not all(isinstance(p, SavePlan) for p in plans):
+            return
+        with self._lock:
+            held = [s for s in self._held() if not _same_objects(s, plans)]
+            self._noted = [[weakref.ref(p) for p in s] for s in held] + [[weakref.ref(p) for p in plans]]
+
+    def _held(self) -> list[list[SavePlan]]:
+        """The noted sets of plans still alive, as strong references (under the lock)."""
+        out = []
+        for refs in self._noted:
+            plans = [r() for r in refs]
+            if all(p is not None for p in plans):
+                out.append(plans)
+        return out
+
+    def full_plans(self, plans: list[SavePlan], where: str) -> tuple[list[SavePlan], str | None]:
+        """Every rank's full plan, and the key of the cache entry to keep for it (None: keep none).
+
+        ``plans`` are what DCP's global planning returned: full, or unusable
+        (empty) for each rank whose plan DCP's cache found unchanged.
+        """
+        handed = GlobalPlans.found(plans)
+        if handed is not None:
+            return handed.plans, handed.cache_key
+        stale = [r for r, p in enumerate(plans) if not p.usable]
+        with self._lock:
+            if not stale:
+                # Every plan is new: what was recalled before is no longer what DCP's cache holds, and must
+                # not keep those plans alive as if it did.
+                self._entries.pop(RECALLED, None)
                 return plans, None
-            raise PlanError(f"saving {where}: DCP's plan cache sent no plan for some ranks, and its cache holds "
-                            f"no global plans that the others belong to")
-        tags = {PlannerNotes.of(p).cache_key for p in plans} - {None}
-        # tsckpt's planner says whose plans these are; DCP's own does not, but its plans carry no notes.
-        keys = [k for k, cached in cache.items() if len(cached) == len(plans)
-                and (k in tags if tags else not any(PlannerNotes.found(p) for p in cached[:1]))]
-        if len(keys) != 1:
-            stale = [r for r, p in enumerate(plans) if not p.usable]
-            why = (f"{len(keys)} planner classes have cached plans for {len(plans)} ranks in this process "
-                   f"({', '.join(sorted(keys))}), and DCP's own planner does not say which one made these; use "
-                   f"tsckpt.SavePlanner, or one caching planner class per process") if keys else \
-                "and DCP's cache holds no plans for them"
-            raise PlanError(f"saving {where}: DCP's plan cache sent no plan for rank(s) {stale[:8]}: {why}")
-        return cache[keys[0]], keys[0]
+            held = [s for s in self._held() if len(s) == len(plans)]
+        distinct: list[list[SavePlan]] = []
+        for s in held:
+            if not any(_same_items(s, d) for d in distinct):
+                distinct.append(s)
+        if len(distinct) != 1:
+            why = (f"{len(distinct)} planners in this process have cached different plans for {len(plans)} "
+                   f"ranks, and DCP's own planner does not say which one made these; use tsckpt.SavePlanner, or "
+                   f"one caching planner class per process") if distinct else \
+                f"and no plans for {len(plans)} ranks that DCP's cache holds were made in this process's saves"
+            raise PlanError(f"saving {where}: DCP's plan cache sent no plan for rank(s) {stale[:8]}, {why}")
+        return [p if p.usable else old for p, old in zip(plans, distinct[0])], RECALLED
 
     @staticmethod
     def ranks_keep_their_plans(plans: list[SavePlan]) -> bool:
@@ -118,30 +165,37 @@ class PlanCache:
         Its ``finish_plan`` then applies :class:`~tsckpt.dcp.contract.NewOrders`
         to the plan the rank holds; DCP's own planner would write with the old orders.
         """
-        return all(not p.usable and PlannerNotes.of(p).cache_key is not None for p in plans)
+        return GlobalPlans.found(plans) is not None and not any(p.usable for p in plans)
 
     def layout(self, key: str | None, plans: list[SavePlan],
                inner_chunk_bytes: int) -> tuple[GlobalLayout, list[SavePlan]] | None:
         """The layout made from these very plans, and the plans sent with it, if they were kept."""
         with self._lock:
             entry = self._entries.get(key) if key is not None else None
-        if entry is not None and entry.global_plans is plans and entry.layout.inner_chunk_bytes == inner_chunk_bytes:
+        if (entry is not None and _same_objects(entry.global_plans, plans)
+                and entry.layout.inner_chunk_bytes == inner_chunk_bytes):
             return entry.layout, entry.sent
         return None
 
     def send(self, key: str, plans: list[SavePlan], sent: list[SavePlan], layout: GlobalLayout,
              rank_plans: list[RankPlan]) -> list[SavePlan]:
-        """Every rank's plan (``sent``, made from DCP's ``plans``) with its fresh storage data, its items
-        pickled at most once per DCP cache entry."""
+        """Every rank's plan (``sent``, made from the full ``plans``) with its fresh storage data, its items
+        pickled at most once per cache entry."""
         with self._lock:
             entry = self._entries.get(key)
-        if entry is not None and entry.global_plans is plans and entry.sent is sent:
+        if entry is not None and _same_objects(entry.global_plans, plans) and entry.sent is sent:
             pickled = entry.pickled
         else:
             pickled = [Prepickled(_bare(p)) for p in sent]
         with self._lock:
             self._entries[key] = CachedSave(plans, pickled, layout, sent)
         return [PrepickledPlan.of(p, b, rp) for p, b, rp in zip(sent, pickled, rank_plans)]
+
+    def clear(self) -> None:
+        """Forget every entry and noted plan (their memory back)."""
+        with self._lock:
+            self._entries.clear()
+            self._noted.clear()
 
 
 #: One per process, as DCP's caches are (class attributes of its SavePlanner).

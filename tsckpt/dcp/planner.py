@@ -24,6 +24,7 @@ safe restoration of non-tensor values and refuses narrowing dtype casts.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 from collections.abc import Mapping
@@ -41,7 +42,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from ..errors import LoadMismatchError, PlanError
 from ..format import values
-from .contract import NewOrders, PlannerNotes
+from .contract import GlobalPlans, NewOrders, PlannerNotes
 from .values import DecodedValue, EncodedValue
 
 
@@ -140,7 +141,25 @@ def placement_records(planner: Any, rank: int) -> dict[str, dict[str, Any]]:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planning plus placement records and JSON-readable values."""
+    """DCP's default save planning plus placement records and JSON-readable values.
+
+    Takes ``DefaultSavePlanner``'s arguments. With ``enable_plan_caching=True``,
+    its global planning (on the coordinator) hands the writer every rank's full
+    plan beside the ones DCP returns (:class:`~tsckpt.dcp.contract.GlobalPlans`),
+    and each rank's ``finish_plan`` takes this save's orders into the plan DCP
+    kept for it (:class:`~tsckpt.dcp.contract.NewOrders`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        given = inspect.signature(DefaultSavePlanner.__init__).bind(self, *args, **kwargs).arguments
+        #: Whether DCP's plan cache is on for this planner (DCP keeps its own flag private).
+        self.caches_plans = bool(given.get("enable_plan_caching", False))
+
+    @property
+    def cache_key(self) -> str:
+        """Whose plans DCP's cache holds: one planner class's, as DCP keys its cache by class."""
+        return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -160,9 +179,10 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)
-        if not any(p.usable for p in plans):
-            # DCP's cache found nothing changed: tell the writer whose cached plans these are.
-            plans = [dataclasses.replace(p, storage_data=PlannerNotes(cache_key=self._cached_plans_key)) for p in plans]
+        if self.caches_plans:
+            # DCP returns only the plans that changed; it keeps every rank's full plan as ``global_plan``.
+            full = GlobalPlans(self.global_plan, self.cache_key)
+            plans = [dataclasses.replace(p, storage_data=full) for p in plans]
         return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

@@ -267,6 +267,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         lands after the clean-up has removed the save's data.
         """
         writers: list[RankWriter] = []
+        if self.is_coordinator and not isinstance(planner, TsckptSavePlanner):
+            CACHE.note(planner)  # its full plans, for the next save DCP's plan cache finds unchanged
         try:
             return done(self._write(plan, planner, writers))
         except Exception as e:
