@@ -9,6 +9,7 @@ error DCP shows.
 
 from __future__ import annotations
 
+import pickle
 import traceback
 
 import pytest
@@ -90,3 +91,17 @@ def test_through_dcp_load_the_tsckpt_line_is_the_first_line_of_each_ranks_error(
         errors = [line for line in message.splitlines() if line.startswith("tsckpt.errors.LoadMismatchError: ")]
         assert errors == ["tsckpt.errors.LoadMismatchError: 4 keys of the state dict do not match the checkpoint: "
                           "'layer00.w', 'layer01.w', 'layer02.w', 'layer03.w'"] * 2, message
+
+
+def test_a_ranks_own_error_comes_before_one_relayed_to_it_from_another_rank():
+    """With replica reads a rank raises the error of the rank that fetched for it, marked as relayed, which
+    survives DCP's gathering (a pickle): tsckpt.load raises a rank's own error first."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tsckpt.dcp.api import _plain
+
+    relayed = pickle.loads(pickle.dumps(tsckpt.ChecksumError("damaged (rank 1 fetched it for this rank too)",
+                                                             relayed_from=1)))
+    own = pickle.loads(pickle.dumps(tsckpt.ChecksumError("damaged")))
+    assert (relayed.relayed_from, own.relayed_from) == (1, None)
+    assert _plain(CheckpointException("read", {0: relayed, 1: own}), "load from ck") is own

@@ -15,7 +15,18 @@ from __future__ import annotations
 
 
 class TsckptError(Exception):
-    """Base class of every error tsckpt raises on purpose."""
+    """Base class of every error tsckpt raises on purpose.
+
+    ``relayed_from``: for an error one rank raises for another (with replica
+    reads, the rank that fetched a region several ranks need sends its
+    failure to them), the rank where it happened; None for a rank's own errors.
+    """
+
+    relayed_from: int | None = None
+
+    def __init__(self, *args: object, relayed_from: int | None = None):
+        super().__init__(*args)
+        self.relayed_from = relayed_from
 
 
 class IncompleteCheckpointError(TsckptError):

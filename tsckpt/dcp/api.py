@@ -204,7 +204,7 @@ def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = No
         return interrupts.error(stopped) if interrupts is not None else KeyboardInterrupt()
     # A rank's own error before one relayed from the rank that fetched a region for it (replica reads).
     for exc in sorted((x for x in failures.values() if isinstance(x, TsckptError)),
-                      key=lambda x: hasattr(x, "from_rank")):
+                      key=lambda x: x.relayed_from is not None):
         return exc.with_traceback(None)
     for rank, exc in failures.items():
         if isinstance(exc, ValueError) and _TENSORSTORE_STATUS.match(str(exc)):

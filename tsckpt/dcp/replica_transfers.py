@@ -53,9 +53,8 @@ def _raise_status(status: torch.Tensor, owner: int, fqn: str, where: str, box: s
     text = bytes(status[1:].numpy()).rstrip(b"\0").decode("utf-8", "replace")
     if not text:
         text = f"tensor {fqn!r} in {where}: reading {box} failed"
-    error = cls(f"{text} (rank {owner} fetched it for this rank too)")
-    error.from_rank = owner  # type: ignore[attr-defined] - lets tsckpt.load show the owner's own error first
-    raise error
+    # relayed_from lets tsckpt.load show the owner's own error first.
+    raise cls(f"{text} (rank {owner} fetched it for this rank too)", relayed_from=owner)
 
 
 def _carried(backend: str) -> set[str] | None:
