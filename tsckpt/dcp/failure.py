@@ -88,19 +88,6 @@ def _causes(error: BaseException) -> list[BaseException]:
     return chain
 
 
-def settle(futures: Iterable[Any]) -> None:
-    """Wait for every write a failing rank started, ignoring their outcome.
-
-    The coordinator removes the save's data once every rank has reported:
-    no write of this rank may still be landing in it then.
-    """
-    for fut in futures:
-        try:
-            fut.result()
-        except Exception:  # noqa: BLE001 - the first failure is the one reported
-            pass
-
-
 def failed_summary(rank: int, save_id: str, failure: RankFailure) -> RankSummary:
     """What a failing rank returns instead of raising: an empty summary that carries the failure to ``finish``."""
     return RankSummary(rank, save_id, np.zeros(0, np.int32), np.zeros(0, np.int64), None, failure=failure.to_dict())

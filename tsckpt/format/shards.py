@@ -31,7 +31,6 @@ import numpy as np
 
 from ..errors import ChecksumError
 from . import checksums, dtypes, zarr_json
-from .grid import ChunkGrid
 from .metadata import ArrayOptions, TensorEntry
 
 #: The index value of an inner chunk that is not stored (outside the array).
@@ -45,7 +44,7 @@ class ShardFormat:
     """How one array's outer chunks are laid out: outer and inner chunk shapes, item size, crc32c codec.
 
     ``indexed=False`` describes an array without inner chunks (no sharding
-    codec, :func:`leaf_format`): its one piece is the whole chunk, followed
+    codec, :func:`value_format`): its one piece is the whole chunk, followed
     by no index, so the same encoding, reads and checks serve it.
     """
 
@@ -199,22 +198,6 @@ def check_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index:
                             "(the data changed after it was written)")
 
 
-def check_stored(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index: Sequence[int], data: bytes,
-                 what: str) -> None:
-    """Check a whole outer chunk of ``entry`` as stored (``data``, its bytes as read) without decoding it.
-
-    It must be exactly what tsckpt writes: :attr:`ShardFormat.nbytes` long,
-    ending in :attr:`ShardFormat.index`, each inner chunk matching its crc32c
-    in ``table`` (:func:`check_pieces`) and, with the codec, the crc32c stored
-    after it. Raises :class:`ChecksumError` naming ``what`` otherwise. One
-    crc32c pass over the bytes, where a read through TensorStore would also
-    untile every inner chunk into a new array.
-    """
-    raw = np.frombuffer(data, dtype=np.uint8)
-    check_layout(fmt, index, raw.size, raw[max(raw.size - fmt.index_bytes, 0):], what)
-    check_stored_pieces(entry, fmt, table, index, raw[:fmt.pieces * fmt.piece_bytes], 0, what)
-
-
 def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.ndarray, what: str) -> None:
     """Check a whole outer chunk of a version-4 checkpoint as stored: exactly :attr:`ShardFormat.nbytes`
     long, ending in tsckpt's index, every inner chunk matching the crc32c stored after it. Raises
@@ -241,23 +224,6 @@ def check_layout(fmt: ShardFormat, index: Sequence[int], size: int, tail: np.nda
                             "(it was damaged)")
 
 
-def check_stored_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index: Sequence[int],
-                        raw: np.ndarray, first: int, what: str) -> None:
-    """Check consecutive stored inner chunks of outer chunk ``index``, from storage position ``first`` on:
-    ``raw`` is their stored bytes (``uint8``), each with its codec crc32c where there is one."""
-    count = raw.size // fmt.piece_bytes
-    size = math.prod(fmt.inner) * fmt.itemsize
-    pieces = raw.reshape(count, fmt.piece_bytes)
-    stored = pieces[:, :size]
-    values = stored.view(dtypes.from_zarr(entry.dtype).numpy).reshape(count, *fmt.inner)
-    coords = fmt.coords(np.arange(first, first + count)) + np.asarray(index) * np.asarray(fmt.grid)
-    check_pieces(entry, fmt, table, index, coords, stored, values, what)
-    if fmt.crc32c_codec:  # what Zarr readers check: over every stored inner chunk, padding included
-        found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=count)
-        if not np.array_equal(found, pieces[:, size:].copy().view("<u4").reshape(-1)):
-            raise ChecksumError(f"{what}: chunk {list(index)} does not match the crc32c codec's values")
-
-
 def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
     """How every outer chunk of ``entry`` is laid out in a version-4 checkpoint: with inner chunks (the
     sharding codec, indexed), or as one piece; each piece followed by its crc32c when the codecs have one."""
@@ -277,31 +243,6 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
         return None
     return _format(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
                    options.crc32c_codec, True)
-
-
-def file_format(entry: TensorEntry, options: ArrayOptions | None, files: bool) -> ShardFormat | None:
-    """How tsckpt encodes, reads and checks ``entry``'s stored chunks itself: :func:`shard_format`, and where
-    they are ``files`` it handles with file calls (a plain checkpoint on a local disk), else :func:`leaf_format`.
-
-    None: the chunks go through TensorStore's codecs (compressed arrays; arrays
-    without inner chunks outside local chunk files).
-    """
-    return shard_format(entry, options) or (leaf_format(entry, options) if files else None)
-
-
-def leaf_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
-    """The layout of ``entry``'s chunks where it has no inner chunks and is not compressed: each stored chunk
-    is its raw bytes (padded to the chunk shape) and, with the codec, their crc32c; None otherwise.
-
-    Chunk files of such arrays are the one-piece case of :class:`ShardFormat`
-    without an index, so a writer or reader that handles chunk files itself
-    treats them alike instead of paying TensorStore's cost per array (an open,
-    then a read or write of a few bytes).
-    """
-    if entry.inner_chunk_shape is not None or options is None or options.compression is not None:
-        return None
-    return _format(entry.chunk_shape, entry.chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
-                   options.crc32c_codec, False)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -331,9 +272,3 @@ def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],
         return rows.transpose(order), body.view(row)[..., 0]
     split = [n for g, i in zip(grid, inner) for n in (g, i)]
     return full.reshape(split).transpose([*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)]), body
-
-
-def raw_shape(fmt: ShardFormat, shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape of the ``uint8`` array whose chunk ``(i, ..., j)`` is the stored outer chunk ``(i, ..., j)``."""
-    grid = ChunkGrid(tuple(shape), fmt.chunk).grid_shape
-    return (*grid[:-1], grid[-1] * fmt.nbytes)
