@@ -9,17 +9,12 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from ..wording import human_bytes
 from . import app, flag
 from .messages import failed
 
 if TYPE_CHECKING:
     from ..commit.target import Leftover
-
-
-def _size(n: int) -> str:
-    from .inspect import human_bytes
-
-    return human_bytes(n)
 
 
 def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
@@ -32,13 +27,13 @@ def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
     live = [i for i in items if i.live]
     parts = []
     if dead:
-        parts.append(f"{len(dead)} leftover(s) ({_size(sum(i.nbytes for i in dead))}) from aborted saves: "
+        parts.append(f"{len(dead)} leftover(s) ({human_bytes(sum(i.nbytes for i in dead))}) from aborted saves: "
                      f"remove with `tsckpt clean {path}`")
     if unknown:
-        parts.append(f"{len(unknown)} leftover(s) ({_size(sum(i.nbytes for i in unknown))}) of saves that may "
+        parts.append(f"{len(unknown)} leftover(s) ({human_bytes(sum(i.nbytes for i in unknown))}) of saves that may "
                      f"still be running ({unknown[0].what}): if none is, remove with `tsckpt clean --force {path}`")
     if live:
-        parts.append(f"{len(live)} save(s) in progress ({_size(sum(i.nbytes for i in live))} written so far)")
+        parts.append(f"{len(live)} save(s) in progress ({human_bytes(sum(i.nbytes for i in live))} written so far)")
     return "; ".join(parts) or None
 
 
@@ -62,8 +57,8 @@ def clean(
     except TsckptError as e:
         raise failed(e) from None
     for item in removed:
-        out.print(f"removed {item.path}: {item.what}, {_size(item.nbytes)}", highlight=False, markup=False)
-    out.print(f"{len(removed)} leftover(s) removed ({_size(sum(i.nbytes for i in removed))})",
+        out.print(f"removed {item.path}: {item.what}, {human_bytes(item.nbytes)}", highlight=False, markup=False)
+    out.print(f"{len(removed)} leftover(s) removed ({human_bytes(sum(i.nbytes for i in removed))})",
               highlight=False, markup=False)
     if remaining:
         out.print(f"left: {remaining}", highlight=False, markup=False)

@@ -43,7 +43,7 @@ def convert_cmd(
     overwrite: bool = flag(False, "--overwrite", help="replace what is at DST"),
     layout: str = typer.Option("", "--layout",
                                help="tsckpt target storage: plain (a file per chunk) or packed (few large files); "
-                                    "default: $TSCKPT_LAYOUT, else plain"),
+                                    "default: $TSCKPT_LAYOUT, else packed"),
     quiet: bool = flag(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
@@ -116,7 +116,7 @@ def diff_cmd(
     tolerances are reported as "close" and do not count as differences.
     """
     from ..conversion.diff import diff
-    from .inspect import print_wide
+    from .tables import print_wide
 
     try:
         result = diff(a, b, trust_pickle=trust_pickle, rtol=rtol, atol=atol)

@@ -16,6 +16,7 @@ from ..errors import TsckptError
 from ..wording import count, human_bytes
 from . import app, flag
 from .messages import failed
+from .tables import print_wide
 
 out = Console()
 err = Console(stderr=True)
@@ -67,7 +68,7 @@ def ls(
 
             _print_json(summary.listing(ck))
             return
-        print_wide(_tree_table(ck, list(ck), title=ck.url))
+        print_wide(_tree_table(ck, list(ck), title=ck.url), out)
         out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
                   f"{count(len(ck.metadata.objects), 'value')}; world size {ck.world_size}", highlight=False)
 
@@ -97,16 +98,6 @@ def _tree_table(ck: Any, keys: list[str], title: str) -> Table:
             shown_value = _short(ck[key]) if entry.encoding == "json" else "(torch-serialized value)"
             table.add_row(label, "", "value", "", shown_value)
     return table
-
-
-def print_wide(table: Table, console: Console | None = None) -> None:
-    """In a terminal the table fits the window; piped, it takes its natural width, so no cell is cut."""
-    console = console or out
-    if console.is_terminal:
-        console.print(table, highlight=False)
-    else:
-        width = console.measure(table, options=console.options.update_width(1 << 16)).maximum
-        Console(width=max(width, 20), file=console.file).print(table, highlight=False)
 
 
 def _print_json(doc: Any) -> None:
@@ -150,7 +141,7 @@ def show(
         ck = checkpoint.open(path, allow_pickle=allow_pickle)
         if key not in ck and (under := summary.members(ck, key)):
             out.print(f"{key} is a group of {len(under)} entries:", highlight=False, markup=False)
-            print_wide(_tree_table(ck, under, title=""))
+            print_wide(_tree_table(ck, under, title=""), out)
             return
         if key not in ck.tensors:
             value = ck[key]
@@ -224,4 +215,4 @@ def info(
             rows.append(("leftovers", left))
         for name, value in rows:
             table.add_row(name, value)
-        print_wide(table)
+        print_wide(table, out)

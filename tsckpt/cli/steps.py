@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ..wording import count
+from ..wording import count, human_bytes
 from . import app, flag
 from .exits import FOUND
 
@@ -116,7 +116,7 @@ def list_steps(root: str, as_json: bool) -> bool:
     from rich.table import Table
 
     from ..steps import FOREIGN, scan
-    from .inspect import human_bytes, print_wide
+    from .tables import print_wide
 
     entries = scan(root)
     if all(e.state == FOREIGN for e in entries):
