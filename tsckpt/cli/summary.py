@@ -96,7 +96,7 @@ def information(ck: Checkpoint) -> dict[str, Any]:
 
 
 def verification(report: VerifyReport) -> dict[str, Any]:
-    """The ``verify --json`` document of a :class:`~tsckpt.verify.VerifyReport`."""
+    """The ``verify --json`` document of a :class:`~tsckpt.read.verify.VerifyReport`."""
     return {**report.to_dict(), "arrays": len(report.entries), "failed": len(report.failed),
             "chunks": report.chunks, "nbytes": report.nbytes}
 

@@ -4,7 +4,12 @@ One vocabulary for every caller that must tell a committed checkpoint from a
 dead save's leftovers or from content tsckpt did not write: a save's set-up
 and its publication, ``clean``, and the step scan behind ``latest`` and
 ``prune``. Deciding only: nothing here writes, except :func:`delete_own_keys`,
-which is the one way anything of tsckpt deletes keys on a kvstore.
+which deletes, one key at a time, only the keys a tsckpt save writes. Its
+callers (a save replacing a checkpoint in place, ``clean`` and ``prune``)
+also delete the root document and the claim by name; an in-place save that
+failed deletes its own keys by the prefixes it recorded, which carry its save
+id or name its own arrays (:mod:`tsckpt.commit.in_place`); local directories
+are removed by :func:`tsckpt.commit.staged.remove_tree`.
 """
 
 from __future__ import annotations

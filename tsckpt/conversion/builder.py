@@ -81,9 +81,9 @@ class CheckpointBuilder:
         extra: JSON-able values recorded in the metadata's ``extra``.
         checksums: record a crc32c of every tensor chunk, as in :class:`tsckpt.TensorStoreWriter`.
         crc32c_codec: also store Zarr's ``crc32c`` codec with every chunk.
-        layout: ``"plain"`` (one file per chunk) or ``"packed"`` (an OCDBT
-            database of a few large files), as in :class:`tsckpt.TensorStoreWriter`;
-            ``None``: ``$TSCKPT_LAYOUT``, else plain.
+        layout: ``"plain"`` (one file per chunk) or ``"packed"`` (one data file
+            and an OCDBT index), as in :class:`tsckpt.TensorStoreWriter`;
+            ``None``: ``$TSCKPT_LAYOUT``, else packed.
     """
 
     def __init__(

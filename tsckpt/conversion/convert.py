@@ -80,7 +80,7 @@ def convert(
         max_shard_size: safetensors shard size limit in bytes (implies a directory).
         progress: show a progress bar on stderr.
         layout: storage layout of a tsckpt target, ``"plain"`` or ``"packed"``
-            (``None``: ``$TSCKPT_LAYOUT``, else plain).
+            (``None``: ``$TSCKPT_LAYOUT``, else packed).
 
     Entries the target cannot hold (safetensors: non-tensor values, some dtypes)
     are skipped with a :class:`ConversionWarning` naming them, and listed in

@@ -64,8 +64,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     Args:
         path: checkpoint directory (or a kvstore spec); may instead be given as
             ``checkpoint_id=`` to ``dcp.save``.
-        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (a
-            few files per rank, like DCP's default), ``False`` for the plain
+        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (one
+            data file per rank, like DCP's default), ``False`` for the plain
             layout (one file per chunk); ``None`` (the default here) leaves the
             choice to ``layout``.
         sync_files: ``False`` skips every fsync (chunks, nodes, root document,
@@ -99,10 +99,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         serialization_format: DCP's default (``TORCH_SAVE``) is accepted, since
             tensors are never pickled here anyway; ``SAFETENSORS`` is refused.
         layout: the storage layout, ``"plain"`` (one file or object per chunk;
-            any Zarr reader opens it) or ``"packed"`` (per-rank OCDBT databases
-            joined at commit; read through :func:`tsckpt.zarr_store`). ``None``:
-            ``$TSCKPT_LAYOUT`` if set, else plain. Only the coordinator's choice
-            counts in a multi-rank save.
+            any Zarr reader opens it) or ``"packed"`` (one data file per rank and
+            an OCDBT index of every key, written at commit; read through
+            :func:`tsckpt.zarr_store`). ``None``: ``$TSCKPT_LAYOUT`` if set, else
+            packed. Only the coordinator's choice counts in a multi-rank save.
         inner_chunk_bytes: the smallest inner chunk (Zarr's sharding codec) a
             save cuts outer chunks into, default 16 KiB; inner chunks are chosen
             so that loads into 2, 3, 4 or 8 ranks along any dimension fetch little

@@ -140,7 +140,7 @@ class Location:
     """The root of a checkpoint: a TensorStore kvstore spec plus context resources.
 
     ``spec`` never holds a ``"context"`` member; those resources live in
-    ``context`` and are given to :func:`make_context`. Nor tsckpt's own
+    ``context`` and are given to :func:`~tsckpt.storage.context.make_context`. Nor tsckpt's own
     members (:data:`TSCKPT_MEMBERS`, such as ``read_cost``, the cost model of
     :mod:`tsckpt.storage.byte_reads`), which live in ``options``.
     """
