@@ -19,7 +19,7 @@ samples in ``results.json`` and the tables report medians. Writes
 ``results.md``, ``results.png`` and ``results.json`` to ``--out``, and with
 ``--plots DIR`` the figures of ``plots.py`` (speed-ups, bytes per rank) to DIR.
 
-    python benchmarks/bench_dcp.py --size-gb 0.25 --update-readme
+    python benchmarks/bench_dcp.py --size-gb 0.25 --update-docs
     python benchmarks/bench_dcp.py --quick                  # smoke run: tiny sizes, 1 repetition
 """
 
@@ -192,7 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 repetition, no settling")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--update-readme", action="store_true", help="replace the README's benchmark block")
+    ap.add_argument("--update-docs", "--update-readme", dest="update_docs", action="store_true",
+                    help="replace the results block of docs/benchmarks/dcp.md")
     ap.add_argument("--plots", default="", help="also write plots.py's figures (dcp_<kind>.png) to this directory")
     args = ap.parse_args(argv)
     if args.quick:
@@ -236,8 +237,8 @@ def write_results(args: argparse.Namespace, results: dict[str, Any]) -> str:
     dcp_report.plot(results, os.path.join(args.out, "results.png"))
     if args.plots:
         dcp_report.write_plots(results, args.plots)
-    if args.update_readme:
-        dcp_report.update_readme(os.path.join(HERE, "..", "README.md"), text)
+    if args.update_docs:
+        dcp_report.update_block(dcp_report.DOCS_PAGE, text)
     return text
 
 

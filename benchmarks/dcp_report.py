@@ -1,4 +1,4 @@
-"""Markdown tables, ratios and target verdicts for ``bench_dcp.py`` results, and the README update.
+"""Markdown tables, ratios and target verdicts for ``bench_dcp.py`` results, and the block of them in the docs.
 
 Everything here works on the sample lists in ``results.json``; medians and
 ratios are computed here and nowhere else, so the tables can be rebuilt from
@@ -18,8 +18,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import table  # noqa: E402
 
-README_BEGIN = "<!-- bench_dcp:begin -->"
-README_END = "<!-- bench_dcp:end -->"
+#: The page whose marked block ``bench_dcp.py --update-docs`` rewrites, and the markers around it.
+DOCS_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks", "dcp.md")
+BLOCK_BEGIN = "<!-- bench_dcp:begin -->"
+BLOCK_END = "<!-- bench_dcp:end -->"
 DCP = "dcp-t1"  # DCP's default FileSystemWriter/FileSystemReader (thread_count=1)
 
 # (key in samples, label; {world}/{fewer} are filled in)
@@ -314,14 +316,15 @@ def write_plots(results: dict[str, Any], directory: str, fmt: str = "png") -> li
     return plots.write_all(records(results), directory, "dcp", fmt, title="tsckpt and DCP's default writer")
 
 
-def update_readme(readme: str, table: str) -> None:
-    with open(readme) as f:
+def update_block(page: str, table: str) -> None:
+    """Replace the text between the markers in ``page`` (:data:`DOCS_PAGE`) with ``table``."""
+    with open(page) as f:
         text = f.read()
-    block = f"{README_BEGIN}\n{table}{README_END}"
-    pattern = re.compile(re.escape(README_BEGIN) + ".*?" + re.escape(README_END), re.S)
+    block = f"{BLOCK_BEGIN}\n{table}{BLOCK_END}"
+    pattern = re.compile(re.escape(BLOCK_BEGIN) + ".*?" + re.escape(BLOCK_END), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{readme} has no {README_BEGIN} ... {README_END} block")
-    with open(readme, "w") as f:
+        raise SystemExit(f"{page} has no {BLOCK_BEGIN} ... {BLOCK_END} block")
+    with open(page, "w") as f:
         f.write(pattern.sub(lambda _: block, text))
 
 

@@ -132,14 +132,21 @@ def test_markdown_labels_a_partial_run():
     assert "Partial run" in dcp_report.markdown(_results(complete=False))
 
 
-def test_update_readme_replaces_only_the_marked_block(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{dcp_report.README_BEGIN}\nold\n{dcp_report.README_END}\nrest\n")
-    dcp_report.update_readme(str(readme), "new table\n")
-    assert readme.read_text() == f"intro\n{dcp_report.README_BEGIN}\nnew table\n{dcp_report.README_END}\nrest\n"
+def test_update_block_replaces_only_the_marked_block(tmp_path):
+    page = tmp_path / "dcp.md"
+    page.write_text(f"intro\n{dcp_report.BLOCK_BEGIN}\nold\n{dcp_report.BLOCK_END}\nrest\n")
+    dcp_report.update_block(str(page), "new table\n")
+    assert page.read_text() == f"intro\n{dcp_report.BLOCK_BEGIN}\nnew table\n{dcp_report.BLOCK_END}\nrest\n"
     (tmp_path / "other.md").write_text("no markers")
     with pytest.raises(SystemExit):
-        dcp_report.update_readme(str(tmp_path / "other.md"), "x")
+        dcp_report.update_block(str(tmp_path / "other.md"), "x")
+
+
+def test_the_docs_page_holds_the_block_bench_dcp_rewrites():
+    with open(dcp_report.DOCS_PAGE) as f:
+        text = f.read()
+    assert text.count(dcp_report.BLOCK_BEGIN) == 1
+    assert text.index(dcp_report.BLOCK_BEGIN) < text.index(dcp_report.BLOCK_END)
 
 
 def test_tuned_shapes_total_matches_three_copies():
