@@ -7,7 +7,7 @@ array specs (:mod:`tsckpt.storage.store`), the same chunk grid and inner chunks
 commit (:func:`tsckpt.commit.protocol.commit_checkpoint`).
 It exists for producers that never hold the whole state dict, such as format
 converters: each tensor is written as soon as it is added and only a bounded
-number of bytes (``max_inflight_bytes``) is waiting on TensorStore at any time,
+number of bytes (``max_inflight_bytes``) is waiting to be written at any time,
 so memory stays at about that budget plus the tensor being added.
 
 Like a DCP save, nothing at the location changes until :meth:`CheckpointBuilder.commit`
@@ -75,7 +75,7 @@ class CheckpointBuilder:
             until the new one is published on local filesystems.
         inner_chunk_bytes: the smallest inner chunk (Zarr sharding codec) a tensor
             is cut into, as in :class:`tsckpt.TensorStoreWriter`; 0 disables them.
-        max_inflight_bytes: tensor bytes that may wait on TensorStore before
+        max_inflight_bytes: tensor bytes that may wait to be written before
             :meth:`add_tensor` blocks; the caller must not modify a tensor it added
             until :meth:`commit` returns.
         extra: JSON-able values recorded in the metadata's ``extra``.

@@ -108,14 +108,15 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             so that loads into 2, 3, 4 or 8 ranks along any dimension fetch little
             more than they need (``docs/format.md``, section 5). 0 disables them.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        checksums: record a crc32c of every inner chunk in the metadata
-            (hardware crc32c, computed while the chunk is being written); every
+        checksums: store a crc32c after every inner chunk (Zarr's ``crc32c``
+            codec, computed in hardware while the chunk is written) and a
+            content hash of every outer chunk in the rank's digest table; every
             read checks every inner chunk it touches, whole, before returning any
             of it, so flipped bits fail the read instead of loading silently. On
             by default. Missing and truncated chunks are detected either way.
-        crc32c_codec: also store Zarr's own ``crc32c`` codec with every chunk,
-            so readers other than tsckpt check data by themselves, partial
-            reads included (TensorStore's software crc32c, about 2 GB/s per core).
+        crc32c_codec: store Zarr's ``crc32c`` codec with every chunk even with
+            ``checksums=False``, so that readers other than tsckpt check data by
+            themselves (with checksums on, every chunk carries it already).
         compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
             weights rarely compress enough to pay for it.
         base: make this save incremental against a committed checkpoint (a
