@@ -51,10 +51,7 @@ def _save(rank: int, world_size: int, location: dict, layout: str, failure: str,
     ("plain", "ctrl-c"),
     # A packed rank on S3 sends its data file at the end of its writes (one object of at most 1 GiB here), so
     # only Ctrl-C can stop it with a write on its way; a value failing to pickle comes before any write.
-    pytest.param("packed", "ctrl-c", marks=pytest.mark.xfail(strict=True, reason=(
-        "tsckpt/storage/sinks.py _Parts.wait takes a part's future off its list before waiting for it: "
-        "interrupted there, RankObjects.abandon no longer waits for that part, which lands after the "
-        "clean-up"))),
+    ("packed", "ctrl-c"),
 ])
 def test_nothing_lands_after_a_failed_saves_clean_up(s3, tmp_path, layout, failure):
     prefix = f"{layout}-{failure}"

@@ -107,6 +107,9 @@ class Sink(ABC):
     is taken while it is written, from the same buffers: :attr:`digests`.
     """
 
+    #: Values land in one file in the order they are put (so the order of puts is a layout decision).
+    ordered = False
+
     def __init__(self, hashed: bool):
         self.hashed = hashed
         #: The content hash of each value put, in put order (complete once :meth:`finish` calls its table).
@@ -172,6 +175,8 @@ class RankFile(Sink):
     one thread), or with ``background`` on the rank file's writing thread,
     so that the rank copies the next device tensor to host memory meanwhile.
     """
+
+    ordered = True
 
     def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
         super().__init__(hashed)
@@ -267,16 +272,27 @@ class _Parts:
 
     def send(self, key: str, data: bytes) -> None:
         while len(self.inflight) >= 2:
-            self.inflight.pop(0).result()
+            self.inflight[0].result()  # taken off only once done: an interrupted wait forgets no upload
+            self.inflight.pop(0)
         self.inflight.append(self.kv.write(key, data))
 
     def wait(self) -> None:
+        """Wait for every upload; the first failure is raised once all are done."""
+        failure: BaseException | None = None
         while self.inflight:
-            self.inflight.pop(0).result()
+            try:
+                self.inflight[0].result()
+            except Exception as e:  # noqa: BLE001 - raised after the others are waited for
+                failure = failure or e
+            self.inflight.pop(0)
+        if failure is not None:
+            raise failure
 
 
 class RankObjects(Sink):
     """The packed layout on an object store: values back to back in parts of at most ``part_bytes``."""
+
+    ordered = True
 
     def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, hashed: bool,
                  part_bytes: int = DEFAULT_PART_BYTES):
