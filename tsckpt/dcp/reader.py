@@ -13,8 +13,8 @@ import math
 import time
 import uuid
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from ..errors import OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader, ChunkSource
+from ..storage.byte_reads import RangeBatch
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
@@ -46,6 +47,8 @@ from .replica_transfers import ReplicaTransfers
 from .values import DecodedValue
 from ..storage.kvio import storage_error
 from .io import TensorStoreIO, done
+
+T = TypeVar("T")
 
 
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
@@ -199,9 +202,16 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype)
         try:
             # Shared regions first, in the global order every rank follows, then what this rank reads alone.
-            for transfer in transfers:
-                self._guarded(failures, self._share, plan.items[transfer.item], transfer, planner,
-                              readers[plan.items[transfer.item].storage_index.fqn], moving, buffers, failures)
+            # The regions this rank fetches are read in rounds of one batch each (merged requests).
+            for round_ in self._rounds(transfers, plan, readers, share.rank if share is not None else -1):
+                batch = self.source.batch()
+                steps = [self._guarded(failures, self._share, plan.items[t.item], t, planner,
+                                       readers[plan.items[t.item].storage_index.fqn], moving, buffers, batch)
+                         for t in round_]
+                batch.run()
+                for step in steps:
+                    if step is not None:
+                        buffers.add(step[0], functools.partial(self._guarded, failures, step[1]))
             buffers.drain()
             shared = {t.item for t in transfers}
             alone = [item for k, item in enumerate(plan.items) if k not in shared]
@@ -261,14 +271,16 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         flush()
 
     @staticmethod
-    def _guarded(failures: list[Exception] | None, step: Callable[..., None], *args: Any) -> None:
-        """Run ``step``; with ``failures`` (replicas depend on this rank), keep its error there instead of raising."""
+    def _guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any) -> T | None:
+        """Run ``step``; with ``failures`` (replicas depend on this rank), keep its error there instead of
+        raising (and give None)."""
         if failures is None:
             return step(*args)
         try:
-            step(*args)
+            return step(*args)
         except Exception as e:  # noqa: BLE001 - raised once every transfer is done
             failures.append(e)
+            return None
 
     def _stored_dtype(self, fqn: str) -> torch.dtype:
         assert self.metadata is not None
@@ -294,13 +306,31 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         except Exception as e:
             raise read_error(item.storage_index.fqn, str(self.checkpoint_id), e) from e
 
-    def _share(self, item: ReadItem, transfer: Transfer, planner: LoadPlanner, reader: BoxReader,
-               moving: ReplicaTransfers, buffers: CopyWindow, failures: list[Exception]) -> None:
-        """Take part in one shared region: fetch and send it (its owner), or receive it.
+    def _rounds(self, transfers: list[Transfer], plan: LoadPlan, readers: dict[str, BoxReader],
+                rank: int) -> Iterator[list[Transfer]]:
+        """``transfers`` in order, cut into rounds whose regions fetched by ``rank`` hold at most
+        ``per_thread_copy_ahead`` bytes (or one region, if larger)."""
+        limit, held, round_ = self.per_thread_copy_ahead, 0, []
+        for t in transfers:
+            item = plan.items[t.item]
+            nbytes = readers[item.storage_index.fqn].held_bytes(item.lengths, out=False) if t.owner == rank else 0
+            if round_ and limit is not None and held + nbytes > limit:
+                yield round_
+                round_, held = [], 0
+            round_.append(t)
+            held += nbytes
+        if round_:
+            yield round_
 
-        Either way the transfer happens when ``buffers`` completes it, in the
-        global order; it never raises there (the error is kept in ``failures``),
-        so the transfers after it still happen.
+    def _share(self, item: ReadItem, transfer: Transfer, planner: LoadPlanner, reader: BoxReader,
+               moving: ReplicaTransfers, buffers: CopyWindow,
+               batch: RangeBatch) -> tuple[int, Callable[[], None]]:
+        """Take part in one shared region: plan its fetch into ``batch`` (its owner), or its receive.
+
+        Returns the bytes it holds and the step that completes it (send or
+        receive, then commit), which the caller queues in ``buffers`` once
+        ``batch`` runs, in the global order. The step never leaves a transfer
+        undone: a failure is raised after it (and kept by the caller).
         """
         error: Exception | None = None
         try:
@@ -308,7 +338,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         except Exception as e:  # noqa: BLE001 - the transfer still happens, through a scratch tensor
             dest, error = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(item.storage_index.fqn)), e
         if transfer.owner == moving.rank:
-            nbytes, step = self._fetch_and_send(item, transfer, dest, error, reader, moving, buffers)
+            nbytes, step = self._fetch_and_send(item, transfer, dest, error, reader, moving, buffers, batch)
         else:
             nbytes, step = self._receive(item, transfer, dest, error, moving, buffers)
 
@@ -316,7 +346,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             step()
             planner.commit_tensor(item, dest)
 
-        buffers.add(nbytes, functools.partial(self._guarded, failures, complete))
+        return nbytes, complete
 
     def _receive(self, item: ReadItem, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
                  moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
@@ -339,9 +369,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return nbytes, receive
 
     def _fetch_and_send(self, item: ReadItem, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
-                        reader: BoxReader, moving: ReplicaTransfers,
-                        buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
-        """Start the checked read of a region this rank owns: its held bytes, and the step that sends it.
+                        reader: BoxReader, moving: ReplicaTransfers, buffers: CopyWindow,
+                        batch: RangeBatch) -> tuple[int, Callable[[], None]]:
+        """Plan the checked read of a region this rank owns into ``batch``: its held bytes, and the step that
+        sends it (after ``batch`` runs).
 
         The step sends even when the read failed (the receivers are told),
         then raises the failure.
@@ -353,8 +384,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         try:
             if error is None:
                 self._opened(reader, item.storage_index.fqn)
-                read = reader.start(item.storage_offsets, item.lengths,
-                                    out=dtypes.tensor_as_numpy(dest) if in_place else None).result
+                read = reader.plan(item.storage_offsets, item.lengths, batch,
+                                   out=dtypes.tensor_as_numpy(dest) if in_place else None)
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised
             error = e
 
