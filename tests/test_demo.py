@@ -36,12 +36,12 @@ def test_demo_saves_on_4_ranks_and_reloads_bit_exact_on_2(tmp_path):
     assert md["world_size"] == 4
     assert f"all {len(md['tensors'])} tensors" in ok[0]
     embed = md["tensors"]["model.embed.weight"]
-    # FSDP2 splits 250 rows over 4 ranks as 63/63/63/61; each rank wrote its own chunk.
-    assert embed["chunk_shape"] == [63, 128]
+    # FSDP2 splits 250 rows over 4 ranks as 63/63/63/61; each rank wrote its own chunks, bands of its rows.
+    assert embed["chunk_shape"][0] == 63 and 128 % embed["chunk_shape"][1] == 0
     # Through tsckpt's store, which serves either layout (the demo saves in $TSCKPT_LAYOUT's).
     group = zarr.open_group(tsckpt.zarr_store(path), mode="r")
     assert group["model/embed.weight"].attrs["tsckpt"]["kind"] == "tensor"
-    assert sorted(tsckpt.open(path)["model.embed.weight"].writers().values()) == [0, 1, 2, 3]
+    assert sorted(set(tsckpt.open(path)["model.embed.weight"].writers().values())) == [0, 1, 2, 3]
     assert f"layout {md.get('layout', 'plain')}; as zarr-python sees it:" in proc.stdout
     assert md["objects"]["step"] == {"key_path": ["step"], "encoding": "json", "value": demo.STEPS}
     moment = group["optim/state/embed.weight/exp_avg"]

@@ -241,7 +241,8 @@ def _save_chain(rank, world, root, layout):
 def test_a_two_rank_incremental_checkpoint_loads_resharded(tmp_path, layout):
     dist.run_ranks(2, _save_chain, str(tmp_path), layout, timeout=TIMEOUT)
     reuse = tsckpt.open(tmp_path / "step_2").metadata.reuse
-    assert reuse.chunks_reused == 2 and reuse.bytes_reused == 512 * 128 * 2  # both ranks' frozen shards
+    # Both ranks' frozen shards, whichever bands they are stored as.
+    assert reuse.chunks_reused >= 2 and reuse.bytes_reused == 512 * 128 * 2
     shutil.rmtree(tmp_path / "step_1")
     # One process, whole tensors: a load in another sharding than the two row shards saved.
     assert _same(_load(tmp_path / "step_2"), _state(2))

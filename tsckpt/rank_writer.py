@@ -21,7 +21,10 @@ moves bytes and remembers what it wrote:
   checked, and taken; one that fails is written after all;
 * host copies of device tensors, and with ``bound_host_sources`` every source,
   pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
-  the host memory a rank holds while its sink writes.
+  the host memory a rank holds while its sink writes; they are written as
+  they come. Sources that stay in host memory anyway are written at
+  :meth:`RankWriter.finish`, into a data file in the order of
+  :mod:`tsckpt.format.placement` (the bands of all tensors band by band).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from .dcp.copy_window import CopyWindow
 from .errors import StorageError
-from .format import content_hashes, dtypes, shards, zarr_json
+from .format import content_hashes, dtypes, placement, shards, zarr_json
 from .format.compressed import CompressedChunk
 from .format.digest_table import DigestTable
 from .format.grid import ChunkGrid
@@ -126,6 +129,9 @@ class RankWriter:
         self._sink = store.layout.sink(store, rank, save_id, sync=sync, hashed=checksums)
         #: What each value put into the sink was: (tensor, position in its WrittenChunks) or (blob name, -1).
         self._puts: list[tuple[str, int]] = []
+        #: Values of host sources not yet put, in the packed layout: put at :meth:`finish` in placement order.
+        self._deferred: list[tuple[tuple[float | int, ...], str, tuple[int, ...], int, Any, Any]] = []
+        self._seq: dict[str, int] = {}
         self._held: list[Any] = []
         self._window = CopyWindow(window)
         self.base = base
@@ -155,6 +161,10 @@ class RankWriter:
             return nbytes
         entry = self._entries[fqn]
         against = self.base.digests(fqn, entry) if self.base is not None else None
+        # Sources that stay in host memory until finish() are put there, in placement order (one file, laid
+        # out for loads into other topologies); device copies are written as they come, within the window.
+        defer = not windowed and self._sink.ordered and self.options.compression is None
+        seq = self._seq.setdefault(fqn, len(self._seq))
         futures = []
         for index, part in chunk_parts(entry.grid, offsets, source):
             flat = entry.grid.flat_index(index)
@@ -168,6 +178,8 @@ class RankWriter:
             chunks.digests.append(digest)
             if against is not None and against.get(flat) == digest:
                 self._check_then_take(fqn, index, position, part)
+            elif defer:
+                self._deferred.append((placement.sort_key(entry.grid, index, seq), fqn, index, position, value, hold))
             else:
                 futures.append(self._put(fqn, index, position, value, hold, background=copied))
         if windowed:
@@ -216,6 +228,13 @@ class RankWriter:
         self._held.append(part)
         self._put(fqn, index, position, self._value(fqn, part), part)
 
+    def _put_deferred(self) -> None:
+        """Put the deferred values, in the order of :func:`~tsckpt.format.placement.sort_key`."""
+        deferred, self._deferred = self._deferred, []
+        deferred.sort(key=lambda d: d[0])
+        for _, fqn, index, position, value, hold in deferred:
+            self._put(fqn, index, position, value, hold)
+
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
         """Store a value blob (``torch.save`` bytes) as the one chunk of the ``uint8`` array at ``path``."""
         self.blobs[name] = None
@@ -227,11 +246,13 @@ class RankWriter:
         """Wait until the sources of every write started so far may be released (not durable: see :meth:`finish`)."""
         self._checks.drain()
         self._window.drain()
+        self._put_deferred()
 
     def finish(self) -> RankFiles:
         """Wait for every write, store the digest table, make everything durable; what the rank's files hold."""
         self._checks.drain()
         self._window.drain()
+        self._put_deferred()
         try:
             self.files = self._sink.finish(self._collect)
         except WriteFailed as e:
@@ -288,6 +309,7 @@ class RankWriter:
         self._sink.abandon()
         self._window = CopyWindow(self._window.limit)
         self._checks = CopyWindow(CHECK_WINDOW)
+        self._deferred.clear()
         self._held.clear()
 
     @staticmethod

@@ -23,9 +23,15 @@ if larger), so its checksum table in the root document stays small.
 
 Along a dimension the saved regions cut (a rank boundary inside it), the outer
 chunk is fixed by those boundaries and inner chunks must divide it. Along a
-dimension no region boundary cuts, the outer chunk is free: it becomes the
-dimension rounded up to a multiple of the inner chunk (Zarr stores the overhang
-as the edge chunk's padding), so a dimension of prime length is still cut.
+dimension no region boundary cuts, the outer chunk is free. In a sharded tensor
+(some dimension cut) it is the inner chunk: each outer chunk is then a band of
+one rank's region, one inner chunk wide, and a rank stores the bands of all its
+tensors band by band (:mod:`tsckpt.format.placement`), so a load that takes a
+column block of a row-sharded save reads one byte range per file. In a tensor
+no region cuts (written whole by one rank) it is the dimension rounded up to a
+multiple of the inner chunk (Zarr stores the overhang as the edge chunk's
+padding): one outer chunk, cut into inner chunks, so a dimension of prime
+length is still cut.
 Pure functions of shapes; nothing here touches storage.
 """
 
@@ -148,7 +154,10 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
         if not smaller:
             break
         pick[d] = smaller[-1]
-    outer = tuple(c if c < max(n, 1) else -(-n // u) * u for n, c, u in zip(shape, chunk, pick))
+    # A sharded tensor's outer chunks are bands of a rank's region, one inner chunk wide along every dimension
+    # no region cuts: the rank can store the bands of all its tensors band by band (format/placement.py).
+    cut = any(c < max(n, 1) for n, c in zip(shape, chunk))
+    outer = tuple(c if c < max(n, 1) else (u if cut else -(-n // u) * u) for n, c, u in zip(shape, chunk, pick))
     inner = tuple(pick)
     if inner == outer:
         return chunk, None

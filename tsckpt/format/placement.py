@@ -1,0 +1,38 @@
+"""Where a rank's values go in its data file: in the order that keeps what other topologies read together.
+
+A rank's data file (the packed layout) holds one value per outer chunk it
+saved, and the index says where each one is, so any order is valid: a reader
+never assumes one. The order only decides how many byte ranges a load needs.
+A load into the same topology, or a replicated one, reads whole files, which
+is one range whatever the order. A load that cuts the tensors along another
+dimension than the save did (a column block of a row-sharded save) needs,
+from every tensor of a source file, the outer chunks of one band: stored band
+by band across tensors, that is one range per source file instead of one per
+tensor.
+
+So values are ordered by :func:`sort_key`: tensors of at least two dimensions
+after those of fewer (scalars, biases and norms come first, read by whole
+ranges), then by where the outer chunk starts along dimension 1, 2, ... and
+lastly 0, each as a fraction of the dimension (so tensors of different widths
+interleave band by band), then by the tensor's place in the save and the
+chunk's place in its grid. Pure functions; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .grid import ChunkGrid
+
+
+def sort_key(grid: ChunkGrid, index: Sequence[int], tensor: int) -> tuple[float | int, ...]:
+    """The place of outer chunk ``index`` of a tensor laid out as ``grid`` among a rank's values.
+
+    ``tensor`` is the tensor's position among those the rank saves (a tie-break
+    that keeps a tensor's chunks together where nothing else separates them).
+    """
+    shape, chunk = grid.shape, grid.chunk_shape
+    if len(shape) < 2:
+        return (0, tensor, *index)
+    dims = (*range(1, len(shape)), 0)
+    return (1, *(index[d] * chunk[d] / max(shape[d], 1) for d in dims), tensor, *index)
