@@ -29,6 +29,9 @@ from tsckpt.dcp.replica_reads import RankNote, ReplicaShare, schedule
 from tsckpt.errors import OptionError, TsckptError
 
 BUCKET = "tsckpt-replicas"
+#: Where the schedule may cut each tensor's shared regions: (dim, outer chunk, extent), or None.
+CUTS = {"line": (0, 275_000, 1_100_000), "small": None, "big": (1, 258, 1030)}
+DIM1 = lambda fqn: CUTS.get(fqn, (1, 32, SHAPE[1]))  # noqa: E731
 #: Eight 1 MiB float32 tensors: a copy is 8 MiB, so metadata reads are small beside a quarter of it.
 NAMES = [f"layer{k}.w" for k in range(8)]
 SHAPE = (512, 512)
@@ -64,13 +67,13 @@ def _plans(boxes_by_rank, noted=None) -> list[LoadPlan]:
 
 def test_schedule_gives_each_replica_an_even_share_and_every_rank_one_order():
     whole = [(name, (0, 0), SHAPE) for name in NAMES]
-    shares = schedule(_plans([whole] * 4), lambda fqn: 4)
-    assert [s.fetched_here() for s in shares] == [2, 2, 2, 2]
+    shares = schedule(_plans([whole] * 4), lambda fqn: 4, DIM1)
+    assert [s.fetched_here() for s in shares] == [8, 8, 8, 8]  # a stripe of each tensor
     owners = [[t.owner for t in s.transfers()] for s in shares]
     assert owners[0] == owners[1] == owners[2] == owners[3]  # everyone agrees on who fetches what
-    assert sorted(owners[0]) == [10, 10, 11, 11, 12, 12, 13, 13]  # ranks of the default group, from the notes
+    assert owners[0] == [10, 11, 12, 13] * 8  # ranks of the default group, from the notes, stripe by stripe
     for s in shares:
-        assert [t.seq for t in s.transfers()] == list(range(8))
+        assert [t.seq for t in s.transfers()] == list(range(32))
         for t in s.transfers():
             assert set(t.receivers) == {10, 11, 12, 13} - {t.owner}
     # One member list for all, pickled once: a rank's share grows with its regions, not with the world.
@@ -79,16 +82,68 @@ def test_schedule_gives_each_replica_an_even_share_and_every_rank_one_order():
 
 
 def test_schedule_balances_bytes_and_shares_only_identical_boxes():
+    # Columns of one element: too thin to cut into stripes, so each region goes whole to one member.
     half = SHAPE[0] // 2
-    top, bottom = ("w", (0, 0), (half, SHAPE[1])), ("w", (half, 0), (half, SHAPE[1]))
+    top, bottom = ("w", (0, 0), (half, 1)), ("w", (half, 0), (half, 1))
     # HSDP-like: ranks 0 and 2 need the top half, 1 and 3 the bottom; rank 1 also reads a big tensor alone.
-    shares = schedule(_plans([[top], [bottom, ("big", (0, 0), (4096, 512))], [top], [bottom]]), lambda fqn: 4)
+    shares = schedule(_plans([[top], [bottom, ("big", (0, 0), (4096, 512))], [top], [bottom]]), lambda fqn: 4, DIM1)
     assert [len(s.transfers()) for s in shares] == [1, 1, 1, 1]
     assert shares[1].transfers()[0].owner == 13  # rank 1 already fetches the most
     assert shares[0].transfers()[0].receivers in ((12,), (10,))
+    assert shares[0].transfers()[0].part is None
     # A box that overlaps another but differs is read by each rank itself; a rank without a note shares nothing.
-    shares = schedule(_plans([[top], [("w", (0, 0), (half - 1, SHAPE[1]))], [top]], noted=(0, 1)), lambda fqn: 4)
+    shares = schedule(_plans([[top], [("w", (0, 0), (half - 1, 1))], [top]], noted=(0, 1)), lambda fqn: 4, DIM1)
     assert shares == [None, None, None]
+
+
+def test_schedule_cuts_large_regions_into_one_stripe_per_member_in_rank_order():
+    # Four column stripes at chunk edges, the k-th to the k-th rank; a 1-d region is cut along its one
+    # dimension, and one stored as one value is fetched whole.
+    big, line, small = ("big", (0, 0), (1024, 1030)), ("line", (0,), (1_100_000,)), ("small", (0, 0), (8, 3))
+    shares = schedule(_plans([[big, line, small]] * 4), lambda fqn: 4, DIM1)
+    transfers = shares[2].transfers()
+    stripes = [(t.owner, t.part) for t in transfers if t.part is not None]
+    assert stripes == [(10, (1, 0, 258)), (11, (1, 258, 516)), (12, (1, 516, 774)), (13, (1, 774, 1030)),
+                       (10, (0, 0, 275000)), (11, (0, 275000, 550000)), (12, (0, 550000, 825000)),
+                       (13, (0, 825000, 1100000))]
+    assert [t.part for t in transfers if t.item == 2] == [None]
+    assert transfers[1].box((0, 0), (1024, 1030)) == ((0, 258), (1024, 258))
+    assert ReplicaShare.from_dict(shares[2].to_dict()).transfers() == transfers
+    assert [s.fetched_here() for s in shares].count(3) == 1  # the small region goes to one of them
+
+
+def _striped_saved() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"wide": torch.randn(1024, 1030, generator=g),
+            "half": torch.randn(2048, 1031, generator=g).to(torch.bfloat16),
+            "line": torch.randn(1_100_000, generator=g),
+            "small": torch.randn(7, 9, generator=g)}
+
+
+def save_then_load_striped(rank, world, location):
+    """Save row-sharded, then load every tensor whole on every rank, into a non-contiguous float32, a float64,
+    a contiguous and a bfloat16 destination: the bytes this rank read and whether it got the saved values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    saved = _striped_saved()
+    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in saved.items()},
+             storage_writer=tsckpt.TensorStoreWriter(location))
+    sd = {"wide": torch.zeros(1030, 1024).t(), "half": torch.zeros(2048, 1031, dtype=torch.float64),
+          "line": torch.zeros(1_100_000), "small": torch.zeros(7, 9)}
+    before = _rchar()
+    dcp.load(sd, storage_reader=tsckpt.TensorStoreReader(location, replica_reads=True))
+    read = _rchar() - before
+    return read, all(torch.equal(sd[k], saved[k].to(sd[k].dtype)) for k in saved)
+
+
+def test_replicated_loads_of_a_sharded_save_travel_in_stripes_bit_exactly(tmp_path):
+    copy = sum(t.numel() * t.element_size() for t in _striped_saved().values())
+    results = run_ranks(4, save_then_load_striped, str(tmp_path / "ck"))
+    assert all(ok for _, ok in results)
+    # Each rank fetches about its quarter of a copy (stripes, the small tensor, metadata), not a copy.
+    assert all(read < 0.4 * copy for read, _ in results), [read / copy for read, _ in results]
 
 
 def test_replica_reads_option_is_checked(tmp_path):
@@ -237,8 +292,10 @@ def test_a_failed_read_of_a_shared_region_fails_every_rank_that_needed_it(local_
 
 def test_the_share_of_a_rank_pickles_small():
     whole = [(name, (0, 0), SHAPE) for name in NAMES]
-    small = schedule(_plans([whole] * 4), lambda fqn: 4)
-    large = schedule(_plans([whole] * 64), lambda fqn: 4)
-    # 16x the ranks: a rank's share grows only by the member list of its one replica group.
+    small = schedule(_plans([whole] * 16), lambda fqn: 4, DIM1)
+    large = schedule(_plans([whole] * 64), lambda fqn: 4, DIM1)
+    # 4x the ranks: a rank's share grows only by the member list of its one replica group, as a region is cut
+    # at its 16 chunks at most (every fourth member of 64 takes one).
     assert len(pickle.dumps(large[0])) - len(pickle.dumps(small[0])) < 60 * 4 * 8
-    assert np.all(large[0].seq == np.arange(8))
+    assert np.all(large[0].seq == np.arange(8 * 16))
+    assert sorted({t.owner for t in large[0].transfers()}) == list(range(10, 74, 4))

@@ -12,7 +12,14 @@ Moving the bytes is :mod:`tsckpt.dcp.replica_transfers`; this module only
 decides.
 
 Only identical boxes are shared: a rank that needs rows 0-99 and one that needs
-rows 0-49 each read their own.
+rows 0-49 each read their own. A shared box of a sharded tensor is cut into
+stripes at its chunks: member ``k`` of ``m`` fetches the chunks that start in
+the k-th m-th of the dimension, for every such box. The stripes run along the
+dimension the tensor is stored by
+(:func:`tsckpt.format.placement.stripe_dim`: the packed layout stores a rank's
+tensors band by band along dimension 1), so each member reads one run of every
+file instead of pieces of all of them. A tensor stored as one value is fetched
+whole by one member.
 
 What each rank receives grows with the regions it takes part in, plus the
 member lists of its replica groups (pickled once for every rank that has the
@@ -64,6 +71,17 @@ class Transfer:
     item: int
     owner: int
     receivers: tuple[int, ...]
+    #: The stripe ``(dim, start, stop)`` of the item: ``[start, stop)`` along ``dim``; None: the whole item.
+    part: tuple[int, int, int] | None = None
+
+    def box(self, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The box this transfer moves, of an item at ``offsets`` of size ``lengths``."""
+        offsets, lengths = tuple(offsets), tuple(lengths)
+        if self.part is None:
+            return offsets, lengths
+        d, start, stop = self.part
+        return (offsets[:d] + (offsets[d] + start,) + offsets[d + 1:],
+                lengths[:d] + (stop - start,) + lengths[d + 1:])
 
 
 @dataclass(frozen=True)
@@ -71,8 +89,9 @@ class ReplicaShare:
     """One rank's part of the schedule, in columns (``LoadPlan.storage_data`` after global planning).
 
     Row ``k`` is region ``seq[k]`` of the global order, read item ``item[k]`` of
-    this rank's plan, needed by the ranks of ``groups[group[k]]`` (ascending)
-    and fetched by ``owner[k]``, one of them. Rows are in ``seq`` order.
+    this rank's plan (its stripe ``[start[k], stop[k])`` along ``dim[k]``, or
+    all of it where ``dim[k]`` is -1), needed by the ranks of ``groups[group[k]]``
+    (ascending) and fetched by ``owner[k]``, one of them. Rows are in ``seq`` order.
     """
 
     rank: int
@@ -81,6 +100,9 @@ class ReplicaShare:
     item: np.ndarray  # int32
     group: np.ndarray  # int32
     owner: np.ndarray  # int32
+    dim: np.ndarray  # int32
+    start: np.ndarray  # int64
+    stop: np.ndarray  # int64
 
     @staticmethod
     def of(plan: LoadPlan) -> ReplicaShare | None:
@@ -89,8 +111,10 @@ class ReplicaShare:
 
     def transfers(self) -> list[Transfer]:
         groups = self.groups.value
-        return [Transfer(s, i, o, tuple(r for r in groups[g] if r != o))
-                for s, i, g, o in zip(self.seq.tolist(), self.item.tolist(), self.group.tolist(), self.owner.tolist())]
+        return [Transfer(s, i, o, tuple(r for r in groups[g] if r != o), None if d < 0 else (d, a, b))
+                for s, i, g, o, d, a, b in zip(self.seq.tolist(), self.item.tolist(), self.group.tolist(),
+                                               self.owner.tolist(), self.dim.tolist(), self.start.tolist(),
+                                               self.stop.tolist())]
 
     def fetched_here(self) -> int:
         """How many of this rank's shared regions it fetches itself."""
@@ -98,23 +122,30 @@ class ReplicaShare:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "groups": [list(g) for g in self.groups.value], "seq": self.seq.tolist(),
-                "item": self.item.tolist(), "group": self.group.tolist(), "owner": self.owner.tolist()}
+                "item": self.item.tolist(), "group": self.group.tolist(), "owner": self.owner.tolist(),
+                "dim": self.dim.tolist(), "start": self.start.tolist(), "stop": self.stop.tolist()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaShare:
         return cls(int(d["rank"]), Prepickled(tuple(tuple(int(r) for r in g) for g in d["groups"])),
                    np.asarray(d["seq"], np.int64), np.asarray(d["item"], np.int32),
-                   np.asarray(d["group"], np.int32), np.asarray(d["owner"], np.int32))
+                   np.asarray(d["group"], np.int32), np.asarray(d["owner"], np.int32),
+                   np.asarray(d["dim"], np.int32), np.asarray(d["start"], np.int64), np.asarray(d["stop"], np.int64))
 
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int]) -> list[ReplicaShare | None]:
+def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
+             stripe_dim: Callable[[str], tuple[int, int, int] | None]) -> list[ReplicaShare | None]:
     """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or did not opt in).
 
-    ``itemsize(fqn)``: bytes per stored element of a tensor. Ranks whose plan
-    carries no :class:`RankNote` read everything themselves. Owners are chosen
+    ``itemsize(fqn)``: bytes per stored element of a tensor; ``stripe_dim(fqn)``:
+    ``(dim, chunk, extent)``, the dimension its regions are cut into stripes
+    along, its outer chunk and its length there (None: not cut). Ranks whose
+    plan carries no :class:`RankNote` read everything themselves. A region is
+    cut into stripes at its chunks, the k-th member (by rank) taking the chunks
+    that start in the k-th of as many equal parts of the dimension. Owners of the other regions are chosen
     largest region first, each to the member that has fetched the fewest bytes
     so far (the regions it reads alone included); ties rotate with the region,
     so equal replicas split equal regions evenly. Deterministic.
@@ -141,25 +172,61 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int]) -> list[
     for region, who in needers.items():
         if len(who) == 1:
             fetched[who[0][0]] += sizes[region]
-    owners: dict[Region, int] = {}
-    for k in sorted(range(len(shared)), key=lambda k: -sizes[shared[k]]):
+    # Large regions in stripes, stripe k to the k-th member (the same member takes the same stripe of each);
+    # the rest whole, largest first, each to the member that has fetched the fewest bytes so far.
+    parts: list[tuple[Region, tuple[int, int, int] | None]] = []
+    owners: list[int] = []
+    whole = []
+    for k, region in enumerate(shared):
+        who = needers[region]
+        cut = stripe_dim(region[0]) if region[2] else None
+        stripes = _stripes(region, cut, len(who)) if cut is not None else None
+        if stripes is None:
+            whole.append(k)
+            continue
+        members = sorted(who, key=lambda w: ranks[w[0]])  # type: ignore[arg-type, return-value]
+        for member, (start, stop) in stripes:
+            r = members[member][0]
+            d = cut[0]  # type: ignore[index]
+            parts.append((region, (d, start, stop)))
+            owners.append(r)
+            fetched[r] += sizes[region] * (stop - start) // region[2][d]
+    for k in sorted(whole, key=lambda k: -sizes[shared[k]]):
         who = needers[shared[k]]
         _, owner = min((fetched[r], (n - k) % len(who), r) for n, (r, _) in enumerate(who))[1:]
-        owners[shared[k]] = owner
+        parts.append((shared[k], None))
+        owners.append(owner)
         fetched[owner] += sizes[shared[k]]
-    return _shares(plans, ranks, shared, needers, owners)
+    return _shares(plans, ranks, parts, needers, owners)
 
 
-def _shares(plans: Sequence[LoadPlan], ranks: Sequence[int | None], shared: Sequence[Region],
-            needers: Mapping[Region, Sequence[tuple[int, int]]], owners: Mapping[Region, int]) -> list[ReplicaShare | None]:
-    rows: list[list[tuple[int, int, tuple[int, ...], int]]] = [[] for _ in plans]
-    for seq, region in enumerate(shared):
+def _stripes(region: Region, cut: tuple[int, int, int], members: int) -> list[tuple[int, tuple[int, int]]] | None:
+    """The stripes of ``region`` along ``cut = (dim, chunk, extent)``: ``(member, (start, stop))`` relative to
+    the region, or None: fetched whole by one member.
+
+    Member ``k`` takes the tensor's chunks that start in ``[k/m, (k+1)/m)`` of
+    the dimension, as stored one run per file; so a member may take none of a
+    region, or all of a narrow one.
+    """
+    d, chunk, extent = cut
+    lo, hi = region[1][d], region[1][d] + region[2][d]
+    edges = [lo] + [min(max(-(-k * extent // (chunk * members)) * chunk, lo), hi) for k in range(1, members)] + [hi]
+    stripes = [(k, (a - lo, b - lo)) for k, (a, b) in enumerate(zip(edges, edges[1:])) if b > a]
+    return stripes if len(stripes) > 1 else None
+
+
+def _shares(plans: Sequence[LoadPlan], ranks: Sequence[int | None],
+            parts: Sequence[tuple[Region, tuple[int, int, int] | None]],
+            needers: Mapping[Region, Sequence[tuple[int, int]]], owners: Sequence[int]) -> list[ReplicaShare | None]:
+    rows: list[list[tuple[int, int, tuple[int, ...], int, int, int, int]]] = [[] for _ in plans]
+    for seq, ((region, part), owner_plan) in enumerate(zip(parts, owners)):
         who = needers[region]
         members = tuple(sorted(ranks[r] for r, _ in who))  # type: ignore[type-var]
-        owner = ranks[owners[region]]
+        owner = ranks[owner_plan]
         assert owner is not None
+        dim, start, stop = part if part is not None else (-1, -1, -1)
         for r, i in who:
-            rows[r].append((seq, i, members, owner))
+            rows[r].append((seq, i, members, owner, dim, start, stop))
     pickled: dict[tuple[tuple[int, ...], ...], Prepickled[tuple[tuple[int, ...], ...]]] = {}
     out: list[ReplicaShare | None] = []
     for r, mine in enumerate(rows):
@@ -167,13 +234,15 @@ def _shares(plans: Sequence[LoadPlan], ranks: Sequence[int | None], shared: Sequ
             out.append(None)
             continue
         local: dict[tuple[int, ...], int] = {}
-        group = [local.setdefault(members, len(local)) for _, _, members, _ in mine]
+        group = [local.setdefault(m[2], len(local)) for m in mine]
         groups = tuple(local)
         if groups not in pickled:
             pickled[groups] = Prepickled(groups)
         rank = ranks[r]
         assert rank is not None
-        out.append(ReplicaShare(rank, pickled[groups], np.asarray([m[0] for m in mine], np.int64),
-                                np.asarray([m[1] for m in mine], np.int32), np.asarray(group, np.int32),
-                                np.asarray([m[3] for m in mine], np.int32)))
+        columns = list(zip(*mine))
+        out.append(ReplicaShare(rank, pickled[groups], np.asarray(columns[0], np.int64),
+                                np.asarray(columns[1], np.int32), np.asarray(group, np.int32),
+                                np.asarray(columns[3], np.int32), np.asarray(columns[4], np.int32),
+                                np.asarray(columns[5], np.int64), np.asarray(columns[6], np.int64)))
     return out

@@ -36,3 +36,18 @@ def sort_key(grid: ChunkGrid, index: Sequence[int], tensor: int) -> tuple[float 
         return (0, tensor, *index)
     dims = (*range(1, len(shape)), 0)
     return (1, *(index[d] * chunk[d] / max(shape[d], 1) for d in dims), tensor, *index)
+
+
+def stripe_dim(grid: ChunkGrid) -> int | None:
+    """The dimension along which the values of a sharded tensor lie in order in every file, or None: the
+    tensor is one value, and a piece of it is best fetched with the rest of it.
+
+    Dimension 1 for a tensor of two or more dimensions cut into bands along
+    it (the order of :func:`sort_key`); otherwise dimension 0, along which the
+    ranks' regions follow each other. Cut into ``m`` pieces at its outer
+    chunks, piece ``k`` taking the chunks that start in ``[k/m, (k+1)/m)`` of
+    that dimension, a piece is one run of each file.
+    """
+    if grid.nchunks <= 1:
+        return None
+    return 1 if len(grid.shape) >= 2 and grid.grid_shape[1] > 1 else 0
