@@ -94,9 +94,10 @@ def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world, meets):
     outer, inner = inner_chunks.choose(shape, chunk, 2, min_bytes=16 << 10, max_bytes=16 << 20)
     assert inner is not None and all(o % i == 0 for o, i in zip(outer, inner))
     # A dimension ranks cut keeps its aligned chunk. One they do not is one inner chunk wide where another
-    # dimension is cut (bands of a rank's region), else rounded up to whole inner chunks.
-    sharded = any(c < n for c, n in zip(chunk, shape))
-    assert all(o == c if c < n else (o == i if sharded else n <= o < n + i)
+    # dimension is cut (bands of a rank's region, of 64 KiB at least), else rounded up to whole inner chunks.
+    band = math.prod(c if c < n else i for c, n, i in zip(chunk, shape, inner)) * 2
+    banded = any(c < n for c, n in zip(chunk, shape)) and band >= inner_chunks.MIN_BAND_BYTES
+    assert all(o == c if c < n else (o == i if banded else n <= o < n + i)
                for o, c, n, i in zip(outer, chunk, shape, inner))
     floor = min(16 << 10, max(inner_chunks.MIN_PIECE_BYTES, math.prod(chunk) * 2 // inner_chunks.SMALL_PIECES))
     assert floor <= math.prod(inner) * 2 <= 16 << 20

@@ -24,7 +24,8 @@ if larger), so its checksum table in the root document stays small.
 Along a dimension the saved regions cut (a rank boundary inside it), the outer
 chunk is fixed by those boundaries and inner chunks must divide it. Along a
 dimension no region boundary cuts, the outer chunk is free. In a sharded tensor
-(some dimension cut) it is the inner chunk: each outer chunk is then a band of
+(some dimension cut) it is the inner chunk, where that makes outer chunks of
+at least 64 KiB: each outer chunk is then a band of
 one rank's region, one inner chunk wide, and a rank stores the bands of all its
 tensors band by band (:mod:`tsckpt.format.placement`), so a load that takes a
 column block of a row-sharded save reads one byte range per file. In a tensor
@@ -52,6 +53,9 @@ TARGET_RATIO = 1.2
 #: pieces of at least MIN_PIECE_BYTES instead: a column of a small shard is read without the rest.
 SMALL_PIECES = 16
 MIN_PIECE_BYTES = 512
+#: The smallest band (an outer chunk one inner chunk wide, see below) a sharded tensor is cut into; smaller
+#: regions stay one outer chunk of inner chunks.
+MIN_BAND_BYTES = 64 << 10
 #: The most inner chunks a tensor is cut into (unless it has more outer chunks): its checksum
 #: table in the root document, which every rank reads, stays within about 5.5 KB.
 MAX_PER_TENSOR = 1024
@@ -156,9 +160,11 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
         pick[d] = smaller[-1]
     # A sharded tensor's outer chunks are bands of a rank's region, one inner chunk wide along every dimension
     # no region cuts: the rank can store the bands of all its tensors band by band (format/placement.py).
-    cut = any(c < max(n, 1) for n, c in zip(shape, chunk))
-    outer = tuple(c if c < max(n, 1) else (u if cut else -(-n // u) * u) for n, c, u in zip(shape, chunk, pick))
+    # Not below MIN_BAND_BYTES: a value costs its writer and readers work of its own.
+    banded = tuple(c if c < max(n, 1) else u for n, c, u in zip(shape, chunk, pick))
+    cut = any(c < max(n, 1) for n, c in zip(shape, chunk)) and math.prod(banded) * itemsize >= MIN_BAND_BYTES
+    outer = banded if cut else tuple(c if c < max(n, 1) else -(-n // u) * u for n, c, u in zip(shape, chunk, pick))
     inner = tuple(pick)
-    if inner == outer:
-        return chunk, None
+    if inner == outer:  # one inner chunk per outer chunk: no sharding codec (bands stay bands)
+        return outer if cut else chunk, None
     return outer, inner
