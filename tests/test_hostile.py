@@ -246,3 +246,21 @@ def test_root_document_over_the_size_cap_is_refused_before_it_is_read(good_ckpt,
         tsckpt.open(copy)
     with pytest.raises(MetadataError, match="larger than"):
         tsckpt.load({"model": {"w": torch.zeros(4, 3)}}, copy, allow_partial_load=True)
+
+
+def test_an_index_that_names_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    # A packed index made to point a chunk at a file of the attacker's choosing: here a copy of the real data
+    # file outside the checkpoint, so every check of the bytes themselves would pass.
+    from damage import _index, _rewrite
+    from tsckpt.format import ocdbt
+
+    ckpt = tmp_path / "ckpt"
+    tsckpt.save({"w": torch.arange(64.0).reshape(8, 8)}, ckpt, layout="packed")
+    _, index = _index(ckpt)
+    key, ref = next((k, v) for k, v in index.values.items() if isinstance(v, ocdbt.Ref))
+    outside = tmp_path / "outside"
+    shutil.copy(ckpt / ref.path, outside)
+    _rewrite(ckpt, {**index.values, key: ocdbt.Ref(str(outside), ref.offset, ref.length)})
+    with pytest.raises(MetadataError, match="not one of the checkpoint's data files"):
+        tsckpt.load({"w": torch.zeros(8, 8)}, ckpt)
+    assert not verify(ckpt).ok

@@ -25,7 +25,7 @@ from tsckpt.errors import (
     TsckptError,
 )
 from tsckpt.storage.layouts import layout_for
-from tsckpt.format.metadata import CheckpointMetadata, DataFiles, RankFiles
+from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, DataFiles, RankFiles
 from tsckpt.storage import packed
 from tsckpt.storage.location import parse_location
 
@@ -182,7 +182,7 @@ def test_a_damaged_manifest_fails_tensorstore_readers_and_verify_but_not_tsckpts
 
 
 def test_root_document_names_its_layout_and_an_unknown_one_is_refused():
-    md = CheckpointMetadata(world_size=1, tensors={}, objects={}, layout="packed",
+    md = CheckpointMetadata(world_size=1, tensors={}, objects={}, layout="packed", array_options=ArrayOptions(),
                             data_files=DataFiles(None, (RankFiles(),)))
     assert md.to_dict()["layout"] == "packed"
     assert layout_for(CheckpointMetadata.from_dict(md.to_dict())).name == "packed"

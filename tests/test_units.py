@@ -9,7 +9,7 @@ from tsckpt.format import values
 from tsckpt.format import inner_chunks
 from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
-from tsckpt.format.metadata import CheckpointMetadata, DataFiles, RankFiles, Span, TensorEntry
+from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, DataFiles, RankFiles, Span, TensorEntry
 
 
 def rows(*sizes, cols=4):
@@ -170,7 +170,7 @@ def _metadata(**kw) -> CheckpointMetadata:
     """A version-4 document of two ranks: plain layout, each rank with a digest table of its own."""
     ranks = tuple(RankFiles((), Span(f"d/{'0' * 32}-{r}.digests", 0, 40)) for r in range(2))
     return CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}, data_files=DataFiles(None, ranks),
-                              **kw)
+                              array_options=ArrayOptions(crc32c_codec=True), **kw)
 
 
 def test_metadata_round_trips_through_json():

@@ -116,20 +116,24 @@ class ArrayOptions:
 
 @dataclass(frozen=True)
 class FileRef:
-    """A file (or object) of a checkpoint that readers find through the root document: its path and size."""
+    """A file (or object) of a checkpoint that readers find through the root document: its path and size, and on
+    object stores the generation the store gave the object when it was written (its ETag on S3), so that a
+    read of an object replaced since (truncated, rewritten) is refused, a partial read included."""
 
     path: str
     size: int
+    generation: str | None = None
 
     def to_list(self) -> list[Any]:
-        return [self.path, self.size]
+        return [self.path, self.size] + ([self.generation] if self.generation is not None else [])
 
     @classmethod
     def from_list(cls, value: Any, what: str) -> FileRef:
-        if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
-                or not isinstance(value[1], int) or isinstance(value[1], bool) or not 0 <= value[1] <= MAX_TENSOR_BYTES):
-            raise MetadataError(f"{what}: expected [path, size], got {value!r}")
-        return cls(check_relative_path(value[0], what=what), value[1])
+        if (not isinstance(value, list) or len(value) not in (2, 3) or not isinstance(value[0], str)
+                or not isinstance(value[1], int) or isinstance(value[1], bool) or not 0 <= value[1] <= MAX_TENSOR_BYTES
+                or (len(value) == 3 and not isinstance(value[2], str))):
+            raise MetadataError(f"{what}: expected [path, size] or [path, size, generation], got {value!r}")
+        return cls(check_relative_path(value[0], what=what), value[1], value[2] if len(value) == 3 else None)
 
 
 @dataclass(frozen=True)
@@ -436,6 +440,8 @@ class CheckpointMetadata:
         world_size = get_field(d, "world_size", what, int)
         if world_size < 1:
             raise MetadataError(f"{what}: world_size {world_size} is not a positive number of ranks")
+        # Absent before the packed layout existed: every such checkpoint is plain.
+        layout = optional_field(d, "layout", what, str) or "plain"
         return cls(
             world_size=world_size,
             tensors=tensors,
@@ -446,16 +452,26 @@ class CheckpointMetadata:
             created=str(d.get("created", "")),
             version=version,
             extra=extra if isinstance(extra, dict) else {},
-            array_options=ArrayOptions.from_dict(d["array_options"]) if d.get("array_options") is not None else None,
-            # Absent before the packed layout existed: every such checkpoint is plain.
-            layout=optional_field(d, "layout", what, str) or "plain",
+            array_options=_array_options(d, version, what),
+            layout=layout,
             content_hash=_content_hash(d, tensors, what, version),
             reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
-            data_files=_data_files(d, version, world_size, what),
+            data_files=_data_files(d, version, world_size, layout, what),
         )
 
 
-def _data_files(d: Mapping[str, Any], version: int, world_size: int, what: str) -> DataFiles | None:
+def _array_options(d: Mapping[str, Any], version: int, what: str) -> ArrayOptions | None:
+    """The codec choices of every tensor array: required from version 4 (its readers build every array's
+    ``zarr.json`` from them), optional before."""
+    if d.get("array_options") is None:
+        if version >= CODEC_CHECKSUMS_VERSION:
+            raise MetadataError(f"{what}: array_options is missing (required from format version "
+                                f"{CODEC_CHECKSUMS_VERSION})")
+        return None
+    return ArrayOptions.from_dict(d["array_options"])
+
+
+def _data_files(d: Mapping[str, Any], version: int, world_size: int, layout: str, what: str) -> DataFiles | None:
     """Version 4's ``data_files``: required, one record per rank; absent before."""
     if version < CODEC_CHECKSUMS_VERSION:
         return None
@@ -465,10 +481,9 @@ def _data_files(d: Mapping[str, Any], version: int, world_size: int, what: str) 
     paths = [f.path for f in files.files]
     if len(set(paths)) != len(paths):
         raise MetadataError(f"{what}: data_files lists a file twice")
-    packed = d.get("layout") not in (None, "plain")
-    if files.index is not None and not packed:
+    if files.index is not None and layout == "plain":
         raise MetadataError(f"{what}: data_files names an index, but the layout is not packed")
-    if files.index is None and packed and (d.get("tensors") or any(
+    if files.index is None and layout != "plain" and (d.get("tensors") or any(
             isinstance(o, Mapping) and o.get("path") for o in (d.get("objects") or {}).values())):
         raise MetadataError(f"{what}: a packed checkpoint with arrays names no index")
     return files

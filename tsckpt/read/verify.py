@@ -167,7 +167,7 @@ class _Checker:
     def run(self, target: _Target) -> EntryReport:
         try:
             return self._check(target)
-        except ChecksumError as e:  # damage below the arrays (a packed checkpoint's database)
+        except (ChecksumError, MetadataError) as e:  # damage below the arrays (a packed checkpoint's index)
             return EntryReport(target.key, target.path, 0, 0, (str(e),))
 
     def _check(self, target: _Target) -> EntryReport:

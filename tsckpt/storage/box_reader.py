@@ -38,6 +38,7 @@ from ..format.digest_table import DigestTable
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from .byte_reads import Fetcher, KvFiles, LocalFiles, RangeBatch, read_cost
 from .layouts import Locator
+from .kvio import storage_error
 from .store import Store, read_error
 
 Finish = Callable[[], np.ndarray]
@@ -69,7 +70,7 @@ class ChunkSource:
         locator = store.layout.locator(store, metadata)
         local = store.location.driver == "file" and locator.kvstore is store.kvstore
         fetcher: Fetcher = (LocalFiles(str(store.location.spec.get("path", ".")), locator.sizes()) if local
-                            else KvFiles(locator.kvstore))
+                            else KvFiles(locator.kvstore, locator.generations()))
         return cls(store, metadata, locator, fetcher)
 
     def _tables(self) -> dict[str, dict[int, tuple[int, bytes]]]:
@@ -81,8 +82,12 @@ class ChunkSource:
                 if record.digests is None:
                     continue
                 span = record.digests
-                data = self.read_range(span.path, span.offset, span.length)
-                table = DigestTable.decode(data, f"the digest table of rank {rank} in {self.store.url}")
+                what = f"the digest table of rank {rank} in {self.store.url}"
+                try:
+                    data = self.read_range(span.path, span.offset, span.length)
+                except ValueError as e:
+                    raise storage_error(e, f"reading {what} failed") from None
+                table = DigestTable.decode(data, what)
                 for path, chunks in table.by_array().items():
                     self._saved.setdefault(path, {}).update({c: (rank, d) for c, d in chunks.items()})
         return self._saved
@@ -283,12 +288,19 @@ class BoxReader:
         positions = np.sort(fmt.position(coords))
         slots = [batch.want(found.file, base + p * fmt.piece_bytes, base + (p + 1) * fmt.piece_bytes)
                  for p in positions.tolist()]
+        # An object of its own has no size on record: its index, at its end, is read with the pieces (an
+        # object cut short fails there) and must be the one tsckpt writes.
+        tail = (batch.want(found.file, base + fmt.nbytes - fmt.index_bytes, base + fmt.nbytes)
+                if found.length is None and fmt.indexed and not isinstance(self.source.fetcher, LocalFiles) else None)
 
         def step() -> None:
+            if tail is not None and not np.array_equal(tail.bytes, fmt.index):
+                raise ChecksumError(f"{self.what}: the shard index of chunk {list(index)} is not the one tsckpt "
+                                    "wrote (it was damaged or cut short)")
             data = np.concatenate([s.bytes for s in slots]) if len(slots) > 1 else slots[0].bytes
             self._place(index, start, first, last, (data, positions), offsets, sizes, out)
 
-        return lambda: _used(slots, step)
+        return lambda: _used(slots if tail is None else [*slots, tail], step)
 
     def _whole(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """A whole stored outer chunk as (its inner chunks' bytes one after the other, their storage positions)."""

@@ -157,10 +157,16 @@ class LocalFiles(Fetcher):
 
 
 class KvFiles(Fetcher):
-    """Keys of a TensorStore kvstore, read by byte range (object stores, memory, older OCDBT databases)."""
+    """Keys of a TensorStore kvstore, read by byte range (object stores, memory, older OCDBT databases).
 
-    def __init__(self, kv: ts.KvStore):
+    ``generations`` (key -> the generation the store gave the object when it was written, its ETag on S3):
+    every read of such a key, partial reads included, must come from that generation, so an object
+    truncated or rewritten since is refused without a request of its own.
+    """
+
+    def __init__(self, kv: ts.KvStore, generations: Mapping[str, bytes] | None = None):
         self.kv = kv
+        self.generations = dict(generations or {})
 
     def fetch(self, key: str, start: int, stop: int, into: np.ndarray | None = None) -> Any:
         promise, out = ts.Promise.new()
@@ -170,6 +176,10 @@ class KvFiles(Fetcher):
                 result = f.result()
                 if result.state != "value":
                     raise ValueError(f"NOT_FOUND: {key} is missing")
+                expected = self.generations.get(key)
+                if expected is not None and result.stamp.generation != expected:
+                    raise ValueError(f"DATA_LOSS: {key} is not the object written (it was truncated or replaced "
+                                     "since)")
                 data = np.frombuffer(result.value, dtype=np.uint8)
                 if data.size != stop - start:
                     raise ValueError(f"OUT_OF_RANGE: {key} ends before byte {stop} (it was truncated)")

@@ -78,6 +78,10 @@ class Locator(ABC):
         """Files whose size is known from the root document: a file of another size is damaged."""
         return {}
 
+    def generations(self) -> Mapping[str, bytes]:
+        """Objects whose generation (ETag) the root document records: read as another generation, damaged."""
+        return {}
+
 
 class KvLayout(ABC):
     """How a checkpoint's arrays and node documents map onto files or objects under its location."""
@@ -228,7 +232,7 @@ class _PackedLocator(Locator):
                 raise MetadataError(f"{where}: the checkpoint's index is missing")
             if len(result.value) != span.length:
                 raise MetadataError(f"{where}: the index is {len(result.value)} bytes, not the {span.length} written")
-            self._index = packed.PackedIndex.decode(result.value, where)
+            self._index = packed.PackedIndex.decode(result.value, where, [f.path for f in self.files.files])
         return self._index
 
     def locate(self, key: str) -> Located | None:
@@ -241,6 +245,9 @@ class _PackedLocator(Locator):
 
     def sizes(self) -> Mapping[str, int]:
         return {f.path: f.size for f in self.files.files}
+
+    def generations(self) -> Mapping[str, bytes]:
+        return {f.path: bytes.fromhex(f.generation) for f in self.files.files if f.generation is not None}
 
 
 @register_layout

@@ -30,7 +30,7 @@ before format version 4 (per-rank OCDBT databases under
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,8 +179,13 @@ class PackedIndex:
     values: dict[str, bytes | ocdbt.Ref]
 
     @classmethod
-    def decode(cls, nodes: bytes | memoryview | np.ndarray, where: str) -> PackedIndex:
-        """Every leaf of the B+tree nodes ``nodes`` (as :func:`write_index` writes them: back to back)."""
+    def decode(cls, nodes: bytes | memoryview | np.ndarray, where: str,
+               files: Collection[str] | None = None) -> PackedIndex:
+        """Every leaf of the B+tree nodes ``nodes`` (as :func:`write_index` writes them: back to back).
+
+        ``files``: the data files the root document lists; a value stored in any other file (a path the
+        index was made to name, outside the checkpoint or not) is refused.
+        """
         data = memoryview(nodes).cast("B")
         values: dict[str, bytes | ocdbt.Ref] = {}
         at, last = 0, b""
@@ -202,6 +207,12 @@ class PackedIndex:
                     values[key.decode("utf-8", "surrogateescape")] = value
         except ocdbt.OcdbtFormatError as e:
             raise (ChecksumError if "crc32c" in str(e) else MetadataError)(str(e)) from None
+        if files is not None:
+            allowed = set(files)
+            stray = next((v.path for v in values.values() if isinstance(v, ocdbt.Ref) and v.path not in allowed), None)
+            if stray is not None:
+                raise MetadataError(f"{where}: a value is stored in {stray!r}, which is not one of the checkpoint's "
+                                    "data files")
         return cls(values)
 
     def get(self, key: str) -> bytes | ocdbt.Ref | None:

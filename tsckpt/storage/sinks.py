@@ -264,29 +264,35 @@ class RankFile(Sink):
 
 
 class _Parts:
-    """Bytes gathered into one object at a time, each written in one request; two in flight at most."""
+    """Bytes gathered into one object at a time, each written in one request; two in flight at most. Keeps the
+    generation the store gave each object (:attr:`FileRef.generation <tsckpt.format.metadata.FileRef>`)."""
 
     def __init__(self, kv: ts.KvStore):
         self.kv = kv
-        self.inflight: list[Any] = []
+        self.inflight: list[tuple[str, Any]] = []
+        self.generations: dict[str, str] = {}
 
     def send(self, key: str, data: bytes) -> None:
         while len(self.inflight) >= 2:
-            self.inflight[0].result()  # taken off only once done: an interrupted wait forgets no upload
-            self.inflight.pop(0)
-        self.inflight.append(self.kv.write(key, data))
+            self._settle()  # taken off only once done: an interrupted wait forgets no upload
+        self.inflight.append((key, self.kv.write(key, data)))
 
     def wait(self) -> None:
         """Wait for every upload; the first failure is raised once all are done."""
         failure: BaseException | None = None
         while self.inflight:
             try:
-                self.inflight[0].result()
+                self._settle()
             except Exception as e:  # noqa: BLE001 - raised after the others are waited for
                 failure = failure or e
-            self.inflight.pop(0)
+                self.inflight.pop(0)
         if failure is not None:
             raise failure
+
+    def _settle(self) -> None:
+        key, future = self.inflight[0]
+        self.generations[key] = future.result().generation.hex()
+        self.inflight.pop(0)
 
 
 class RankObjects(Sink):
@@ -331,7 +337,8 @@ class RankObjects(Sink):
         if self._buffer or not self._files:
             self._send()
         self._parts.wait()
-        return RankFiles(tuple(self._files), where)
+        files = tuple(FileRef(f.path, f.size, self._parts.generations.get(f.path)) for f in self._files)
+        return RankFiles(files, where)
 
     def abandon(self) -> None:
         try:
