@@ -50,7 +50,8 @@ def test_ctrl_c_during_tsckpt_save_is_one_line_and_leaves_nothing_behind(tmp_pat
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == (f"KeyboardInterrupt: save to {target} was interrupted (Ctrl-C on rank 0); "
                          f"nothing was committed; what it had staged was removed"), result.stderr
-    assert len(lines) <= 6, result.stderr  # the caller's frame and tsckpt.save's, not DCP's or the writer's
+    frames = [line for line in lines if line.startswith("  File ")]
+    assert len(frames) <= 2, result.stderr  # the caller's frame and tsckpt.save's, not DCP's or the writer's
     assert os.listdir(tmp_path / "run") == [] and not staging_dirs(str(target))
 
 
