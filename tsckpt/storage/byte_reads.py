@@ -304,10 +304,10 @@ class RangeBatch:
             by_key.setdefault(slot.key, []).append(slot)
         requests: list[tuple[str, int, int, list[Slot]]] = []
         for key, slots in by_key.items():
-            slots.sort(key=lambda s: (s.start, s.stop))
+            slots.sort(key=lambda s: (s.start, -s.stop))  # a range inside another joins it, whatever its length
             start, stop, group = slots[0].start, slots[0].stop, [slots[0]]
             for slot in slots[1:]:
-                if slot.start - stop <= gap and max(stop, slot.stop) - start <= limit:
+                if slot.stop <= stop or (slot.start - stop <= gap and slot.stop - start <= limit):
                     stop = max(stop, slot.stop)
                     group.append(slot)
                     continue

@@ -1,0 +1,96 @@
+"""Reads planned by cost: ranges of one file merge when the gap costs less than a request, per kind of store,
+and a location's ``read_cost`` member overrides the model."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tsckpt.errors import OptionError
+from tsckpt.storage import byte_reads
+from tsckpt.storage.byte_reads import LOCAL_COST, OBJECT_STORE_COST, LocalFiles, RangeBatch, ReadCost
+from tsckpt.storage.location import parse_location
+
+
+def _file(tmp_path, name: str, size: int) -> bytes:
+    data = np.random.default_rng(len(name)).integers(0, 255, size, dtype=np.uint8).tobytes()
+    (tmp_path / name).write_bytes(data)
+    return data
+
+
+def _read(tmp_path, cost: ReadCost, ranges: list[tuple[str, int, int]]) -> RangeBatch:
+    """Read ``ranges`` of files under ``tmp_path`` and check each slot's bytes against the file's."""
+    batch = RangeBatch(LocalFiles(str(tmp_path)), cost)
+    slots = [batch.want(*r) for r in ranges]
+    batch.run()
+    for slot in slots:
+        expected = (tmp_path / slot.key).read_bytes()[slot.start:slot.stop]
+        assert slot.bytes.tobytes() == expected, (slot.key, slot.start, slot.stop)
+        slot.release()
+    return batch
+
+
+def test_ranges_merge_across_gaps_cheaper_than_a_request(tmp_path):
+    _file(tmp_path, "a", 4 << 20)
+    _file(tmp_path, "b", 1 << 20)
+    gap = LOCAL_COST.gap_bytes
+    # a: two ranges a gap apart that is worth reading, then one a gap too far; b: one range of its own.
+    ranges = [("a", 0, 1000), ("a", 1000 + gap, 2000 + gap), ("a", 2000 + 2 * gap + 1, 3000 + 2 * gap + 1),
+              ("b", 10, 20)]
+    batch = _read(tmp_path, LOCAL_COST, ranges)
+    assert batch.requests == 3
+    assert batch.wanted == 3010 and batch.fetched == 2000 + gap + 1000 + 10
+
+
+def test_an_object_store_merges_wider_gaps_than_a_disk(tmp_path):
+    _file(tmp_path, "a", 4 << 20)
+    ranges = [("a", k << 20, (k << 20) + 4096) for k in range(4)]  # 1 MiB apart: worth it at 20 ms, not 50 µs
+    assert _read(tmp_path, LOCAL_COST, ranges).requests == 4
+    assert _read(tmp_path, OBJECT_STORE_COST, ranges).requests == 1
+
+
+def test_long_requests_are_cut_at_max_request_and_still_read_every_byte(tmp_path):
+    _file(tmp_path, "a", 3 << 20)
+    cost = ReadCost(latency_s=1.0, bandwidth=1e9, max_request=1 << 20, max_inflight=1 << 20)
+    batch = _read(tmp_path, cost, [("a", 0, 3 << 20), ("a", 5, 17)])
+    assert batch.requests == 3 and batch.fetched == 3 << 20
+
+
+def test_the_wanted_order_is_the_request_order(tmp_path):
+    for name in "abc":
+        _file(tmp_path, name, 1000)
+    batch = RangeBatch(LocalFiles(str(tmp_path)), LOCAL_COST)
+    for name in "cab":
+        batch.want(name, 0, 10)
+    assert [key for key, *_ in batch.plan()] == ["c", "a", "b"]
+
+
+def test_a_file_cut_short_fails_every_read_of_it(tmp_path):
+    _file(tmp_path, "a", 1 << 20)
+    os.truncate(tmp_path / "a", 1 << 19)
+    batch = RangeBatch(LocalFiles(str(tmp_path), {"a": 1 << 20}), LOCAL_COST)
+    slot = batch.want("a", 0, 10)  # its intact start
+    batch.run()
+    with pytest.raises(ValueError, match="DATA_LOSS: .* is 524288 bytes, not the 1048576 written"):
+        slot.bytes
+
+
+def test_defaults_per_kind_of_store_and_the_location_override():
+    assert byte_reads.read_cost(parse_location("/tmp/ck")) == LOCAL_COST
+    assert byte_reads.read_cost(parse_location("s3://bucket/ck")) == OBJECT_STORE_COST
+    given = byte_reads.read_cost(parse_location({"url": "s3://bucket/ck", "read_cost": {"latency_s": 0.005}}))
+    assert given == ReadCost(0.005, OBJECT_STORE_COST.bandwidth, OBJECT_STORE_COST.max_request,
+                             OBJECT_STORE_COST.max_inflight)
+    assert given.gap_bytes == 500_000
+
+
+@pytest.mark.parametrize("members, message", [
+    ({"latency": 0.005}, r"read_cost: unknown members \['latency'\]; expected latency_s, bandwidth"),
+    ({"bandwidth": -1}, "read_cost: every member is a number >= 0"),
+    ({"bandwidth": "fast"}, "read_cost: every member is a number >= 0"),
+])
+def test_a_bad_override_is_one_line_naming_the_member(members, message):
+    with pytest.raises(OptionError, match=message):
+        byte_reads.read_cost(parse_location({"url": "/tmp/ck", "read_cost": members}))
