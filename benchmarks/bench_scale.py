@@ -13,8 +13,8 @@ on the coordinator for it:
   ``scatter_object_list`` does (torch's own ``_object_to_tensor``);
 * ``finish``: unpickling every rank's write results (and tsckpt's rank summary)
   as ``gather_object`` does (``_tensor_to_object``), then ``finish``: for
-  tsckpt the checksum tables, every ``zarr.json`` and the root document, for
-  DCP its ``.metadata`` file;
+  tsckpt the packed index over the ranks' data files (every ``zarr.json``
+  inline) and the root document, for DCP its ``.metadata`` file;
 * ``plan, caching on: first save``: the plan phase of a first save with
   ``tsckpt.SavePlanner(enable_plan_caching=True)``, which hands the writer
   every rank's full plan: tsckpt pickles each rank's items once and keeps them
@@ -188,8 +188,6 @@ def main() -> None:
                     help="up to this many items in all, no two items share an object; above, a rank's share one "
                          "TensorWriteData (about 10 GB less at 10,000 ranks)")
     ap.add_argument("--dir", help="where the checkpoints go (default: a temporary directory, in /dev/shm if it exists)")
-    ap.add_argument("--target-file-bytes", type=int, default=256 << 20,
-                    help="the packed layout's target_data_file_size (docs/format.md, the packed layout)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
@@ -293,9 +291,8 @@ def main() -> None:
     if refused is not None:
         print(f"\ntsckpt refused to commit (its finish is timed up to the refusal): {refused}")
     entries = md.tensors if md is not None else {}
-    bytes_per_rank = args.tensors * args.rows * args.cols * 2 / args.ranks
-    # one data file per batch of each rank, plus the root's manifest, B+tree file and zarr.json
-    packed_files = args.ranks * max(1, math.ceil(bytes_per_rank / args.target_file_bytes)) + 3
+    # one data file per rank, plus the B+tree node file, the manifest and the root zarr.json
+    packed_files = args.ranks + 3
     figures = {
         "ranks": args.ranks, "tensors": args.tensors, "rows": args.rows, "cols": args.cols,
         "regions_per_tensor": world.regions,

@@ -162,3 +162,16 @@ def test_whole_reads_tools_and_zarr_python_refuse_it(damaged, tmp_path):
     shown = subprocess.run([sys.executable, "-c", code, "show", str(path), "w", "0"], capture_output=True,
                            text=True, timeout=120)
     assert shown.returncode != 0 and CAUGHT in shown.stderr + shown.stdout, shown
+
+
+def test_a_refused_load_places_no_damaged_value(damaged):
+    """Pieces are checked before they are placed: after the error every element is either what the
+    destination held before or the saved value, never the damaged one."""
+    path, _ = damaged
+    sentinel = -1.0
+    sd = {"w": torch.full(SHAPE, sentinel), "b": torch.zeros(6, 2)}
+    with pytest.raises(ChecksumError, match=CAUGHT):
+        tsckpt.load(sd, path)
+    got = sd["w"]
+    assert bool(((got == sentinel) | (got == _full())).all()), "a damaged value reached the destination"
+    assert got[AT] == sentinel
