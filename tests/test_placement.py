@@ -1,5 +1,6 @@
-"""Where a rank's values go in its data file: the bands of all its tensors band by band, so that a column
-block of a row-sharded save is one byte range per file (tsckpt/format/placement.py)."""
+"""Where a rank's values go in its data file: on object stores the bands of all its tensors band by band, so
+that a column block of a row-sharded save is one byte range per file (tsckpt/format/placement.py); on a local
+disk each tensor's values in one piece, in the order of the save."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tsckpt.format import placement, zarr_json
 from tsckpt.format.grid import ChunkGrid
 
 WORLD = 2
+BUCKET = "tsckpt-placement"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 #: 2-D tensors of three widths (so of different band widths) and a 1-d one, each row-sharded.
 SHAPES = {"a": ((256, 512), torch.float32), "b": ((128, 1024), torch.bfloat16), "c": ((64, 384), torch.float32),
           "bias": ((512,), torch.float32)}
@@ -56,8 +58,8 @@ def _values(path: str) -> dict[str, list[tuple[int, str, tuple[int, ...], ChunkG
     return {f: sorted(v) for f, v in by_file.items()}
 
 
-def test_a_column_block_of_a_row_sharded_save_is_one_range_per_file(tmp_path):
-    path = str(tmp_path / "ck")
+def test_on_an_object_store_a_column_block_of_a_row_sharded_save_is_one_range_per_file(s3):
+    path = s3.location(BUCKET, "ck")
     assert run_ranks(WORLD, _save_then_load_columns, path) == [True] * WORLD
     files = _values(path)
     assert len(files) == WORLD
@@ -75,6 +77,17 @@ def test_a_column_block_of_a_row_sharded_save_is_one_range_per_file(tmp_path):
                  and index[1] * grid.chunk_shape[1] < grid.shape[1] // 2
                  and (index[1] + 1) * grid.chunk_shape[1] > grid.shape[1] // 4]
         assert block == list(range(block[0], block[-1] + 1))
+
+
+def test_on_a_local_disk_each_tensor_lies_in_one_piece_in_the_order_of_the_save(tmp_path):
+    path = str(tmp_path / "ck")
+    assert run_ranks(WORLD, _save_then_load_columns, path) == [True] * WORLD
+    files = _values(path)
+    assert len(files) == WORLD
+    for values in files.values():
+        names = [name for _, name, _, _ in values]
+        assert names == [n for n in SHAPES for _ in range(names.count(n))]  # a same-topology load reads in order
+        assert all(grid.grid_shape[1:] == (1,) * (len(grid.shape) - 1) for _, _, _, grid in values)  # no bands
 
 
 def test_sort_key_puts_lower_dimensional_values_first_then_bands_by_fraction():

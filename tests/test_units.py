@@ -81,7 +81,8 @@ def _torch_chunk(n, k):
     ((4096, 14336), 8, True), ((128256, 4096), 8, True),
     ((50257, 384), 4, False), ((1280, 3413), 3, False), ((384, 1024), 4, False), ((1000, 1000), 1, False),
     ((12569, 64), 2, False)])
-def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world, meets):
+@pytest.mark.parametrize("bands", [False, True], ids=["local", "banded"])
+def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world, meets, bands):
     """Loads into 2, 3, 4 or 8 ranks along either dimension fetch at most 1.2x per rank, where the floor allows.
 
     They do not where 16 KiB inner chunks are too coarse for 8-way splits (tensors of a few MB),
@@ -91,12 +92,13 @@ def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world, meets):
     """
     boxes = [((a, 0), (b - a, shape[1])) for a, b in _torch_chunk(shape[0], world)]
     chunk = aligned_chunk_shape(shape, boxes)
-    outer, inner = inner_chunks.choose(shape, chunk, 2, min_bytes=16 << 10, max_bytes=16 << 20)
+    outer, inner = inner_chunks.choose(shape, chunk, 2, min_bytes=16 << 10, max_bytes=16 << 20, bands=bands)
     assert inner is not None and all(o % i == 0 for o, i in zip(outer, inner))
-    # A dimension ranks cut keeps its aligned chunk. One they do not is one inner chunk wide where another
-    # dimension is cut (bands of a rank's region, of 64 KiB at least), else rounded up to whole inner chunks.
+    # A dimension ranks cut keeps its aligned chunk. One they do not is, with bands, one inner chunk wide where
+    # another dimension is cut (bands of a rank's region, of 64 KiB at least), else rounded up to whole inner
+    # chunks.
     band = math.prod(c if c < n else i for c, n, i in zip(chunk, shape, inner)) * 2
-    banded = any(c < n for c, n in zip(chunk, shape)) and band >= inner_chunks.MIN_BAND_BYTES
+    banded = bands and any(c < n for c, n in zip(chunk, shape)) and band >= inner_chunks.MIN_BAND_BYTES
     assert all(o == c if c < n else (o == i if banded else n <= o < n + i)
                for o, c, n, i in zip(outer, chunk, shape, inner))
     floor = min(16 << 10, max(inner_chunks.MIN_PIECE_BYTES, math.prod(chunk) * 2 // inner_chunks.SMALL_PIECES))

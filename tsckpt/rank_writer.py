@@ -127,9 +127,10 @@ class RankWriter:
         self._names: dict[str, str] = {}
         self._formats: dict[str, shards.ShardFormat] = {}
         self._sink = store.layout.sink(store, rank, save_id, sync=sync, hashed=checksums)
+        self._banded = self._sink.ordered and store.layout.bands(store.location)
         #: What each value put into the sink was: (tensor, position in its WrittenChunks) or (blob name, -1).
         self._puts: list[tuple[str, int]] = []
-        #: Values of host sources not yet put, in the packed layout: put at :meth:`finish` in placement order.
+        #: Values of host sources not yet put, where tensors are banded: put at :meth:`finish` in placement order.
         self._deferred: list[tuple[tuple[float | int, ...], str, tuple[int, ...], int, Any, Any]] = []
         self._seq: dict[str, int] = {}
         self._held: list[Any] = []
@@ -163,7 +164,7 @@ class RankWriter:
         against = self.base.digests(fqn, entry) if self.base is not None else None
         # Sources that stay in host memory until finish() are put there, in placement order (one file, laid
         # out for loads into other topologies); device copies are written as they come, within the window.
-        defer = not windowed and self._sink.ordered and self.options.compression is None
+        defer = self._banded and not windowed and self.options.compression is None
         seq = self._seq.setdefault(fqn, len(self._seq))
         futures = []
         for index, part in chunk_parts(entry.grid, offsets, source):

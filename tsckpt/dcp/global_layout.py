@@ -37,6 +37,8 @@ class GlobalLayout:
     tables: list[Prepickled[ArrayTable]]  # per rank
     objects: list[dict[str, str]]  # per rank: the values it writes, with their paths
     inner_chunk_bytes: int
+    #: Whether sharded tensors are cut into bands (the layout's choice for the location).
+    bands: bool
 
     @property
     def nchunks(self) -> list[int]:
@@ -46,7 +48,8 @@ class GlobalLayout:
         return self.key_paths.get(fqn, (fqn,))
 
     @classmethod
-    def plan(cls, plans: Sequence[SavePlan], inner_chunk_bytes: int, where: str) -> GlobalLayout:
+    def plan(cls, plans: Sequence[SavePlan], inner_chunk_bytes: int, where: str, *,
+             bands: bool = False) -> GlobalLayout:
         """Lay out every array from all ranks' full plans (one per rank, in rank order)."""
         placements: dict[str, Mapping[str, Any]] = {}
         for p in plans:
@@ -87,12 +90,12 @@ class GlobalLayout:
                 raise UnsupportedDtypeError(f"tensor {fqn!r} in {where}: {e}") from None
             entries[fqn] = plan_tensor(fqn, key_paths[fqn], td.size, dtype,
                                        np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
-                                       inner_chunk_bytes=inner_chunk_bytes)
+                                       inner_chunk_bytes=inner_chunk_bytes, bands=bands)
         blobs = {fqn: zarr_path(key_paths[fqn]) for objs in rank_objects for fqn in objs}
         check_unique_paths([e.path for e in entries.values()] + list(blobs.values()), where)
         return cls(entries=entries, blobs=blobs, key_paths=key_paths, placements=placements,
                    tables=_rank_tables(entries, rank_ids), objects=[{f: blobs[f] for f in o} for o in rank_objects],
-                   inner_chunk_bytes=inner_chunk_bytes)
+                   inner_chunk_bytes=inner_chunk_bytes, bands=bands)
 
 
 def _key_path(planner_data: Any, fqn: str) -> KeyPath:

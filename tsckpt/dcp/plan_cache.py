@@ -167,13 +167,13 @@ class PlanCache:
         """
         return GlobalPlans.found(plans) is not None and not any(p.usable for p in plans)
 
-    def layout(self, key: str | None, plans: list[SavePlan],
-               inner_chunk_bytes: int) -> tuple[GlobalLayout, list[SavePlan]] | None:
+    def layout(self, key: str | None, plans: list[SavePlan], inner_chunk_bytes: int,
+               bands: bool) -> tuple[GlobalLayout, list[SavePlan]] | None:
         """The layout made from these very plans, and the plans sent with it, if they were kept."""
         with self._lock:
             entry = self._entries.get(key) if key is not None else None
         if (entry is not None and _same_objects(entry.global_plans, plans)
-                and entry.layout.inner_chunk_bytes == inner_chunk_bytes):
+                and entry.layout.inner_chunk_bytes == inner_chunk_bytes and entry.layout.bands == bands):
             return entry.layout, entry.sent
         return None
 

@@ -40,7 +40,7 @@ from ..format.grid import ChunkGrid
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
-from ..storage.location import LocationLike, scheme_for_driver
+from ..storage.location import LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
 from .replica_reads import RankNote, ReplicaShare, Transfer, schedule
@@ -159,8 +159,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         """Whether this rank offers to fetch regions for its replicas and take theirs (``replica_reads``)."""
         if self.replica_reads is not None:
             return self.replica_reads
-        scheme = scheme_for_driver(self.location.driver) if self.location is not None else None
-        return scheme is not None and scheme.has_bucket  # an object store
+        return self.location is not None and self.location.is_object_store
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         if (plan.storage_data is None and self.shares_replica_reads() and dist.is_available()

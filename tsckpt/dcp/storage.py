@@ -240,12 +240,13 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             raise OptionError(f"saving {where}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
         full, key = CACHE.full_plans(plans, where)
-        kept = CACHE.layout(key, full, self.inner_chunk_bytes)
+        bands = get_layout(self.config.layout).bands(self._target.data_location)
+        kept = CACHE.layout(key, full, self.inner_chunk_bytes, bands)
         if kept is not None:
             layout, sent = kept
         else:
             sent = spread(full)  # replicated tensors written by all their replicas
-            layout = GlobalLayout.plan(sent, self.inner_chunk_bytes, where)
+            layout = GlobalLayout.plan(sent, self.inner_chunk_bytes, where, bands=bands)
         self._layout = layout
         self._target.record_writes(get_layout(self.config.layout).rank_prefixes(
             [e.path for e in layout.entries.values()] + list(layout.blobs.values()), self.save_id))

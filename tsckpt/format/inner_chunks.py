@@ -124,20 +124,21 @@ def _coarsest_fit(cands: list[list[int]], ratios: list[np.ndarray], fine: list[i
 
 
 def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_bytes: int,
-           max_bytes: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+           max_bytes: int | None = None, bands: bool = False) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """The outer chunk shape (free dimensions rounded up) and the inner chunk shape, or None for no inner chunks.
 
     ``chunk`` is the outer chunk aligned to the saved regions
     (:func:`~tsckpt.format.grid.aligned_chunk_shape`). ``min_bytes`` is the
     smallest inner chunk worth a read of its own (0 disables inner chunks);
-    ``max_bytes``, if given, the largest.
+    ``max_bytes``, if given, the largest. ``bands``: cut a sharded tensor's
+    outer chunks into bands one inner chunk wide (:mod:`~tsckpt.format.placement`).
     """
-    return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes)
+    return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes, bands)
 
 
 @functools.lru_cache(maxsize=1024)
 def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_bytes: int,
-            max_bytes: int | None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+            max_bytes: int | None, bands: bool) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     # Cached: a model's layers repeat a few shapes, and planning runs once per save.
     if min_bytes <= 0 or not math.prod(shape) or math.prod(chunk) * itemsize <= min(min_bytes, MIN_PIECE_BYTES):
         return chunk, None
@@ -162,7 +163,7 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
     # no region cuts: the rank can store the bands of all its tensors band by band (format/placement.py).
     # Not below MIN_BAND_BYTES: a value costs its writer and readers work of its own.
     banded = tuple(c if c < max(n, 1) else u for n, c, u in zip(shape, chunk, pick))
-    cut = any(c < max(n, 1) for n, c in zip(shape, chunk)) and math.prod(banded) * itemsize >= MIN_BAND_BYTES
+    cut = bands and any(c < max(n, 1) for n, c in zip(shape, chunk)) and math.prod(banded) * itemsize >= MIN_BAND_BYTES
     outer = banded if cut else tuple(c if c < max(n, 1) else -(-n // u) * u for n, c, u in zip(shape, chunk, pick))
     inner = tuple(pick)
     if inner == outer:  # one inner chunk per outer chunk: no sharding codec (bands stay bands)

@@ -33,18 +33,20 @@ def plan_tensor(
     *,
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
     placement: Placement | None = None,
+    bands: bool = False,
 ) -> TensorEntry:
     """The array of one tensor written as ``boxes``: checked to tile ``shape``, chunks aligned to them.
 
     ``boxes`` are the ``(offsets, sizes)`` the ranks write, or an int array of
     shape ``(len(boxes), 2, ndim)``; ``dtype`` is a Zarr data type name.
+    ``bands``: outer chunks cut into bands (:func:`~tsckpt.format.inner_chunks.choose`).
     """
     dt = dtypes.from_zarr(dtype)
     shape = tuple(shape)
     boxes = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, len(shape))
     grid.check_tiling(fqn, shape, boxes)
     chunk, inner = inner_chunks.choose(shape, grid.aligned_chunk_shape(shape, boxes), dt.itemsize,
-                                       min_bytes=inner_chunk_bytes, max_bytes=MAX_INNER_CHUNK_BYTES)
+                                       min_bytes=inner_chunk_bytes, max_bytes=MAX_INNER_CHUNK_BYTES, bands=bands)
     return TensorEntry(
         key_path=tuple(key_path),
         path=zarr_path(key_path),

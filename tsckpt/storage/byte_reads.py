@@ -33,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import OptionError
-from .location import Location, scheme_for_driver
+from .location import Location
 from .pools import ProcessPool
 
 
@@ -83,9 +83,8 @@ COST_MEMBER = "read_cost"
 
 def read_cost(location: Location) -> ReadCost:
     """The cost model of reads from ``location``: the store kind's default, with the location's own members."""
-    scheme = scheme_for_driver(location.driver)
-    default = (LOCAL_COST if location.driver == "file" else MEMORY_COST if location.driver == "memory"
-               else OBJECT_STORE_COST if scheme is not None and scheme.has_bucket else LOCAL_COST)
+    default = (MEMORY_COST if location.driver == "memory" else OBJECT_STORE_COST if location.is_object_store
+               else LOCAL_COST)
     given = location.options.get(COST_MEMBER)
     return ReadCost.from_dict(given, default) if isinstance(given, Mapping) else default
 

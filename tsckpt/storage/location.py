@@ -154,6 +154,12 @@ class Location:
         return str(self.spec.get("driver"))
 
     @property
+    def is_object_store(self) -> bool:
+        """Whether the location is in a bucket of an object store, where every request costs tens of ms."""
+        scheme = _BY_DRIVER.get(self.driver)
+        return scheme is not None and scheme.has_bucket
+
+    @property
     def url(self) -> str:
         """A short human-readable name for messages (``s3://bucket/prefix``, a path...)."""
         scheme = _BY_DRIVER.get(self.driver)
