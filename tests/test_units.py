@@ -210,3 +210,25 @@ def test_metadata_refuses_newer_format_versions():
     doc["version"] = 99
     with pytest.raises(errors.MetadataError, match="version 99"):
         CheckpointMetadata.from_dict(doc)
+
+
+#: The examples of docs/format.md, section 5: (shape, dtype, boxes, bands) -> (chunk_shape, inner_chunk_shape).
+FORMAT_EXAMPLES = [
+    ((250, 128), "float32", [((a, 0), (b - a, 128)) for a, b in [(0, 63), (63, 126), (126, 189), (189, 250)]],
+     False, (63, 128), (21, 32)),
+    ((4096, 4096), "bfloat16", [((0, a), (4096, 512)) for a in range(0, 4096, 512)], False, (4096, 512), (256, 256)),
+    ((4096, 4096), "bfloat16", [((0, a), (4096, 512)) for a in range(0, 4096, 512)], True, (256, 512), (256, 256)),
+    ((1024, 1024), "bfloat16", [((i, j), (512, 512)) for i in (0, 512) for j in (0, 512)], False, (512, 512),
+     (64, 128)),
+    ((50257, 256), "bfloat16", [((0, 0), (50257, 256))], False, (50266, 256), (1226, 16)),
+    ((4, 10), "float32", [((0, a), (4, b - a)) for a, b in [(0, 3), (3, 6), (6, 9), (9, 10)]], False, (4, 3), None),
+    ((1024, 1024), "bfloat16", [((a, 0), (16, 1024)) for a in range(0, 1024, 16)], True, (16, 1024), (16, 64)),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, boxes, bands, chunk, inner", FORMAT_EXAMPLES)
+def test_the_chunk_shapes_format_md_shows_are_the_ones_written(shape, dtype, boxes, bands, chunk, inner):
+    from tsckpt.format.plan import plan_tensor
+
+    entry = plan_tensor("t", ("t",), shape, dtype, boxes, bands=bands)
+    assert (entry.chunk_shape, entry.inner_chunk_shape) == (chunk, inner)

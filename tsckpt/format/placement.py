@@ -10,7 +10,10 @@ from every tensor of a source file, the outer chunks of one band: stored band
 by band across tensors, that is one range per source file instead of one per
 tensor.
 
-So values are ordered by :func:`sort_key`: tensors of at least two dimensions
+Bands are cut only where a request is dear (packed saves to object stores,
+:meth:`~tsckpt.storage.layouts.KvLayout.bands`); elsewhere a rank writes its
+values in the order of the save, which a same-topology load reads in turn.
+Where bands are cut, values are ordered by :func:`sort_key`: tensors of at least two dimensions
 after those of fewer (scalars, biases and norms come first, read by whole
 ranges), then by where the outer chunk starts along dimension 1, 2, ... and
 lastly 0, each as a fraction of the dimension (so tensors of different widths
