@@ -95,7 +95,7 @@ def test_inner_chunks_keep_every_split_near_what_it_needs(shape, world, meets, b
     outer, inner = inner_chunks.choose(shape, chunk, 2, min_bytes=16 << 10, max_bytes=16 << 20, bands=bands)
     assert inner is not None and all(o % i == 0 for o, i in zip(outer, inner))
     # A dimension ranks cut keeps its aligned chunk. One they do not is, with bands, one inner chunk wide where
-    # another dimension is cut (bands of a rank's region, of 64 KiB at least), else rounded up to whole inner
+    # another dimension is cut (bands of a rank's region, of 4 KiB at least), else rounded up to whole inner
     # chunks.
     band = math.prod(c if c < n else i for c, n, i in zip(chunk, shape, inner)) * 2
     banded = bands and any(c < n for c, n in zip(chunk, shape)) and band >= inner_chunks.MIN_BAND_BYTES

@@ -24,12 +24,12 @@ if larger), so its checksum table in the root document stays small.
 Along a dimension the saved regions cut (a rank boundary inside it), the outer
 chunk is fixed by those boundaries and inner chunks must divide it. Along a
 dimension no region boundary cuts, the outer chunk is free. In a sharded tensor
-(some dimension cut) it is the inner chunk, where that makes outer chunks of
-at least 64 KiB: each outer chunk is then a band of
+(some dimension cut) saved with ``bands`` (packed saves to object stores), it is
+the inner chunk, where that makes outer chunks of at least 4 KiB: each outer chunk is then a band of
 one rank's region, one inner chunk wide, and a rank stores the bands of all its
 tensors band by band (:mod:`tsckpt.format.placement`), so a load that takes a
-column block of a row-sharded save reads one byte range per file. In a tensor
-no region cuts (written whole by one rank) it is the dimension rounded up to a
+column block of a row-sharded save reads one byte range per file. Otherwise
+(no bands, or a tensor written whole by one rank) it is the dimension rounded up to a
 multiple of the inner chunk (Zarr stores the overhang as the edge chunk's
 padding): one outer chunk, cut into inner chunks, so a dimension of prime
 length is still cut.
@@ -54,8 +54,11 @@ TARGET_RATIO = 1.2
 SMALL_PIECES = 16
 MIN_PIECE_BYTES = 512
 #: The smallest band (an outer chunk one inner chunk wide, see below) a sharded tensor is cut into; smaller
-#: regions stay one outer chunk of inner chunks.
-MIN_BAND_BYTES = 64 << 10
+#: regions stay one outer chunk of inner chunks. A page: below it a value's index and digest entries are
+#: no longer small beside it. Not larger: a region left whole is fetched whole by a column-resharded load
+#: from an object store, whose gap merging reads the columns it does not need (64 KiB fetched 1.73x the
+#: bytes needed on the 0.3 GB benchmark state, where bands of any size fetched 1.01x).
+MIN_BAND_BYTES = 4 << 10
 #: The most inner chunks a tensor is cut into (unless it has more outer chunks): its checksum
 #: table in the root document, which every rank reads, stays within about 5.5 KB.
 MAX_PER_TENSOR = 1024
