@@ -21,7 +21,10 @@ ARMED = "TSCKPT_TEST_CTRL_C"
 class CtrlC:
     def __reduce__(self) -> tuple[Any, ...]:
         if os.environ.get(ARMED) == "1":
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(10)  # the interpreter runs the handler, which raises KeyboardInterrupt, before this ends
+            # To this very thread: os.kill may hand a busy process's signal to another thread, and then a
+            # single long sleep here would end, and this raise run, before the handler.
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(1000):  # short sleeps: the handler runs between them, raising KeyboardInterrupt
+                time.sleep(0.01)
             raise AssertionError("SIGINT was sent but no KeyboardInterrupt came")
         return (CtrlC, ())
