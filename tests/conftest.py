@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +29,12 @@ import dist  # noqa: E402
 import zoo  # noqa: E402
 from s3server import MotoServer, restore_credentials, set_credentials  # noqa: E402
 from tsckpt.storage.layouts import default_layout  # noqa: E402
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every
+# process it starts (an ignored signal stays ignored across exec). The Ctrl-C tests need what a terminal
+# gives: the interpreter's own handler, which children get back as the default disposition.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
