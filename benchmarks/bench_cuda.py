@@ -47,19 +47,24 @@ from harness import evict, free_port, table  # noqa: E402
 from workloads import Untuned, total_bytes  # noqa: E402
 
 
-def state_dict(w: Untuned, fill: bool) -> dict[str, Any]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def state_dict(w: Untuned, fill: bool, device: str) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(0)
     out: dict[str, Any] = {}
     for name, shape in w.params().items():
         for suffix in ("", *(f".{m}" for m in w.moments)):
-            t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
             if fill:
-                t.copy_(torch.randn(shape, generator=gen, device="cuda"))
+                t.copy_(torch.randn(shape, generator=gen, device=device))
             else:
                 t.zero_()
             out[name + suffix] = t
-        out[name + ".step"] = torch.tensor(1000.0, device="cuda")
+        out[name + ".step"] = torch.tensor(1000.0, device=device)
     return out
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def window_contender(layout: str, window: int | None) -> cont.Contender:
@@ -78,16 +83,26 @@ def window_contender(layout: str, window: int | None) -> cont.Contender:
     return cont.Contender(f"tsckpt-dcp/{layout}[window={label}]", save, load)
 
 
-def measured(fn: Any) -> tuple[float, int]:
-    """Seconds of ``fn`` (GPU work synchronised) and its peak resident bytes above the start."""
-    torch.cuda.synchronize()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM
+def measured(fn: Any) -> tuple[float, int, bool]:
+    """Seconds of ``fn`` (GPU work synchronised), its peak resident bytes above the start, and whether the
+    peak was reset first.
+
+    Where the kernel refuses to reset ``VmHWM`` (some sandboxes), the peak is the process's since it
+    started, less its resident memory before the call: the state lives on the GPU, so before the call
+    the process holds little more than its libraries, and the call's own peak still dominates.
+    """
+    synchronize()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM
+        reset = True
+    except OSError:
+        reset = False
     before = _status_kb("VmRSS")
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, (_status_kb("VmHWM") - before) * 1024
+    synchronize()
+    return time.perf_counter() - t0, (_status_kb("VmHWM") - before) * 1024, reset
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -104,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "unbounded), each run as an extra tsckpt contender on the first layout")
     ap.add_argument("--only", default="", help="comma-separated contender names to run (DCP's default always runs)")
     ap.add_argument("--json", default=None, help="also write the samples here")
+    ap.add_argument("--device", default="cuda", help="where the state lives ('cpu' checks the script without a GPU)")
     ap.add_argument("--child", nargs=3, metavar=("OP", "NAME", "PATH"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -124,21 +140,21 @@ def child(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     c = everyone(args)[name]
     w = Untuned.for_size(args.size_gb * 1e9, 2)
-    src = state_dict(w, fill=True)
+    src = state_dict(w, fill=True, device=args.device)
     if op == "save":
-        seconds, peak = measured(lambda: c.save(src, path))
+        seconds, peak, reset = measured(lambda: c.save(src, path))
         bad = []
     else:
-        dst = state_dict(w, fill=False)
-        seconds, peak = measured(lambda: c.load(dst, path))
+        dst = state_dict(w, fill=False, device=args.device)
+        seconds, peak, reset = measured(lambda: c.load(dst, path))
         bad = same(src, dst)
-    print(json.dumps({"seconds": seconds, "peak": peak, "bad": bad[:3], "nbad": len(bad)}))
+    print(json.dumps({"seconds": seconds, "peak": peak, "reset": reset, "bad": bad[:3], "nbad": len(bad)}))
     dist.destroy_process_group()
 
 
 def run_child(args: argparse.Namespace, op: str, name: str, path: str) -> dict[str, Any]:
     argv = [sys.executable, os.path.abspath(__file__), "--size-gb", str(args.size_gb), "--layouts", args.layouts,
-            "--windows", args.windows, "--child", op, name, path]
+            "--windows", args.windows, "--device", args.device, "--child", op, name, path]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     if got["nbad"]:
@@ -155,7 +171,8 @@ def main() -> None:
     nbytes = total_bytes(w, 2)
     largest = max(math.prod(s) for s in w.params().values()) * 2
     root = args.root or tempfile.mkdtemp(prefix="bench-cuda-")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.describe()}; "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{where}, torch {torch.__version__}; {w.describe()}; "
           f"{nbytes / 1e9:.2f} GB bf16, largest tensor {largest / 1e6:.0f} MB; "
           "each save and load in a fresh process", flush=True)
     samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
@@ -169,16 +186,20 @@ def main() -> None:
             for k, v in (("save", saved["seconds"]), ("load", loaded["seconds"]),
                          ("save_mem", saved["peak"]), ("load_mem", loaded["peak"])):
                 samples[name].setdefault(k, []).append(v)
+            note = "" if saved["reset"] and loaded["reset"] else "; peak not reset, counted from process start"
             print(f"rep {rep} {name}: save {saved['seconds']:.2f} s (+{saved['peak'] / 1e9:.2f} GB host), "
-                  f"load {loaded['seconds']:.2f} s (+{loaded['peak'] / 1e9:.2f} GB host; cache {how})", flush=True)
+                  f"load {loaded['seconds']:.2f} s (+{loaded['peak'] / 1e9:.2f} GB host; cache {how}{note})",
+                  flush=True)
     dcp_s = {k: statistics.median(samples["dcp-t1"][k]) for k in ("save", "load")}
     rows = []
     for name, s in samples.items():
         med = {k: statistics.median(v) for k, v in s.items()}
-        rows.append([name, f"{med['save']:.2f}", f"{dcp_s['save'] / med['save']:.2f}", f"{med['save_mem'] / 1e9:.2f}",
-                     f"{med['load']:.2f}", f"{dcp_s['load'] / med['load']:.2f}", f"{med['load_mem'] / 1e9:.2f}"])
-    print("\n" + table(["contender", "save s", "save x DCP", "save peak host GB", "load s", "load x DCP",
-                        "load peak host GB"], rows))
+        rows.append([name, f"{med['save']:.2f}", f"{nbytes / 1e9 / med['save']:.2f}", f"{dcp_s['save'] / med['save']:.2f}",
+                     f"{med['save_mem'] / 1e9:.2f}", f"{med['load']:.2f}", f"{nbytes / 1e9 / med['load']:.2f}",
+                     f"{dcp_s['load'] / med['load']:.2f}", f"{med['load_mem'] / 1e9:.2f}"])
+    print(f"\nmedians of {args.reps}; state {nbytes / 1e9:.2f} GB, largest tensor {largest / 1e9:.2f} GB")
+    print(table(["contender", "save s", "save GB/s", "save x DCP", "save peak host GB", "load s", "load GB/s",
+                 "load x DCP", "load peak host GB"], rows, "lrrrrrrrr"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": nbytes, "largest_tensor_bytes": largest, "samples": samples}, f)
