@@ -33,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import ChecksumError
-from ..format import checksums, compressed, dtypes, shards, zarr_json
+from ..format import checksums, compressed, dtypes, shards, untiling, zarr_json
 from ..format.digest_table import DigestTable
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from .byte_reads import Fetcher, KvFiles, LocalFiles, RangeBatch, read_cost
@@ -281,13 +281,16 @@ class BoxReader:
         last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
         if first == (0,) * len(fmt.grid) and last == fmt.grid:
             whole = batch.want(found.file, base, base + fmt.nbytes)  # index included: it is checked too
-            return lambda: _used([whole], lambda: self._place(index, start, first, last, self._whole(index, whole.bytes),
-                                                              offsets, sizes, out))
+            return lambda: _used([whole], lambda: self._place(index, start, first, last,
+                                                              (*self._whole(index, whole.bytes), 0), offsets, sizes, out))
         block = [b - a for a, b in zip(first, last)]
         coords = np.indices(block).reshape(len(block), -1).T + np.asarray(first)
         positions = np.sort(fmt.position(coords))
-        slots = [batch.want(found.file, base + p * fmt.piece_bytes, base + (p + 1) * fmt.piece_bytes)
-                 for p in positions.tolist()]
+        # One range per run of inner chunks stored one after the other, each placed from its own bytes.
+        cuts = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
+        runs = list(zip(cuts[:-1], cuts[1:]))
+        slots = [batch.want(found.file, base + int(positions[a]) * fmt.piece_bytes,
+                            base + (int(positions[b - 1]) + 1) * fmt.piece_bytes) for a, b in runs]
         # An object of its own has no size on record: its index, at its end, is read with the pieces (an
         # object cut short fails there) and must be the one tsckpt writes.
         tail = (batch.want(found.file, base + fmt.nbytes - fmt.index_bytes, base + fmt.nbytes)
@@ -297,8 +300,8 @@ class BoxReader:
             if tail is not None and not np.array_equal(tail.bytes, fmt.index):
                 raise ChecksumError(f"{self.what}: the shard index of chunk {list(index)} is not the one tsckpt "
                                     "wrote (it was damaged or cut short)")
-            data = np.concatenate([s.bytes for s in slots]) if len(slots) > 1 else slots[0].bytes
-            self._place(index, start, first, last, (data, positions), offsets, sizes, out)
+            for (a, b), slot in zip(runs, slots):
+                self._place(index, start, first, last, (slot.bytes, positions[a:b], a), offsets, sizes, out)
 
         return lambda: _used(slots if tail is None else [*slots, tail], step)
 
@@ -349,51 +352,38 @@ class BoxReader:
             shards.check_pieces(self.entry, fmt, table, index, coords, stored, values, self.what)
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
-               read: tuple[np.ndarray, np.ndarray], offsets: tuple[int, ...], sizes: tuple[int, ...],
+               read: tuple[np.ndarray, np.ndarray, int], offsets: tuple[int, ...], sizes: tuple[int, ...],
                out: np.ndarray) -> None:
-        """Check the inner chunks ``[first, last)`` of outer chunk ``index``, then copy what the box
+        """Check a run of the inner chunks ``[first, last)`` of outer chunk ``index``, then copy what the box
         ``offsets``/``sizes`` wants of them to ``out``.
 
-        ``read``: their stored bytes one after the other, and the storage positions of those.
+        ``read``: the run's stored bytes one after the other, their storage
+        positions (consecutive), and where the run starts in the storage order
+        of the block ``[first, last)``.
         """
         fmt = self.fmt
         assert fmt is not None
-        data, positions = read
+        data, positions, at = read
         count = len(positions)
         raw = math.prod(fmt.inner) * fmt.itemsize
         pieces = data[:count * fmt.piece_bytes].reshape(count, fmt.piece_bytes)
         stored = pieces[:, :raw]
         values = stored.view(self.dtype).reshape(count, *fmt.inner)
         self._check(index, positions, stored, values, pieces)
-        block = tuple(b - a for a, b in zip(first, last))
-        if count == fmt.pieces:
-            values = fmt.grid_view(values)  # the whole chunk: a view, no copy
-        else:  # the block's inner chunks in its row-major order
-            wanted = fmt.position(np.indices(block).reshape(len(block), -1).T + np.asarray(first))
-            values = values[np.searchsorted(positions, wanted)].reshape(*block, *fmt.inner)
-        origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))  # of the block, in the array
-        span = tuple(b * i for b, i in zip(block, fmt.inner))
-        self._copy_out(origin, span, values, block, offsets, sizes, out)
-
-    def _copy_out(self, origin: tuple[int, ...], span: tuple[int, ...], values: np.ndarray, block: Sequence[int],
-                  offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
-        """Copy the part of a block of whole inner chunks (``values``, ``(*block, *inner)``, at ``origin`` of the
-        array) that the box ``offsets``/``sizes`` wants into ``out``."""
-        fmt = self.fmt
-        assert fmt is not None
-        a = tuple(max(o, x) for o, x in zip(origin, offsets))
-        b = tuple(min(o + n, x + m, e) for o, n, x, m, e in zip(origin, span, offsets, sizes, self.entry.shape))
-        if any(y <= x for x, y in zip(a, b)):
-            return
-        dest = out[(*(slice(x - o, y - o) for x, y, o in zip(a, b, offsets)), ...)]  # a view, even 0-d
-        if a == origin and all(y - o == n for y, o, n in zip(b, origin, span)):
-            tiles, pieces = shards.tile_views(dest, values, block, fmt.inner)
-            np.copyto(tiles, pieces)
-            return
-        full = np.empty(span, dtype=self.dtype)
-        tiles, pieces = shards.tile_views(full, values, block, fmt.inner)
-        np.copyto(tiles, pieces)
-        np.copyto(dest, full[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))])
+        ndim = len(fmt.inner)
+        order, back = fmt.order, [fmt.order.index(d) for d in range(ndim)]
+        block = [b - a for a, b in zip(first, last)]
+        # The run is a range of the block's storage order: boxes of the block, each a view of its bytes.
+        for lo, hi in untiling.linear_boxes([block[d] for d in order], at, at + count):
+            shape = [y - x for x, y in zip(lo, hi)]
+            n = math.prod(shape)
+            sub = values[:n].reshape((*shape, *fmt.inner)).transpose(*back, *range(ndim, 2 * ndim))
+            values = values[n:]
+            origin = tuple(s + (f + lo[back[d]]) * i for d, (s, f, i) in enumerate(zip(start, first, fmt.inner)))
+            a = tuple(max(o, x) for o, x in zip(origin, offsets))
+            b = tuple(min(o + shape[back[d]] * i, x + m, e) for d, (o, i, x, m, e) in
+                      enumerate(zip(origin, fmt.inner, offsets, sizes, self.entry.shape)))
+            untiling.untile_into(sub, fmt.inner, origin, a, b, out, offsets)
 
     # --- compressed chunks (version 4) ----------------------------------------------
 
