@@ -107,3 +107,15 @@ def test_stager_copies_tensor_bytes_keeps_ties_and_detaches_values():
     assert staged["tied"] is staged["w"]  # one copy for tensors that share storage
     assert torch.equal(staged["view"], staged["w"].t())
     assert staged["opt"] == {"lr": [0.1]} and staged["n"] == 3
+
+
+@pytest.mark.parametrize("window", [0, 20_000, None])
+def test_loads_into_another_dtype_through_reused_buffers(tmp_path, window):
+    """Values that cannot be read in place (here: bf16 into float32) wait in host buffers reused batch after
+    batch; whatever the window, every tensor comes back exact, none holding another's bytes."""
+    sd = {f"t{i}": torch.randn(100 + i, 37 + i).to(torch.bfloat16) for i in range(20)}
+    sd["step"] = torch.tensor(3.0, dtype=torch.bfloat16)
+    tsckpt.save(sd, str(tmp_path / "ck"))
+    dst = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in sd.items()}
+    dcp.load(dst, storage_reader=tsckpt.TensorStoreReader(str(tmp_path / "ck"), per_thread_copy_ahead=window))
+    assert [k for k in sd if not torch.equal(dst[k], sd[k].float())] == []

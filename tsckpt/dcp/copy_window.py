@@ -12,8 +12,11 @@ memory. The writer and the reader both pass every such copy through one
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ..errors import OptionError
 
@@ -65,3 +68,37 @@ class CopyWindow:
         size, finish, _ = self.inflight.popleft()
         finish()
         self.bytes -= size
+
+
+class Scratch:
+    """Host buffers for values on their way to a destination they cannot be read into (a GPU tensor, or
+    another dtype), carved out of one allocation that is reused batch after batch.
+
+    Fresh memory costs the kernel a page fault every 4 KiB (in a sandboxed VM,
+    far more than the copy itself); a load of a GPU state through fresh
+    buffers pays that on every byte. :meth:`take` hands out views until the
+    allocation is full, then fresh arrays; :meth:`reset` (every view handed
+    out is done with) makes it large enough for the largest batch seen, so
+    each batch after the first reuses it. The caller bounds a batch's bytes.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._used = 0
+        self._wanted = 0
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        start, self._wanted = self._used, self._wanted + -(-nbytes // self._ALIGN) * self._ALIGN
+        if start + nbytes > self._buffer.size:
+            return np.empty(shape, dtype=dtype)
+        self._used = self._wanted
+        return self._buffer[start:start + nbytes].view(dtype).reshape(shape)
+
+    def reset(self) -> None:
+        if self._wanted > self._buffer.size:
+            self._buffer = np.empty(0, dtype=np.uint8)  # let the old one go first
+            self._buffer = np.empty(self._wanted, dtype=np.uint8)
+        self._used = self._wanted = 0

@@ -42,7 +42,7 @@ from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from . import logs
-from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, check_copy_ahead
+from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
 from .replica_reads import RankNote, ReplicaShare, Transfer, schedule
 from .replica_transfers import ReplicaTransfers
 from .values import DecodedValue
@@ -237,6 +237,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         pending: list[tuple[ReadItem, torch.Tensor, Callable[[], np.ndarray], bool]] = []
         held = 0
         limit = self.per_thread_copy_ahead
+        scratch = Scratch()  # where values bound for a GPU (or another dtype) wait, reused batch after batch
 
         def flush() -> None:
             nonlocal held
@@ -248,6 +249,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             finally:
                 pending.clear()
                 held = 0
+                scratch.reset()
 
         for item in items:
             fqn = item.storage_index.fqn
@@ -262,7 +264,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             nbytes = reader.held_bytes(item.lengths, out=in_place)
             if pending and limit is not None and held + nbytes > limit:
                 flush()
-            out = dtypes.tensor_as_numpy(dest) if in_place else None
+            out = dtypes.tensor_as_numpy(dest) if in_place else scratch.take(tuple(item.lengths), reader.dtype)
             try:
                 finish = reader.plan(item.storage_offsets, item.lengths, batch, out)
             except TsckptError:
