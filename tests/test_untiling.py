@@ -81,17 +81,19 @@ def test_linear_boxes_cover_the_range_in_order(case):
     assert len(boxes) <= max(2 * len(shape) - 1, 1)
 
 
-@pytest.mark.parametrize("layout", ["packed", "plain"])
-def test_random_boxes_read_back_exactly(tmp_path, layout):
+@pytest.mark.parametrize("layout,max_request", [("packed", None), ("plain", None), ("packed", 1500)])
+def test_random_boxes_read_back_exactly(tmp_path, layout, max_request):
     """Boxes that cut inner chunks anywhere, of tensors whose shapes the chunks do not divide, read back
-    exactly, whatever runs of stored inner chunks they take (3-D tensors store their grid transposed)."""
+    exactly, whatever runs of stored inner chunks they take (3-D tensors store their grid transposed),
+    also where requests are cut shorter than a run (so are runs, and whole chunks)."""
     rng = np.random.default_rng(0)
     state = {"a": torch.arange(37 * 29 * 11, dtype=torch.float32).reshape(37, 29, 11),
              "b": torch.arange(203 * 77, dtype=torch.int32).reshape(203, 77).to(torch.bfloat16),
              "c": torch.arange(1001, dtype=torch.int64)}
     path = str(tmp_path / "ck")
     tsckpt.save(state, path, layout=layout, inner_chunk_bytes=512)
-    with tsckpt.open(path) as ck:
+    where = path if max_request is None else {"url": path, "read_cost": {"max_request": max_request}}
+    with tsckpt.open(where) as ck:
         for name, tensor in state.items():
             whole = tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
             for _ in range(40):

@@ -279,34 +279,39 @@ class BoxReader:
         # The inner chunks of this outer chunk the box needs: [first, last) along each dimension.
         first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
         last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
-        if first == (0,) * len(fmt.grid) and last == fmt.grid:
-            whole = batch.want(found.file, base, base + fmt.nbytes)  # index included: it is checked too
-            return lambda: _used([whole], lambda: self._place(index, start, first, last,
-                                                              (*self._whole(index, whole.bytes), 0), offsets, sizes, out))
-        block = [b - a for a, b in zip(first, last)]
-        coords = np.indices(block).reshape(len(block), -1).T + np.asarray(first)
-        positions = np.sort(fmt.position(coords))
-        # One range per run of inner chunks stored one after the other, each placed from its own bytes.
-        cuts = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
-        runs = list(zip(cuts[:-1], cuts[1:]))
+        whole = first == (0,) * len(fmt.grid) and last == fmt.grid
+        if whole:
+            positions = np.arange(fmt.pieces)
+        else:
+            block = [b - a for a, b in zip(first, last)]
+            positions = np.sort(fmt.position(np.indices(block).reshape(len(block), -1).T + np.asarray(first)))
+        # One range per run of inner chunks stored one after the other, at most a request long (so reads
+        # reuse buffers), each placed from its own bytes.
+        runs = _runs(positions, max(batch.cost.max_request // fmt.piece_bytes, 1))
         slots = [batch.want(found.file, base + int(positions[a]) * fmt.piece_bytes,
                             base + (int(positions[b - 1]) + 1) * fmt.piece_bytes) for a, b in runs]
-        # An object of its own has no size on record: its index, at its end, is read with the pieces (an
-        # object cut short fails there) and must be the one tsckpt writes.
+        # The index is checked with a whole chunk (one laid out otherwise is gathered by it), and read with
+        # the pieces of an object of its own, which has no size on record (one cut short fails there).
         tail = (batch.want(found.file, base + fmt.nbytes - fmt.index_bytes, base + fmt.nbytes)
-                if found.length is None and fmt.indexed and not isinstance(self.source.fetcher, LocalFiles) else None)
+                if fmt.indexed and (whole or found.length is None and not isinstance(self.source.fetcher, LocalFiles))
+                else None)
 
         def step() -> None:
             if tail is not None and not np.array_equal(tail.bytes, fmt.index):
-                raise ChecksumError(f"{self.what}: the shard index of chunk {list(index)} is not the one tsckpt "
-                                    "wrote (it was damaged or cut short)")
+                if not whole:
+                    raise ChecksumError(f"{self.what}: the shard index of chunk {list(index)} is not the one tsckpt "
+                                        "wrote (it was damaged or cut short)")
+                data = np.concatenate([*(s.bytes for s in slots), tail.bytes])
+                self._place(index, start, first, last, (*self._whole(index, data), 0), offsets, sizes, out)
+                return
             for (a, b), slot in zip(runs, slots):
                 self._place(index, start, first, last, (slot.bytes, positions[a:b], a), offsets, sizes, out)
 
         return lambda: _used(slots if tail is None else [*slots, tail], step)
 
     def _whole(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """A whole stored outer chunk as (its inner chunks' bytes one after the other, their storage positions)."""
+        """A whole stored outer chunk whose index is not the one tsckpt writes, as (its inner chunks' bytes one
+        after the other in tsckpt's order, their storage positions)."""
         fmt = self.fmt
         assert fmt is not None and data is not None
         data = np.asarray(data).reshape(-1)
@@ -437,6 +442,12 @@ class BoxReader:
             return out
 
         return finish
+
+
+def _runs(positions: np.ndarray, most: int) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges of ``positions`` (sorted) whose values are consecutive, each at most ``most`` long."""
+    cuts = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
+    return [(k, min(k + most, b)) for a, b in zip(cuts[:-1], cuts[1:]) for k in range(a, b, most)]
 
 
 def _used(slots: list[Any], step: Callable[[], None]) -> None:
