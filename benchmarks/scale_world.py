@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tsckpt.dcp.contract import PlannerNotes, RankSummary, RankWrites
-from tsckpt.format.metadata import FileRef, RankFiles, Span
+from tsckpt.format.data_files import FileRef, RankFiles, Span
 
 
 class World:

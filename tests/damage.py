@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tsckpt.commit.protocol import CHECKSUM_ATTRIBUTE, document_checksum
-from tsckpt.format import ocdbt
+from tsckpt.format import ocdbt, ocdbt_tree
 from tsckpt.storage import packed
 
 
@@ -51,7 +51,7 @@ def _rewrite(path: str | os.PathLike, values: dict[str, bytes | ocdbt.Ref]) -> N
                             np.asarray([number[v.path] if isinstance(v, ocdbt.Ref) else -1 for v in refs], np.int64),
                             np.asarray([v.offset if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64),
                             np.asarray([v.length if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64), files)
-    tree = ocdbt.build_tree(entries, path=md["data_files"]["index"][0])
+    tree = ocdbt_tree.build_tree(entries, path=md["data_files"]["index"][0])
     with open(os.path.join(path, md["data_files"]["index"][0]), "wb") as f:
         f.write(tree.nodes)
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, 0)

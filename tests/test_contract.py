@@ -22,7 +22,8 @@ from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, RankWrites, S
 from tsckpt.dcp.merged_chunks import MergedChunks
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import PlanError
-from tsckpt.format.metadata import ArrayOptions, FileRef, RankFiles
+from tsckpt.format.data_files import FileRef, RankFiles
+from tsckpt.format.metadata import ArrayOptions
 from tsckpt.storage.location import parse_location
 
 

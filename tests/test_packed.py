@@ -25,7 +25,8 @@ from tsckpt.errors import (
     TsckptError,
 )
 from tsckpt.storage.layouts import layout_for
-from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, DataFiles, RankFiles
+from tsckpt.format.data_files import DataFiles, RankFiles
+from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata
 from tsckpt.storage import packed
 from tsckpt.storage.location import parse_location
 

@@ -9,7 +9,8 @@ from tsckpt.format import values
 from tsckpt.format import inner_chunks
 from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
-from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, DataFiles, RankFiles, Span, TensorEntry
+from tsckpt.format.data_files import DataFiles, RankFiles, Span
+from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 
 
 def rows(*sizes, cols=4):

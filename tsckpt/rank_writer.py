@@ -39,9 +39,10 @@ from .dcp.copy_window import CopyWindow
 from .errors import StorageError
 from .format import content_hashes, dtypes, placement, shards, zarr_json
 from .format.compressed import CompressedChunk
+from .format.data_files import RankFiles
 from .format.digest_table import DigestTable
 from .format.grid import ChunkGrid
-from .format.metadata import ArrayOptions, RankFiles, TensorEntry
+from .format.metadata import ArrayOptions, TensorEntry
 from .format.ocdbt import Ref
 from .format.shard_encoding import EncodedChunk
 from .storage.kvio import problem

@@ -39,8 +39,8 @@ from ..storage.location import LocationLike
 from ..storage.kvio import encode_json, list_keys, read_json
 from ..format import checksums, dtypes, values, zarr_json
 from ..format import ocdbt
-from ..format.metadata import (MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, DataFiles, Mesh, ObjectEntry,
-                               RankFiles, Span, TensorEntry)
+from ..format.data_files import DataFiles, RankFiles, Span
+from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from ..format.names import parent_groups
 from ..format.reuse import Reuse
 from ..storage.store import Store

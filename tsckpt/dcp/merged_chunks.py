@@ -18,7 +18,8 @@ import numpy as np
 
 from ..errors import PlanError
 from ..format import zarr_json
-from ..format.metadata import RankFiles, TensorEntry
+from ..format.data_files import RankFiles
+from ..format.metadata import TensorEntry
 from ..storage.packed import StoredValues
 from .summary import RankSummary
 

@@ -31,7 +31,8 @@ from ..commit.publication import begin_save
 from ..commit.target import SaveTarget
 from ..errors import OptionError, PlanError
 from ..format import content_hashes, dtypes, values
-from ..format.metadata import ArrayOptions, ObjectEntry, RankFiles, TensorEntry, intern_placement
+from ..format.data_files import RankFiles
+from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
 from ..rank_writer import RankWriter
 from ..storage.layouts import PACKED, get_layout

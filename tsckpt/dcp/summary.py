@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..format import values
-from ..format.metadata import RankFiles
+from ..format.data_files import RankFiles
 from ..format.ocdbt import Ref
 from ..rank_writer import WrittenChunks as SavedChunks
 
@@ -29,7 +29,7 @@ class RankSummary:
     an incremental save's base it took chunks from); -1 in the plain layout,
     whose chunks are keys of their own. ``reused`` marks the chunks taken from
     the base instead of written. ``stored``: the rank's data files and digest
-    table (:class:`~tsckpt.format.metadata.RankFiles`). ``objects``: each
+    table (:class:`~tsckpt.format.data_files.RankFiles`). ``objects``: each
     value's recorded encoding (and its JSON value, or blob size and, packed,
     where it is stored). ``placements``: with DCP's own planner, whose plans
     carry none, the placement records of the tensors this rank describes.

@@ -6,7 +6,7 @@ those hashes no longer sit in the root document, which every loading rank
 reads and which would grow with ranks x tensors; each rank writes the table
 of its own chunks once, at the end of its data file (packed layout) or as a
 file of its own (plain layout), and the root document records where
-(:class:`~tsckpt.format.metadata.DataFiles`). Only a save that takes this
+(:class:`~tsckpt.format.data_files.DataFiles`). Only a save that takes this
 checkpoint as its base reads the tables, and only those of the ranks whose
 chunks it may take.
 

@@ -1,7 +1,8 @@
 """Field parsers for the metadata document: each checks one JSON value and names it in its error.
 
-Shared by :mod:`tsckpt.format.metadata` and :mod:`tsckpt.format.placements`, so a
-hostile document meets the same checks wherever a field appears.
+Shared by :mod:`tsckpt.format.metadata`, :mod:`tsckpt.format.placements` and
+:mod:`tsckpt.format.data_files`, so a hostile document meets the same checks
+wherever a field appears.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from ..errors import MetadataError
 
 #: Most dimensions of a tensor or a mesh (TensorStore's own maximum rank).
 MAX_NDIM = 32
+#: Largest byte size of one tensor: its byte count must fit a signed 64-bit integer.
+MAX_TENSOR_BYTES = 2**63 - 1
 
 
 def parse_ints(value: Any, what: str, *, minimum: int = 0) -> tuple[int, ...]:

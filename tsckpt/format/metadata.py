@@ -4,7 +4,9 @@ The document lives in the root group's ``zarr.json`` under
 ``attributes["tsckpt"]``; writing it is the commit of a save. ``from_dict``
 validates everything a hostile or broken file could get wrong, so code past it
 can trust shapes, dtypes, paths and regions. Torch-free on purpose: inspecting a
-checkpoint needs only numpy.
+checkpoint needs only numpy. Its placements and data files, concepts of their
+own, are modules of their own: :mod:`~tsckpt.format.placements` and
+:mod:`~tsckpt.format.data_files`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from ..errors import MetadataError
 from . import content_hashes, dtypes, values, zarr_json
-from .fields import MAX_NDIM, get_field, optional_field, parse_shape
+from .data_files import DataFiles
+from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
 # Placements are part of the document; re-exported so callers import the whole document from here.
 from .placements import (  # noqa: F401
@@ -48,8 +51,6 @@ CODEC_CHECKSUMS_VERSION = 4
 # Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
 #: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
 MAX_DOCUMENT_BYTES = 256 << 20
-#: Largest byte size of one tensor: its byte count must fit a signed 64-bit integer.
-MAX_TENSOR_BYTES = 2**63 - 1
 
 
 def _dtype(name: str, what: str) -> str:
@@ -112,98 +113,6 @@ class ArrayOptions:
     def from_dict(cls, d: Any, what: str = "array_options") -> ArrayOptions:
         return cls(crc32c_codec=get_field(d, "crc32c_codec", what, bool),
                    compression=optional_field(d, "compression", what, str))
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """A file (or object) of a checkpoint that readers find through the root document: its path and size, and on
-    object stores the generation the store gave the object when it was written (its ETag on S3), so that a
-    read of an object replaced since (truncated, rewritten) is refused, a partial read included."""
-
-    path: str
-    size: int
-    generation: str | None = None
-
-    def to_list(self) -> list[Any]:
-        return [self.path, self.size] + ([self.generation] if self.generation is not None else [])
-
-    @classmethod
-    def from_list(cls, value: Any, what: str) -> FileRef:
-        if (not isinstance(value, list) or len(value) not in (2, 3) or not isinstance(value[0], str)
-                or not isinstance(value[1], int) or isinstance(value[1], bool) or not 0 <= value[1] <= MAX_TENSOR_BYTES
-                or (len(value) == 3 and not isinstance(value[2], str))):
-            raise MetadataError(f"{what}: expected [path, size] or [path, size, generation], got {value!r}")
-        return cls(check_relative_path(value[0], what=what), value[1], value[2] if len(value) == 3 else None)
-
-
-@dataclass(frozen=True)
-class Span:
-    """``length`` bytes at ``offset`` of file ``path`` (a rank's digest table)."""
-
-    path: str
-    offset: int
-    length: int
-
-    def to_list(self) -> list[Any]:
-        return [self.path, self.offset, self.length]
-
-    @classmethod
-    def from_list(cls, value: Any, what: str) -> Span:
-        if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
-                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TENSOR_BYTES
-                           for v in value[1:]) or value[1] + value[2] > MAX_TENSOR_BYTES):
-            raise MetadataError(f"{what}: expected [path, offset, length] within a file, got {value!r}")
-        return cls(check_relative_path(value[0], what=what), value[1], value[2])
-
-
-@dataclass(frozen=True)
-class RankFiles:
-    """What one rank of a save wrote besides chunk keys: its data files (packed layout) and its digest table."""
-
-    files: tuple[FileRef, ...] = ()
-    digests: Span | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"files": [f.to_list() for f in self.files],
-                "digests": self.digests.to_list() if self.digests is not None else None}
-
-    @classmethod
-    def from_dict(cls, d: Any, what: str) -> RankFiles:
-        files = tuple(FileRef.from_list(f, f"{what}: files[{i}]")
-                      for i, f in enumerate(get_field(d, "files", what, list)))
-        digests = d.get("digests")
-        return cls(files, Span.from_list(digests, f"{what}: digests") if digests is not None else None)
-
-
-@dataclass(frozen=True)
-class DataFiles:
-    """Version 4: where a checkpoint's bytes are, beyond its Zarr keys (``docs/format.md``, section 1).
-
-    ``index``: the packed layout's B+tree nodes, ``length`` bytes at
-    ``offset`` of their file (which may hold values too large for a leaf
-    before them, and ends with the nodes); None in the plain layout.
-    ``ranks``: what each rank wrote, in rank order.
-    """
-
-    index: Span | None
-    ranks: tuple[RankFiles, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index.to_list() if self.index is not None else None,
-                "ranks": [r.to_dict() for r in self.ranks]}
-
-    @classmethod
-    def from_dict(cls, d: Any, what: str = "data_files") -> DataFiles:
-        index = d.get("index") if isinstance(d, Mapping) else None
-        return cls(Span.from_list(index, f"{what}: index") if index is not None else None,
-                   tuple(RankFiles.from_dict(r, f"{what}: ranks[{i}]")
-                         for i, r in enumerate(get_field(d, "ranks", what, list))))
-
-    @property
-    def files(self) -> tuple[FileRef, ...]:
-        """Every data file, the index last."""
-        index = (FileRef(self.index.path, self.index.offset + self.index.length),) if self.index is not None else ()
-        return tuple(f for r in self.ranks for f in r.files) + index
 
 
 @dataclass(frozen=True)

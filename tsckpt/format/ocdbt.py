@@ -8,7 +8,10 @@ and the manifest. TensorStore's own writer commits through transactions that
 cost several times a raw write, and joins per-rank databases by copying their
 B+trees; the format is documented (``kvstore/ocdbt/index.rst`` in
 TensorStore), so a writer that knows where every value is can write it in one
-pass. Pure functions of bytes; no I/O.
+pass. Pure functions of bytes; no I/O. The varints, envelope and data file
+tables that manifests and nodes are made of are
+:mod:`tsckpt.format.ocdbt_records`; where a whole tree is cut into nodes is
+:mod:`tsckpt.format.ocdbt_tree`.
 
 What is written, of what the format allows: manifest kind ``single`` with one
 version (generation 1) and no version tree nodes; nodes uncompressed; B+tree
@@ -26,8 +29,11 @@ import uuid as _uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import crc32c as _crc32c
 import numpy as np
+
+# OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
+from .ocdbt_records import (OcdbtFormatError, Reader, decode_file_table, encode_file_table,  # noqa: F401
+                            envelope, open_envelope, varint, varints)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -37,182 +43,9 @@ MANIFEST_KEY = "manifest.ocdbt"
 MAX_INLINE_VALUE_BYTES = 1 << 20
 #: TensorStore's limit on entries per node.
 MAX_NODE_ARITY = 1 << 20
-_HEADER = struct.Struct(">IQ")  # magic (big-endian), then the whole encoded length (little-endian, below)
 
 
-class OcdbtFormatError(ValueError):
-    """An OCDBT manifest or node that is damaged or not of the kind this module writes."""
-
-
-# --- varints and columns -------------------------------------------------------
-
-
-def varint(n: int) -> bytes:
-    """``n`` (unsigned) as LEB128."""
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def varints(values: np.ndarray | Sequence[int]) -> bytes:
-    """A column of unsigned integers as LEB128, one after the other (vectorised: columns hold millions)."""
-    v = np.asarray(values, dtype=np.uint64).reshape(-1)
-    if not v.size:
-        return b""
-    nbytes = np.ones(v.size, dtype=np.int64)
-    rest = v >> np.uint64(7)
-    while rest.any():
-        nbytes += rest != 0
-        rest >>= np.uint64(7)
-    starts = np.zeros(v.size, dtype=np.int64)
-    np.cumsum(nbytes[:-1], out=starts[1:])
-    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
-    rest = v.copy()
-    for k in range(int(nbytes.max())):
-        live = nbytes > k
-        byte = (rest[live] & np.uint64(0x7F)).astype(np.uint8)
-        more = nbytes[live] > k + 1
-        out[starts[live] + k] = byte | (more.astype(np.uint8) << 7)
-        rest[live] >>= np.uint64(7)
-    return out.tobytes()
-
-
-class Reader:
-    """A cursor over encoded bytes; every read past the end raises :class:`OcdbtFormatError`."""
-
-    def __init__(self, data: bytes | memoryview, where: str):
-        self.data, self.at, self.where = memoryview(data), 0, where
-
-    def fail(self, what: str) -> OcdbtFormatError:
-        return OcdbtFormatError(f"{self.where}: {what} (at byte {self.at})")
-
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.at + n > len(self.data):
-            raise self.fail(f"ends before {n} more bytes")
-        out = self.data[self.at:self.at + n]
-        self.at += n
-        return out
-
-    def byte(self) -> int:
-        return self.take(1)[0]
-
-    def varint(self) -> int:
-        value, shift = 0, 0
-        while True:
-            b = self.byte()
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return value
-            shift += 7
-            if shift > 63:
-                raise self.fail("a varint longer than 64 bits")
-
-    def varints(self, n: int) -> list[int]:
-        return self.column(n).tolist()
-
-    def column(self, n: int) -> np.ndarray:
-        """The next ``n`` varints at once, as ``uint64`` (vectorised: a leaf holds up to a million)."""
-        if n <= 0:
-            return np.zeros(0, dtype=np.uint64)
-        window = np.frombuffer(self.data, dtype=np.uint8, count=min(10 * n, len(self.data) - self.at),
-                               offset=self.at)
-        ends = np.flatnonzero(window < 0x80)[:n]
-        if len(ends) < n:
-            raise self.fail(f"ends inside a column of {n} varints")
-        starts = np.empty(n, dtype=np.int64)
-        starts[0] = 0
-        starts[1:] = ends[:-1] + 1
-        lengths = ends - starts + 1
-        if int(lengths.max()) > 10:
-            raise self.fail("a varint longer than 64 bits")
-        values = np.zeros(n, dtype=np.uint64)
-        for k in range(int(lengths.max())):
-            live = lengths > k
-            values[live] |= (window[starts[live] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
-        self.at += int(ends[-1]) + 1
-        return values
-
-    def done(self) -> None:
-        if self.at != len(self.data):
-            raise self.fail(f"{len(self.data) - self.at} bytes left over")
-
-
-# --- the common envelope of manifests and nodes ----------------------------------
-
-
-def envelope(magic: int, body: bytes) -> bytes:
-    """Header (magic, total length, version 0, uncompressed), ``body``, then the crc32c of all before it."""
-    length = _HEADER.size + 2 + len(body) + 4
-    head = struct.pack(">I", magic) + struct.pack("<Q", length) + b"\x00\x00"
-    crc = _crc32c.crc32c(body, _crc32c.crc32c(head))
-    return head + body + struct.pack("<I", crc)
-
-
-def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
-    """The body of an encoded manifest or node, after checking its header and crc32c."""
-    data = memoryview(data)
-    if len(data) < _HEADER.size + 2 + 4:
-        raise OcdbtFormatError(f"{where}: {len(data)} bytes is too short for an OCDBT record")
-    found = struct.unpack(">I", data[:4])[0]
-    if found != magic:
-        raise OcdbtFormatError(f"{where}: starts with 0x{found:08x}, expected 0x{magic:08x}")
-    length = struct.unpack("<Q", data[4:12])[0]
-    if length != len(data):
-        raise OcdbtFormatError(f"{where}: its header says {length} bytes, but it is {len(data)}")
-    stored = struct.unpack("<I", data[-4:])[0]
-    if _crc32c.crc32c(data[:-4]) != stored:
-        raise OcdbtFormatError(f"{where}: does not match its crc32c (it was damaged)")
-    reader = Reader(data[:-4], where)
-    reader.at = 12
-    if reader.varint() != 0:
-        raise reader.fail("format version other than 0")
-    if reader.varint() != 0:
-        raise reader.fail("compressed; tsckpt writes and reads uncompressed records only")
-    return reader
-
-
-# --- data file tables --------------------------------------------------------------
-
-
-def encode_file_table(paths: Sequence[str]) -> bytes:
-    """A data file table of ``paths`` (sorted, distinct; base paths empty)."""
-    raw = [p.encode() for p in paths]
-    if raw != sorted(set(raw)):
-        raise ValueError("data file paths must be sorted and distinct")
-    prefixes = [0] + [_common(a, b) for a, b in zip(raw, raw[1:])]
-    return (varint(len(raw)) + varints(prefixes[1:]) + varints([len(p) - n for p, n in zip(raw, prefixes)])
-            + varints([0] * len(raw)) + b"".join(p[n:] for p, n in zip(raw, prefixes)))
-
-
-def decode_file_table(r: Reader) -> list[str]:
-    n = r.varint()
-    prefixes = [0] + r.varints(n - 1) if n else []
-    suffixes = r.varints(n)
-    bases = r.varints(n)
-    out: list[str] = []
-    prev = b""
-    for k in range(n):
-        if prefixes[k] > len(prev):
-            raise r.fail(f"data file {k}'s prefix is longer than the path before it")
-        path = prev[:prefixes[k]] + bytes(r.take(suffixes[k]))
-        if bases[k] > len(path):
-            raise r.fail(f"data file {k}'s base path is longer than its path")
-        out.append(path.decode("utf-8", "surrogateescape"))
-        prev = path
-    return out
-
-
-def _common(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k
+# --- key columns ---------------------------------------------------------------------
 
 
 def _keys_columns(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
@@ -468,65 +301,3 @@ class Manifest:
 def new_uuid() -> bytes:
     return _uuid.uuid4().bytes
 
-
-# --- a whole tree ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tree:
-    """A B+tree encoded into one node file: its bytes, and the root the manifest points to."""
-
-    nodes: bytes
-    root: Ref
-    height: int
-    stats: Stats
-
-
-def build_tree(keys: Sequence[bytes] | Entries, values: Sequence[bytes | Ref] | None = None, path: str = "",
-               max_node_bytes: int = 8 << 20, start: int = 0) -> Tree:
-    """Every leaf, then every level of interior nodes up to the root, back to back in node file ``path``.
-
-    ``keys`` must be sorted and distinct (or :class:`Entries`, with ``values``
-    None); leaves and interior nodes are cut to stay under ``max_node_bytes``
-    (estimated from the keys and inline values before encoding) and
-    :data:`MAX_NODE_ARITY` entries. ``start``: where the nodes begin in the
-    file (after values stored there first).
-    """
-    entries = keys if isinstance(keys, Entries) else Entries.of(keys, values or [])
-    if not entries.keys:
-        raise ValueError("an OCDBT tree of no keys has no root node")
-    sizes = np.fromiter((len(k) for k in entries.keys), dtype=np.int64, count=len(entries.keys)) + 24
-    inline = np.flatnonzero(entries.file < 0)
-    sizes[inline] += np.asarray([len(entries.inline[k] or b"") for k in inline.tolist()], dtype=np.int64)
-    out = bytearray()
-    level: list[tuple[bytes, Ref, Stats]] = []
-    for lo, hi in _cuts(sizes.tolist(), max_node_bytes):
-        node, stats = encode_leaf_columns(entries, lo, hi)
-        level.append((entries.keys[lo], Ref(path, start + len(out), len(node)), stats))
-        out += node
-    height = 0
-    while len(level) > 1:
-        height += 1
-        upper = []
-        for lo, hi in _cuts([len(k) + 40 for k, _, _ in level], max_node_bytes, least=2):
-            part = level[lo:hi]
-            node, stats = encode_interior(height, [k for k, _, _ in part], [r for _, r, _ in part],
-                                          [s for _, _, s in part])
-            upper.append((part[0][0], Ref(path, start + len(out), len(node)), stats))
-            out += node
-        level = upper
-    _, root, stats = level[0]
-    return Tree(bytes(out), root, height, stats)
-
-
-def _cuts(sizes: Sequence[int], limit: int, least: int = 1) -> list[tuple[int, int]]:
-    """Consecutive ``[lo, hi)`` runs of entries whose estimated sizes stay under ``limit``, each of at least
-    ``least`` entries (interior levels take two, so the tree narrows to one root)."""
-    runs, lo, total = [], 0, 64
-    for k, size in enumerate(sizes):
-        if k - lo >= least and (total + size > limit or k - lo >= MAX_NODE_ARITY):
-            runs.append((lo, k))
-            lo, total = k, 64
-        total += size
-    runs.append((lo, len(sizes)))
-    return runs

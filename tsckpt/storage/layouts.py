@@ -33,12 +33,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import tensorstore as ts
 
 from ..errors import MetadataError, OptionError
 from ..format import ocdbt
-from ..format.metadata import CODEC_CHECKSUMS_VERSION, CheckpointMetadata, Span
+from ..format.data_files import Span
+from ..format.metadata import CODEC_CHECKSUMS_VERSION, CheckpointMetadata
 from . import packed, sinks
 from .kvio import storage_error
 from .localfs import unsynced_nodes

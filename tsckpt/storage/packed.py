@@ -38,8 +38,8 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError
-from ..format import ocdbt
-from ..format.metadata import Span
+from ..format import ocdbt, ocdbt_tree
+from ..format.data_files import Span
 from .kvio import kv_name, storage_error
 
 #: The database's manifest, at the checkpoint's root.
@@ -158,7 +158,7 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
             size = len(entries.inline[k] or b"")
             entries.file[k], entries.offset[k], entries.length[k] = entries.files.index(path), at, size
             entries.inline[k], at = None, at + size
-    tree = ocdbt.build_tree(entries, path=path, max_node_bytes=MAX_NODE_BYTES, start=len(head))
+    tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=MAX_NODE_BYTES, start=len(head))
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
                               max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
     try:

@@ -39,7 +39,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..format import content_hashes
-from ..format.metadata import FileRef, RankFiles, Span
+from ..format.data_files import FileRef, RankFiles, Span
 from ..format.ocdbt import Ref
 from . import chunk_files, localfs
 
@@ -265,7 +265,7 @@ class RankFile(Sink):
 
 class _Parts:
     """Bytes gathered into one object at a time, each written in one request; two in flight at most. Keeps the
-    generation the store gave each object (:attr:`FileRef.generation <tsckpt.format.metadata.FileRef>`)."""
+    generation the store gave each object (:attr:`FileRef.generation <tsckpt.format.data_files.FileRef>`)."""
 
     def __init__(self, kv: ts.KvStore):
         self.kv = kv

@@ -1,0 +1,196 @@
+"""The pieces every OCDBT record is built from: varints, the envelope around a manifest or node, data file tables.
+
+A manifest and a B+tree node (:mod:`tsckpt.format.ocdbt`) are each one record:
+a header (magic, length, format version, compression), a body, and the
+crc32c of all before it. Their bodies are LEB128 varints, alone or in columns,
+and both name the data files they point into in the same table. Kept apart
+from the layouts of manifests and nodes so that those read as the format's
+documentation does, field by field, without the byte-level work beneath them,
+which is vectorised here because a leaf holds up to a million entries. Pure
+functions of bytes; no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import crc32c as _crc32c
+import numpy as np
+
+_HEADER = struct.Struct(">IQ")  # magic (big-endian), then the whole encoded length (little-endian, below)
+
+
+class OcdbtFormatError(ValueError):
+    """An OCDBT manifest or node that is damaged or not of the kind :mod:`tsckpt.format.ocdbt` writes."""
+
+
+# --- varints and columns -------------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    """``n`` (unsigned) as LEB128."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def varints(values: np.ndarray | Sequence[int]) -> bytes:
+    """A column of unsigned integers as LEB128, one after the other (vectorised: columns hold millions)."""
+    v = np.asarray(values, dtype=np.uint64).reshape(-1)
+    if not v.size:
+        return b""
+    nbytes = np.ones(v.size, dtype=np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        nbytes += rest != 0
+        rest >>= np.uint64(7)
+    starts = np.zeros(v.size, dtype=np.int64)
+    np.cumsum(nbytes[:-1], out=starts[1:])
+    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
+    rest = v.copy()
+    for k in range(int(nbytes.max())):
+        live = nbytes > k
+        byte = (rest[live] & np.uint64(0x7F)).astype(np.uint8)
+        more = nbytes[live] > k + 1
+        out[starts[live] + k] = byte | (more.astype(np.uint8) << 7)
+        rest[live] >>= np.uint64(7)
+    return out.tobytes()
+
+
+class Reader:
+    """A cursor over encoded bytes; every read past the end raises :class:`OcdbtFormatError`."""
+
+    def __init__(self, data: bytes | memoryview, where: str):
+        self.data, self.at, self.where = memoryview(data), 0, where
+
+    def fail(self, what: str) -> OcdbtFormatError:
+        return OcdbtFormatError(f"{self.where}: {what} (at byte {self.at})")
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.at + n > len(self.data):
+            raise self.fail(f"ends before {n} more bytes")
+        out = self.data[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def byte(self) -> int:
+        return self.take(1)[0]
+
+    def varint(self) -> int:
+        value, shift = 0, 0
+        while True:
+            b = self.byte()
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value
+            shift += 7
+            if shift > 63:
+                raise self.fail("a varint longer than 64 bits")
+
+    def varints(self, n: int) -> list[int]:
+        return self.column(n).tolist()
+
+    def column(self, n: int) -> np.ndarray:
+        """The next ``n`` varints at once, as ``uint64`` (vectorised: a leaf holds up to a million)."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.uint64)
+        window = np.frombuffer(self.data, dtype=np.uint8, count=min(10 * n, len(self.data) - self.at),
+                               offset=self.at)
+        ends = np.flatnonzero(window < 0x80)[:n]
+        if len(ends) < n:
+            raise self.fail(f"ends inside a column of {n} varints")
+        starts = np.empty(n, dtype=np.int64)
+        starts[0] = 0
+        starts[1:] = ends[:-1] + 1
+        lengths = ends - starts + 1
+        if int(lengths.max()) > 10:
+            raise self.fail("a varint longer than 64 bits")
+        values = np.zeros(n, dtype=np.uint64)
+        for k in range(int(lengths.max())):
+            live = lengths > k
+            values[live] |= (window[starts[live] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+        self.at += int(ends[-1]) + 1
+        return values
+
+    def done(self) -> None:
+        if self.at != len(self.data):
+            raise self.fail(f"{len(self.data) - self.at} bytes left over")
+
+
+# --- the common envelope of manifests and nodes ----------------------------------
+
+
+def envelope(magic: int, body: bytes) -> bytes:
+    """Header (magic, total length, version 0, uncompressed), ``body``, then the crc32c of all before it."""
+    length = _HEADER.size + 2 + len(body) + 4
+    head = struct.pack(">I", magic) + struct.pack("<Q", length) + b"\x00\x00"
+    crc = _crc32c.crc32c(body, _crc32c.crc32c(head))
+    return head + body + struct.pack("<I", crc)
+
+
+def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
+    """The body of an encoded manifest or node, after checking its header and crc32c."""
+    data = memoryview(data)
+    if len(data) < _HEADER.size + 2 + 4:
+        raise OcdbtFormatError(f"{where}: {len(data)} bytes is too short for an OCDBT record")
+    found = struct.unpack(">I", data[:4])[0]
+    if found != magic:
+        raise OcdbtFormatError(f"{where}: starts with 0x{found:08x}, expected 0x{magic:08x}")
+    length = struct.unpack("<Q", data[4:12])[0]
+    if length != len(data):
+        raise OcdbtFormatError(f"{where}: its header says {length} bytes, but it is {len(data)}")
+    stored = struct.unpack("<I", data[-4:])[0]
+    if _crc32c.crc32c(data[:-4]) != stored:
+        raise OcdbtFormatError(f"{where}: does not match its crc32c (it was damaged)")
+    reader = Reader(data[:-4], where)
+    reader.at = 12
+    if reader.varint() != 0:
+        raise reader.fail("format version other than 0")
+    if reader.varint() != 0:
+        raise reader.fail("compressed; tsckpt writes and reads uncompressed records only")
+    return reader
+
+
+# --- data file tables --------------------------------------------------------------
+
+
+def encode_file_table(paths: Sequence[str]) -> bytes:
+    """A data file table of ``paths`` (sorted, distinct; base paths empty)."""
+    raw = [p.encode() for p in paths]
+    if raw != sorted(set(raw)):
+        raise ValueError("data file paths must be sorted and distinct")
+    prefixes = [0] + [_common(a, b) for a, b in zip(raw, raw[1:])]
+    return (varint(len(raw)) + varints(prefixes[1:]) + varints([len(p) - n for p, n in zip(raw, prefixes)])
+            + varints([0] * len(raw)) + b"".join(p[n:] for p, n in zip(raw, prefixes)))
+
+
+def decode_file_table(r: Reader) -> list[str]:
+    n = r.varint()
+    prefixes = [0] + r.varints(n - 1) if n else []
+    suffixes = r.varints(n)
+    bases = r.varints(n)
+    out: list[str] = []
+    prev = b""
+    for k in range(n):
+        if prefixes[k] > len(prev):
+            raise r.fail(f"data file {k}'s prefix is longer than the path before it")
+        path = prev[:prefixes[k]] + bytes(r.take(suffixes[k]))
+        if bases[k] > len(path):
+            raise r.fail(f"data file {k}'s base path is longer than its path")
+        out.append(path.decode("utf-8", "surrogateescape"))
+        prev = path
+    return out
+
+
+def _common(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
