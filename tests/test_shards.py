@@ -13,7 +13,8 @@ import zarr
 import tsckpt  # noqa: F401  (registers bfloat16 with zarr-python)
 from tsckpt.errors import ChecksumError
 from tsckpt.format import checksums, shard_encoding, shards, zarr_json
-from tsckpt.storage.box_reader import BoxReader, ChunkSource
+from tsckpt.storage.box_reader import BoxReader
+from tsckpt.storage.chunk_source import ChunkSource
 from tsckpt.format.grid import ChunkGrid
 from tsckpt.format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from tsckpt.storage.store import Store

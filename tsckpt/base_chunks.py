@@ -41,12 +41,12 @@ import numpy as np
 from .errors import ChecksumError, OptionError, StorageError, TsckptError
 from .format import compressed, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
+from .format.data_files import FileRef
 from .format.digest_table import DigestTable
-from .format.metadata import CODEC_CHECKSUMS_VERSION, ArrayOptions, CheckpointMetadata, FileRef, TensorEntry
+from .format.metadata import CODEC_CHECKSUMS_VERSION, ArrayOptions, CheckpointMetadata, TensorEntry
 from .format.ocdbt import Ref
 from .format.reuse import Reuse
-from .storage.box_reader import ChunkSource
-from .storage.byte_reads import LocalFiles
+from .storage.chunk_source import ChunkSource
 from .storage.layouts import PLAIN
 from .storage.store import Store
 from .storage.location import Location, LocationLike, parse_location

@@ -38,7 +38,8 @@ import torch
 from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
 from ..commit import protocol as commit
 from ..format import dtypes, values
-from ..storage.box_reader import ChunkSource, read_tensor
+from ..storage.box_reader import read_tensor
+from ..storage.chunk_source import ChunkSource
 from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.

@@ -8,13 +8,11 @@ Its constructor also takes ``FileSystemReader``'s arguments.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 import uuid
 
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,24 +30,23 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import OptionError, TsckptError
-from ..format import dtypes, placement, values
+from ..format import dtypes, values
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader, ChunkSource
-from ..storage.byte_reads import RangeBatch
-from ..format.grid import ChunkGrid
+from ..storage.box_reader import BoxReader
+from ..storage.chunk_source import ChunkSource
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from . import logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
-from .replica_reads import RankNote, ReplicaShare, Transfer, schedule
+from .replica_reads import RankNote, ReplicaShare, schedule
 from .replica_transfers import ReplicaTransfers
+from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
 from .values import DecodedValue
 from ..storage.kvio import storage_error
 from .io import TensorStoreIO, done
 
-T = TypeVar("T")
 
 
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
@@ -174,7 +171,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             assert self.metadata is not None
             md = self.metadata
             shares = schedule(plans, lambda fqn: dtypes.from_zarr(md.tensors[fqn].dtype).itemsize,
-                              lambda fqn: _stripes_along(md.tensors[fqn].grid))
+                              lambda fqn: stripes_along(md.tensors[fqn].grid))
             plans = [dataclasses.replace(p, storage_data=share) if share is not None or isinstance(
                 p.storage_data, RankNote) else p for p, share in zip(plans, shares)]
         return plans
@@ -201,24 +198,13 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         # (What fails before this point fails alike on every rank: the same metadata, no transfer started.)
         failures: list[Exception] | None = None if share is None else []
         moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype)
-        targets = _Targets(transfers)
         try:
             # Shared regions first, in the global order every rank follows, then what this rank reads alone.
-            # The regions this rank fetches are read in rounds of one batch each (merged requests).
-            for round_ in self._rounds(transfers, plan, readers, share.rank if share is not None else -1):
-                batch = self.source.batch()
-                steps = [self._guarded(failures, self._share, plan.items[t.item], t, planner,
-                                       readers[plan.items[t.item].storage_index.fqn], moving, buffers, batch,
-                                       targets)
-                         for t in round_]
-                batch.run()
-                for step in steps:
-                    if step is not None:
-                        buffers.add(step[0], functools.partial(self._guarded, failures, step[1]))
-            buffers.drain()
+            if share is not None and moving is not None:
+                SharedReads(self, plan, planner, readers, moving, buffers, failures).run(transfers, share.rank)
             shared = {t.item for t in transfers}
             alone = [item for k, item in enumerate(plan.items) if k not in shared]
-            self._guarded(failures, self._read_alone, alone, planner, readers)
+            guarded(failures, self._read_alone, alone, planner, readers)
         finally:
             if moving is not None:
                 moving.finish()
@@ -260,7 +246,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             self._opened(reader, fqn)
             # Detached like DCP's own reader: a destination that requires grad is still filled in place.
             dest = planner.resolve_tensor(item).detach()
-            in_place = _in_place(dest, reader.dtype)
+            in_place = readable_in_place(dest, reader.dtype)
             nbytes = reader.held_bytes(item.lengths, out=in_place)
             if pending and limit is not None and held + nbytes > limit:
                 flush()
@@ -274,18 +260,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             pending.append((item, dest, finish, not in_place))
             held += nbytes
         flush()
-
-    @staticmethod
-    def _guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any) -> T | None:
-        """Run ``step``; with ``failures`` (replicas depend on this rank), keep its error there instead of
-        raising (and give None)."""
-        if failures is None:
-            return step(*args)
-        try:
-            return step(*args)
-        except Exception as e:  # noqa: BLE001 - raised once every transfer is done
-            failures.append(e)
-            return None
 
     def _stored_dtype(self, fqn: str) -> torch.dtype:
         assert self.metadata is not None
@@ -311,118 +285,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         except Exception as e:
             raise read_error(fqn, str(self.checkpoint_id), e) from e
 
-    def _rounds(self, transfers: list[Transfer], plan: LoadPlan, readers: dict[str, BoxReader],
-                rank: int) -> Iterator[list[Transfer]]:
-        """``transfers`` in order, cut into rounds whose regions fetched by ``rank`` hold at most
-        ``per_thread_copy_ahead`` bytes (or one region, if larger)."""
-        limit, held, round_ = self.per_thread_copy_ahead, 0, []
-        for t in transfers:
-            item = plan.items[t.item]
-            _, lengths = t.box(item.storage_offsets, item.lengths)
-            nbytes = readers[item.storage_index.fqn].held_bytes(lengths, out=False) if t.owner == rank else 0
-            if round_ and limit is not None and held + nbytes > limit:
-                yield round_
-                round_, held = [], 0
-            round_.append(t)
-            held += nbytes
-        if round_:
-            yield round_
-
-    def _share(self, item: ReadItem, transfer: Transfer, planner: LoadPlanner, reader: BoxReader,
-               moving: ReplicaTransfers, buffers: CopyWindow, batch: RangeBatch,
-               targets: _Targets) -> tuple[int, Callable[[], None]]:
-        """Take part in one shared region (an item, or a stripe of it): plan its fetch into ``batch`` (its
-        owner), or its receive.
-
-        Returns the bytes it holds and the step that completes it (send or
-        receive; the item is committed once its last stripe is in), which the
-        caller queues in ``buffers`` once ``batch`` runs, in the global order.
-        The step never leaves a transfer undone: a failure is raised after it
-        (and kept by the caller).
-        """
-        dest, error = targets.resolve(transfer.item, item, planner, self._stored_dtype)
-        offsets, lengths = transfer.box(item.storage_offsets, item.lengths)
-        part = dest
-        if transfer.part is not None:
-            d, start, stop = transfer.part
-            part = dest.narrow(d, start, stop - start)
-        box = _Box(item.storage_index.fqn, offsets, lengths)
-        if transfer.owner == moving.rank:
-            nbytes, step = self._fetch_and_send(box, transfer, part, error, reader, moving, buffers, batch)
-        else:
-            nbytes, step = self._receive(box, transfer, part, error, moving, buffers)
-
-        def complete() -> None:
-            try:
-                step()
-            finally:
-                last = targets.done(transfer.item)
-            if last and error is None:
-                planner.commit_tensor(item, dest)
-
-        return nbytes, complete
-
-    def _receive(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
-                 moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
-        """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, and the receive."""
-        fqn = item.fqn
-        direct = moving.direct(dest, fqn)
-        stored = self._stored_dtype(fqn)
-        nbytes = 0 if direct else math.prod(item.lengths) * stored.itemsize
-        buffers.admit(nbytes)
-        into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=moving.wire_device(dest))
-        box = f"at {list(item.offsets)} of size {list(item.lengths)}"
-
-        def receive() -> None:
-            moving.receive(transfer, into, fqn, box)()  # posted now: in the global order
-            if error is not None:
-                raise error
-            if not direct:
-                dest.copy_(into)
-
-        return nbytes, receive
-
-    def _fetch_and_send(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
-                        reader: BoxReader, moving: ReplicaTransfers, buffers: CopyWindow,
-                        batch: RangeBatch) -> tuple[int, Callable[[], None]]:
-        """Plan the checked read of a region this rank owns into ``batch``: its held bytes, and the step that
-        sends it (after ``batch`` runs).
-
-        The step sends even when the read failed (the receivers are told),
-        then raises the failure.
-        """
-        in_place = _in_place(dest, reader.dtype)
-        nbytes = reader.held_bytes(item.lengths, out=in_place)
-        buffers.admit(nbytes)
-        read: Callable[[], np.ndarray] | None = None
-        try:
-            if error is None:
-                self._opened(reader, item.fqn)
-                read = reader.plan(item.offsets, item.lengths, batch,
-                                   out=dtypes.tensor_as_numpy(dest) if in_place else None)
-        except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised
-            error = e
-
-        def send() -> None:
-            failed, data = error, None
-            if read is not None:
-                try:
-                    data = self._result(item.fqn, dest, read, not in_place)
-                except Exception as e:  # noqa: BLE001 - as above
-                    failed = e
-            wire = moving.wire_device(dest)
-            if moving.direct(dest, item.fqn):
-                payload = dest
-            elif data is not None:
-                payload = dtypes.numpy_as_tensor(np.ascontiguousarray(data)).to(wire)
-            else:
-                payload = torch.empty(tuple(item.lengths), dtype=self._stored_dtype(item.fqn), device=wire)
-            moving.send(transfer, payload, failed, wait=payload is not dest)
-            if failed is not None:
-                raise failed
-
-        return nbytes, send
-
     def _read_object(self, fqn: str) -> Any:
         assert self.metadata is not None
         entry = self.metadata.objects[fqn]
@@ -431,51 +293,3 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         assert entry.path is not None
         return values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
-
-
-def _stripes_along(grid: ChunkGrid) -> tuple[int, int, int] | None:
-    """Where replicas cut a tensor's shared regions: the dimension, its outer chunk and its extent."""
-    d = placement.stripe_dim(grid)
-    return None if d is None else (d, grid.chunk_shape[d], grid.shape[d])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Box:
-    """What one transfer moves: a box of tensor ``fqn``, as stored."""
-
-    fqn: str
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-
-class _Targets:
-    """The destination of each shared item, resolved once, and how many of its transfers are still to come."""
-
-    def __init__(self, transfers: list[Transfer]):
-        self.left: dict[int, int] = {}
-        for t in transfers:
-            self.left[t.item] = self.left.get(t.item, 0) + 1
-        self._dests: dict[int, tuple[torch.Tensor, Exception | None]] = {}
-
-    def resolve(self, index: int, item: ReadItem, planner: LoadPlanner,
-                stored: Callable[[str], torch.dtype]) -> tuple[torch.Tensor, Exception | None]:
-        """The item's destination (or, if the planner fails to give one, a scratch tensor and why)."""
-        if index not in self._dests:
-            try:
-                self._dests[index] = planner.resolve_tensor(item).detach(), None
-            except Exception as e:  # noqa: BLE001 - the transfers still happen, through a scratch tensor
-                self._dests[index] = torch.empty(tuple(item.lengths), dtype=stored(item.storage_index.fqn)), e
-        return self._dests[index]
-
-    def done(self, index: int) -> bool:
-        """One transfer of item ``index`` is complete; whether it was its last."""
-        self.left[index] -= 1
-        if self.left[index]:
-            return False
-        self._dests.pop(index, None)
-        return True
-
-
-def _in_place(dest: torch.Tensor, stored: np.dtype) -> bool:
-    """Whether a box can be read straight into ``dest``, with no host buffer."""
-    return dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == stored

@@ -30,11 +30,11 @@ from ..format import compressed, content_hashes, dtypes, shards, zarr_json
 from ..format.digest_table import DigestTable
 from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader, ChunkSource
+from ..storage.box_reader import BoxReader
+from ..storage.chunk_source import ChunkSource
 from ..storage.byte_reads import LocalFiles
 from ..format.grid import ChunkGrid
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
-from ..storage.store import Store
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..storage.kvio import read_json
