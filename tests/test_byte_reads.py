@@ -94,3 +94,22 @@ def test_defaults_per_kind_of_store_and_the_location_override():
 def test_a_bad_override_is_one_line_naming_the_member(members, message):
     with pytest.raises(OptionError, match=message):
         byte_reads.read_cost(parse_location({"url": "/tmp/ck", "read_cost": members}))
+
+
+def test_read_buffers_outlive_a_batch_and_stay_bounded(tmp_path):
+    """A second batch of this process reads into the buffers the first one used (their pages are already
+    faulted in), and no more are kept than one batch's requests in flight need, plus two."""
+    cost = ReadCost(latency_s=0.0, bandwidth=1e9, max_request=1 << 20, max_inflight=2 << 20)
+    _file(tmp_path, "a", 6 << 20)
+    ranges = [("a", k << 20, (k << 20) + (512 << 10)) for k in range(6)]  # six requests, unmerged
+    pool = byte_reads._BUFFERS
+    for _ in range(2):
+        batch = _read(tmp_path, cost, ranges)
+        assert batch.requests == 6
+        kept = list(pool._free[cost.max_request])
+        assert 1 <= len(kept) <= 2 + 2
+    again = pool.take(cost)
+    assert any(again is b for b in kept), "a later batch reads into a kept buffer"
+    for _ in range(10):
+        pool.give(np.empty(cost.max_request, dtype=np.uint8), cost)
+    assert len(pool._free[cost.max_request]) == 4

@@ -198,6 +198,37 @@ class KvFiles(Fetcher):
 _POOLED = 256 << 10
 
 
+class _Buffers:
+    """Read buffers of local files, kept for the next batch of this process, load after load.
+
+    A buffer's pages are faulted in by the kernel the first time a read fills
+    them, and a batch keeps up to ``max_inflight`` bytes of requests in flight:
+    a process that made its buffers anew for every load (or every round of
+    replica reads) paid that again each time. At most enough buffers for one
+    batch's requests in flight, and two more, are kept, per buffer size.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, cost: ReadCost) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(cost.max_request)
+            if free:
+                return free.pop()
+        return np.empty(cost.max_request, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray, cost: ReadCost) -> None:
+        with self._lock:
+            free = self._free.setdefault(buffer.size, [])
+            if len(free) < cost.max_inflight // max(cost.max_request, 1) + 2:
+                free.append(buffer)
+
+
+_BUFFERS = _Buffers()
+
+
 class _Request:
     """One request (maybe in pieces): started in turn, its bytes shared by its ranges, its buffer reused
     once every range has been used (:meth:`Slot.release`)."""
@@ -285,7 +316,6 @@ class RangeBatch:
         self._queue: list[_Request] = []
         self._next = 0
         self._held = 0
-        self._pool: list[np.ndarray] = []
         self._lock = threading.Lock()
 
     def want(self, key: str, start: int, stop: int) -> Slot:
@@ -355,8 +385,7 @@ class RangeBatch:
         object stores hand over bytes of their own, and small requests are cheap to allocate)."""
         if not isinstance(self.fetcher, LocalFiles) or not _POOLED <= size <= self.cost.max_request:
             return None
-        buffer = self._pool.pop() if self._pool else np.empty(self.cost.max_request, dtype=np.uint8)
-        return buffer[:size]
+        return _BUFFERS.take(self.cost)[:size]
 
     def _released(self, request: _Request) -> None:
         with self._lock:
@@ -365,7 +394,7 @@ class RangeBatch:
                 return
             self._held -= request.stop - request.start
             if request.buffer is not None and request.buffer.base is not None:
-                self._pool.append(request.buffer.base)
+                _BUFFERS.give(request.buffer.base, self.cost)
             request.buffer, request._data = None, None
         self._pump()
 
