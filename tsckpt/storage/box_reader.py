@@ -198,14 +198,14 @@ class BoxReader:
                     raise ChecksumError(f"{self.what}: the shard index of chunk {list(index)} is not the one tsckpt "
                                         "wrote (it was damaged or cut short)")
                 data = np.concatenate([*(s.bytes for s in slots), tail.bytes])
-                self._place(index, start, first, last, (*self._whole(index, data), 0), offsets, sizes, out)
+                self._place(index, start, first, last, (*self._gathered(index, data), 0), offsets, sizes, out)
                 return
             for (a, b), slot in zip(runs, slots):
                 self._place(index, start, first, last, (slot.bytes, positions[a:b], a), offsets, sizes, out)
 
         return lambda: _used(slots if tail is None else [*slots, tail], step)
 
-    def _whole(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _gathered(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """A whole stored outer chunk whose index is not the one tsckpt writes, as (its inner chunks' bytes one
         after the other in tsckpt's order, their storage positions)."""
         fmt = self.fmt
@@ -213,10 +213,8 @@ class BoxReader:
         data = np.asarray(data).reshape(-1)
         tail = data[fmt.nbytes - fmt.index_bytes:]
         positions = np.arange(fmt.pieces)
-        if np.array_equal(tail, fmt.index):
-            return data, positions  # as tsckpt writes them
         where = self._where(index)
-        # Laid out otherwise: gather the inner chunks where the index says, into tsckpt's order.
+        # Gather the inner chunks where the index says, into tsckpt's order.
         try:
             table = fmt.parse_index(tail, where)
         except ValueError as e:

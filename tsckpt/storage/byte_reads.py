@@ -34,7 +34,7 @@ import tensorstore as ts
 
 from ..errors import OptionError
 from .location import Location
-from .pools import ProcessPool
+from .pools import ProcessPool, ReadBuffers
 
 
 @dataclass(frozen=True)
@@ -198,35 +198,7 @@ class KvFiles(Fetcher):
 _POOLED = 256 << 10
 
 
-class _Buffers:
-    """Read buffers of local files, kept for the next batch of this process, load after load.
-
-    A buffer's pages are faulted in by the kernel the first time a read fills
-    them, and a batch keeps up to ``max_inflight`` bytes of requests in flight:
-    a process that made its buffers anew for every load (or every round of
-    replica reads) paid that again each time. At most enough buffers for one
-    batch's requests in flight, and two more, are kept, per buffer size.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, cost: ReadCost) -> np.ndarray:
-        with self._lock:
-            free = self._free.get(cost.max_request)
-            if free:
-                return free.pop()
-        return np.empty(cost.max_request, dtype=np.uint8)
-
-    def give(self, buffer: np.ndarray, cost: ReadCost) -> None:
-        with self._lock:
-            free = self._free.setdefault(buffer.size, [])
-            if len(free) < cost.max_inflight // max(cost.max_request, 1) + 2:
-                free.append(buffer)
-
-
-_BUFFERS = _Buffers()
+_BUFFERS = ReadBuffers()
 
 
 class _Request:
