@@ -40,7 +40,7 @@ def _cpu() -> float:
 
 
 def _ranks(rank: int, world: int, root: str, cfg: dict[str, Any], phase: str, reps: int,
-           top: int) -> dict[str, Any] | None:
+           top: int, sort: str = "tottime") -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -75,7 +75,7 @@ def _ranks(rank: int, world: int, root: str, cfg: dict[str, Any], phase: str, re
     if rank != 0:
         return None
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
     return {"cpu": cpu, "profile": out.getvalue()}
 
 
@@ -88,12 +88,15 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20, help="how many functions to print")
+    ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
+                    help="order functions by their own time, or with what they call")
     args = ap.parse_args()
     work = wl.WORKLOADS[args.workload].for_size(args.gb * 1e9, wl.DTYPES[args.dtype].itemsize)
     cfg = {"workload": wl.to_dict(work), "dtype": args.dtype}
     root = tempfile.mkdtemp(prefix="tsckpt-profile-")
     try:
-        res = harness.run_ranks(args.world, _ranks, root, cfg, args.phase, args.reps, args.top)[0]
+        res = harness.run_ranks(args.world, _ranks, root, cfg, args.phase, args.reps, args.top,
+                                 args.sort)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.workload} {args.dtype}, {args.world} ranks, {args.phase}: CPU s of every rank, summed, per "

@@ -74,9 +74,10 @@ def saved(tmp_path_factory, request):
 def damaged(saved, tmp_path):
     path = tmp_path / "ck"
     shutil.copytree(saved, path)
-    entry = tsckpt.open(path).metadata.tensors["w"]
+    md = tsckpt.open(path).metadata
+    entry = md.tensors["w"]
     assert entry.inner_chunk_shape is not None, "the test wants inner chunks"
-    fmt = shards.ShardFormat(entry.chunk_shape, entry.inner_chunk_shape, 4)
+    fmt = shards.value_format(entry, md.array_options)
     chunk = [a // c for a, c in zip(AT, entry.chunk_shape)]
     local = [a - i * c for a, i, c in zip(AT, chunk, entry.chunk_shape)]
     piece = fmt.positions[np.ravel_multi_index([x // u for x, u in zip(local, fmt.inner)], fmt.grid)]

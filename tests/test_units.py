@@ -170,7 +170,7 @@ def entry(**kw):
 
 
 def _metadata(**kw) -> CheckpointMetadata:
-    """A version-4 document of two ranks: plain layout, each rank with a digest table of its own."""
+    """A document of the current version, two ranks: plain layout, each rank with a digest table of its own."""
     ranks = tuple(RankFiles((), Span(f"d/{'0' * 32}-{r}.digests", 0, 40)) for r in range(2))
     return CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}, data_files=DataFiles(None, ranks),
                               array_options=ArrayOptions(crc32c_codec=True), **kw)
@@ -179,7 +179,8 @@ def _metadata(**kw) -> CheckpointMetadata:
 def test_metadata_round_trips_through_json():
     md = _metadata()
     assert CheckpointMetadata.from_dict(md.to_dict()) == md
-    v3 = CheckpointMetadata(world_size=2, tensors={"m.w": entry(checksums="A" * 12)}, objects={}, version=3)
+    v3 = CheckpointMetadata(world_size=2, tensors={"m.w": entry(checksums="A" * 12, uncut_first=False)}, objects={},
+                            version=3)
     assert CheckpointMetadata.from_dict(v3.to_dict()) == v3
 
 

@@ -43,9 +43,10 @@ from .format import compressed, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
 from .format.data_files import FileRef
 from .format.digest_table import DigestTable
-from .format.metadata import CODEC_CHECKSUMS_VERSION, ArrayOptions, CheckpointMetadata, TensorEntry
+from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from .format.ocdbt import Ref
 from .format.reuse import Reuse
+from .format.versions import CODEC_CHECKSUMS_VERSION
 from .storage.chunk_source import ChunkSource
 from .storage.layouts import PLAIN
 from .storage.store import Store

@@ -35,18 +35,9 @@ from .placements import (  # noqa: F401
 )
 from .names import check_relative_path, parent_groups, zarr_path
 from .reuse import Reuse
+from .versions import (
+    CODEC_CHECKSUMS_VERSION, FORMAT, FORMAT_VERSION, INNER_CHECKSUMS_VERSION, UNCUT_FIRST_VERSION)
 
-FORMAT = "tsckpt"
-FORMAT_VERSION = 4
-#: Checkpoints of version 1 recorded every rank's region; version 2 records one
-#: checksum table per tensor instead, so the document grows with tensors, not ranks;
-#: version 3 checksums every inner chunk (the piece a read fetches) instead of every outer chunk;
-#: version 4 keeps each inner chunk's crc32c beside it (Zarr's crc32c codec) and each rank's
-#: content hashes in a table of its own, so the document grows with tensors and ranks, not chunks.
-#: The first version whose checksum tables cover inner chunks.
-INNER_CHECKSUMS_VERSION = 3
-#: The first version whose chunks carry their own crc32c and whose root document holds no per-chunk table.
-CODEC_CHECKSUMS_VERSION = 4
 
 # Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
 #: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
@@ -135,6 +126,9 @@ class TensorEntry:
     #: Whether the table covers inner chunks (version 3) or outer chunks (version 2). It
     #: follows from the document's version, so it is not written into the entry.
     checksums_per_inner_chunk: bool = True
+    #: Whether inner chunks are stored with the dimensions no chunk boundary cuts slowest (version 5) or
+    #: by inner-chunk count alone (before). It follows from the version, so it is not written either.
+    uncut_first: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -179,6 +173,7 @@ class TensorEntry:
             checksums=optional_field(d, "checksums", what, str),
             content_hashes=optional_field(d, "content_hashes", what, str),
             checksums_per_inner_chunk=version >= INNER_CHECKSUMS_VERSION,
+            uncut_first=version >= UNCUT_FIRST_VERSION,
         )
         if version >= CODEC_CHECKSUMS_VERSION and (entry.checksums is not None or entry.content_hashes is not None):
             raise MetadataError(f"{what}: a version-{version} entry holds per-chunk tables; its chunks carry their "

@@ -53,6 +53,9 @@ class ShardFormat:
     itemsize: int
     crc32c_codec: bool = False
     indexed: bool = True
+    #: Dimensions stored slowest, ahead of the others (:attr:`order`; format version 5: those no chunk
+    #: boundary of the array cuts, in an array that chunk boundaries cut along another dimension).
+    first: tuple[int, ...] = ()
 
     @functools.cached_property
     def grid(self) -> tuple[int, ...]:
@@ -61,14 +64,19 @@ class ShardFormat:
 
     @functools.cached_property
     def order(self) -> tuple[int, ...]:
-        """The dimensions of the inner grid in storage order, slowest first: by how many inner chunks they hold.
+        """The dimensions of the inner grid in storage order, slowest first: :attr:`first`, then the others,
+        each group by how many inner chunks its dimensions hold, fewest first.
 
         A box that takes part of one dimension and all of the others (what a
-        load split along one dimension reads) is then at most as many byte
-        ranges as the dimensions stored slower hold inner chunks: one for the
-        dimension with the most, the fastest.
+        load split along one dimension reads) is as many byte ranges as the
+        dimensions stored slower hold inner chunks. A load into another
+        topology reads part of every chunk along a dimension the save did not
+        cut (a column block of a row-sharded save), but along a dimension the
+        save cut mostly whole chunks, and parts only where its ranks' rows end
+        inside a saved chunk. So the uncut dimensions go first: such a block
+        of a chunk is one byte range.
         """
-        return tuple(sorted(range(len(self.grid)), key=lambda d: (self.grid[d], d)))
+        return tuple(sorted(range(len(self.grid)), key=lambda d: (d not in self.first, self.grid[d], d)))
 
     @functools.cached_property
     def positions(self) -> np.ndarray:
@@ -229,7 +237,7 @@ def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
     sharding codec, indexed), or as one piece; each piece followed by its crc32c when the codecs have one."""
     inner = entry.inner_chunk_shape
     return _format(entry.chunk_shape, inner if inner is not None else entry.chunk_shape,
-                   dtypes.from_zarr(entry.dtype).itemsize, options.crc32c_codec, inner is not None)
+                   dtypes.from_zarr(entry.dtype).itemsize, options.crc32c_codec, inner is not None, uncut(entry))
 
 
 def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
@@ -242,14 +250,21 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
     if entry.inner_chunk_shape is None or options is None or options.compression is not None:
         return None
     return _format(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
-                   options.crc32c_codec, True)
+                   options.crc32c_codec, True, uncut(entry))
+
+
+def uncut(entry: TensorEntry) -> tuple[int, ...]:
+    """The dimensions ``entry``'s inner chunks store first (:attr:`ShardFormat.first`): since version 5, those
+    one chunk spans whole, where chunk boundaries cut another; none before, or where no dimension is cut."""
+    whole = tuple(d for d, (n, c) in enumerate(zip(entry.shape, entry.chunk_shape)) if c >= n)
+    return whole if entry.uncut_first and len(whole) < len(entry.shape) else ()
 
 
 @functools.lru_cache(maxsize=1024)
 def _format(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int, crc32c_codec: bool,
-            indexed: bool) -> ShardFormat:
+            indexed: bool, first: tuple[int, ...] = ()) -> ShardFormat:
     """One :class:`ShardFormat` per layout, so arrays laid out alike share its cached tables (positions, index)."""
-    return ShardFormat(chunk, inner, itemsize, crc32c_codec, indexed)
+    return ShardFormat(chunk, inner, itemsize, crc32c_codec, indexed, first)
 
 
 def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],

@@ -31,7 +31,8 @@ from ..storage import kvio, packed
 from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
 from ..storage.store import Store as SpecStore
 from ..commit.states import ROOT
-from ..format.metadata import CODEC_CHECKSUMS_VERSION, CheckpointMetadata
+from ..format.metadata import CheckpointMetadata
+from ..format.versions import CODEC_CHECKSUMS_VERSION
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import problem

@@ -38,7 +38,8 @@ import tensorstore as ts
 from ..errors import MetadataError, OptionError
 from ..format import ocdbt
 from ..format.data_files import Span
-from ..format.metadata import CODEC_CHECKSUMS_VERSION, CheckpointMetadata
+from ..format.metadata import CheckpointMetadata
+from ..format.versions import CODEC_CHECKSUMS_VERSION
 from . import packed, sinks
 from .kvio import storage_error
 from .localfs import unsynced_nodes
