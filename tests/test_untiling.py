@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tsckpt
-from tsckpt.format.untiling import linear_boxes, untile_into
+from tsckpt.format import shards
+from tsckpt.format.untiling import linear_boxes, stored_block, untile_into
 
 
 def _reference(values, inner, origin, lo, hi):
@@ -79,6 +80,29 @@ def test_linear_boxes_cover_the_range_in_order(case):
                                      + np.asarray(lo, dtype=int).reshape(-1, 1), shape).tolist() if shape else [0]
     assert seen == list(range(start, stop))
     assert len(boxes) <= max(2 * len(shape) - 1, 1)
+
+
+@st.composite
+def _blocks(draw):
+    ndim = draw(st.integers(1, 3))
+    grid = [draw(st.integers(1, 4)) for _ in range(ndim)]
+    first = [draw(st.integers(0, g - 1)) for g in grid]
+    last = [draw(st.integers(f + 1, g)) for f, g in zip(first, grid)]
+    return grid, draw(st.permutations(range(ndim))), first, last, draw(st.integers(1, 6))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_blocks())
+def test_a_stored_block_views_exactly_its_inner_chunks(case):
+    grid, order, first, last, piece = case
+    fmt = shards.ShardFormat(tuple(grid), (1,) * len(grid), piece, first=tuple(order[:1]))
+    stored = np.random.default_rng(0).integers(0, 256, (fmt.pieces, piece), dtype=np.uint8)
+    block = np.indices([b - a for a, b in zip(first, last)]).reshape(len(grid), -1).T + np.asarray(first)
+    positions = np.sort(fmt.position(block))
+    span = stored[positions[0]:positions[-1] + 1].reshape(-1)
+    view = stored_block(span, fmt.grid, fmt.order, piece, first, last)
+    assert view.shape == (*[last[d] - first[d] for d in fmt.order], piece)
+    np.testing.assert_array_equal(view.reshape(-1, piece), stored[positions])  # storage order, row-major
 
 
 @pytest.mark.parametrize("layout,max_request", [("packed", None), ("plain", None), ("packed", 1500)])

@@ -71,6 +71,26 @@ def _copy(values: np.ndarray, inner: Sequence[int], origin: Sequence[int], lo: S
     np.copyto(dest, full[tuple(slice(x - s, y - s) for x, y, s in zip(a, b, start))])
 
 
+def stored_block(span: np.ndarray, grid: Sequence[int], order: Sequence[int], piece_bytes: int,
+                 first: Sequence[int], last: Sequence[int]) -> np.ndarray:
+    """The inner chunks ``[first, last)`` of an outer chunk, as views of ``span``: ``(*block, piece_bytes)`` in
+    storage order (``order``'s dimensions, slowest first), strided over the pieces between them.
+
+    ``span``: the stored bytes from inner chunk ``first`` (the block's first in
+    storage order) to the block's last one, one after the other, the pieces
+    outside the block included; ``grid``: the chunk's inner grid.
+    """
+    ndim = len(grid)
+    count = [last[d] - first[d] for d in order]
+    stride, strides = piece_bytes, [0] * ndim
+    for k in reversed(range(ndim)):
+        strides[k] = stride
+        stride *= grid[order[k]]
+    extent = sum((n - 1) * st for n, st in zip(count, strides)) + piece_bytes
+    assert span.ndim == 1 and span.strides == (1,) and span.size >= extent, "the span holds the block"
+    return np.lib.stride_tricks.as_strided(span, (*count, piece_bytes), (*strides, 1), writeable=False)
+
+
 def linear_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Positions ``[start, stop)`` of the row-major order of a grid of ``shape`` as boxes ``(lo, hi)``, in order.
 

@@ -23,6 +23,7 @@ before anything is copied out.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class BoxReader:
         options = md.array_options
         self.fmt = shards.value_format(entry, options) if self.mode != "array" and options is not None else None
         self.table: np.ndarray | None = None
+        # Runs of a chunk read as one block are checked by their own crc32c, or not at all (no table either).
+        self._blockwise = md.codec_checksums or entry.checksums is None
         self._array: Any = None
         if self.mode == "array":
             self._array = source.store.open_tensor(entry)
@@ -181,16 +184,23 @@ class BoxReader:
         else:
             block = [b - a for a, b in zip(first, last)]
             positions = np.sort(fmt.position(np.indices(block).reshape(len(block), -1).T + np.asarray(first)))
-        # One range per run of inner chunks stored one after the other, at most a request long (so reads
-        # reuse buffers), each placed from its own bytes.
         runs = _runs(positions, max(batch.cost.max_request // fmt.piece_bytes, 1))
-        slots = [batch.want(found.file, base + int(positions[a]) * fmt.piece_bytes,
-                            base + (int(positions[b - 1]) + 1) * fmt.piece_bytes) for a, b in runs]
         # The index is checked with a whole chunk (one laid out otherwise is gathered by it), and read with
         # the pieces of an object of its own, which has no size on record (one cut short fails there).
-        tail = (batch.want(found.file, base + fmt.nbytes - fmt.index_bytes, base + fmt.nbytes)
-                if fmt.indexed and (whole or found.length is None and not isinstance(self.source.fetcher, LocalFiles))
-                else None)
+        indexed = fmt.indexed and (whole or found.length is None and not isinstance(self.source.fetcher, LocalFiles))
+        span = (int(positions[-1]) - int(positions[0]) + 1) * fmt.piece_bytes
+        if (len(runs) > 1 and not indexed and self._blockwise and span <= batch.cost.max_request
+                and (int(np.diff(positions).max()) - 1) * fmt.piece_bytes <= batch.cost.gap_bytes):
+            # Runs the batch would fetch as one request anyway: one range, checked and placed as one block.
+            slot = batch.want(found.file, base + int(positions[0]) * fmt.piece_bytes,
+                              base + int(positions[0]) * fmt.piece_bytes + span)
+            return lambda: _used([slot], lambda: self._place_block(index, start, first, last, positions, slot.bytes,
+                                                                   offsets, sizes, out))
+        # One range per run of inner chunks stored one after the other, at most a request long (so reads
+        # reuse buffers), each placed from its own bytes.
+        slots = [batch.want(found.file, base + int(positions[a]) * fmt.piece_bytes,
+                            base + (int(positions[b - 1]) + 1) * fmt.piece_bytes) for a, b in runs]
+        tail = batch.want(found.file, base + fmt.nbytes - fmt.index_bytes, base + fmt.nbytes) if indexed else None
 
         def step() -> None:
             if tail is not None and not np.array_equal(tail.bytes, fmt.index):
@@ -237,18 +247,46 @@ class BoxReader:
         if self.source.metadata.codec_checksums:
             raw = stored.shape[1]
             found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=len(stored))
-            expected = pieces[:, raw:raw + 4].copy().view("<u4").reshape(-1)
-            bad = np.flatnonzero(found != expected)
-            if len(bad):
-                at = fmt.coords(positions[bad[:1]])[0].tolist()
-                inner = f" at inner chunk {at}" if fmt.indexed else ""
-                raise ChecksumError(f"{self.what}: chunk {list(index)} does not match its stored crc32c{inner} "
-                                    f"(key {self._key(index)}; the data changed after it was written)")
+            self._compare(index, positions, found, pieces[:, raw:raw + 4])
             return
         table = self._checksums()
         if table is not None:
             coords = fmt.coords(positions) + np.asarray(index) * np.asarray(fmt.grid)
             shards.check_pieces(self.entry, fmt, table, index, coords, stored, values, self.what)
+
+    def _compare(self, index: tuple[int, ...], positions: np.ndarray, found: np.ndarray, stored: np.ndarray) -> None:
+        """Refuse the inner chunks at storage ``positions`` unless their crc32c ``found`` are the ``stored`` ones
+        (4 bytes each, little-endian)."""
+        bad = np.flatnonzero(found != np.ascontiguousarray(stored).view("<u4").reshape(-1))
+        if len(bad):
+            assert self.fmt is not None
+            at = self.fmt.coords(positions[bad[:1]])[0].tolist()
+            inner = f" at inner chunk {at}" if self.fmt.indexed else ""
+            raise ChecksumError(f"{self.what}: chunk {list(index)} does not match its stored crc32c{inner} "
+                                f"(key {self._key(index)}; the data changed after it was written)")
+
+    def _place_block(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...],
+                     last: tuple[int, ...], positions: np.ndarray, span: np.ndarray, offsets: tuple[int, ...],
+                     sizes: tuple[int, ...], out: np.ndarray) -> None:
+        """Check the inner chunks ``[first, last)`` of outer chunk ``index`` (at storage ``positions``, within
+        the stored bytes ``span``), then copy what the box ``offsets``/``sizes`` wants of them to ``out``."""
+        fmt = self.fmt
+        assert fmt is not None
+        ndim, raw = len(fmt.inner), math.prod(fmt.inner) * fmt.itemsize
+        pieces = untiling.stored_block(span, fmt.grid, fmt.order, fmt.piece_bytes, first, last)
+        if self.source.metadata.codec_checksums:
+            rows = itertools.chain.from_iterable(map(_crc32c.crc32c, pieces[i][:, :raw])
+                                                 for i in np.ndindex(*pieces.shape[:-2]))
+            self._compare(index, positions, np.fromiter(rows, dtype="<u4", count=len(positions)),
+                          pieces[..., raw:raw + 4])
+        back = [fmt.order.index(d) for d in range(ndim)]
+        values = pieces[..., :raw].view(self.dtype).reshape((*pieces.shape[:-1], *fmt.inner))
+        values = values.transpose(*back, *range(ndim, 2 * ndim))
+        origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))
+        a = tuple(max(o, x) for o, x in zip(origin, offsets))
+        b = tuple(min(o + (y - f) * i, x + m, e) for o, f, y, i, x, m, e in
+                  zip(origin, first, last, fmt.inner, offsets, sizes, self.entry.shape))
+        untiling.untile_into(values, fmt.inner, origin, a, b, out, offsets)
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
                read: tuple[np.ndarray, np.ndarray, int], offsets: tuple[int, ...], sizes: tuple[int, ...],
