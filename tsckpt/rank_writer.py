@@ -128,7 +128,7 @@ class RankWriter:
         self._names: dict[str, str] = {}
         self._formats: dict[str, shards.ShardFormat] = {}
         self._sink = store.layout.sink(store, rank, save_id, sync=sync, hashed=checksums)
-        self._banded = self._sink.ordered and store.layout.bands(store.location)
+        self._banded = store.layout.bands(store.location)
         #: What each value put into the sink was: (tensor, position in its WrittenChunks) or (blob name, -1).
         self._puts: list[tuple[str, int]] = []
         #: Values of host sources not yet put, where tensors are banded: put at :meth:`finish` in placement order.

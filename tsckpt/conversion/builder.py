@@ -19,7 +19,6 @@ builder abandoned half-way leaves the location as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any

@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import OptionError, PlanError
 from ..base_chunks import BaseChoice
-from ..format import values
 from ..storage.layouts import LAYOUTS
 from ..format.metadata import ArrayOptions, TensorEntry
 from .summary import RankSummary, SummaryBuilder  # noqa: F401 - part of the contract

@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType

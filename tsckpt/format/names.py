@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import MetadataError
 
@@ -75,3 +76,25 @@ def parent_groups(paths: Sequence[str]) -> list[str]:
 def flat_key(key_path: Sequence[str | int]) -> str:
     """DCP's flattened key for a path (elements joined with '.')."""
     return ".".join(str(p) for p in key_path)
+
+
+def nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
+    """The nested dict the key paths of ``flat`` describe; integer path elements that number a dict's keys
+    0..n-1 make it a list, as DCP's own unflattening does."""
+    root: dict[Any, Any] = {}
+    for path, value in flat.items():
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    keys = list(out)
+    if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
+        return [out[i] for i in range(len(keys))]
+    return out

@@ -39,6 +39,7 @@ from ..format.metadata import (
     ShardedTensorPlacement,
     TensorEntry,
 )
+from ..format.names import nest
 from ..native_logs import quiet
 from ..storage.store import Store, read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
@@ -334,7 +335,7 @@ class Checkpoint(Mapping[str, Any]):
             flat[self.metadata.tensors[key].key_path] = dtypes.numpy_as_tensor(handle.result(read))
         for key, entry in self.metadata.objects.items():
             flat[entry.key_path] = self[key]
-        return _nest(flat)
+        return nest(flat)
 
     def storage_stats(self) -> tuple[int, int | None]:
         """(number of stored files or objects, their total bytes; None where the store cannot tell)."""
@@ -361,26 +362,6 @@ def _suggest(key: str, keys: list[str]) -> str:
 
     close = difflib.get_close_matches(key, keys, n=3)
     return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-
-
-def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
-    root: dict[Any, Any] = {}
-    for path, value in flat.items():
-        node = root
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return _lists(root)
-
-
-def _lists(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    out = {k: _lists(v) for k, v in node.items()}
-    keys = list(out)
-    if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
-        return [out[i] for i in range(len(keys))]
-    return out
 
 
 def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open

@@ -40,7 +40,7 @@ from ..format import ocdbt
 from ..format.data_files import Span
 from ..format.metadata import CheckpointMetadata
 from ..format.versions import CODEC_CHECKSUMS_VERSION
-from . import packed, sinks
+from . import key_sinks, packed, sinks
 from .kvio import storage_error
 from .localfs import unsynced_nodes
 from .location import Location
@@ -193,8 +193,8 @@ class PlainLayout(KvLayout):
     def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         root = _local_root(store.location)
         if root is not None:
-            return sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed)
-        return sinks.KeyObjects(store.kvstore, save_id, rank, hashed=hashed)
+            return key_sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed)
+        return key_sinks.KeyObjects(store.kvstore, save_id, rank, hashed=hashed)
 
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (*(f"{p}/" for p in paths), f"d/{save_id}")

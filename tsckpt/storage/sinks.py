@@ -13,7 +13,8 @@ stored under. The layout decides the sink:
   back in parts of at most ``part_bytes``, each part one object
   ``d/<save id>-<rank>.<part>`` written in one request (TensorStore has no
   multipart upload), two parts in memory at most.
-* :class:`KeyFiles` and :class:`KeyObjects`, the plain layout: one file or
+* :class:`~tsckpt.storage.key_sinks.KeyFiles` and
+  :class:`~tsckpt.storage.key_sinks.KeyObjects`, the plain layout: one file or
   object per key.
 
 Each rank also stores its digest table (:mod:`tsckpt.format.digest_table`):
@@ -107,9 +108,6 @@ class Sink(ABC):
     is taken while it is written, from the same buffers: :attr:`digests`.
     """
 
-    #: Values land in one file in the order they are put (so the order of puts is a layout decision).
-    ordered = False
-
     def __init__(self, hashed: bool):
         self.hashed = hashed
         #: The content hash of each value put, in put order (complete once :meth:`finish` calls its table).
@@ -157,6 +155,16 @@ class Sink(ABC):
         return len(self.digests) - 1
 
 
+def settle(futures: list[Any]) -> None:
+    """After a failure: wait for every write in ``futures``, ignoring their errors (the failure that got here is
+    the one reported), so that none outlives its source."""
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - see above
+            pass
+
+
 def _write_all(fd: int, at: list[int], view: memoryview) -> None:
     """Write ``view`` at offset ``at[0]`` of ``fd`` (advanced past it): positional, so values written by
     several threads into one file cannot interleave."""
@@ -175,8 +183,6 @@ class RankFile(Sink):
     one thread), or with ``background`` on the rank file's writing thread,
     so that the rank copies the next device tensor to host memory meanwhile.
     """
-
-    ordered = True
 
     def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
         super().__init__(hashed)
@@ -247,11 +253,7 @@ class RankFile(Sink):
         return RankFiles((FileRef(self.path, self._size),), where)
 
     def abandon(self) -> None:
-        for f in self._pending:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001 - the failure that got here is already being reported
-                pass
+        settle(self._pending)
         self._close()
 
     def _close(self) -> None:
@@ -298,8 +300,6 @@ class _Parts:
 class RankObjects(Sink):
     """The packed layout on an object store: values back to back in parts of at most ``part_bytes``."""
 
-    ordered = True
-
     def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, hashed: bool,
                  part_bytes: int = DEFAULT_PART_BYTES):
         super().__init__(hashed)
@@ -345,71 +345,3 @@ class RankObjects(Sink):
             self._parts.wait()
         except Exception:  # noqa: BLE001 - the failure that got here is already being reported
             pass
-
-
-class KeyFiles(Sink):
-    """The plain layout on a local disk: each value a file of its own (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`)."""
-
-    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
-        super().__init__(hashed)
-        self.root, self.save_id, self.rank = root, save_id, rank
-        self._writer = chunk_files.ChunkFileWriter(sync=sync)
-        self._pending: list[Future[None]] = []
-
-    def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None]:
-        at = self._slot()
-        future = self._writer.write(os.path.join(self.root, key), value, key,
-                                    lambda v, w: self._emit(v, w, at))
-        self._pending.append(future)
-        return future
-
-    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
-        for f in self._pending:
-            f.result()
-        digests, where = table(), None
-        if digests is not None:
-            path = digest_file(self.save_id, self.rank)
-            self._writer.write(os.path.join(self.root, path), Blob(digests, checksum=False), path).result()
-            where = Span(path, 0, len(digests))
-        self._writer.finish()
-        return RankFiles((), where)
-
-    def abandon(self) -> None:
-        for f in self._pending:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001 - the failure that got here is already being reported
-                pass
-
-
-class KeyObjects(Sink):
-    """The plain layout on object stores and in memory: each value an object of its own."""
-
-    def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, hashed: bool):
-        super().__init__(hashed)
-        self.kv, self.save_id, self.rank = kv, save_id, rank
-        self._pending: list[Any] = []
-        self._lock = threading.Lock()
-
-    def put(self, key: str, value: Value, hold: Any = None,
-            background: bool = False) -> None:  # copied at once: nothing to wait for
-        out = bytearray()
-        self._emit(value, out.extend, self._slot())
-        self._pending.append(self.kv.write(key, bytes(out)))
-
-    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
-        digests, where = table(), None
-        if digests is not None:
-            path = digest_file(self.save_id, self.rank)
-            self._pending.append(self.kv.write(path, digests))
-            where = Span(path, 0, len(digests))
-        for f in self._pending:
-            f.result()
-        return RankFiles((), where)
-
-    def abandon(self) -> None:
-        for f in self._pending:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001 - the failure that got here is already being reported
-                pass

@@ -1,0 +1,79 @@
+"""The plain layout's sinks: each value a file or an object of its own, the digest table one more.
+
+The :class:`~tsckpt.storage.sinks.Sink` contract (which method runs where, and
+when) is in :mod:`tsckpt.storage.sinks`, with the packed layout's sinks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import tensorstore as ts
+
+from ..format.data_files import RankFiles, Span
+from . import chunk_files
+from .sinks import Blob, Sink, Value, digest_file, settle
+
+
+class KeyFiles(Sink):
+    """The plain layout on a local disk: each value a file of its own (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`)."""
+
+    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
+        super().__init__(hashed)
+        self.root, self.save_id, self.rank = root, save_id, rank
+        self._writer = chunk_files.ChunkFileWriter(sync=sync)
+        self._pending: list[Future[None]] = []
+
+    def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None]:
+        at = self._slot()
+        future = self._writer.write(os.path.join(self.root, key), value, key,
+                                    lambda v, w: self._emit(v, w, at))
+        self._pending.append(future)
+        return future
+
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
+        for f in self._pending:
+            f.result()
+        digests, where = table(), None
+        if digests is not None:
+            path = digest_file(self.save_id, self.rank)
+            self._writer.write(os.path.join(self.root, path), Blob(digests, checksum=False), path).result()
+            where = Span(path, 0, len(digests))
+        self._writer.finish()
+        return RankFiles((), where)
+
+    def abandon(self) -> None:
+        settle(self._pending)
+
+
+class KeyObjects(Sink):
+    """The plain layout on object stores and in memory: each value an object of its own."""
+
+    def __init__(self, kv: ts.KvStore, save_id: str, rank: int, *, hashed: bool):
+        super().__init__(hashed)
+        self.kv, self.save_id, self.rank = kv, save_id, rank
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+
+    def put(self, key: str, value: Value, hold: Any = None,
+            background: bool = False) -> None:  # copied at once: nothing to wait for
+        out = bytearray()
+        self._emit(value, out.extend, self._slot())
+        self._pending.append(self.kv.write(key, bytes(out)))
+
+    def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
+        digests, where = table(), None
+        if digests is not None:
+            path = digest_file(self.save_id, self.rank)
+            self._pending.append(self.kv.write(path, digests))
+            where = Span(path, 0, len(digests))
+        for f in self._pending:
+            f.result()
+        return RankFiles((), where)
+
+    def abandon(self) -> None:
+        settle(self._pending)
