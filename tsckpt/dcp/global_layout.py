@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ..errors import UnsupportedDtypeError
+from ..errors import PlanError, UnsupportedDtypeError
 from ..format import dtypes
 from ..format.metadata import TensorEntry
 from ..format.names import KeyPath, zarr_path
@@ -43,6 +44,14 @@ class GlobalLayout:
     @property
     def nchunks(self) -> list[int]:
         return [e.grid.nchunks for e in self.entries.values()]
+
+    def check_planned(self, metadata: Metadata, where: str) -> None:
+        """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""
+        expected = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        odd = sorted(set(self.entries) ^ expected)
+        if odd:
+            raise PlanError(f"saving {where}: tensor {odd[0]!r} is not in both DCP's plan and the planned arrays "
+                            f"({len(odd)} such keys); nothing was committed")
 
     def key_path(self, fqn: str) -> KeyPath:
         return self.key_paths.get(fqn, (fqn,))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -31,7 +31,7 @@ from ..commit.target import SaveTarget
 from ..errors import OptionError, PlanError
 from ..format import content_hashes, dtypes, values
 from ..format.data_files import RankFiles
-from ..format.metadata import ArrayOptions, ObjectEntry, TensorEntry, intern_placement
+from ..format.metadata import ArrayOptions, ObjectEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
 from ..rank_writer import RankWriter
 from ..storage.layouts import PACKED, get_layout
@@ -370,7 +370,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                     blob_sizes[fqn] = info["nbytes"]
                     if "ref" in info:
                         blob_refs[fqn] = (summary.files[info["ref"][0]], info["ref"][1:])
-        self._check_against(metadata, layout.entries)
+        layout.check_planned(metadata, self.checkpoint_id)
         names = list(layout.entries)
         written = MergedChunks.merge(summaries, layout.nchunks, names, where)
         meshes: list = []
@@ -395,11 +395,3 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if logs.enabled():
             logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
                           seconds=time.perf_counter() - self._started, ranks=len(summaries), reuse=reuse)
-
-    def _check_against(self, metadata: Metadata, planned: dict[str, TensorEntry]) -> None:
-        """Refuse to commit arrays that are not the tensors DCP planned (e.g. a stale cached plan)."""
-        expected = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        odd = sorted(set(planned) ^ expected)
-        if odd:
-            raise PlanError(f"saving {self.checkpoint_id}: tensor {odd[0]!r} is not in both DCP's plan and the "
-                            f"planned arrays ({len(odd)} such keys); nothing was committed")

@@ -3,12 +3,9 @@
 ``verify(path)`` reads the committed metadata, then for every tensor and
 stored value checks that:
 
-* the array's ``zarr.json`` exists and agrees with the metadata (shape, data
-  type, chunk grid, codecs);
-* every chunk file of the regular grid exists;
-* every chunk decodes (reading it through TensorStore with missing chunks
-  treated as errors, never as fill values) and matches the crc32c the save
-  recorded for it in the metadata (and Zarr's own crc32c codec, when stored).
+* the array's ``zarr.json`` exists and agrees with the metadata (shape, data type, chunk grid, codecs);
+* every chunk of the regular grid exists (a missing one is an error, never fill values), decodes, and
+  matches its crc32c: stored beside each piece (version 4 on), or in the root document (before).
 
 Problems are collected per entry instead of stopping at the first, so one run
 tells which tensors and which chunks are damaged. Torch-free.
