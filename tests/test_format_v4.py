@@ -72,7 +72,7 @@ def _save_on(rank: int, world: int, base: str, path: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     sd = {"w": distribute_tensor(torch.from_numpy(_w()), mesh, [Shard(0)]),
           "b": distribute_tensor(torch.arange(10, dtype=torch.float32).bfloat16(), mesh, [Replicate()]), "step": 3}
-    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(path, inner_chunk_bytes=256, base=base))
+    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(path, inner_chunk_bytes=256, base=base, layout="packed"))
 
 
 def test_a_save_on_a_version_4_base_stores_uncut_dimensions_first_and_takes_only_chunks_stored_alike(tmp_path):
