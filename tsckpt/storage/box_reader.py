@@ -272,21 +272,15 @@ class BoxReader:
         the stored bytes ``span``), then copy what the box ``offsets``/``sizes`` wants of them to ``out``."""
         fmt = self.fmt
         assert fmt is not None
-        ndim, raw = len(fmt.inner), math.prod(fmt.inner) * fmt.itemsize
+        raw = math.prod(fmt.inner) * fmt.itemsize
         pieces = untiling.stored_block(span, fmt.grid, fmt.order, fmt.piece_bytes, first, last)
         if self.source.metadata.codec_checksums:
             rows = itertools.chain.from_iterable(map(_crc32c.crc32c, pieces[i][:, :raw])
                                                  for i in np.ndindex(*pieces.shape[:-2]))
             self._compare(index, positions, np.fromiter(rows, dtype="<u4", count=len(positions)),
                           pieces[..., raw:raw + 4])
-        back = [fmt.order.index(d) for d in range(ndim)]
         values = pieces[..., :raw].view(self.dtype).reshape((*pieces.shape[:-1], *fmt.inner))
-        values = values.transpose(*back, *range(ndim, 2 * ndim))
-        origin = tuple(s + f * i for s, f, i in zip(start, first, fmt.inner))
-        a = tuple(max(o, x) for o, x in zip(origin, offsets))
-        b = tuple(min(o + (y - f) * i, x + m, e) for o, f, y, i, x, m, e in
-                  zip(origin, first, last, fmt.inner, offsets, sizes, self.entry.shape))
-        untiling.untile_into(values, fmt.inner, origin, a, b, out, offsets)
+        self._untile(values, start, first, offsets, sizes, out)
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
                read: tuple[np.ndarray, np.ndarray, int], offsets: tuple[int, ...], sizes: tuple[int, ...],
@@ -307,20 +301,26 @@ class BoxReader:
         stored = pieces[:, :raw]
         values = stored.view(self.dtype).reshape(count, *fmt.inner)
         self._check(index, positions, stored, values, pieces)
-        ndim = len(fmt.inner)
-        order, back = fmt.order, [fmt.order.index(d) for d in range(ndim)]
-        block = [b - a for a, b in zip(first, last)]
+        order = fmt.order
         # The run is a range of the block's storage order: boxes of the block, each a view of its bytes.
-        for lo, hi in untiling.linear_boxes([block[d] for d in order], at, at + count):
-            shape = [y - x for x, y in zip(lo, hi)]
-            n = math.prod(shape)
-            sub = values[:n].reshape((*shape, *fmt.inner)).transpose(*back, *range(ndim, 2 * ndim))
-            values = values[n:]
-            origin = tuple(s + (f + lo[back[d]]) * i for d, (s, f, i) in enumerate(zip(start, first, fmt.inner)))
-            a = tuple(max(o, x) for o, x in zip(origin, offsets))
-            b = tuple(min(o + shape[back[d]] * i, x + m, e) for d, (o, i, x, m, e) in
-                      enumerate(zip(origin, fmt.inner, offsets, sizes, self.entry.shape)))
-            untiling.untile_into(sub, fmt.inner, origin, a, b, out, offsets)
+        for lo, hi in untiling.linear_boxes([last[d] - first[d] for d in order], at, at + count):
+            shape, corner = [y - x for x, y in zip(lo, hi)], tuple(f + lo[order.index(d)] for d, f in enumerate(first))
+            self._untile(values[:math.prod(shape)].reshape((*shape, *fmt.inner)), start, corner, offsets, sizes, out)
+            values = values[math.prod(shape):]
+
+    def _untile(self, stored: np.ndarray, start: tuple[int, ...], corner: tuple[int, ...], offsets: tuple[int, ...],
+                sizes: tuple[int, ...], out: np.ndarray) -> None:
+        """Copy what the box ``offsets``/``sizes`` wants of checked inner chunks ``stored`` (``(*block, *inner)``,
+        the block in storage order, from grid coordinates ``corner`` of the outer chunk at ``start``) to ``out``."""
+        fmt = self.fmt
+        assert fmt is not None
+        ndim = len(fmt.inner)
+        values = stored.transpose(*[fmt.order.index(d) for d in range(ndim)], *range(ndim, 2 * ndim))
+        origin = tuple(s + c * i for s, c, i in zip(start, corner, fmt.inner))
+        a = tuple(max(o, x) for o, x in zip(origin, offsets))
+        b = tuple(min(o + n * i, x + m, e) for o, n, i, x, m, e in
+                  zip(origin, values.shape[:ndim], fmt.inner, offsets, sizes, self.entry.shape))
+        untiling.untile_into(values, fmt.inner, origin, a, b, out, offsets)
 
     # --- compressed chunks (version 4) ----------------------------------------------
 
