@@ -36,7 +36,7 @@ import uuid
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tsckpt.storage import byte_reads  # noqa: E402
+from tsckpt.storage import byte_reads, fetchers  # noqa: E402
 from tsckpt.storage.context import make_context, open_kvstore  # noqa: E402
 from tsckpt.storage.location import parse_location  # noqa: E402
 
@@ -49,8 +49,8 @@ def measure(location: str, mb: int, samples: int, reps: int, cold: bool) -> dict
     size = mb << 20
     kv.write(key, np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes()).result()
     local = loc.driver == "file"
-    fetcher: byte_reads.Fetcher = (byte_reads.LocalFiles(str(loc.spec.get("path", "."))) if local
-                                   else byte_reads.KvFiles(kv))
+    fetcher: fetchers.Fetcher = (fetchers.LocalFiles(str(loc.spec.get("path", "."))) if local
+                                   else fetchers.KvFiles(kv))
     try:
         if cold and local:
             _drop_cache(os.path.join(str(loc.spec.get("path", ".")), key))

@@ -3,14 +3,18 @@ and a location's ``read_cost`` member overrides the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from tsckpt.errors import OptionError
 from tsckpt.storage import byte_reads
-from tsckpt.storage.byte_reads import LOCAL_COST, OBJECT_STORE_COST, LocalFiles, RangeBatch, ReadCost
+from tsckpt.storage.byte_reads import LOCAL_COST, OBJECT_STORE_COST, RangeBatch, ReadCost
+from tsckpt.storage.fetchers import LocalFiles
 from tsckpt.storage.location import parse_location
 
 
@@ -81,8 +85,7 @@ def test_defaults_per_kind_of_store_and_the_location_override():
     assert byte_reads.read_cost(parse_location("/tmp/ck")) == LOCAL_COST
     assert byte_reads.read_cost(parse_location("s3://bucket/ck")) == OBJECT_STORE_COST
     given = byte_reads.read_cost(parse_location({"url": "s3://bucket/ck", "read_cost": {"latency_s": 0.005}}))
-    assert given == ReadCost(0.005, OBJECT_STORE_COST.bandwidth, OBJECT_STORE_COST.max_request,
-                             OBJECT_STORE_COST.max_inflight)
+    assert given == dataclasses.replace(OBJECT_STORE_COST, latency_s=0.005)
     assert given.gap_bytes == 500_000
 
 
@@ -113,3 +116,63 @@ def test_read_buffers_outlive_a_batch_and_stay_bounded(tmp_path):
     for _ in range(10):
         pool.give(np.empty(cost.max_request, dtype=np.uint8), cost)
     assert len(pool._free[cost.max_request]) == 4
+
+
+class _Watched(LocalFiles):
+    """Local files whose reads take a while, counting the bytes on their way at once."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.arriving = self.most = 0
+        self.order: list[int] = []
+        self._count = threading.Lock()
+
+    def _read(self, key, start, stop, into):
+        with self._count:
+            self.arriving += stop - start
+            self.most = max(self.most, self.arriving)
+        time.sleep(0.01)
+        try:
+            return super()._read(key, start, stop, into)
+        finally:
+            with self._count:
+                self.arriving -= stop - start
+                self.order.append(start)
+
+
+def test_at_most_max_arriving_bytes_are_on_their_way_and_they_come_in_the_order_wanted(tmp_path):
+    """A link shared by every request delivers them all at the end; a few at a time arrive in turn."""
+    data = _file(tmp_path, "a", 8 << 20)
+    cost = ReadCost(latency_s=0.0, bandwidth=1e9, max_request=1 << 20, max_inflight=64 << 20,
+                    max_arriving=2 << 20)
+    fetcher = _Watched(str(tmp_path))
+    batch = RangeBatch(fetcher, cost)
+    slots = [batch.want("a", k << 20, (k + 1) << 20) for k in range(8)]  # eight requests of 1 MiB
+    batch.run()
+    assert b"".join(s.bytes.tobytes() for s in slots) == data
+    assert batch.requests == 8 and fetcher.most == 2 << 20
+    assert sorted(fetcher.order[:2]) == [0, 1 << 20] and fetcher.order[-1] >= 6 << 20
+    unbounded = _Watched(str(tmp_path))
+    batch = RangeBatch(unbounded, dataclasses.replace(cost, max_arriving=None))
+    slots = [batch.want("a", k << 20, (k + 1) << 20) for k in range(8)]
+    batch.run()
+    assert all(s.bytes.size == 1 << 20 for s in slots)
+    assert unbounded.most > 2 << 20  # the pool's four threads at once
+
+
+def test_a_range_used_before_its_turn_starts_its_request_whatever_is_on_its_way(tmp_path):
+    data = _file(tmp_path, "a", 4 << 20)
+    cost = ReadCost(latency_s=0.0, bandwidth=1e9, max_request=1 << 20, max_inflight=64 << 20,
+                    max_arriving=1 << 20)
+    batch = RangeBatch(_Watched(str(tmp_path)), cost)
+    slots = [batch.want("a", k << 20, (k << 20) + 10) for k in range(4)]
+    batch.run()
+    assert slots[3].bytes.tobytes() == data[3 << 20:(3 << 20) + 10]
+    assert [s.bytes.tobytes() for s in slots[:3]] == [data[k << 20:(k << 20) + 10] for k in range(3)]
+
+
+def test_max_arriving_is_a_read_cost_member():
+    given = byte_reads.read_cost(parse_location({"url": "s3://bucket/ck", "read_cost": {"max_arriving": 1 << 20}}))
+    assert given == dataclasses.replace(OBJECT_STORE_COST, max_arriving=1 << 20)
+    with pytest.raises(OptionError, match="read_cost: every member is a number >= 0"):
+        byte_reads.read_cost(parse_location({"url": "/tmp/ck", "read_cost": {"max_arriving": -1}}))

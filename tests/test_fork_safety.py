@@ -19,14 +19,14 @@ PARENT = """
     import numpy as np
     import torch
     import tsckpt
-    from tsckpt.storage import byte_reads, chunk_files
+    from tsckpt.storage import chunk_files, fetchers
     from tsckpt.storage.sinks import Blob
 
     root = sys.argv[1]
     # Both pools, used before the fork: a chunk file large enough for the write threads, and a read.
     writer = chunk_files.ChunkFileWriter(sync=False)
     writer.write(os.path.join(root, "big"), Blob(np.ones(2 << 20, np.uint8), checksum=False)).result()
-    assert byte_reads.LocalFiles(root).fetch("big", 0, 16).result().tolist() == [1] * 16
+    assert fetchers.LocalFiles(root).fetch("big", 0, 16).result().tolist() == [1] * 16
 
     state = {"w": torch.randn(1024, 512, generator=torch.Generator().manual_seed(0))}  # 2 MiB chunks
     pid = os.fork()

@@ -33,6 +33,7 @@ from ..errors import OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader
+from ..storage.planned_box import PlannedBox, by_arrival
 from ..storage.chunk_source import ChunkSource
 from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
@@ -220,7 +221,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         """Read the items this rank reads itself, in batches of at most ``per_thread_copy_ahead`` bytes held:
         the byte ranges of a batch are merged per file and fetched together (:mod:`tsckpt.storage.byte_reads`)."""
         batch = self.source.batch()
-        pending: list[tuple[ReadItem, torch.Tensor, Callable[[], np.ndarray], bool]] = []
+        pending: list[tuple[ReadItem, torch.Tensor, PlannedBox, bool]] = []
         held = 0
         limit = self.per_thread_copy_ahead
         scratch = Scratch()  # where values bound for a GPU (or another dtype) wait, reused batch after batch
@@ -229,9 +230,17 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             nonlocal held
             batch.run()
             try:
-                for item, dest, finish, copy in pending:
-                    self._result(item.storage_index.fqn, dest, finish, copy)
-                    planner.commit_tensor(item, dest)
+                # Each chunk placed as its bytes arrive; a tensor committed once its last chunk is in.
+                for k, step, last in by_arrival([box for _, _, box, _ in pending]):
+                    item, dest, box, copy = pending[k]
+
+                    def place() -> np.ndarray:
+                        step()
+                        return box.out
+
+                    self._result(item.storage_index.fqn, dest, place, copy and last)
+                    if last:
+                        planner.commit_tensor(item, dest)
             finally:
                 pending.clear()
                 held = 0

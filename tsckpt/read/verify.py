@@ -29,7 +29,7 @@ from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader
 from ..storage.chunk_source import ChunkSource
-from ..storage.byte_reads import LocalFiles
+from ..storage.fetchers import LocalFiles
 from ..format.grid import ChunkGrid
 from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from ..storage.context import DEFAULT_IO_CONCURRENCY

@@ -36,8 +36,10 @@ import tensorstore as ts
 from ..errors import ChecksumError
 from ..format import checksums, compressed, dtypes, shards, untiling, zarr_json
 from ..format.metadata import CheckpointMetadata, TensorEntry
-from .byte_reads import LocalFiles, RangeBatch
+from .byte_reads import RangeBatch
 from .chunk_source import ChunkSource
+from .fetchers import LocalFiles
+from .planned_box import ChunkStep, PlannedBox
 from .store import read_error
 
 Finish = Callable[[], np.ndarray]
@@ -110,24 +112,19 @@ class BoxReader:
         return PendingBox(result)
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], batch: RangeBatch,
-             out: np.ndarray | None = None) -> Finish:
-        """Ask ``batch`` for what the box needs; after ``batch.run()``, the returned call checks and places it."""
+             out: np.ndarray | None = None) -> PlannedBox:
+        """Ask ``batch`` for what the box needs; after ``batch.run()``, the returned call checks and places it
+        (or its steps, one per chunk, in the order their bytes arrive: :mod:`~tsckpt.storage.planned_box`)."""
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
         if out is None:
             out = np.empty(sizes, dtype=self.dtype)
         if 0 in sizes:
-            return lambda: out
+            return PlannedBox(out, ())
         if self.mode == "array":
-            return self._read_array(offsets, sizes, out)
-        steps = [self._planned(index, offsets, sizes, batch, out)
-                 for index in self.entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, sizes)])]
-
-        def finish() -> np.ndarray:
-            for step in steps:
-                step()
-            return out
-
-        return finish
+            return PlannedBox(out, (ChunkStep((), self._read_array(offsets, sizes, out)),))
+        return PlannedBox(out, tuple(
+            self._planned(index, offsets, sizes, batch, out)
+            for index in self.entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, sizes)])))
 
     # --- chunks stored by tsckpt ----------------------------------------------------
 
@@ -138,7 +135,7 @@ class BoxReader:
         return f"{self.source.store.url}/{self._key(index)}"
 
     def _planned(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], batch: RangeBatch,
-                 out: np.ndarray) -> Callable[[], None]:
+                 out: np.ndarray) -> ChunkStep:
         """:meth:`_plan_chunk`, a chunk found missing or damaged while planning failing when its step runs
         (with the other chunks' reads, as a read of it would)."""
         try:
@@ -149,10 +146,10 @@ class BoxReader:
             def fail() -> None:
                 raise error
 
-            return fail
+            return ChunkStep((), fail)
 
     def _plan_chunk(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
-                    batch: RangeBatch, out: np.ndarray) -> Callable[[], None]:
+                    batch: RangeBatch, out: np.ndarray) -> ChunkStep:
         fmt = self.fmt
         assert fmt is not None
         key = self._key(index)
@@ -164,9 +161,9 @@ class BoxReader:
         start = tuple(r.start for r in region)
         if self.mode == "compressed":
             if found.length is None:  # a plain layout's file: its size is known only to the store
-                return self._compressed_file(found.file, index, start, offsets, sizes, out)
+                return ChunkStep((), self._compressed_file(found.file, index, start, offsets, sizes, out))
             whole = batch.want(found.file, found.offset, found.offset + found.length)
-            return lambda: _used([whole], lambda: self._place_compressed(index, start, whole.bytes, offsets, sizes, out))
+            return ChunkStep((whole,), lambda: self._place_compressed(index, start, whole.bytes, offsets, sizes, out))
         if found.length is not None and found.length != fmt.nbytes:
             raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} is "
                              f"{found.length} bytes, not the {fmt.nbytes} written (truncated or replaced)")
@@ -194,8 +191,8 @@ class BoxReader:
             # Runs the batch would fetch as one request anyway: one range, checked and placed as one block.
             slot = batch.want(found.file, base + int(positions[0]) * fmt.piece_bytes,
                               base + int(positions[0]) * fmt.piece_bytes + span)
-            return lambda: _used([slot], lambda: self._place_block(index, start, first, last, positions, slot.bytes,
-                                                                   offsets, sizes, out))
+            return ChunkStep((slot,), lambda: self._place_block(index, start, first, last, positions, slot.bytes,
+                                                                offsets, sizes, out))
         # One range per run of inner chunks stored one after the other, at most a request long (so reads
         # reuse buffers), each placed from its own bytes.
         slots = [batch.want(found.file, base + int(positions[a]) * fmt.piece_bytes,
@@ -213,7 +210,7 @@ class BoxReader:
             for (a, b), slot in zip(runs, slots):
                 self._place(index, start, first, last, (slot.bytes, positions[a:b], a), offsets, sizes, out)
 
-        return lambda: _used(slots if tail is None else [*slots, tail], step)
+        return ChunkStep(tuple(slots) if tail is None else (*slots, tail), step)
 
     def _gathered(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """A whole stored outer chunk whose index is not the one tsckpt writes, as (its inner chunks' bytes one
@@ -380,15 +377,6 @@ def _runs(positions: np.ndarray, most: int) -> list[tuple[int, int]]:
     """``[a, b)`` index ranges of ``positions`` (sorted) whose values are consecutive, each at most ``most`` long."""
     cuts = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
     return [(k, min(k + most, b)) for a, b in zip(cuts[:-1], cuts[1:]) for k in range(a, b, most)]
-
-
-def _used(slots: list[Any], step: Callable[[], None]) -> None:
-    """Run ``step`` on the bytes of ``slots``, then let their buffers go (placed or failed, they are done)."""
-    try:
-        step()
-    finally:
-        for slot in slots:
-            slot.release()
 
 
 def read_tensor(source: ChunkSource, key: str, entry: TensorEntry) -> np.ndarray:

@@ -10,31 +10,24 @@ number of bytes of them at once, in the order the reader uses them. Each range
 then gives its bytes as a view into the request's buffer, which is reused
 once every range in it has been used.
 
-How files are fetched is a :class:`Fetcher`: plain file calls on a local disk
-(:class:`LocalFiles`: ``preadv`` into one buffer per request, on a few
-threads, the GIL released; each file's size checked once against what was
-written), or TensorStore ranged reads of a kvstore (:class:`KvFiles`: object
-stores, memory, and the keys of an OCDBT database written before format
-version 4).
+How files are fetched is a :class:`~tsckpt.storage.fetchers.Fetcher`
+(:mod:`tsckpt.storage.fetchers`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ..errors import OptionError
+from .fetchers import Fetcher, LocalFiles
 from .location import Location
-from .pools import ProcessPool, ReadBuffers
+from .pools import ReadBuffers
 
 
 @dataclass(frozen=True)
@@ -45,7 +38,8 @@ class ReadCost:
     when fetching it takes less time than a request's latency:
     ``gap <= latency_s * bandwidth``. ``max_request``: longer requests are cut
     into pieces about this long, fetched concurrently (a slow link is filled by
-    several requests at once).
+    several requests at once). ``max_arriving``: bytes of requests on their way
+    at once (started, not yet arrived).
     """
 
     latency_s: float
@@ -54,6 +48,10 @@ class ReadCost:
     #: Bytes of requests in flight at once: enough to keep the link busy, few enough that read buffers
     #: are reused rather than made anew (fresh memory costs the kernel a page fault every 4 KiB).
     max_inflight: int
+    #: A link shared by every request in flight delivers each of them late, all together at the end; a few
+    #: at a time, enough to cover a request's latency, arrive in the order the reader uses them, so it
+    #: checks and places (or sends to replicas) one while the next is on its way. None: no bound of its own.
+    max_arriving: int | None = None
 
     @property
     def gap_bytes(self) -> int:
@@ -61,21 +59,27 @@ class ReadCost:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], default: ReadCost) -> ReadCost:
-        members = ("latency_s", "bandwidth", "max_request", "max_inflight")
+        members = ("latency_s", "bandwidth", "max_request", "max_inflight", "max_arriving")
         unknown = set(d) - set(members)
         if unknown:
             raise OptionError(f"read_cost: unknown members {sorted(unknown)}; expected {', '.join(members)}")
         values = {m: getattr(default, m) for m in members} | dict(d)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values.values()):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                   for m, v in values.items() if v is not None or m != "max_arriving"):
             raise OptionError(f"read_cost: every member is a number >= 0, not {dict(d)!r}")
         return cls(float(values["latency_s"]), float(values["bandwidth"]), max(int(values["max_request"]), 1),
-                   max(int(values["max_inflight"]), 1))
+                   max(int(values["max_inflight"]), 1),
+                   None if values["max_arriving"] is None else max(int(values["max_arriving"]), 1))
 
 
 #: Defaults: a local disk's page cache or NVMe answers in tens of microseconds at GB/s, an object store
 #: in tens of milliseconds at 25-200 MB/s per node.
 LOCAL_COST = ReadCost(latency_s=50e-6, bandwidth=2e9, max_request=8 << 20, max_inflight=64 << 20)
-OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=16 << 20, max_inflight=256 << 20)
+#: An object store's requests are cut at 4 MiB, three on their way at once. On the benchmark's 60 MB/s, 10 ms
+#: links (``benchmarks/bench_s3_peers.py --phases reshard_fewer --reps 3``) a column reshard into 2 ranks took
+#: 3.04 s, against 3.12 s with 16 MiB requests all on their way together; 8 MiB with 24 MiB on their way, 3.04 s.
+OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=4 << 20, max_inflight=256 << 20,
+                             max_arriving=12 << 20)
 MEMORY_COST = ReadCost(latency_s=0.0, bandwidth=1e10, max_request=1 << 30, max_inflight=1 << 30)
 #: The location member that overrides the model: ``{"read_cost": {"latency_s": 0.005, "bandwidth": 2e8}}``.
 COST_MEMBER = "read_cost"
@@ -87,111 +91,6 @@ def read_cost(location: Location) -> ReadCost:
                else LOCAL_COST)
     given = location.options.get(COST_MEMBER)
     return ReadCost.from_dict(given, default) if isinstance(given, Mapping) else default
-
-
-class Fetcher(ABC):
-    """Reads ``[start, stop)`` of a checkpoint file, named by its key relative to the checkpoint."""
-
-    @abstractmethod
-    def fetch(self, key: str, start: int, stop: int, into: np.ndarray | None = None) -> Any:
-        """Start the read; a future whose ``result()`` is the bytes as a ``uint8`` array (``into`` when given),
-        or raises ValueError worded as TensorStore words it (``NOT_FOUND``, ``OUT_OF_RANGE``, ``DATA_LOSS``)."""
-
-
-#: Local reads run on a few threads: enough to keep the page cache or a disk queue busy, few for 2 cores.
-_LOCAL_POOL = ProcessPool(max_workers=4, thread_name_prefix="tsckpt-read")
-
-
-class LocalFiles(Fetcher):
-    """Files under a local directory, read with ``preadv``; ``sizes`` (key -> bytes written) are checked
-    once per file, so a file cut short or grown fails every read of it, partial reads included."""
-
-    def __init__(self, root: str, sizes: Mapping[str, int] | None = None):
-        self.root = root
-        self.sizes = dict(sizes or {})
-        self._checked: dict[str, str | None] = {}
-        self._lock = threading.Lock()
-
-    def expect(self, key: str, size: int) -> None:
-        """Read ``key`` only if it is ``size`` bytes long."""
-        self.sizes.setdefault(key, size)
-
-    def fetch(self, key: str, start: int, stop: int, into: np.ndarray | None = None) -> Future[np.ndarray]:
-        return _LOCAL_POOL.submit(self._read, key, start, stop, into)
-
-    def _read(self, key: str, start: int, stop: int, into: np.ndarray | None) -> np.ndarray:
-        path = os.path.join(self.root, key)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise ValueError(f"NOT_FOUND: {path} is missing") from None
-        try:
-            self._check_size(key, fd, path)
-            out = np.empty(stop - start, dtype=np.uint8) if into is None else into
-            view, at = memoryview(out), 0
-            while at < out.size:
-                n = os.preadv(fd, [view[at:]], start + at)
-                if not n:
-                    raise ValueError(f"OUT_OF_RANGE: {path} ends before byte {stop} (it was truncated)")
-                at += n
-            return out
-        finally:
-            os.close(fd)
-
-    def _check_size(self, key: str, fd: int, path: str) -> None:
-        expected = self.sizes.get(key)
-        if expected is None:
-            return
-        with self._lock:
-            known = key in self._checked
-            problem = self._checked.get(key)
-        if not known:
-            size = os.fstat(fd).st_size
-            problem = None if size == expected else (
-                f"DATA_LOSS: {path} is {size} bytes, not the {expected} written (truncated or replaced)")
-            with self._lock:
-                self._checked[key] = problem
-        if problem is not None:
-            raise ValueError(problem)
-
-
-class KvFiles(Fetcher):
-    """Keys of a TensorStore kvstore, read by byte range (object stores, memory, older OCDBT databases).
-
-    ``generations`` (key -> the generation the store gave the object when it was written, its ETag on S3):
-    every read of such a key, partial reads included, must come from that generation, so an object
-    truncated or rewritten since is refused without a request of its own.
-    """
-
-    def __init__(self, kv: ts.KvStore, generations: Mapping[str, bytes] | None = None):
-        self.kv = kv
-        self.generations = dict(generations or {})
-
-    def fetch(self, key: str, start: int, stop: int, into: np.ndarray | None = None) -> Any:
-        promise, out = ts.Promise.new()
-
-        def done(f: Any) -> None:
-            try:
-                result = f.result()
-                if result.state != "value":
-                    raise ValueError(f"NOT_FOUND: {key} is missing")
-                expected = self.generations.get(key)
-                if expected is not None and result.stamp.generation != expected:
-                    raise ValueError(f"DATA_LOSS: {key} is not the object written (it was truncated or replaced "
-                                     "since)")
-                data = np.frombuffer(result.value, dtype=np.uint8)
-                if data.size != stop - start:
-                    raise ValueError(f"OUT_OF_RANGE: {key} ends before byte {stop} (it was truncated)")
-                if into is not None:
-                    np.copyto(into, data)
-                    data = into
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                promise.set_exception(e)
-                return
-            promise.set_result(data)
-
-        self.kv.read(key, byte_range=slice(start, stop)).add_done_callback(done)
-        return out
 
 
 #: Requests this large or larger read into reused buffers of ``max_request`` bytes.
@@ -207,6 +106,7 @@ class _Request:
 
     def __init__(self, batch: RangeBatch, key: str, start: int, stop: int, ranges: int):
         self.batch, self.key, self.start, self.stop, self.left = batch, key, start, stop, ranges
+        self.pieces_left = 0
         self.seq = len(batch._queue)  # its turn
         self.futures: list[Any] | None = None
         self.buffer: np.ndarray | None = None
@@ -227,6 +127,16 @@ class _Request:
             self.futures = [fetch(self.key, self.start + a, self.start + b, buffer[a:b])
                             for a, b in split(size, pieces)]
         self.batch.requests += len(self.futures)
+        self.pieces_left = len(self.futures)
+        for future in list(self.futures):
+            future.add_done_callback(self._piece_arrived)
+
+    def _piece_arrived(self, _: Any) -> None:
+        with self.batch._lock:
+            self.pieces_left -= 1
+            if self.pieces_left:
+                return
+        self.batch._arrived(self)
 
     def data(self) -> np.ndarray:
         if self.futures is None:
@@ -260,6 +170,12 @@ class Slot:
         assert self._request is not None, "read before its batch ran"
         return self._request.data()[self.start - self._request.start:self.stop - self._request.start]
 
+    @property
+    def turn(self) -> int:
+        """Its request's place in the order requests start (and, a few at a time, arrive)."""
+        assert self._request is not None, "planned before its batch ran"
+        return self._request.seq
+
     def release(self) -> None:
         request, self._request = self._request, None
         if request is not None:
@@ -271,7 +187,8 @@ class RangeBatch:
     """Byte ranges read together: wanted first, then fetched in turn, merged by :class:`ReadCost`.
 
     Requests start in the order their ranges were wanted (the order a reader
-    uses them), with at most ``cost.max_inflight`` bytes of them unreleased;
+    uses them), with at most ``cost.max_inflight`` bytes of them unreleased and
+    ``cost.max_arriving`` on their way;
     a range used before its request started starts it at once. Buffers of
     released requests (local files) are reused for the next ones.
     """
@@ -288,6 +205,8 @@ class RangeBatch:
         self._queue: list[_Request] = []
         self._next = 0
         self._held = 0
+        self._arriving = 0
+        self._stalled = False  # the pump stopped at max_arriving: the next arrival restarts it
         self._lock = threading.Lock()
 
     def want(self, key: str, start: int, stop: int) -> Slot:
@@ -334,7 +253,8 @@ class RangeBatch:
         self._pump()
 
     def _pump(self, upto: _Request | None = None) -> None:
-        """Start queued requests while they fit in ``max_inflight`` (and all up to ``upto``, whatever it takes)."""
+        """Start queued requests while they fit in ``max_inflight`` and ``max_arriving`` (and all up to
+        ``upto``, whatever it takes)."""
         while True:
             with self._lock:
                 if self._next >= len(self._queue):
@@ -344,10 +264,24 @@ class RangeBatch:
                 due = upto is not None and upto.seq >= self._next
                 if not due and self._held and self._held + size > self.cost.max_inflight:
                     return
+                wire = self.cost.max_arriving
+                if not due and wire is not None and self._arriving and self._arriving + size > wire:
+                    self._stalled = True
+                    return
                 self._next += 1
                 self._held += size
+                self._arriving += size
                 buffer = self._buffer(size)
             request.begin(buffer)
+
+    def _arrived(self, request: _Request) -> None:
+        # Only a pump that stopped for arrivals is restarted: a request that completes inside begin() (a
+        # memory store) must not start the next one from its own callback, request after request.
+        with self._lock:
+            self._arriving -= request.stop - request.start
+            stalled, self._stalled = self._stalled, False
+        if stalled:
+            self._pump()
 
     def _begin_up_to(self, request: _Request) -> None:
         self._pump(request)

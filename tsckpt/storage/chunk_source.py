@@ -18,7 +18,8 @@ from ..errors import ChecksumError
 from ..format import zarr_json
 from ..format.digest_table import DigestTable
 from ..format.metadata import CheckpointMetadata, TensorEntry
-from .byte_reads import Fetcher, KvFiles, LocalFiles, RangeBatch, read_cost
+from .byte_reads import RangeBatch, read_cost
+from .fetchers import Fetcher, KvFiles, LocalFiles
 from .kvio import storage_error
 from .layouts import Locator
 from .store import Store, read_error
