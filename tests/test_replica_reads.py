@@ -299,3 +299,14 @@ def test_the_share_of_a_rank_pickles_small():
     assert len(pickle.dumps(large[0])) - len(pickle.dumps(small[0])) < 60 * 4 * 8
     assert np.all(large[0].seq == np.arange(8 * 16))
     assert sorted({t.owner for t in large[0].transfers()}) == list(range(10, 74, 4))
+
+
+def test_receives_are_posted_ahead_of_sends_only_where_gloo_carries_them():
+    """gloo matches each message by sender and tag; NCCL runs a pair's messages in the order posted, so there a
+    receive posted ahead of this rank's own sends could wait on a send queued behind the peer's receive."""
+    from tsckpt.dcp.replica_transfers import _backends
+
+    assert _backends("gloo") == {"cpu": "gloo"}
+    assert _backends("nccl") == {"cuda": "nccl"}
+    assert _backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert _backends("some-plugin") is None

@@ -11,7 +11,13 @@ needed the region raises.
 Every rank posts its messages in the schedule's global order (the owner when
 its read has completed, a receiver when it is ready to take the bytes), so
 the messages between any two ranks come in the same order on both sides: that
-is what NCCL, which ignores tags, needs. The bytes travel in the stored dtype,
+is what NCCL, which ignores tags, needs. Receives that gloo carries are
+posted as soon as they are planned, ahead of this rank's own sends: gloo
+matches each message by sender and tag on its own, so an owner never waits
+for a receiver to reach the region, where waiting turned every region into a
+round trip between ranks. NCCL runs a pair's messages on one stream in the
+order they were posted, so there a receive posted early would wait for a send
+queued behind the peer's own early receive. The bytes travel in the stored dtype,
 straight from and into the destination tensor when the backend carries its
 device and it has that dtype and is contiguous, through a buffer otherwise.
 """
@@ -57,11 +63,12 @@ def _raise_status(status: torch.Tensor, owner: int, fqn: str, where: str, box: s
     raise cls(f"{text} (rank {owner} fetched it for this rank too)", relayed_from=owner)
 
 
-def _carried(backend: str) -> set[str] | None:
-    """Device types the default group's backend sends (None: unknown, assume the destination's)."""
+def _backends(backend: str) -> dict[str, str] | None:
+    """The backend of each device type the default group sends (None: unknown, assume the destination's)."""
     if ":" in backend:  # "cpu:gloo,cuda:nccl"
-        return {part.split(":")[0] for part in backend.split(",")}
-    return {"gloo": {"cpu"}, "nccl": {"cuda"}, "mpi": {"cpu"}}.get(backend)
+        return dict(part.split(":", 1) for part in backend.split(","))  # type: ignore[misc]
+    device = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu"}.get(backend)
+    return None if device is None else {device: backend}
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +89,8 @@ class ReplicaTransfers:
         self.rank = rank
         self.where = where
         self.stored = stored
-        self.carried = _carried(dist.get_backend())
+        self.backends = _backends(dist.get_backend())
+        self.carried = None if self.backends is None else set(self.backends)
         self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, what it sends: kept alive until sent)
 
     def wire_device(self, dest: torch.Tensor) -> torch.device:
@@ -92,6 +100,10 @@ class ReplicaTransfers:
         if "cpu" in self.carried:
             return torch.device("cpu")
         return torch.device(next(iter(self.carried)), torch.accelerator.current_device_index())
+
+    def posts_early(self, wire: torch.device) -> bool:
+        """Whether a receive on ``wire`` may be posted ahead of this rank's earlier sends (gloo only)."""
+        return self.backends is not None and self.backends.get(wire.type) == "gloo"
 
     def direct(self, dest: torch.Tensor, fqn: str) -> bool:
         """Whether ``dest`` itself can be sent or received into."""

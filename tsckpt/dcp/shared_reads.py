@@ -4,7 +4,8 @@ With replica reads on (:mod:`tsckpt.dcp.replica_reads` decides who fetches
 what), every rank of a load walks the same list of shared regions, in one
 global order: a region's owner plans its checked read into a batch (the
 regions of one round are fetched together, their ranges merged per file) and
-sends it once the batch has run; the others post its receive. Runs inside
+sends it once the batch has run; the others post its receive (where gloo
+carries it, as soon as it is planned, and wait for it last). Runs inside
 :meth:`TensorStoreReader.read_data <tsckpt.dcp.reader.TensorStoreReader.read_data>`
 on every rank, before the regions a rank reads alone. A failure on one rank
 never leaves a transfer undone: it is kept, and raised once every transfer is.
@@ -47,6 +48,9 @@ class SharedReads:
         are read in rounds of one batch each."""
         targets = _Targets(transfers)
         items = self.plan.items
+        # A receive posted when planned (gloo) straight into its destination holds no buffer: waiting for it
+        # last lets this rank send what it owns as soon as it has it, not in step with whom it receives from.
+        waits: list[Callable[[], None]] = []
         for round_ in self._rounds(transfers, self.plan, self.readers, rank):
             batch = self.reader.source.batch()
             steps = [guarded(self.failures, self._share, items[t.item], t, self.planner,
@@ -54,9 +58,17 @@ class SharedReads:
                      for t in round_]
             batch.run()
             for step in steps:
-                if step is not None:
-                    self.buffers.add(step[0], functools.partial(guarded, self.failures, step[1]))
+                if step is None:
+                    continue
+                nbytes, complete, posted = step
+                finish = functools.partial(guarded, self.failures, complete)
+                if posted and not nbytes:
+                    waits.append(finish)
+                else:
+                    self.buffers.add(nbytes, finish)
         self.buffers.drain()
+        for wait in waits:
+            wait()
 
     def _rounds(self, transfers: list[Transfer], plan: LoadPlan, readers: dict[str, BoxReader],
                 rank: int) -> Iterator[list[Transfer]]:
@@ -77,13 +89,14 @@ class SharedReads:
 
     def _share(self, item: ReadItem, transfer: Transfer, planner: LoadPlanner, reader: BoxReader,
                moving: ReplicaTransfers, buffers: CopyWindow, batch: RangeBatch,
-               targets: _Targets) -> tuple[int, Callable[[], None]]:
+               targets: _Targets) -> tuple[int, Callable[[], None], bool]:
         """Take part in one shared region (an item, or a stripe of it): plan its fetch into ``batch`` (its
         owner), or its receive.
 
-        Returns the bytes it holds and the step that completes it (send or
+        Returns the bytes it holds, the step that completes it (send or
         receive; the item is committed once its last stripe is in), which the
-        caller queues in ``buffers`` once ``batch`` runs, in the global order.
+        caller queues in ``buffers`` once ``batch`` runs, in the global order,
+        and whether it is a receive already posted.
         The step never leaves a transfer undone: a failure is raised after it
         (and kept by the caller).
         """
@@ -94,10 +107,11 @@ class SharedReads:
             d, start, stop = transfer.part
             part = dest.narrow(d, start, stop - start)
         box = _Box(item.storage_index.fqn, offsets, lengths)
+        posted = False
         if transfer.owner == moving.rank:
             nbytes, step = self._fetch_and_send(box, transfer, part, error, reader, moving, buffers, batch)
         else:
-            nbytes, step = self._receive(box, transfer, part, error, moving, buffers)
+            nbytes, step, posted = self._receive(box, transfer, part, error, moving, buffers)
 
         def complete() -> None:
             try:
@@ -107,27 +121,31 @@ class SharedReads:
             if last and error is None:
                 planner.commit_tensor(item, dest)
 
-        return nbytes, complete
+        return nbytes, complete, posted
 
     def _receive(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
-                 moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None]]:
-        """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, and the receive."""
+                 moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None], bool]:
+        """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, the receive,
+        and whether it is posted already (see :mod:`~tsckpt.dcp.replica_transfers`)."""
         fqn = item.fqn
         direct = moving.direct(dest, fqn)
         stored = self.reader._stored_dtype(fqn)
         nbytes = 0 if direct else math.prod(item.lengths) * stored.itemsize
         buffers.admit(nbytes)
-        into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=moving.wire_device(dest))
+        wire = moving.wire_device(dest)
+        into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=wire)
         box = f"at {list(item.offsets)} of size {list(item.lengths)}"
+        early = moving.posts_early(wire)
+        posted = moving.receive(transfer, into, fqn, box) if early else None
 
         def receive() -> None:
-            moving.receive(transfer, into, fqn, box)()  # posted now: in the global order
+            (posted or moving.receive(transfer, into, fqn, box))()
             if error is not None:
                 raise error
             if not direct:
                 dest.copy_(into)
 
-        return nbytes, receive
+        return nbytes, receive, early
 
     def _fetch_and_send(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
                         reader: BoxReader, moving: ReplicaTransfers, buffers: CopyWindow,
