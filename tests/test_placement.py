@@ -90,15 +90,21 @@ def test_on_a_local_disk_each_tensor_lies_in_one_piece_in_the_order_of_the_save(
         assert all(grid.grid_shape[1:] == (1,) * (len(grid.shape) - 1) for _, _, _, grid in values)  # no bands
 
 
-def test_sort_key_puts_lower_dimensional_values_first_then_bands_by_fraction():
+def test_sort_key_puts_scalars_then_values_spanning_every_column_first_then_bands_by_fraction():
     wide, narrow = ChunkGrid((8, 400), (4, 100)), ChunkGrid((8, 40), (4, 20))
     keys = sorted([(placement.sort_key(wide, (r, c), 0), ("wide", r, c)) for r in range(2) for c in range(4)]
                   + [(placement.sort_key(narrow, (r, c), 1), ("narrow", r, c)) for r in range(2) for c in range(2)]
-                  + [(placement.sort_key(ChunkGrid((8,), (4,)), (r,), 2), ("bias", r)) for r in range(2)])
-    order = [what for _, what in keys]
-    assert order[:2] == [("bias", 0), ("bias", 1)]
+                  + [(placement.sort_key(ChunkGrid((8,), (4,)), (r,), 2), ("bias", r)) for r in range(2)]
+                  + [(placement.sort_key(ChunkGrid((8, 24), (4, 24)), (r, 0), 3), ("unbanded", r)) for r in range(2)]
+                  + [(placement.sort_key(ChunkGrid((), ()), (), 4), ("step",))])
+    order = [what for _, what in keys][1:]
+    # Scalars first; then chunks spanning every column, which hold a piece of each column block: together,
+    # ahead of the bands.
+    assert keys[0][1] == ("step",)
+    assert order[:4] == [("bias", 0), ("bias", 1), ("unbanded", 0), ("unbanded", 1)]
+    keys = keys[1:]
     # Bands at 0, 1/4, 1/2, 3/4 of the wide tensor's columns and 0, 1/2 of the narrow one's, then rows.
-    assert order[2:] == [("wide", 0, 0), ("narrow", 0, 0), ("wide", 1, 0), ("narrow", 1, 0), ("wide", 0, 1),
+    assert order[4:] == [("wide", 0, 0), ("narrow", 0, 0), ("wide", 1, 0), ("narrow", 1, 0), ("wide", 0, 1),
                          ("wide", 1, 1), ("wide", 0, 2), ("narrow", 0, 1), ("wide", 1, 2), ("narrow", 1, 1),
                          ("wide", 0, 3), ("wide", 1, 3)]
-    assert np.all(np.diff([k[1] for k, _ in keys[2:]]) >= 0)
+    assert np.all(np.diff([k[1] for k, _ in keys[4:]]) >= 0)

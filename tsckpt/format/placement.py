@@ -13,9 +13,13 @@ tensor.
 Bands are cut only where a request is dear (packed saves to object stores,
 :meth:`~tsckpt.storage.layouts.KvLayout.bands`); elsewhere a rank writes its
 values in the order of the save, which a same-topology load reads in turn.
-Where bands are cut, values are ordered by :func:`sort_key`: tensors of at least two dimensions
-after those of fewer (scalars, biases and norms come first, read by whole
-ranges), then by where the outer chunk starts along dimension 1, 2, ... and
+Where bands are cut, values are ordered by :func:`sort_key`: scalars first (every
+replica of a load needs them, and they are fetched on their own, ahead of the
+rest), banded tensors after the rest (biases, norms, and tensors too small to be cut into bands,
+whose every outer chunk spans all the columns: each such chunk holds a piece of
+every column block a load takes, so kept together they cost a column block one
+short range instead of scattering its pieces among another block's bands),
+then by where the outer chunk starts along dimension 1, 2, ... and
 lastly 0, each as a fraction of the dimension (so tensors of different widths
 interleave band by band), then by the tensor's place in the save and the
 chunk's place in its grid. Pure functions; nothing here does I/O.
@@ -35,8 +39,8 @@ def sort_key(grid: ChunkGrid, index: Sequence[int], tensor: int) -> tuple[float 
     that keeps a tensor's chunks together where nothing else separates them).
     """
     shape, chunk = grid.shape, grid.chunk_shape
-    if len(shape) < 2:
-        return (0, tensor, *index)
+    if len(shape) < 2 or all(n == 1 for n in grid.grid_shape[1:]):
+        return (0, len(shape) > 0, tensor, *index)
     dims = (*range(1, len(shape)), 0)
     return (1, *(index[d] * chunk[d] / max(shape[d], 1) for d in dims), tensor, *index)
 
