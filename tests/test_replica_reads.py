@@ -82,9 +82,10 @@ def test_schedule_gives_each_replica_an_even_share_and_every_rank_one_order():
 
 
 def test_schedule_balances_bytes_and_shares_only_identical_boxes():
-    # Columns of one element: too thin to cut into stripes, so each region goes whole to one member.
+    # Columns of four elements (4 KiB, just large enough to share): too thin to cut into stripes, so each
+    # region goes whole to one member.
     half = SHAPE[0] // 2
-    top, bottom = ("w", (0, 0), (half, 1)), ("w", (half, 0), (half, 1))
+    top, bottom = ("w", (0, 0), (half, 4)), ("w", (half, 0), (half, 4))
     # HSDP-like: ranks 0 and 2 need the top half, 1 and 3 the bottom; rank 1 also reads a big tensor alone.
     shares = schedule(_plans([[top], [bottom, ("big", (0, 0), (4096, 512))], [top], [bottom]]), lambda fqn: 4, DIM1)
     assert [len(s.transfers()) for s in shares] == [1, 1, 1, 1]
@@ -92,14 +93,14 @@ def test_schedule_balances_bytes_and_shares_only_identical_boxes():
     assert shares[0].transfers()[0].receivers in ((12,), (10,))
     assert shares[0].transfers()[0].part is None
     # A box that overlaps another but differs is read by each rank itself; a rank without a note shares nothing.
-    shares = schedule(_plans([[top], [("w", (0, 0), (half - 1, 1))], [top]], noted=(0, 1)), lambda fqn: 4, DIM1)
+    shares = schedule(_plans([[top], [("w", (0, 0), (half - 1, 4))], [top]], noted=(0, 1)), lambda fqn: 4, DIM1)
     assert shares == [None, None, None]
 
 
 def test_schedule_cuts_large_regions_into_one_stripe_per_member_in_rank_order():
     # Four column stripes at chunk edges, the k-th to the k-th rank; a 1-d region is cut along its one
     # dimension, and one stored as one value is fetched whole.
-    big, line, small = ("big", (0, 0), (1024, 1030)), ("line", (0,), (1_100_000,)), ("small", (0, 0), (8, 3))
+    big, line, small = ("big", (0, 0), (1024, 1030)), ("line", (0,), (1_100_000,)), ("small", (0, 0), (32, 32))
     shares = schedule(_plans([[big, line, small]] * 4), lambda fqn: 4, DIM1)
     transfers = shares[2].transfers()
     stripes = [(t.owner, t.part) for t in transfers if t.part is not None]
@@ -288,6 +289,15 @@ def test_a_failed_read_of_a_shared_region_fails_every_rank_that_needed_it(local_
             # tsckpt.load raises the error of the rank that read the chunk, as that rank wrote it.
             assert through_tsckpt[0] == kind and cause in through_tsckpt[1], (rank, through_tsckpt)
             assert "fetched it for this rank" not in through_tsckpt[1]
+
+
+def test_boxes_smaller_than_a_page_are_read_by_every_rank_that_needs_them():
+    step, norm, big = ("step", (), ()), ("norm", (0,), (1023,)), ("big", (0, 0), (1024, 1030))
+    shares = schedule(_plans([[step, norm, big]] * 4), lambda fqn: 4, DIM1)
+    for share in shares:
+        assert share is not None and set(share.item.tolist()) == {2}  # only the large one travels
+    shares = schedule(_plans([[("norm", (0,), (1024,))]] * 4), lambda fqn: 4, lambda fqn: (0, 256, 1024))
+    assert all(share is not None for share in shares)  # 4 KiB: shared
 
 
 def test_the_share_of_a_rank_pickles_small():
