@@ -90,16 +90,15 @@ class ReplicaTransfers:
         self.where = where
         self.stored = stored
         self.backends = _backends(dist.get_backend())
-        self.carried = None if self.backends is None else set(self.backends)
         self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, what it sends: kept alive until sent)
 
     def wire_device(self, dest: torch.Tensor) -> torch.device:
         """The device a region for ``dest`` travels on: its own if the backend carries it."""
-        if self.carried is None or dest.device.type in self.carried:
+        if self.backends is None or dest.device.type in self.backends:
             return dest.device
-        if "cpu" in self.carried:
+        if "cpu" in self.backends:
             return torch.device("cpu")
-        return torch.device(next(iter(self.carried)), torch.accelerator.current_device_index())
+        return torch.device(next(iter(self.backends)), torch.accelerator.current_device_index())
 
     def posts_early(self, wire: torch.device) -> bool:
         """Whether a receive on ``wire`` may be posted ahead of this rank's earlier sends (gloo only)."""
