@@ -101,7 +101,7 @@ def test_a_bad_override_is_one_line_naming_the_member(members, message):
 
 def test_read_buffers_outlive_a_batch_and_stay_bounded(tmp_path):
     """A second batch of this process reads into the buffers the first one used (their pages are already
-    faulted in), and no more are kept than one batch's requests in flight need, plus two."""
+    faulted in), and no more bytes are kept than one batch's requests in flight, plus two of the largest."""
     cost = ReadCost(latency_s=0.0, bandwidth=1e9, max_request=1 << 20, max_inflight=2 << 20)
     _file(tmp_path, "a", 6 << 20)
     ranges = [("a", k << 20, (k << 20) + (512 << 10)) for k in range(6)]  # six requests, unmerged
@@ -109,13 +109,23 @@ def test_read_buffers_outlive_a_batch_and_stay_bounded(tmp_path):
     for _ in range(2):
         batch = _read(tmp_path, cost, ranges)
         assert batch.requests == 6
-        kept = list(pool._free[cost.max_request])
-        assert 1 <= len(kept) <= 2 + 2
-    again = pool.take(cost)
+        kept = list(pool._free[512 << 10])
+        assert 1 <= len(kept) <= 6
+    again = pool.take(512 << 10, cost)
     assert any(again is b for b in kept), "a later batch reads into a kept buffer"
     for _ in range(10):
         pool.give(np.empty(cost.max_request, dtype=np.uint8), cost)
-    assert len(pool._free[cost.max_request]) == 4
+    assert sum(b.size for bs in pool._free.values() for b in bs) <= cost.max_inflight + 2 * cost.max_request
+    assert len(pool._free[cost.max_request]) == 4, "the newest buffers are kept, the oldest dropped"
+
+
+@pytest.mark.parametrize("nbytes, size", [(256 << 10, 256 << 10), ((256 << 10) + 1, 512 << 10),
+                                          (700 << 10, 1 << 20), (1 << 20, 1 << 20)])
+def test_a_read_takes_a_buffer_at_most_twice_its_length(nbytes, size):
+    """Buffers come in powers of two up to max_request, so many short requests do not each hold one of the
+    largest (and make it anew when the pool keeps only a few of that size)."""
+    cost = ReadCost(latency_s=0.0, bandwidth=1e9, max_request=1 << 20, max_inflight=2 << 20)
+    assert byte_reads._BUFFERS.take(nbytes, cost).size == size
 
 
 class _Watched(LocalFiles):

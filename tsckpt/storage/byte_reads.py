@@ -93,7 +93,7 @@ def read_cost(location: Location) -> ReadCost:
     return ReadCost.from_dict(given, default) if isinstance(given, Mapping) else default
 
 
-#: Requests this large or larger read into reused buffers of ``max_request`` bytes.
+#: Requests this large or larger read into reused buffers (:class:`~tsckpt.storage.pools.ReadBuffers`).
 _POOLED = 256 << 10
 
 
@@ -291,7 +291,7 @@ class RangeBatch:
         object stores hand over bytes of their own, and small requests are cheap to allocate)."""
         if not isinstance(self.fetcher, LocalFiles) or not _POOLED <= size <= self.cost.max_request:
             return None
-        return _BUFFERS.take(self.cost)[:size]
+        return _BUFFERS.take(size, self.cost)[:size]
 
     def _released(self, request: _Request) -> None:
         with self._lock:

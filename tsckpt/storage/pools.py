@@ -56,25 +56,48 @@ class ReadBuffers:
     A buffer's pages are faulted in by the kernel the first time a read fills
     them, and a batch keeps up to ``max_inflight`` bytes of requests in flight:
     a process that made its buffers anew for every load (or every round of
-    replica reads) paid that again each time. At most enough buffers for one
-    batch's requests in flight, and two more, are kept, per buffer size.
+    replica reads) paid that again each time. Buffers come in sizes of powers
+    of two up to ``max_request``, so a request takes one at most twice its
+    length: with one size only, a batch of requests far shorter than
+    ``max_request`` held many more buffers than a few of its size, and made
+    most of them anew (a column reshard of a local checkpoint: about 100 at
+    once, under a tenth of each used). At most ``max_inflight`` bytes, plus
+    two of the largest buffers, are kept; the buffers kept longest go first.
     """
 
     def __init__(self) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
+        self._kept: list[int] = []  # the size of each kept buffer, oldest first
+        self._bytes = 0
         self._lock = threading.Lock()
 
-    def take(self, cost: Any) -> np.ndarray:
-        """A buffer of ``cost.max_request`` bytes (a :class:`~tsckpt.storage.byte_reads.ReadCost`): a kept one if any."""
+    @staticmethod
+    def size_for(nbytes: int, cost: Any) -> int:
+        """The size of buffer a read of ``nbytes`` (at most ``cost.max_request``) takes."""
+        return min(1 << max(nbytes - 1, 0).bit_length(), max(cost.max_request, nbytes))
+
+    def take(self, nbytes: int, cost: Any) -> np.ndarray:
+        """A buffer of :meth:`size_for` ``nbytes`` bytes (``cost``: a
+        :class:`~tsckpt.storage.byte_reads.ReadCost`): a kept one if any."""
+        size = self.size_for(nbytes, cost)
         with self._lock:
-            free = self._free.get(cost.max_request)
+            free = self._free.get(size)
             if free:
+                self._kept.remove(size)
+                self._bytes -= size
                 return free.pop()
-        return np.empty(cost.max_request, dtype=np.uint8)
+        return np.empty(size, dtype=np.uint8)
 
     def give(self, buffer: np.ndarray, cost: Any) -> None:
-        """Keep ``buffer`` for a later :meth:`take`, unless enough of its size are kept already."""
+        """Keep ``buffer`` for a later :meth:`take`, dropping the oldest kept ones beyond the bound."""
+        limit = cost.max_inflight + 2 * cost.max_request
         with self._lock:
-            free = self._free.setdefault(buffer.size, [])
-            if len(free) < cost.max_inflight // max(cost.max_request, 1) + 2:
-                free.append(buffer)
+            if buffer.size > limit:
+                return
+            self._free.setdefault(buffer.size, []).insert(0, buffer)
+            self._kept.append(buffer.size)
+            self._bytes += buffer.size
+            while self._bytes > limit:
+                size = self._kept.pop(0)
+                self._free[size].pop()
+                self._bytes -= size
