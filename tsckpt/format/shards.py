@@ -130,6 +130,11 @@ class ShardFormat:
         return np.broadcast_to(functools.reduce(np.logical_and, axes, np.True_), self.grid)
 
     @functools.cached_property
+    def stored(self) -> np.ndarray:
+        """The storage positions of every inner chunk, in storage order (``0 .. pieces - 1``)."""
+        return np.arange(self.pieces)
+
+    @functools.cached_property
     def every(self) -> np.ndarray:
         """The grid coordinates of every inner chunk, one row each, in row-major order."""
         return np.argwhere(np.ones(self.grid, dtype=bool))

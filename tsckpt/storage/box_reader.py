@@ -176,6 +176,11 @@ class BoxReader:
         first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
         last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
         whole = first == (0,) * len(fmt.grid) and last == fmt.grid
+        if whole and fmt.nbytes <= batch.cost.max_request:
+            # The whole chunk, index included, as one range, checked and placed in one go: a band of a banded
+            # save holds a few kilobytes, and planning it by runs cost more than its bytes.
+            chunk = batch.want(found.file, base, base + fmt.nbytes)
+            return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
         if whole:
             positions = np.arange(fmt.pieces)
         else:
@@ -278,6 +283,16 @@ class BoxReader:
                           pieces[..., raw:raw + 4])
         values = pieces[..., :raw].view(self.dtype).reshape((*pieces.shape[:-1], *fmt.inner))
         self._untile(values, start, first, offsets, sizes, out)
+
+    def _place_whole(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray,
+                     offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
+        """Check all of outer chunk ``index`` (stored as ``data``, its index included), then copy what the box
+        ``offsets``/``sizes`` wants of it to ``out``."""
+        fmt = self.fmt
+        assert fmt is not None
+        as_written = not fmt.indexed or np.array_equal(data[fmt.nbytes - fmt.index_bytes:], fmt.index)
+        read = (data, fmt.stored, 0) if as_written else (*self._gathered(index, data), 0)
+        self._place(index, start, (0,) * len(fmt.grid), fmt.grid, read, offsets, sizes, out)
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
                read: tuple[np.ndarray, np.ndarray, int], offsets: tuple[int, ...], sizes: tuple[int, ...],
