@@ -203,12 +203,15 @@ def local_ckpt(tmp_path_factory):
 def test_replicated_load_from_disk_fetches_a_quarter_copy_per_rank(local_ckpt):
     # A warm-up load first (lazy imports read files too), then measured loads with and without replica reads;
     # "mixed": float64 and non-contiguous destinations, which take regions through buffers.
+    # "rounds": each rank's stripe of a tensor in a round of its own, so buffered receives wait for room
+    # while other ranks are still sending theirs.
     on, off = {"replica_reads": True}, {"replica_reads": False}
+    rounds = {"replica_reads": True, "per_thread_copy_ahead": 300 << 10}
     results = run_ranks(4, load_replicated, str(local_ckpt), [(off, False), (on, False), ({}, False), (off, False),
-                                                               (on, True)])
-    for rank, (_, shared, default, alone, mixed) in enumerate(results):
-        assert shared[1] and default[1] and alone[1] and mixed[1], rank  # bit-exact every time
-        for read in (shared[0], mixed[0]):
+                                                               (on, True), (rounds, True)])
+    for rank, (_, shared, default, alone, mixed, small) in enumerate(results):
+        assert shared[1] and default[1] and alone[1] and mixed[1] and small[1], rank  # bit-exact every time
+        for read in (shared[0], mixed[0], small[0]):
             assert 0.15 * COPY < read < 0.4 * COPY, (rank, read / COPY)
         assert default[0] > 0.95 * COPY, (rank, default[0] / COPY)  # off by default on a local disk
         assert alone[0] > 0.95 * COPY, (rank, alone[0] / COPY)

@@ -198,7 +198,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         # With replicas waiting on this rank, a failure is kept until every transfer is done, then raised.
         # (What fails before this point fails alike on every rank: the same metadata, no transfer started.)
         failures: list[Exception] | None = None if share is None else []
-        moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype)
+        moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype,
+                                                              self.per_thread_copy_ahead)
         try:
             # Shared regions first, in the global order every rank follows, then what this rank reads alone.
             if share is not None and moving is not None:
