@@ -294,6 +294,32 @@ def test_a_failed_read_of_a_shared_region_fails_every_rank_that_needed_it(local_
             assert "fetched it for this rank" not in through_tsckpt[1]
 
 
+def load_with_norm(rank, world, location):
+    """A replicated load of the tensors and a norm under 4 KiB (which every rank reads itself): whether it
+    returned bit-exact, or what each rank raised."""
+    sd = {**{name: torch.zeros(SHAPE) for name in NAMES}, "norm": torch.zeros(64)}
+    try:
+        dcp.load(sd, storage_reader=tsckpt.TensorStoreReader(location, replica_reads=True))
+    except CheckpointException as e:
+        errors = {r: f[0] if isinstance(f, tuple) else f for r, f in e.failures.items()}
+        return {r: (type(x).__name__, str(x)) for r, x in errors.items()}
+    return all(torch.equal(sd[n], _full(k)) for k, n in enumerate(NAMES)) and torch.equal(sd["norm"],
+                                                                                          torch.arange(64.0))
+
+
+def test_a_rank_s_own_small_reads_around_the_shared_regions_load_exactly_and_fail_alone(tmp_path):
+    """A rank's own reads under 16 MiB start before its shared regions and are placed after them: a clean load
+    is bit-exact, and a damaged norm fails every rank with its own error once the shared regions have moved."""
+    path = tmp_path / "ck"
+    tsckpt.save({**_saved(), "norm": torch.arange(64.0)}, path)
+    assert run_ranks(4, load_with_norm, str(path), timeout=120) == [True] * 4
+    edit_key(path, "norm/c.0", lambda data: flip_byte(data, 8, 0x10))
+    for found in run_ranks(4, load_with_norm, str(path), timeout=120):
+        assert isinstance(found, dict) and sorted(found) == [0, 1, 2, 3], found
+        for r, (raised, text) in found.items():
+            assert raised == "ChecksumError" and "'norm'" in text and "fetched it for this rank" not in text, text
+
+
 def test_boxes_smaller_than_a_page_are_read_by_every_rank_that_needs_them():
     step, norm, big = ("step", (), ()), ("norm", (0,), (1023,)), ("big", (0, 0), (1024, 1030))
     shares = schedule(_plans([[step, norm, big]] * 4), lambda fqn: 4, DIM1)

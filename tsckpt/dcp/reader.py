@@ -66,6 +66,10 @@ def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
     return Metadata(state_dict_metadata=sd_md, planner_data=key_paths)
 
 
+#: With replica reads, a rank's own reads of at most this many bytes in all start before its shared regions.
+EARLY_OWN_READS = 16 << 20
+
+
 class TensorStoreReader(TensorStoreIO, StorageReader):
     """Read a tsckpt checkpoint with ``dcp.load``, in any topology.
 
@@ -200,14 +204,26 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         failures: list[Exception] | None = None if share is None else []
         moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype,
                                                               self.per_thread_copy_ahead)
-        try:
-            # Shared regions first, in the global order every rank follows, then what this rank reads alone.
-            if share is not None and moving is not None:
+        shared = {t.item for t in transfers}
+        alone = [item for k, item in enumerate(plan.items) if k not in shared]
+        started = share is None
+
+        def share_regions() -> None:
+            # The shared regions, in the global order every rank follows; once, whatever failed before.
+            nonlocal started
+            if not started and share is not None and moving is not None:
+                started = True
                 SharedReads(self, plan, planner, readers, moving, buffers, failures).run(transfers, share.rank)
-            shared = {t.item for t in transfers}
-            alone = [item for k, item in enumerate(plan.items) if k not in shared]
-            guarded(failures, self._read_alone, alone, planner, readers)
+
+        # A few small reads of this rank's own (step counts, norms) start first, and are placed after the
+        # shared regions: their requests' latency then overlaps the exchange instead of following it.
+        early = share is not None and self._few_small(alone, readers)
+        try:
+            if not early:
+                share_regions()
+            guarded(failures, self._read_alone, alone, planner, readers, share_regions if early else None)
         finally:
+            share_regions()
             if moving is not None:
                 moving.finish()
         if failures:
@@ -218,9 +234,25 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                               seconds=time.perf_counter() - self._started)
         return done(None)
 
-    def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader]) -> None:
+    def _few_small(self, items: list[ReadItem], readers: dict[str, BoxReader]) -> bool:
+        """Whether ``items`` are tensors of at most :data:`EARLY_OWN_READS` bytes in all, and values the root
+        document holds (no read of their own)."""
+        assert self.metadata is not None
+        nbytes = 0
+        for item in items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                if self.metadata.objects[fqn].encoding != values.JSON:
+                    return False
+                continue
+            nbytes += readers[fqn].held_bytes(item.lengths, out=False)
+        return nbytes <= EARLY_OWN_READS
+
+    def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader],
+                    first: Callable[[], None] | None = None) -> None:
         """Read the items this rank reads itself, in batches of at most ``per_thread_copy_ahead`` bytes held:
-        the byte ranges of a batch are merged per file and fetched together (:mod:`tsckpt.storage.byte_reads`)."""
+        the byte ranges of a batch are merged per file and fetched together (:mod:`tsckpt.storage.byte_reads`).
+        ``first`` runs once the first batch's requests have started, before anything is placed."""
         batch = self.source.batch()
         pending: list[tuple[ReadItem, torch.Tensor, PlannedBox, bool]] = []
         held = 0
@@ -228,8 +260,11 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         scratch = Scratch()  # where values bound for a GPU (or another dtype) wait, reused batch after batch
 
         def flush() -> None:
-            nonlocal held
+            nonlocal held, first
             batch.run()
+            if first is not None:
+                hook, first = first, None
+                hook()
             try:
                 # Each chunk placed as its bytes arrive; a tensor committed once its last chunk is in.
                 for k, step, last in by_arrival([box for _, _, box, _ in pending]):
