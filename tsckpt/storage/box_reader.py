@@ -182,7 +182,7 @@ class BoxReader:
             chunk = batch.want(found.file, base, base + fmt.nbytes)
             return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
         if whole:
-            positions = np.arange(fmt.pieces)
+            positions = fmt.stored
         else:
             block = [b - a for a, b in zip(first, last)]
             positions = np.sort(fmt.position(np.indices(block).reshape(len(block), -1).T + np.asarray(first)))
@@ -300,9 +300,7 @@ class BoxReader:
         # The chunk lies inside the box: checked, then untiled straight into its place in one copy.
         raw = math.prod(fmt.inner) * fmt.itemsize
         pieces = data[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)
-        found = np.fromiter(map(_crc32c.crc32c, pieces[:, :raw]), dtype="<u4", count=fmt.pieces)
-        if not np.array_equal(found, np.ascontiguousarray(pieces[:, raw:raw + 4]).view("<u4").reshape(-1)):
-            self._compare(index, fmt.stored, found, pieces[:, raw:raw + 4])
+        self._check(index, fmt.stored, pieces[:, :raw], pieces[:, :raw], pieces)
         dest = out[(*(slice(s - o, e - o) for s, e, o in zip(start, end, offsets)), ...)]  # a view, even 0-d
         np.copyto(*shards.tile_views(dest, fmt.grid_view(pieces[:, :raw].view(self.dtype)), fmt.grid, fmt.inner))
 
