@@ -40,7 +40,7 @@ def _cpu() -> float:
 
 
 def _ranks(rank: int, world: int, root: str, cfg: dict[str, Any], phase: str, reps: int,
-           top: int, sort: str = "tottime") -> dict[str, Any] | None:
+           top: int, sort: str = "tottime", dump: str = "") -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -74,6 +74,8 @@ def _ranks(rank: int, world: int, root: str, cfg: dict[str, Any], phase: str, re
         dist.barrier()
     if rank != 0:
         return None
+    if dump:
+        prof.dump_stats(dump)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
     return {"cpu": cpu, "profile": out.getvalue()}
@@ -90,13 +92,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="how many functions to print")
     ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
                     help="order functions by their own time, or with what they call")
+    ap.add_argument("--dump", default="", help="also write rank 0's profile to this file, for pstats or snakeviz")
     args = ap.parse_args()
     work = wl.WORKLOADS[args.workload].for_size(args.gb * 1e9, wl.DTYPES[args.dtype].itemsize)
     cfg = {"workload": wl.to_dict(work), "dtype": args.dtype}
     root = tempfile.mkdtemp(prefix="tsckpt-profile-")
     try:
         res = harness.run_ranks(args.world, _ranks, root, cfg, args.phase, args.reps, args.top,
-                                 args.sort)[0]
+                                 args.sort, os.path.abspath(args.dump) if args.dump else "")[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.workload} {args.dtype}, {args.world} ranks, {args.phase}: CPU s of every rank, summed, per "
