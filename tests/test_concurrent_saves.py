@@ -127,9 +127,9 @@ def test_packed_a_second_overwriting_save_takes_over_and_the_first_leaves_nothin
 
 
 def test_packed_a_save_that_is_committing_is_not_taken_over(s3):
-    # Held: the first save's index, written after every rank's data and before its root document.
+    # Held: the first save's manifest, written once its claim says it is committing, before its root document.
     first, second, location = _race(s3, "committing", "packed",
-                                    lambda method, path: method == "PUT" and path.endswith(".index"))
+                                    lambda method, path: method == "PUT" and path.endswith("manifest.ocdbt"))
     assert _one_saves(location) == 1
     assert second.startswith("ConcurrentSaveError: ") and "is committing there" in second
     assert first == "committed"

@@ -30,6 +30,7 @@ from .states import (
     INCOMPLETE,
     ROOT,
     Found,
+    Survey,
     checkpoint_keys,
     classify,
     delete_own_keys,
@@ -75,13 +76,15 @@ class InPlaceTarget(SaveTarget):
 
     def begin(self) -> None:
         kv = self.kv
-        claim = read_key(kv, CLAIM, self.url)
+        survey = Survey(kv, self.url, claim=True)
+        claim = survey.claim()
         if claim.state == "value":
             self._refuse_claim(claim.value)
-        found = classify(kv, self.url, inside=self.overwrite)
+        found = classify(kv, self.url, inside=self.overwrite, survey=survey)
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
         try:
-            written = kv.write(CLAIM, self._claim_document(), if_equal=claim.stamp.generation).result()
+            doc = self._claim_document(keys=OWN_KEYS_ONLY if self._own_keys_only() else None)
+            written = kv.write(CLAIM, doc, if_equal=claim.stamp.generation).result()
             generation = written.generation or self._own_generation(kv, CLAIM)
             if not generation:
                 raise ConcurrentSaveError(f"{self.url}: another save claimed this location at the same time as "
@@ -134,10 +137,12 @@ class InPlaceTarget(SaveTarget):
 
     def record_writes(self, prefixes: tuple[str, ...]) -> None:
         """Also say in the claim when every key this save's ranks write carries its save id: only then may
-        a save with ``overwrite`` take the location over while this one runs."""
+        a save with ``overwrite`` take the location over while this one runs. The claim already says so
+        when the prefixes given at the start (the packed layout's) were all of them."""
+        said = self._own_keys_only()
         super().record_writes(prefixes)
-        if self._claim_generation is not None and self._own_keys_only():
-            self._rewrite_claim(keys=OWN_KEYS_ONLY)
+        if self._claim_generation is not None and self._own_keys_only() != said:
+            self._rewrite_claim(keys=OWN_KEYS_ONLY if self._own_keys_only() else None)
 
     def _own_keys_only(self) -> bool:
         """Whether every key this save's ranks write is known to carry its save id."""
@@ -165,16 +170,18 @@ class InPlaceTarget(SaveTarget):
         takes the location over, so the nodes and the root document this save writes next are its own."""
         self._rewrite_claim(keys=OWN_KEYS_ONLY if self._own_keys_only() else None, committing=True)
 
-    def check_current(self) -> None:
-        claim = read_key(self.kv, CLAIM, self.url)
+    def check_current(self, claim: ts.KvStore.ReadResult | None = None) -> None:
+        """``claim``: the claim as just read, if it was."""
+        claim = claim or read_key(self.kv, CLAIM, self.url)
         if claim.state != "value" or claim.stamp.generation != self._claim_generation:
             holder = describe_claim(claim.value) if claim.state == "value" else "no save"
             raise ConcurrentSaveError(f"{self.url}: {holder} holds this location now; save {self.save_id} "
                                       f"was overtaken (another save passed overwrite=True) and was not committed")
 
     def commit_root(self, kv: ts.KvStore, root: bytes) -> None:
-        self.check_current()  # again: the nodes took time
-        raw, generation = read_root(kv, self.url)
+        survey = Survey(kv, self.url, claim=True, listing=False)
+        self.check_current(survey.claim())  # again: the nodes took time
+        raw, generation = survey.root()
         if raw is not None:
             refuse(describe_root(raw), self.url, overwrite=False, save_id=self.save_id, at_commit=True)
         if not kv.write(ROOT, root, if_equal=generation).result().generation and not self._own_generation(kv, ROOT):

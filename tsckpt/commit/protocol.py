@@ -123,8 +123,6 @@ def commit_checkpoint(
         data_files=DataFiles(Span("", 0, 0) if packed else None, tuple(ranks)),
     )
     try:
-        if target is not None:
-            target.begin_commit()
         commit(store, save_id, md, docs, stored, target=target)
     except BaseException:
         if target is not None:
@@ -137,8 +135,10 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
            stored: ocdbt.Entries | None, target: SaveTarget | None = None) -> CheckpointMetadata:
     """Write array and group nodes (and the layout's index), then the root document (the commit point).
 
-    ``target`` writes the root and publishes it; without one the root is
-    written to ``store`` directly. The nodes are made durable before the root
+    ``target`` fences the location before a node another save could write is
+    written (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`), and writes
+    the root and publishes it; without one the root is written to ``store``
+    directly. The nodes are made durable before the root
     is written, unless the store does not sync (``sync_files=False``).
     Returns the metadata as committed.
     """
@@ -146,7 +146,8 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
     groups = [g for g in parent_groups(list(array_docs)) if g]
     docs = {f"{path}/{ROOT}": encode_json(doc) for path, doc in array_docs.items()}
     docs |= {f"{g}/{ROOT}": encode_json(zarr_json.group_metadata()) for g in groups}
-    index, flush = store.layout.write_nodes(store, save_id, docs, stored)
+    index, flush = store.layout.write_nodes(store, save_id, docs, stored,
+                                            target.begin_commit if target is not None else lambda: None)
     if flush is not None and store.sync:
         flush()
     if md.data_files is not None:

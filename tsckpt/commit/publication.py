@@ -24,10 +24,16 @@ def target_kind(location: Location) -> type[SaveTarget]:
     return TARGET_KINDS.get(location.driver, InPlaceTarget)
 
 
-def begin_save(location: LocationLike, *, save_id: str, overwrite: bool) -> SaveTarget:
-    """Start a save into ``location``: checks, fencing and leftover removal; returns its target."""
+def begin_save(location: LocationLike, *, save_id: str, overwrite: bool,
+               writes: tuple[str, ...] = ()) -> SaveTarget:
+    """Start a save into ``location``: checks, fencing and leftover removal; returns its target.
+
+    ``writes``: the key prefixes its ranks will write, where known before
+    planning (:meth:`~tsckpt.commit.target.SaveTarget.record_writes`).
+    """
     loc = parse_location(location)
     target = target_kind(loc)(loc, save_id, overwrite)
+    target.written = tuple(writes)
     target.begin()
     return target
 

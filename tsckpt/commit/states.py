@@ -185,21 +185,60 @@ def _foreign(keys: list[str], what: str, own: Callable[[str], bool] = is_own_key
     return Found(FOREIGN, f"{what}{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
 
 
-def classify(kv: ts.KvStore, url: str, *, inside: bool = False) -> Found:
+class Survey:
+    """A location's root document and key listing (and, for a save, its claim), requested at once.
+
+    Over an object store each is a round trip of tens of milliseconds, and a
+    save's start needs all of them: asked together they cost one. ``listing``
+    False lists only when :meth:`keys` is first asked.
+    """
+
+    def __init__(self, kv: ts.KvStore, url: str, *, claim: bool = False, listing: bool = True):
+        self.kv, self.url = kv, url
+        self._claim = kv.read(CLAIM) if claim else None
+        self._root = kv.read(ROOT)
+        self._keys = kv.list() if listing else None
+
+    def claim(self) -> ts.KvStore.ReadResult:
+        assert self._claim is not None, "surveyed without the claim"
+        return _result(self._claim, f"{self.url}: cannot read {CLAIM!r}")
+
+    def root(self) -> tuple[Any, bytes]:
+        """As :func:`read_root`."""
+        result = _result(self._root, f"{self.url}: cannot read {ROOT!r}")
+        return (result.value if result.state == "value" else None), result.stamp.generation
+
+    def keys(self) -> list[str]:
+        """As :func:`list_keys`."""
+        if self._keys is None:
+            self._keys = self.kv.list()
+        return [k.decode("utf-8", "replace") for k in _result(self._keys, f"cannot list {self.url}")]
+
+
+def _result(future: Any, what: str) -> Any:
+    try:
+        return future.result()
+    except ValueError as e:
+        raise storage_error(e, what) from None
+
+
+def classify(kv: ts.KvStore, url: str, *, inside: bool = False, survey: Survey | None = None) -> Found:
     """Whether the kvstore at ``url`` holds nothing, a committed checkpoint, a dead save's leftovers, or other data.
 
     ``inside``: also list a committed checkpoint's keys, so that one holding
     files tsckpt did not write counts as foreign (a save about to replace it
-    must know; everyone else needs only the root document).
+    must know; everyone else needs only the root document). ``survey``: the
+    location's reads, already started.
     """
-    raw, _ = read_root(kv, url)
+    survey = survey or Survey(kv, url, listing=False)
+    raw, _ = survey.root()
     if raw is not None:
         found = describe_root(raw)
         if inside and found.state == COMMITTED:
             own = checkpoint_keys(raw) or is_own_key
-            return _foreign(list_keys(kv, url), f"{found.what}, and beside it ", own) or found
+            return _foreign(survey.keys(), f"{found.what}, and beside it ", own) or found
         return found
-    return without_root(list_keys(kv, url))
+    return without_root(survey.keys())
 
 
 def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "",

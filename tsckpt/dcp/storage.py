@@ -225,7 +225,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             assert self.location is not None
             self._base = choose_base(self.location, self.base, incremental=self.incremental, layout=self.layout,
                                      options=self.array_options, checksums_on=self.checksums)
-            self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite)
+            self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite,
+                                      writes=get_layout(self.config.layout).prefixes_before_planning(self.save_id))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Attach what this rank holds (:class:`Holdings`), so that the coordinator finds its replicas (step 2)."""

@@ -112,12 +112,20 @@ class KvLayout(ABC):
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         """The key prefixes ranks write under before the commit (what a failed save removes)."""
 
+    def prefixes_before_planning(self, save_id: str) -> tuple[str, ...]:
+        """:meth:`rank_prefixes`, where they do not depend on the arrays' paths (else none)."""
+        return ()
+
     @abstractmethod
     def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
-                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+                    values: packed.StoredValues | None,
+                    fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         """Coordinator: store every array's and group's ``zarr.json`` (``docs``, by key) and, for layouts that
         index them, where every value is (``values``, sorted by key). Returns the index written (if any)
-        and a call that makes it all durable, run before the root document is written."""
+        and a call that makes it all durable, run before the root document is written.
+
+        ``fence`` (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`) must return before any key that
+        another save could also write is written; keys of this save's own may be on their way meanwhile."""
 
     @abstractmethod
     def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
@@ -200,7 +208,9 @@ class PlainLayout(KvLayout):
         return (*(f"{p}/" for p in paths), f"d/{save_id}")
 
     def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
-                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+                    values: packed.StoredValues | None,
+                    fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
+        fence()  # every document here is a key another save writes too
         # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
         fast = unsynced_nodes(store.location)
         kv, flush = fast if fast is not None else (store.kvstore, None)
@@ -283,11 +293,15 @@ class PackedLayout(KvLayout):
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (f"d/{save_id}",)
 
+    def prefixes_before_planning(self, save_id: str) -> tuple[str, ...]:
+        return self.rank_prefixes([], save_id)
+
     def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
-                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+                    values: packed.StoredValues | None,
+                    fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         assert values is not None, "a packed checkpoint indexes its values"
         entries = packed.merged_entries(docs, values)
-        return packed.write_index(store.kvstore, save_id, entries, store.url), None
+        return packed.write_index(store.kvstore, save_id, entries, store.url, fence), None
 
     def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
         return _PackedLocator(store, metadata)
@@ -323,7 +337,8 @@ class LegacyPackedLayout(KvLayout):
         return ()
 
     def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
-                    values: packed.StoredValues | None) -> tuple[Span | None, Callable[[], None] | None]:
+                    values: packed.StoredValues | None,
+                    fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         raise OptionError("checkpoints are no longer written in the packed layout of format version 3")
 
     def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:

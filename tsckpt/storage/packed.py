@@ -29,8 +29,9 @@ before format version 4 (per-rank OCDBT databases under
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,15 +137,19 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
 
 
 
-def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str) -> Span | None:
+def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str,
+                fence: Callable[[], None] = lambda: None) -> Span | None:
     """Write the B+tree over ``entries`` as node file :func:`index_file` and the manifest pointing at it.
 
     ``entries``: every key of the checkpoint but the root document, sorted,
     each with its value inline or its place in a data file. The node file is
     written first, so a manifest never points at nodes that are not there;
     both before the root document, which alone commits the checkpoint.
+    ``fence`` runs while the node file, named by the save, is on its way; the
+    manifest, at a name every save writes, waits for it.
     """
     if not entries.keys:  # a save of no arrays has nothing to index
+        fence()
         return None
     path = index_file(save_id)
     # Values too large for a leaf (a zarr.json with a long placement) go first into the node file.
@@ -161,8 +166,15 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
     tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=MAX_NODE_BYTES, start=len(head))
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
                               max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
+    nodes = kv.write(path, head + tree.nodes)
     try:
-        kv.write(path, head + tree.nodes).result()
+        fence()  # on an object store a round trip, overlapping the node file's
+    except BaseException:
+        with contextlib.suppress(ValueError):
+            nodes.result()  # nothing of this save may land after the clean-up that follows
+        raise
+    try:
+        nodes.result()
         kv.write(MANIFEST, manifest.encode()).result()
     except ValueError as e:
         raise storage_error(e, f"writing the packed index of {where} failed") from None
