@@ -43,7 +43,8 @@ def plan_tensor(
     """
     dt = dtypes.from_zarr(dtype)
     shape = tuple(shape)
-    boxes = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, len(shape))
+    if len(boxes) > grid.FEW_BOXES:  # converted once for both checks below
+        boxes = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2, len(shape))
     grid.check_tiling(fqn, shape, boxes)
     chunk, inner = inner_chunks.choose(shape, grid.aligned_chunk_shape(shape, boxes), dt.itemsize,
                                        min_bytes=inner_chunk_bytes, max_bytes=MAX_INNER_CHUNK_BYTES, bands=bands)
