@@ -101,7 +101,11 @@ class MotoServer:
 
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Every object name in ``bucket`` that starts with ``prefix``, listed by the server itself (ListObjectsV2)."""
-        names: list[str] = []
+        return list(self.sizes(bucket, prefix))
+
+    def sizes(self, bucket: str, prefix: str = "") -> dict[str, int]:
+        """The size of every object in ``bucket`` that starts with ``prefix``, by name, as the server lists them."""
+        found: dict[str, int] = {}
         token = None
         while True:
             query = {"list-type": "2", "prefix": prefix} | ({"continuation-token": token} if token else {})
@@ -109,10 +113,11 @@ class MotoServer:
             with _OPENER.open(url, timeout=30) as resp:
                 root = ElementTree.fromstring(resp.read())
             ns = {"s3": root.tag.partition("}")[0].lstrip("{")} if root.tag.startswith("{") else {"s3": ""}
-            names += [e.text or "" for e in root.iterfind("s3:Contents/s3:Key", ns)]
+            for entry in root.iterfind("s3:Contents", ns):
+                found[entry.findtext("s3:Key", "", ns)] = int(entry.findtext("s3:Size", "0", ns))
             token = root.findtext("s3:NextContinuationToken", namespaces=ns)
             if root.findtext("s3:IsTruncated", namespaces=ns) != "true" or not token:
-                return names
+                return found
 
     def location(self, bucket: str, prefix: str) -> dict[str, Any]:
         """A tsckpt location for ``s3://bucket/prefix`` on this server."""

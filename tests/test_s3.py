@@ -60,6 +60,32 @@ def test_s3_save_stays_under_its_prefix_and_has_a_root_document(s3, zoo_s3):
                                        *(f"runs/zoo4/d/{save_id}-{r}.0" for r in range(4))])
 
 
+def save_and_load_large_shards(rank, world, location):
+    """Save two row-sharded 20 MB tensors (10 MB a rank each) with dcp.save, load them back column-sharded."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = {k: torch.arange(2048 * 2560, dtype=torch.float32).reshape(2048, 2560) * (i + 1)
+            for i, k in enumerate(("w1", "w2"))}
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(location))
+    dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)], src_data_rank=None) for k, v in full.items()}
+    dcp.load(dest, storage_reader=tsckpt.TensorStoreReader(location))
+    return [k for k, v in dest.items() if not same_bits(v.full_tensor(), full[k])]
+
+
+def test_a_rank_s_large_data_file_is_uploaded_in_two_halves_and_loads_exactly(s3):
+    # 20 MB a rank: the first half goes out while the second is encoded, as a second object of the rank's.
+    location = s3.location(BUCKET, "runs/halves")
+    assert run_ranks(2, save_and_load_large_shards, location) == [[], []]
+    save_id = tsckpt.open(location).metadata.extra["save_id"]
+    data = {k: n for k, n in s3.sizes(BUCKET, "runs/halves/d/").items() if not k.endswith(".index")}
+    assert sorted(data) == [f"runs/halves/d/{save_id}-{r}.{p}" for r in range(2) for p in range(2)]
+    assert all(9e6 < n < 12e6 for n in data.values()), data
+    w2 = zarr.open_array(store=tsckpt.zarr_store(location), path="w2", mode="r")
+    assert np.array_equal(w2[1500:1502, 7:9], (np.arange(2048 * 2560, dtype=np.float32).reshape(2048, 2560) * 2)[1500:1502, 7:9])
+
+
 def load_resharded(rank, world, location):
     """Load the 4-rank zoo into different placements on `world` ranks; return mismatching keys."""
     mesh = init_device_mesh("cpu", (world,))

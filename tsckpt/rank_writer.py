@@ -234,6 +234,7 @@ class RankWriter:
         """Put the deferred values, in the order of :func:`~tsckpt.format.placement.sort_key`."""
         deferred, self._deferred = self._deferred, []
         deferred.sort(key=lambda d: d[0])
+        self._sink.expect(sum(d[4].nbytes for d in deferred))
         for _, fqn, index, position, value, hold in deferred:
             self._put(fqn, index, position, value, hold)
 

@@ -53,6 +53,9 @@ Emit = Callable[[memoryview], None]
 WRITEBACK_BYTES = 64 << 20
 #: The largest object a rank writes on an object store (one PUT, held in memory until sent).
 DEFAULT_PART_BYTES = 1 << 30
+#: A rank's values expected to fill one object of at least this size go into two halves instead, so that the
+#: first is on its way while the second is encoded: an upload cannot start before its object is whole.
+SPLIT_BYTES = 16 << 20
 
 
 class WriteFailed(Exception):
@@ -131,6 +134,9 @@ class Sink(ABC):
     def refs(self) -> list[Ref] | None:
         """Where each value put went (in put order, after :meth:`finish`); None where values are keys of their own."""
         return None
+
+    def expect(self, nbytes: int) -> None:
+        """Values of about ``nbytes`` in all are about to be put, one after another (a hint; it may be wrong)."""
 
     def abandon(self) -> None:
         """After a failure: wait for writes in flight, ignoring their errors, so none outlives its source."""
@@ -308,13 +314,15 @@ class RankObjects(Sink):
         self._buffer = bytearray()
         self._files: list[FileRef] = []
         self._refs: list[Ref] = []
+        #: Where the object being filled is sent: ``part_bytes``, or less for the first half of a split.
+        self._limit = part_bytes
 
     def _path(self) -> str:
         return data_file(self.save_id, self.rank, len(self._files))
 
     def put(self, key: str, value: Value, hold: Any = None,
             background: bool = False) -> None:  # copied at once: nothing to wait for
-        if self._buffer and len(self._buffer) + value.nbytes > self.part_bytes:
+        if self._buffer and len(self._buffer) + value.nbytes > self._limit:
             self._send()
         self._refs.append(Ref(self._path(), len(self._buffer), value.nbytes))
         self._emit(value, self._buffer.extend, self._slot())
@@ -324,6 +332,12 @@ class RankObjects(Sink):
         self._files.append(FileRef(path, len(self._buffer)))
         self._parts.send(path, bytes(self._buffer))
         self._buffer = bytearray()
+        self._limit = self.part_bytes
+
+    def expect(self, nbytes: int) -> None:
+        total = len(self._buffer) + nbytes
+        if SPLIT_BYTES <= total <= self.part_bytes:
+            self._limit = total // 2
 
     @property
     def refs(self) -> list[Ref]:
