@@ -91,7 +91,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             cast), and the encoded inner chunks read before they are checked and
             placed; it completes older reads before starting more, so a rank's
             extra host memory stays near this plus a few times its largest
-            tensor (with replica reads, plus up to 64 MiB of copies being sent). Default 1 GiB, as the writer's; 0 reads one tensor at a
+            tensor (with replica reads, plus up to 64 MiB of copies being
+            sent). Default 1 GiB, as the writer's; 0 reads one tensor at a
             time; ``None`` reads everything first.
         replica_reads: when several ranks need the very same box of a tensor
             (DDP replicas, the replica dimension of an HSDP mesh, ``Replicate``

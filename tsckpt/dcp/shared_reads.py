@@ -8,8 +8,9 @@ sends it once the batch has run; the others post its receive (where gloo
 carries it, as soon as it is planned, and wait for it once their round's sends
 are out). Runs inside
 :meth:`TensorStoreReader.read_data <tsckpt.dcp.reader.TensorStoreReader.read_data>`
-on every rank, before the regions a rank reads alone. A failure on one rank
-never leaves a transfer undone: it is kept, and raised once every transfer is.
+on every rank, before the regions a rank reads alone (a few small ones of those
+are fetched meanwhile, and placed after). A failure on one rank never leaves a
+transfer undone: it is kept, and raised once every transfer is.
 """
 
 from __future__ import annotations

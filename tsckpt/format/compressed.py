@@ -126,3 +126,17 @@ def decode(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray,
     tiles, body_view = tile_views(full, pieces.reshape(*fmt.grid, *fmt.inner), fmt.grid, fmt.inner)
     np.copyto(tiles, body_view)
     return full
+
+
+def place(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray, dtype: np.dtype, where: str,
+          start: tuple[int, ...], shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+          out: np.ndarray) -> None:
+    """Decode the outer chunk starting at ``start`` (:func:`decode`) and copy what lies in the box
+    ``offsets``/``sizes`` of an array of ``shape`` into ``out``, the box's buffer."""
+    full = decode(fmt, name, stored, dtype, where)
+    a = tuple(max(s, o) for s, o in zip(start, offsets))
+    b = tuple(min(s + c, o + n, e) for s, c, o, n, e in zip(start, fmt.chunk, offsets, sizes, shape))
+    if any(y <= x for x, y in zip(a, b)):
+        return
+    out[(*(slice(x - o, y - o) for x, y, o in zip(a, b, offsets)), ...)] = \
+        full[(*(slice(x - s, y - s) for x, y, s in zip(a, b, start)), ...)]

@@ -348,18 +348,10 @@ class BoxReader:
 
     def _place_compressed(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray | None,
                           offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
-        fmt = self.fmt
-        assert fmt is not None and data is not None
-        assert self.source.metadata.array_options is not None
-        name = self.source.metadata.array_options.compression
-        assert name is not None
-        full = compressed.decode(fmt, name, data, self.dtype, f"{self.what}: chunk {list(index)}")
-        a = tuple(max(s, o) for s, o in zip(start, offsets))
-        b = tuple(min(s + c, o + n, e) for s, c, o, n, e in zip(start, fmt.chunk, offsets, sizes, self.entry.shape))
-        if any(y <= x for x, y in zip(a, b)):
-            return
-        out[(*(slice(x - o, y - o) for x, y, o in zip(a, b, offsets)), ...)] = \
-            full[(*(slice(x - s, y - s) for x, y, s in zip(a, b, start)), ...)]
+        options = self.source.metadata.array_options
+        assert self.fmt is not None and data is not None and options is not None and options.compression
+        compressed.place(self.fmt, options.compression, data, self.dtype, f"{self.what}: chunk {list(index)}",
+                         start, self.entry.shape, offsets, sizes, out)
 
     def _compressed_file(self, key: str, index: tuple[int, ...], start: tuple[int, ...], offsets: tuple[int, ...],
                          sizes: tuple[int, ...], out: np.ndarray) -> Callable[[], None]:
