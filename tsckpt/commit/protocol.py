@@ -142,7 +142,8 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
     is written, unless the store does not sync (``sync_files=False``).
     Returns the metadata as committed.
     """
-    _check_size(md, target)
+    document = md.to_dict()
+    _check_size(document, md, target)
     groups = [g for g in parent_groups(list(array_docs)) if g]
     docs = {f"{path}/{ROOT}": encode_json(doc) for path, doc in array_docs.items()}
     docs |= {f"{g}/{ROOT}": encode_json(zarr_json.group_metadata()) for g in groups}
@@ -152,7 +153,8 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
         flush()
     if md.data_files is not None:
         md = dataclasses.replace(md, data_files=dataclasses.replace(md.data_files, index=index))
-    root = _root_bytes(md)
+        document["data_files"] = md.data_files.to_dict()
+    root = _root_bytes(document)
     if target is None:
         store.kvstore.write(ROOT, root).result()
     else:
@@ -160,19 +162,24 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
     return md
 
 
-def _root_bytes(md: CheckpointMetadata) -> bytes:
-    document = md.to_dict()
+def _root_bytes(document: dict[str, Any]) -> bytes:
     return encode_json(zarr_json.group_metadata(
         {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
 
 
-def _check_size(md: CheckpointMetadata, target: SaveTarget | None) -> None:
+#: What the root adds to its document, with room to spare: the group node around it, the checksum, and the
+#: digits the packed index's place takes once it is known (the document is checked with a stand-in).
+_ROOT_OVERHEAD = 512
+
+
+def _check_size(document: dict[str, Any], md: CheckpointMetadata, target: SaveTarget | None) -> None:
     """Refuse, before any node is written, a root that no reader would accept: it must never become the commit."""
-    size = len(_root_bytes(md))
+    size = len(encode_json(document)) + _ROOT_OVERHEAD
     if size > MAX_DOCUMENT_BYTES:
         raise MetadataError(f"{target.url if target is not None else 'the checkpoint'}: its root {ROOT} would be "
-                            f"{size} bytes, more than the {MAX_DOCUMENT_BYTES} a reader accepts ({len(md.tensors)} "
-                            f"tensors, {len(md.objects)} values, {md.world_size} ranks); nothing was committed")
+                            f"about {size} bytes, more than the {MAX_DOCUMENT_BYTES} a reader accepts "
+                            f"({len(md.tensors)} tensors, {len(md.objects)} values, {md.world_size} ranks); "
+                            f"nothing was committed")
 
 
 def document_checksum(document: Mapping[str, Any]) -> int:
