@@ -61,14 +61,14 @@ def test_s3_save_stays_under_its_prefix_and_has_a_root_document(s3, zoo_s3):
 
 
 def save_and_load_large_shards(rank, world, location):
-    """Save two row-sharded 20 MB tensors (10 MB a rank each) with dcp.save, load them back column-sharded."""
+    """Save two row-sharded 20 MB tensors (10 MB a rank each) packed with dcp.save, load them back column-sharded."""
     import torch.distributed.checkpoint as dcp
 
     mesh = init_device_mesh("cpu", (world,))
     full = {k: torch.arange(2048 * 2560, dtype=torch.float32).reshape(2048, 2560) * (i + 1)
             for i, k in enumerate(("w1", "w2"))}
     sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(location))
+    dcp.save(sd, storage_writer=tsckpt.TensorStoreWriter(location, layout="packed"))  # whatever the run's default
     dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)], src_data_rank=None) for k, v in full.items()}
     dcp.load(dest, storage_reader=tsckpt.TensorStoreReader(location))
     return [k for k, v in dest.items() if not same_bits(v.full_tensor(), full[k])]
