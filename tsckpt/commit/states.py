@@ -80,16 +80,12 @@ class Found:
 
 
 def read_key(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
-    try:
-        return kv.read(key).result()
-    except ValueError as e:
-        raise storage_error(e, f"{url}: cannot read {key!r}") from None
+    return _result(kv.read(key), f"{url}: cannot read {key!r}")
 
 
 def read_root(kv: ts.KvStore, url: str) -> tuple[Any, bytes]:
     """The root document's bytes (None when absent) and its storage generation."""
-    result = read_key(kv, ROOT, url)
-    return (result.value if result.state == "value" else None), result.stamp.generation
+    return Survey(kv, url, listing=False).root()
 
 
 def describe_root(raw: bytes) -> Found:
@@ -204,7 +200,7 @@ class Survey:
         return _result(self._claim, f"{self.url}: cannot read {CLAIM!r}")
 
     def root(self) -> tuple[Any, bytes]:
-        """As :func:`read_root`."""
+        """The root document's bytes (None when absent) and its storage generation."""
         result = _result(self._root, f"{self.url}: cannot read {ROOT!r}")
         return (result.value if result.state == "value" else None), result.stamp.generation
 

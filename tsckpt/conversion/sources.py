@@ -33,13 +33,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
 from ..commit import protocol as commit
 from ..format import dtypes, values
-from ..storage.box_reader import read_tensor
+from ..storage.box_reader import BoxReader
 from ..storage.chunk_source import ChunkSource
+from ..storage.store import read_error
+from ..format.metadata import TensorEntry
 from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
@@ -359,3 +362,12 @@ def open_source(path: Any, *, format: str | None = None, trust_pickle: bool = Fa
     if name not in SOURCES:
         raise OptionError(f"unknown source format {name!r}; expected one of {sorted(SOURCES)}")
     return SOURCES[name](path, trust_pickle=trust_pickle)
+
+
+def read_tensor(source: ChunkSource, key: str, entry: TensorEntry) -> np.ndarray:
+    """The whole tensor as numpy, checked, or a clear error naming the tensor (and the chunk, when one is missing)."""
+    reader = BoxReader(source, entry, f"tensor {key!r} in {source.store.url}")
+    try:
+        return reader.read((0,) * len(entry.shape), entry.shape)
+    except ValueError as e:
+        raise read_error(key, source.store.url, e) from None

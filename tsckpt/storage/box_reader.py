@@ -40,7 +40,6 @@ from .byte_reads import RangeBatch
 from .chunk_source import ChunkSource
 from .fetchers import LocalFiles
 from .planned_box import ChunkStep, PlannedBox
-from .store import read_error
 
 Finish = Callable[[], np.ndarray]
 
@@ -394,12 +393,3 @@ def _runs(positions: np.ndarray, most: int) -> list[tuple[int, int]]:
     """``[a, b)`` index ranges of ``positions`` (sorted) whose values are consecutive, each at most ``most`` long."""
     cuts = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
     return [(k, min(k + most, b)) for a, b in zip(cuts[:-1], cuts[1:]) for k in range(a, b, most)]
-
-
-def read_tensor(source: ChunkSource, key: str, entry: TensorEntry) -> np.ndarray:
-    """The whole tensor as numpy, checked, or a clear error naming the tensor (and the chunk, when one is missing)."""
-    reader = BoxReader(source, entry, f"tensor {key!r} in {source.store.url}")
-    try:
-        return reader.read((0,) * len(entry.shape), entry.shape)
-    except ValueError as e:
-        raise read_error(key, source.store.url, e) from None
