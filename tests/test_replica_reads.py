@@ -29,9 +29,9 @@ from tsckpt.dcp.replica_reads import RankNote, ReplicaShare, schedule
 from tsckpt.errors import OptionError, TsckptError
 
 BUCKET = "tsckpt-replicas"
-#: Where the schedule may cut each tensor's shared regions: (dim, outer chunk, extent), or None.
-CUTS = {"line": (0, 275_000, 1_100_000), "small": None, "big": (1, 258, 1030)}
-DIM1 = lambda fqn: CUTS.get(fqn, (1, 32, SHAPE[1]))  # noqa: E731
+#: Where the schedule may cut each tensor's shared regions, best first: (dim, outer chunk, extent).
+CUTS = {"line": ((0, 275_000, 1_100_000),), "small": (), "big": ((1, 258, 1030),)}
+DIM1 = lambda fqn: CUTS.get(fqn, ((1, 32, SHAPE[1]),))  # noqa: E731
 #: Eight 1 MiB float32 tensors: a copy is 8 MiB, so metadata reads are small beside a quarter of it.
 NAMES = [f"layer{k}.w" for k in range(8)]
 SHAPE = (512, 512)
@@ -111,6 +111,21 @@ def test_schedule_cuts_large_regions_into_one_stripe_per_member_in_rank_order():
     assert transfers[1].box((0, 0), (1024, 1030)) == ((0, 258), (1024, 258))
     assert ReplicaShare.from_dict(shares[2].to_dict()).transfers() == transfers
     assert [s.fetched_here() for s in shares].count(3) == 1  # the small region goes to one of them
+
+
+def test_schedule_cuts_along_rows_where_they_give_every_member_a_stripe():
+    # Saved on 4 ranks in bands: rows give 4 replicas one saved shard each (whole files, rows in place), but
+    # only 2 of 4 replicas a stripe where the save had 2 ranks; then the bands are cut instead.
+    region = ("w", (0, 0), (1024, 1030))
+    rows, bands = (0, 256, 1024), (1, 258, 1030)
+    shares = schedule(_plans([[region]] * 4), lambda fqn: 4, lambda fqn: (rows, bands))
+    assert [t.part for t in shares[0].transfers()] == [(0, 0, 256), (0, 256, 512), (0, 512, 768), (0, 768, 1024)]
+    shares = schedule(_plans([[region]] * 4), lambda fqn: 4, lambda fqn: ((0, 512, 1024), bands))
+    assert [t.part[0] for t in shares[0].transfers()] == [1, 1, 1, 1]
+    # No cut gives all 8 members a stripe: the one that gives most of them one.
+    shares = schedule(_plans([[region]] * 8), lambda fqn: 4, lambda fqn: ((0, 512, 1024), bands))
+    assert [t.part[0] for t in shares[0].transfers()] == [1, 1, 1, 1]
+    assert [t.owner for t in shares[0].transfers()] == [10, 12, 14, 16]
 
 
 def _striped_saved() -> dict[str, torch.Tensor]:
@@ -325,7 +340,7 @@ def test_boxes_smaller_than_a_page_are_read_by_every_rank_that_needs_them():
     shares = schedule(_plans([[step, norm, big]] * 4), lambda fqn: 4, DIM1)
     for share in shares:
         assert share is not None and set(share.item.tolist()) == {2}  # only the large one travels
-    shares = schedule(_plans([[("norm", (0,), (1024,))]] * 4), lambda fqn: 4, lambda fqn: (0, 256, 1024))
+    shares = schedule(_plans([[("norm", (0,), (1024,))]] * 4), lambda fqn: 4, lambda fqn: ((0, 256, 1024),))
     assert all(share is not None for share in shares)  # 4 KiB: shared
 
 

@@ -16,12 +16,14 @@ rows 0-49 each read their own. So is a box smaller than :data:`MIN_SHARED_BYTES`
 (an optimizer's step count, a norm): two messages to each replica cost more
 than its bytes fetched by each of them, beside the ranges they fetch anyway. A shared box of a sharded tensor is cut into
 stripes at its chunks: member ``k`` of ``m`` fetches the chunks that start in
-the k-th m-th of the dimension, for every such box. The stripes run along the
-dimension the tensor is stored by
-(:func:`tsckpt.format.placement.stripe_dim`: the packed layout stores a rank's
-tensors band by band along dimension 1), so each member reads one run of every
-file instead of pieces of all of them. A tensor stored as one value is fetched
-whole by one member.
+the k-th m-th of the dimension, for every such box. The stripes run along a
+dimension the tensor is stored by (:func:`tsckpt.format.placement.stripe_dims`),
+so each member reads one run of each file it needs instead of pieces of all of
+them: along the rows where they give every member a stripe (a row-sharded save
+read by as many replicas: each member fetches whole files, and its stripes are
+rows, sent and received straight into the destinations), else across the bands
+the packed layout stores on object stores. A tensor stored as one value is
+fetched whole by one member.
 
 What each rank receives grows with the regions it takes part in, plus the
 member lists of its replica groups (pickled once for every rank that has the
@@ -144,12 +146,14 @@ MIN_SHARED_BYTES = 4 << 10
 
 
 def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
-             stripe_dim: Callable[[str], tuple[int, int, int] | None]) -> list[ReplicaShare | None]:
+             cuts: Callable[[str], Sequence[tuple[int, int, int]]]) -> list[ReplicaShare | None]:
     """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or did not opt in).
 
-    ``itemsize(fqn)``: bytes per stored element of a tensor; ``stripe_dim(fqn)``:
-    ``(dim, chunk, extent)``, the dimension its regions are cut into stripes
-    along, its outer chunk and its length there (None: not cut). Ranks whose
+    ``itemsize(fqn)``: bytes per stored element of a tensor; ``cuts(fqn)``:
+    where its regions may be cut into stripes, best first, each ``(dim, chunk,
+    extent)``: the dimension, its outer chunk and its length there (none: not
+    cut). The first that gives every member a stripe is taken, else the one
+    that gives most members one. Ranks whose
     plan carries no :class:`RankNote` read everything themselves. A region is
     cut into stripes at its chunks, the k-th member (by rank) taking the chunks
     that start in the k-th of as many equal parts of the dimension. Owners of the other regions are chosen
@@ -186,8 +190,7 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
     whole = []
     for k, region in enumerate(shared):
         who = needers[region]
-        cut = stripe_dim(region[0]) if region[2] else None
-        stripes = _stripes(region, cut, len(who)) if cut is not None else None
+        cut, stripes = _cut(region, cuts(region[0]) if region[2] else (), len(who))
         if stripes is None:
             whole.append(k)
             continue
@@ -205,6 +208,20 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
         owners.append(owner)
         fetched[owner] += sizes[shared[k]]
     return _shares(plans, ranks, parts, needers, owners)
+
+
+def _cut(region: Region, cuts: Sequence[tuple[int, int, int]],
+         members: int) -> tuple[tuple[int, int, int] | None, list[tuple[int, tuple[int, int]]] | None]:
+    """The first of ``cuts`` that gives each of ``members`` a stripe of ``region``, else the one that gives
+    most of them one, with its stripes; ``(None, None)``: fetched whole by one member."""
+    best: tuple[tuple[int, int, int] | None, list[tuple[int, tuple[int, int]]] | None] = (None, None)
+    for cut in cuts:
+        stripes = _stripes(region, cut, members)
+        if stripes is not None and len(stripes) == members:
+            return cut, stripes
+        if stripes is not None and (best[1] is None or len(stripes) > len(best[1])):
+            best = cut, stripes
+    return best
 
 
 def _stripes(region: Region, cut: tuple[int, int, int], members: int) -> list[tuple[int, tuple[int, int]]] | None:

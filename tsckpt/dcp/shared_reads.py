@@ -218,10 +218,10 @@ def guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any
 
 
 
-def stripes_along(grid: ChunkGrid) -> tuple[int, int, int] | None:
-    """Where replicas cut a tensor's shared regions: the dimension, its outer chunk and its extent."""
-    d = placement.stripe_dim(grid)
-    return None if d is None else (d, grid.chunk_shape[d], grid.shape[d])
+def stripes_along(grid: ChunkGrid) -> tuple[tuple[int, int, int], ...]:
+    """Where replicas may cut a tensor's shared regions, best first: the dimension, its outer chunk and its
+    extent."""
+    return tuple((d, grid.chunk_shape[d], grid.shape[d]) for d in placement.stripe_dims(grid))
 
 
 def readable_in_place(dest: torch.Tensor, stored: np.dtype) -> bool:

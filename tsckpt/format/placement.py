@@ -45,16 +45,22 @@ def sort_key(grid: ChunkGrid, index: Sequence[int], tensor: int) -> tuple[float 
     return (1, *(index[d] * chunk[d] / max(shape[d], 1) for d in dims), tensor, *index)
 
 
-def stripe_dim(grid: ChunkGrid) -> int | None:
-    """The dimension along which the values of a sharded tensor lie in order in every file, or None: the
-    tensor is one value, and a piece of it is best fetched with the rest of it.
+def stripe_dims(grid: ChunkGrid) -> tuple[int, ...]:
+    """The dimensions along which the values of a sharded tensor lie in order in every file, best first; none
+    where the tensor is one value, and a piece of it is best fetched with the rest of it.
 
-    Dimension 1 for a tensor of two or more dimensions cut into bands along
-    it (the order of :func:`sort_key`); otherwise dimension 0, along which the
-    ranks' regions follow each other. Cut into ``m`` pieces at its outer
-    chunks, piece ``k`` taking the chunks that start in ``[k/m, (k+1)/m)`` of
-    that dimension, a piece is one run of each file.
+    Cut into ``m`` pieces at its outer chunks, piece ``k`` taking the chunks
+    that start in ``[k/m, (k+1)/m)`` of a dimension given here, a piece is one
+    run of each file it touches. Dimension 0 comes first where the tensor has
+    several outer chunks along it (a row-sharded save): its pieces are then
+    also whole rows, which lie in one run of a destination too (they are
+    read, sent and received in place, with no buffer), and a piece mostly
+    lies in its own ranks' files. Dimension 1 follows for a tensor of two or
+    more dimensions cut into bands along it (the order of :func:`sort_key`).
     """
     if grid.nchunks <= 1:
-        return None
-    return 1 if len(grid.shape) >= 2 and grid.grid_shape[1] > 1 else 0
+        return ()
+    dims = [0] if grid.grid_shape[0] > 1 else []
+    if len(grid.shape) >= 2 and grid.grid_shape[1] > 1:
+        dims.append(1)
+    return tuple(dims)
