@@ -225,8 +225,9 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             guarded(failures, self._read_alone, alone, planner, readers, share_regions if early else None)
         finally:
             share_regions()
-            if moving is not None:
-                moving.finish()
+            relayed = None if moving is None else moving.finish()
+            if relayed is not None and failures is not None:
+                failures.append(relayed)
         if failures:
             raise failures[0]
         if self.is_coordinator and self._totals is not None:

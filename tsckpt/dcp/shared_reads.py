@@ -150,12 +150,11 @@ class SharedReads:
         buffers.admit(nbytes)
         wire = moving.wire_device(dest)
         into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=wire)
-        box = f"at {list(item.offsets)} of size {list(item.lengths)}"
         early = moving.posts_early(wire)
-        posted = moving.receive(transfer, into, fqn, box) if early else None
+        posted = moving.receive(transfer, into) if early else None
 
         def receive() -> None:
-            (posted or moving.receive(transfer, into, fqn, box))()
+            (posted or moving.receive(transfer, into))()
             if error is not None:
                 raise error
             if not direct:
