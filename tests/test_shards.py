@@ -120,3 +120,25 @@ def test_storage_order_puts_uncut_dimensions_first_then_the_dimension_with_most_
     fmt = shards.ShardFormat((8, 6), (2, 3), 4)  # 4 x 2: column-major
     assert fmt.positions.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     assert fmt.coords(fmt.positions).tolist() == np.stack(np.unravel_index(np.arange(8), (4, 2)), axis=1).tolist()
+
+
+def test_a_chunk_of_whole_rows_is_checked_in_one_pass_and_any_damaged_byte_fails_it():
+    # Inner chunks of whole rows lie one after the other as the chunk's rows; a yes from intact() lets a whole
+    # chunk be copied in one go, and a no sends it to the full check, which names the damage.
+    fmt = shards.ShardFormat((6, 5), (2, 5), 4, crc32c_codec=True)
+    data = np.arange(30, dtype=np.float32).reshape(6, 5)
+    [(_, encoded, _, _)] = list(shard_encoding.encode_region(fmt, (6, 5), (0, 0), data))
+    assert fmt.rows == (3, 2, 5) and fmt.intact(encoded)
+    raw = 2 * 5 * 4
+    values = encoded[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)[:, :raw].view(np.float32)
+    np.testing.assert_array_equal(values.reshape(fmt.rows), data.reshape(fmt.rows))
+    for k in range(fmt.nbytes):  # a value, a checksum or the index
+        damaged = encoded.copy()
+        damaged[k] ^= 0x01
+        assert not fmt.intact(damaged), k
+    assert not shards.ShardFormat((6, 5), (2, 5), 4).intact(encoded)  # no codec checksums: the full check
+    assert shards.ShardFormat((4, 6), (4, 3), 4).rows is None  # column blocks need untiling
+    assert shards.ShardFormat((4, 6), (2, 3), 4).rows is None
+    assert shards.ShardFormat((1, 6, 4), (1, 2, 4), 4).rows == (3, 1, 2, 4)
+    assert shards.ShardFormat((2, 6, 4), (2, 2, 4), 4).rows is None  # rows of two planes interleave
+    assert shards.ShardFormat((6, 4), (6, 4), 4, indexed=False).rows == (1, 6, 4)

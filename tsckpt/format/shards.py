@@ -37,6 +37,7 @@ from .metadata import ArrayOptions, TensorEntry
 MISSING = 2**64 - 1
 _ENTRY = np.dtype("<u8")
 _CRC_BYTES = 4
+_RESIDUE = 0x48674BC7
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,30 @@ class ShardFormat:
     def every(self) -> np.ndarray:
         """The grid coordinates of every inner chunk, one row each, in row-major order."""
         return np.argwhere(np.ones(self.grid, dtype=bool))
+
+    @functools.cached_property
+    def rows(self) -> tuple[int, ...] | None:
+        """``(pieces, *inner)`` where the inner chunks, one after the other, are the outer chunk in row-major
+        order (cut along one dimension, every dimension before it of length 1, as a band of rows is); else
+        None, and placing them takes untiling."""
+        cut = [d for d, g in enumerate(self.grid) if g > 1]
+        if len(cut) > 1 or any(self.chunk[d] != 1 for d in range(cut[0] if cut else 0)):
+            return None
+        return (self.pieces, *self.inner)
+
+    def intact(self, data: np.ndarray) -> bool:
+        """Whether a whole stored outer chunk ``data`` (with the crc32c codec) carries the index tsckpt writes
+        and every inner chunk its crc32c: a yes or no, in one checksum call per inner chunk, for the path that
+        reads a chunk whole. A no is for the full check to name."""
+        if not self.crc32c_codec or data[self.nbytes - self.index_bytes:].tobytes() != self.index_blob:
+            return False
+        # The crc32c of bytes followed by their own crc32c (little-endian) is a constant, whatever the bytes.
+        step = self.piece_bytes
+        return all(_crc32c.crc32c(data[k:k + step]) == _RESIDUE for k in range(0, self.pieces * step, step))
+
+    @functools.cached_property
+    def index_blob(self) -> bytes:
+        return self.index.tobytes()
 
     @functools.cached_property
     def nbytes(self) -> int:
