@@ -39,7 +39,7 @@ from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
-from . import logs
+from . import collector, logs
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
 from .replica_reads import RankNote, ReplicaShare, schedule
 from .replica_transfers import ReplicaTransfers
@@ -171,6 +171,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        with collector.held_off():  # every rank's items, on the coordinator
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if logs.enabled() and self.metadata is not None:
             self._totals = (*logs.load_totals(self.metadata, plans), len(plans))
         if any(isinstance(p.storage_data, RankNote) for p in plans):
@@ -191,6 +195,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return self._source
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with collector.held_off():  # thousands of pieces: no full collection of the process's heap among them
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.metadata is not None
         md = self.metadata
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}

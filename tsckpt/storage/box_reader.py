@@ -156,8 +156,7 @@ class BoxReader:
         if found is None:
             raise ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} "
                              f"is missing")
-        region = self.entry.grid.chunk_region(index)
-        start = tuple(r.start for r in region)
+        start = tuple(i * c for i, c in zip(index, self.entry.grid.chunk_shape))
         if self.mode == "compressed":
             if found.length is None:  # a plain layout's file: its size is known only to the store
                 return ChunkStep((), self._compressed_file(found.file, index, start, offsets, sizes, out))
@@ -169,15 +168,20 @@ class BoxReader:
         if found.length is None and isinstance(self.source.fetcher, LocalFiles):
             self.source.fetcher.expect(found.file, fmt.nbytes)
         base = found.offset
+        if (self.source.metadata.codec_checksums and fmt.nbytes <= batch.cost.max_request
+                and all(o <= s and s + c <= o + n for s, c, o, n in zip(start, fmt.chunk, offsets, sizes))):
+            # The whole chunk, index included, as one range, checked and placed in one go: a band of a banded
+            # save holds a few kilobytes, and planning it by runs cost more than its bytes.
+            chunk = batch.want(found.file, base, base + fmt.nbytes)
+            return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
+        region = self.entry.grid.chunk_region(index)
         lo, extent = checksums.covering_box(self.entry, offsets, sizes) if not self.source.metadata.codec_checksums \
             else (offsets, sizes)
         # The inner chunks of this outer chunk the box needs: [first, last) along each dimension.
         first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
         last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
         whole = first == (0,) * len(fmt.grid) and last == fmt.grid
-        if whole and fmt.nbytes <= batch.cost.max_request:
-            # The whole chunk, index included, as one range, checked and placed in one go: a band of a banded
-            # save holds a few kilobytes, and planning it by runs cost more than its bytes.
+        if whole and fmt.nbytes <= batch.cost.max_request:  # as above, a chunk at the array's edge
             chunk = batch.want(found.file, base, base + fmt.nbytes)
             return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
         if whole:
