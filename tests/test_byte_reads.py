@@ -181,6 +181,38 @@ def test_a_range_used_before_its_turn_starts_its_request_whatever_is_on_its_way(
     assert [s.bytes.tobytes() for s in slots[:3]] == [data[k << 20:(k << 20) + 10] for k in range(3)]
 
 
+class _SlowToStart(LocalFiles):
+    """Local files whose request for ``b`` takes a while to start: ``starting`` is set once one is on its way."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.starting, self.go = threading.Event(), threading.Event()
+
+    def fetch(self, key, start, stop, into=None):
+        if key == "b":
+            self.starting.set()
+            self.go.wait(10)
+        return super().fetch(key, start, stop, into)
+
+
+def test_bytes_wanted_while_another_thread_starts_their_request_wait_for_it(tmp_path):
+    """A released range lets another thread start the next request; its bytes, wanted meanwhile, wait for that
+    start instead of finding the request claimed but not begun."""
+    _file(tmp_path, "a", 1000)
+    data = _file(tmp_path, "b", 1000)
+    fetcher = _SlowToStart(str(tmp_path))
+    batch = RangeBatch(fetcher, ReadCost(latency_s=0.0, bandwidth=1e9, max_request=1 << 20, max_inflight=1000))
+    first, second = batch.want("a", 0, 1000), batch.want("b", 0, 1000)
+    batch.run()  # "b" waits for "a" to be released: one request's bytes may be held at a time
+    first.bytes
+    releasing = threading.Thread(target=first.release)
+    releasing.start()
+    assert fetcher.starting.wait(10)
+    threading.Timer(0.2, fetcher.go.set).start()
+    assert second.bytes.tobytes() == data
+    releasing.join(10)
+
+
 def test_max_arriving_is_a_read_cost_member():
     given = byte_reads.read_cost(parse_location({"url": "s3://bucket/ck", "read_cost": {"max_arriving": 1 << 20}}))
     assert given == dataclasses.replace(OBJECT_STORE_COST, max_arriving=1 << 20)

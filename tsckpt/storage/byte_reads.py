@@ -112,9 +112,22 @@ class _Request:
         self.buffer: np.ndarray | None = None
         self._data: np.ndarray | None = None
         self._error: BaseException | None = None
+        # Set once begin() has run: the thread that claims a request from the queue begins it outside the
+        # batch's lock, while another may already want its bytes.
+        self._begun = threading.Event()
 
     def begin(self, buffer: np.ndarray | None) -> None:
         """Start fetching, into ``buffer`` (a reused one) if given, in pieces of at most ``max_request``."""
+        try:
+            self._begin(buffer)
+        except BaseException as e:
+            if self.futures is None:
+                self._error, self.futures = e, []
+            raise
+        finally:
+            self._begun.set()
+
+    def _begin(self, buffer: np.ndarray | None) -> None:
         size, limit = self.stop - self.start, self.batch.cost.max_request
         pieces = -(-size // limit)
         if buffer is None and pieces > 1:
@@ -141,6 +154,7 @@ class _Request:
     def data(self) -> np.ndarray:
         if self.futures is None:
             self.batch._begin_up_to(self)
+            self._begun.wait()
         if self._data is None and self._error is None:
             assert self.futures is not None
             try:
