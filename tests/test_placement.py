@@ -108,3 +108,11 @@ def test_sort_key_puts_scalars_then_values_spanning_every_column_first_then_band
                          ("wide", 1, 1), ("wide", 0, 2), ("narrow", 0, 1), ("wide", 1, 2), ("narrow", 1, 1),
                          ("wide", 0, 3), ("wide", 1, 3)]
     assert np.all(np.diff([k[1] for k, _ in keys[4:]]) >= 0)
+
+
+def test_replicas_cut_rows_first_then_bands_and_never_a_tensor_stored_as_one_value():
+    assert placement.stripe_dims(ChunkGrid((8, 400), (2, 100))) == (0, 1)  # row-sharded, in bands
+    assert placement.stripe_dims(ChunkGrid((8, 400), (2, 400))) == (0,)  # row-sharded, no bands
+    assert placement.stripe_dims(ChunkGrid((8, 400), (8, 100))) == (1,)  # column-sharded
+    assert placement.stripe_dims(ChunkGrid((1000,), (250,))) == (0,)
+    assert placement.stripe_dims(ChunkGrid((8, 400), (8, 400))) == ()
