@@ -10,7 +10,11 @@ are out). Runs inside
 :meth:`TensorStoreReader.read_data <tsckpt.dcp.reader.TensorStoreReader.read_data>`
 on every rank, before the regions a rank reads alone (a few small ones of those
 are fetched meanwhile, and placed after). A failure on one rank never leaves a
-transfer undone: it is kept, and raised once every transfer is.
+transfer undone: it is kept, and raised once every transfer is. A receiver
+learns whether its owner's reads succeeded only from the status that follows
+them all (:mod:`~tsckpt.dcp.replica_transfers`), so a region whose read failed
+may already sit in its destination when the load raises, as the regions read
+before any failure do.
 """
 
 from __future__ import annotations
