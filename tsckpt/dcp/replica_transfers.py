@@ -169,13 +169,22 @@ class ReplicaTransfers:
     def finish(self) -> TsckptError | None:
         """Exchange the statuses, and wait until every send has left (the receivers depend on them, whatever
         this rank raises): the first failure an owner relayed to this rank, or None."""
-        statuses = [(peer, _status(error, device)) for peer, (error, device) in sorted(self._told.items())]
-        heard = [(owner, torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=device))
-                 for owner, device in sorted(self._owners.items())]
-        sends, self._sends = self._sends, []
-        sends += [(dist.isend(status, dst=peer, tag=STATUS_TAG), status) for peer, status in statuses]
-        works = [dist.irecv(status, src=owner, tag=STATUS_TAG) for owner, status in heard]
+        told, heard = self._told, {owner: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=device)
+                                   for owner, device in self._owners.items()}
         self._told, self._owners = {}, {}
+        sends, self._sends = self._sends, []
+        works = []
+        # Two ranks may each owe the other a status. The lower one's goes first, as both post them: NCCL runs
+        # a pair's messages in the order posted, so a send posted ahead of the receive its peer waits on
+        # behind its own send would wait forever.
+        for peer in sorted(told.keys() | heard.keys()):
+            first = self.rank < peer
+            if first and peer in told:
+                sends.append(self._send_status(peer, *told[peer]))
+            if peer in heard:
+                works.append(dist.irecv(heard[peer], src=peer, tag=STATUS_TAG))
+            if not first and peer in told:
+                sends.append(self._send_status(peer, *told[peer]))
         for work, _ in sends:
             work.wait()
         while self._copies:
@@ -183,4 +192,9 @@ class ReplicaTransfers:
         self._copy_bytes = 0
         for work in works:
             work.wait()
-        return next((e for e in (_relayed(status, owner, self.where) for owner, status in heard) if e), None)
+        return next((e for e in (_relayed(heard[owner], owner, self.where) for owner in sorted(heard)) if e), None)
+
+    @staticmethod
+    def _send_status(peer: int, error: BaseException | None, device: torch.device) -> tuple[Any, torch.Tensor]:
+        status = _status(error, device)
+        return dist.isend(status, dst=peer, tag=STATUS_TAG), status
