@@ -26,7 +26,8 @@ import numpy as np
 from ..errors import IncompleteCheckpointError, MetadataError, NotACheckpointError, OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader, PendingBox
+from ..storage.box_reader import BoxReader
+from ..storage.planned_box import PendingBox
 from ..storage.chunk_source import ChunkSource
 from ..format.grid import ChunkGrid
 from ..format.metadata import (

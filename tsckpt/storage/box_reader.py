@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import crc32c as _crc32c
@@ -39,19 +38,9 @@ from ..format.metadata import CheckpointMetadata, TensorEntry
 from .byte_reads import RangeBatch
 from .chunk_source import ChunkSource
 from .fetchers import LocalFiles
-from .planned_box import ChunkStep, PlannedBox
+from .planned_box import ChunkStep, PendingBox, PlannedBox
 
 Finish = Callable[[], np.ndarray]
-
-
-@dataclass
-class PendingBox:
-    """A box read planned on its own: :meth:`result` fetches, checks and returns it."""
-
-    finish: Finish
-
-    def result(self) -> np.ndarray:
-        return self.finish()
 
 
 def _mode(entry: TensorEntry, md: CheckpointMetadata) -> str:
@@ -168,20 +157,21 @@ class BoxReader:
         if found.length is None and isinstance(self.source.fetcher, LocalFiles):
             self.source.fetcher.expect(found.file, fmt.nbytes)
         base = found.offset
-        if (self.source.metadata.codec_checksums and fmt.nbytes <= batch.cost.max_request
-                and all(o <= s and s + c <= o + n for s, c, o, n in zip(start, fmt.chunk, offsets, sizes))):
+        # The inner chunks of this outer chunk the box needs: [first, last) along each dimension (all of them,
+        # decided first, where the chunk lies inside the box: most chunks of most reads).
+        if self.source.metadata.codec_checksums and all(
+                o <= s and s + c <= o + n for s, c, o, n in zip(start, fmt.chunk, offsets, sizes)):
+            first, last = (0,) * len(fmt.grid), fmt.grid
+        else:
+            region = self.entry.grid.chunk_region(index)
+            lo, extent = checksums.covering_box(self.entry, offsets, sizes) \
+                if not self.source.metadata.codec_checksums else (offsets, sizes)
+            first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
+            last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
+        whole = first == (0,) * len(fmt.grid) and last == fmt.grid
+        if whole and fmt.nbytes <= batch.cost.max_request:
             # The whole chunk, index included, as one range, checked and placed in one go: a band of a banded
             # save holds a few kilobytes, and planning it by runs cost more than its bytes.
-            chunk = batch.want(found.file, base, base + fmt.nbytes)
-            return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
-        region = self.entry.grid.chunk_region(index)
-        lo, extent = checksums.covering_box(self.entry, offsets, sizes) if not self.source.metadata.codec_checksums \
-            else (offsets, sizes)
-        # The inner chunks of this outer chunk the box needs: [first, last) along each dimension.
-        first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
-        last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
-        whole = first == (0,) * len(fmt.grid) and last == fmt.grid
-        if whole and fmt.nbytes <= batch.cost.max_request:  # as above, a chunk at the array's edge
             chunk = batch.want(found.file, base, base + fmt.nbytes)
             return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
         if whole:
@@ -296,22 +286,22 @@ class BoxReader:
         end = [s + c for s, c in zip(start, fmt.chunk)]
         inside = self.source.metadata.codec_checksums and all(
             o <= s and e <= o + n for s, e, o, n in zip(start, end, offsets, sizes))
-        raw = math.prod(fmt.inner) * fmt.itemsize
-        pieces = data[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)
-        if inside and fmt.rows is not None and fmt.intact(data):
-            # Rows one after the other (a band's): one copy and a checksum call per inner chunk, where the
-            # general check and untiling cost a band 4-5x its copy. Splitting an axis is always a view.
-            dest = out[(*(slice(s - o, e - o) for s, e, o in zip(start, end, offsets)), ...)]
-            np.copyto(dest.reshape(fmt.rows), pieces[:, :raw].view(self.dtype).reshape(fmt.rows))
-            return
-        as_written = not fmt.indexed or np.array_equal(data[fmt.nbytes - fmt.index_bytes:], fmt.index)
+        # Rows one after the other (a band's) are checked by one crc32c call per inner chunk and copied in one
+        # go, where the general check and untiling cost a band 4-5x its copy.
+        rows = inside and fmt.rows is not None and fmt.intact(data)
+        as_written = rows or not fmt.indexed or np.array_equal(data[fmt.nbytes - fmt.index_bytes:], fmt.index)
         if not (as_written and inside):
             read = (data, fmt.stored, 0) if as_written else (*self._gathered(index, data), 0)
             self._place(index, start, (0,) * len(fmt.grid), fmt.grid, read, offsets, sizes, out)
             return
         # The chunk lies inside the box: checked, then untiled straight into its place in one copy.
-        self._check(index, fmt.stored, pieces[:, :raw], pieces[:, :raw], pieces)
+        raw = math.prod(fmt.inner) * fmt.itemsize
+        pieces = data[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)
         dest = out[(*(slice(s - o, e - o) for s, e, o in zip(start, end, offsets)), ...)]  # a view, even 0-d
+        if rows:  # splitting an axis is always a view
+            np.copyto(dest.reshape(fmt.rows), pieces[:, :raw].view(self.dtype).reshape(fmt.rows))
+            return
+        self._check(index, fmt.stored, pieces[:, :raw], pieces[:, :raw], pieces)
         np.copyto(*shards.tile_views(dest, fmt.grid_view(pieces[:, :raw].view(self.dtype)), fmt.grid, fmt.inner))
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],

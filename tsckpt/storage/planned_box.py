@@ -54,6 +54,16 @@ class PlannedBox:
         return self.out
 
 
+@dataclass
+class PendingBox:
+    """A box read planned on its own: :meth:`result` fetches, checks and returns it."""
+
+    finish: Callable[[], np.ndarray]
+
+    def result(self) -> np.ndarray:
+        return self.finish()
+
+
 def by_arrival(boxes: Sequence[PlannedBox]) -> Iterator[tuple[int, ChunkStep, bool]]:
     """Every step of ``boxes`` (whose batch has run), in the order their bytes arrive: ``(box, step, last)``,
     ``last`` once that box's final step is given. Ties keep the boxes' order."""
