@@ -159,8 +159,9 @@ class BoxReader:
         base = found.offset
         # The inner chunks of this outer chunk the box needs: [first, last) along each dimension (all of them,
         # decided first, where the chunk lies inside the box: most chunks of most reads).
-        if self.source.metadata.codec_checksums and all(
-                o <= s and s + c <= o + n for s, c, o, n in zip(start, fmt.chunk, offsets, sizes)):
+        inside = self.source.metadata.codec_checksums and all(
+            o <= s and s + c <= o + n for s, c, o, n in zip(start, fmt.chunk, offsets, sizes))
+        if inside:
             first, last = (0,) * len(fmt.grid), fmt.grid
         else:
             region = self.entry.grid.chunk_region(index)
@@ -173,7 +174,8 @@ class BoxReader:
             # The whole chunk, index included, as one range, checked and placed in one go: a band of a banded
             # save holds a few kilobytes, and planning it by runs cost more than its bytes.
             chunk = batch.want(found.file, base, base + fmt.nbytes)
-            return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, offsets, sizes, out))
+            return ChunkStep((chunk,), lambda: self._place_whole(index, start, chunk.bytes, inside, offsets, sizes,
+                                                                 out))
         if whole:
             positions = fmt.stored
         else:
@@ -277,15 +279,14 @@ class BoxReader:
         values = pieces[..., :raw].view(self.dtype).reshape((*pieces.shape[:-1], *fmt.inner))
         self._untile(values, start, first, offsets, sizes, out)
 
-    def _place_whole(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray,
+    def _place_whole(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray, inside: bool,
                      offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
         """Check all of outer chunk ``index`` (stored as ``data``, its index included), then copy what the box
-        ``offsets``/``sizes`` wants of it to ``out``."""
+        ``offsets``/``sizes`` wants of it to ``out``. ``inside``: the chunk lies in the box, and the chunks
+        carry their crc32c (as :meth:`_plan_chunk` found)."""
         fmt = self.fmt
         assert fmt is not None
         end = [s + c for s, c in zip(start, fmt.chunk)]
-        inside = self.source.metadata.codec_checksums and all(
-            o <= s and e <= o + n for s, e, o, n in zip(start, end, offsets, sizes))
         # Rows one after the other (a band's) are checked by one crc32c call per inner chunk and copied in one
         # go, where the general check and untiling cost a band 4-5x its copy.
         rows = inside and fmt.rows is not None and fmt.intact(data)
