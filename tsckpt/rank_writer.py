@@ -83,10 +83,6 @@ def chunk_parts(grid: ChunkGrid, offsets: Sequence[int], source: np.ndarray) -> 
         yield index, source[(*view, ...)]  # an array even for a 0-d tensor's one chunk
 
 
-def _start(grid: ChunkGrid, index: Sequence[int]) -> list[int]:
-    return [r.start for r in grid.chunk_region(index)]
-
-
 class RankWriter:
     """Write one rank's chunks and blobs into ``store``; see the module docstring.
 

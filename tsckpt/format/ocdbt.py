@@ -39,8 +39,6 @@ MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
 #: The key of the manifest under the database root.
 MANIFEST_KEY = "manifest.ocdbt"
-#: TensorStore refuses a leaf value stored inline above this size.
-MAX_INLINE_VALUE_BYTES = 1 << 20
 #: TensorStore's limit on entries per node.
 MAX_NODE_ARITY = 1 << 20
 
@@ -97,11 +95,6 @@ class Stats:
     def __add__(self, other: Stats) -> Stats:
         return Stats(self.num_keys + other.num_keys, self.num_tree_bytes + other.num_tree_bytes,
                      self.num_indirect_value_bytes + other.num_indirect_value_bytes)
-
-
-def encode_leaf(keys: Sequence[bytes], values: Sequence[bytes | Ref]) -> tuple[bytes, Stats]:
-    """A leaf node of sorted ``keys``: each value inline (``bytes``) or stored in a data file (:class:`Ref`)."""
-    return encode_leaf_columns(Entries.of(keys, values), 0, len(keys))
 
 
 def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stats]:
@@ -209,7 +202,7 @@ class Node:
 
 
 def decode_node(data: bytes | memoryview, where: str) -> Node:
-    """A node as :func:`encode_leaf` or :func:`encode_interior` writes it (any OCDBT node, uncompressed)."""
+    """A node as :func:`encode_leaf_columns` or :func:`encode_interior` writes it (any OCDBT node, uncompressed)."""
     r = open_envelope(data, BTREE_MAGIC, where)
     height = r.byte()
     files = decode_file_table(r)

@@ -26,7 +26,6 @@ rank's data is durable and before the root document is written. When reading,
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -353,7 +352,3 @@ def _open(spec: dict[str, Any], store: Store) -> ts.KvStore:
         return ts.KvStore.open(spec, context=store.context).result()
     except ValueError as e:
         raise storage_error(e, f"cannot open the packed database of {store.url}") from None
-
-
-def encode_doc(doc: Mapping[str, Any]) -> bytes:
-    return json.dumps(doc, separators=(",", ":")).encode()

@@ -53,7 +53,6 @@ MAX_NODE_BYTES = 8 << 20
 #: Values up to this size are stored in the B+tree leaves (zarr.json documents); larger ones go
 #: into the node file as values of their own.
 MAX_INLINE_VALUE_BYTES = 64 << 10
-_REMOTE_DRIVERS = frozenset({"s3", "gcs", "http"})
 
 
 def index_file(save_id: str) -> str:
