@@ -18,6 +18,7 @@ import numpy as np
 
 from tsckpt.commit.protocol import CHECKSUM_ATTRIBUTE, document_checksum
 from tsckpt.format import ocdbt, ocdbt_tree
+from tsckpt.format.data_files import Span
 from tsckpt.storage import packed
 
 
@@ -31,12 +32,21 @@ def _root(path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
-def _index(path: str | os.PathLike) -> tuple[dict, packed.PackedIndex]:
+def _index(path: str | os.PathLike) -> tuple[dict, dict[str, bytes | ocdbt.Ref]]:
+    """The root document and every key of the packed index with its value, each node read and checked."""
     root = _root(path)
-    file, offset, length = root["attributes"]["tsckpt"]["data_files"]["index"]
+    md = root["attributes"]["tsckpt"]
+    return root, packed_values(path, md)
+
+
+def packed_values(path: str | os.PathLike, md: dict) -> dict[str, bytes | ocdbt.Ref]:
+    file, offset, length = md["data_files"]["index"]
     with open(os.path.join(path, file), "rb") as f:
-        f.seek(offset)
-        return root, packed.PackedIndex.decode(f.read(length), file)
+        data = np.frombuffer(f.read(), dtype=np.uint8)
+    files = [f[0] for r in md["data_files"]["ranks"] for f in r["files"]] + [file]
+    tree = packed.BTreeIndex(Span(file, offset, length), lambda spans: [data[o:o + n] for _, o, n in spans],
+                             files, file)
+    return tree.everything()
 
 
 def _rewrite(path: str | os.PathLike, values: dict[str, bytes | ocdbt.Ref]) -> None:
@@ -51,13 +61,13 @@ def _rewrite(path: str | os.PathLike, values: dict[str, bytes | ocdbt.Ref]) -> N
                             np.asarray([number[v.path] if isinstance(v, ocdbt.Ref) else -1 for v in refs], np.int64),
                             np.asarray([v.offset if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64),
                             np.asarray([v.length if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64), files)
-    tree = ocdbt_tree.build_tree(entries, path=md["data_files"]["index"][0])
+    tree = ocdbt_tree.build_tree(entries, path=md["data_files"]["index"][0], max_node_bytes=packed.NODE_BYTES)
     with open(os.path.join(path, md["data_files"]["index"][0]), "wb") as f:
         f.write(tree.nodes)
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, 0)
     with open(os.path.join(path, "manifest.ocdbt"), "wb") as f:
         f.write(manifest.encode())
-    md["data_files"]["index"] = [md["data_files"]["index"][0], 0, len(tree.nodes)]
+    md["data_files"]["index"] = [md["data_files"]["index"][0], tree.root.offset, tree.root.length]
     root["attributes"][CHECKSUM_ATTRIBUTE] = document_checksum(md)
     with open(os.path.join(path, "zarr.json"), "w") as f:
         json.dump(root, f)
@@ -72,7 +82,7 @@ def delete_prefix(path: str | os.PathLike, rel: str) -> None:
                 os.remove(os.path.join(top, name))
         return
     _, index = _index(path)
-    _rewrite(path, {k: v for k, v in index.values.items() if not k.startswith(rel)})
+    _rewrite(path, {k: v for k, v in index.items() if not k.startswith(rel)})
 
 
 def read_key(path: str | os.PathLike, key: str) -> bytes:
@@ -99,7 +109,7 @@ def write_key(path: str | os.PathLike, key: str, value: bytes | None) -> None:
                 f.write(value)
         return
     _, index = _index(path)
-    values = dict(index.values)
+    values = dict(index)
     old = values.get(key)
     if value is None:
         values.pop(key, None)

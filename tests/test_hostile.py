@@ -257,10 +257,10 @@ def test_an_index_that_names_a_file_outside_the_checkpoint_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     tsckpt.save({"w": torch.arange(64.0).reshape(8, 8)}, ckpt, layout="packed")
     _, index = _index(ckpt)
-    key, ref = next((k, v) for k, v in index.values.items() if isinstance(v, ocdbt.Ref))
+    key, ref = next((k, v) for k, v in index.items() if isinstance(v, ocdbt.Ref))
     outside = tmp_path / "outside"
     shutil.copy(ckpt / ref.path, outside)
-    _rewrite(ckpt, {**index.values, key: ocdbt.Ref(str(outside), ref.offset, ref.length)})
+    _rewrite(ckpt, {**index, key: ocdbt.Ref(str(outside), ref.offset, ref.length)})
     with pytest.raises(MetadataError, match="not one of the checkpoint's data files"):
         tsckpt.load({"w": torch.zeros(8, 8)}, ckpt)
     assert not verify(ckpt).ok

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import zarr
 
 import tsckpt
-from damage import layout_of
+from damage import layout_of, packed_values
 from dist import run_ranks
 from tsckpt.errors import (
     ChecksumError,
@@ -202,10 +202,7 @@ def test_every_key_is_stored_where_the_index_says_and_tensorstore_reads_the_inde
     sd, path = state(), str(tmp_path / "ck")
     tsckpt.save(sd, path, layout="packed")
     md = json.load(open(os.path.join(path, "zarr.json")))["attributes"]["tsckpt"]
-    file, offset, length = md["data_files"]["index"]
-    with open(os.path.join(path, file), "rb") as f:
-        f.seek(offset)
-        ours = packed.PackedIndex.decode(f.read(length), file).values
+    ours = packed_values(path, md)
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
     assert sorted(k.decode() for k in kv.list().result()) == sorted(ours)
     for key, value in ours.items():

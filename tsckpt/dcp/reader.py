@@ -205,6 +205,9 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         # Every box is read as the whole checksummed pieces it touches, each checked before it is handed out.
         readers = {fqn: BoxReader(self.source, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
                    for fqn in wanted}
+        # Every chunk this rank reads, found at once: an index's nodes are read level by level for all of them.
+        self.source.locator.prefetch(key for i in plan.items if i.type != LoadItemType.BYTE_IO
+                                     for key in readers[i.storage_index.fqn].keys(i.storage_offsets, i.lengths))
         share = ReplicaShare.of(plan)
         transfers = share.transfers() if share is not None else []
         buffers = CopyWindow(self.per_thread_copy_ahead)

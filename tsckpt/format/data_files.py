@@ -85,9 +85,9 @@ class RankFiles:
 class DataFiles:
     """Version 4: where a checkpoint's bytes are, beyond its Zarr keys (``docs/format.md``, section 1).
 
-    ``index``: the packed layout's B+tree nodes, ``length`` bytes at
-    ``offset`` of their file (which may hold values too large for a leaf
-    before them, and ends with the nodes); None in the plain layout.
+    ``index``: the packed layout's B+tree root node, ``length`` bytes at
+    ``offset`` of the node file, which ends with it (every other node, and
+    values too large for a leaf, come before it); None in the plain layout.
     ``ranks``: what each rank wrote, in rank order.
     """
 

@@ -242,6 +242,7 @@ class _Checker:
         step = max(1, _IN_FLIGHT_BYTES // chunk_bytes)
         for start in range(0, len(indices), step):
             part = indices[start:start + step]
+            self.source.locator.prefetch(f"{entry.path}/{zarr_json.chunk_key(idx, sep)}" for idx in part)
             batch = self.source.batch()
             reads = []
             for idx in part:
@@ -391,7 +392,7 @@ def _files_report(source: ChunkSource) -> EntryReport | None:
             problems.append(str(e))
     if files.index is not None:
         try:
-            source.locator.locate("")
+            source.locator.everything()
             Manifest.decode(kv.read(MANIFEST_KEY).result().value, MANIFEST_KEY)
         except (ValueError, TsckptError) as e:
             problems.append(str(e))

@@ -110,9 +110,16 @@ class BoxReader:
             return PlannedBox(out, ())
         if self.mode == "array":
             return PlannedBox(out, (ChunkStep((), self._read_array(offsets, sizes, out)),))
-        return PlannedBox(out, tuple(
-            self._planned(index, offsets, sizes, batch, out)
-            for index in self.entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, sizes)])))
+        chunks = list(self.entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, sizes)]))
+        self.source.locator.prefetch(self._key(index) for index in chunks)
+        return PlannedBox(out, tuple(self._planned(index, offsets, sizes, batch, out) for index in chunks))
+
+    def keys(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[str]:
+        """The chunk keys a read of the box ``offsets``/``sizes`` needs."""
+        if 0 in sizes:
+            return []
+        return [self._key(index) for index in
+                self.entry.grid.chunks_overlapping([slice(int(o), int(o) + int(n)) for o, n in zip(offsets, sizes)])]
 
     # --- chunks stored by tsckpt ----------------------------------------------------
 

@@ -9,6 +9,7 @@ every tensor read against it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -42,7 +43,10 @@ class ChunkSource:
         local = store.location.driver == "file" and locator.kvstore is store.kvstore
         fetcher: Fetcher = (LocalFiles(str(store.location.spec.get("path", ".")), locator.sizes()) if local
                             else KvFiles(locator.kvstore, locator.generations()))
-        return cls(store, metadata, locator, fetcher)
+        source = cls(store, metadata, locator, fetcher)
+        # An index no larger than what a request's latency could fetch is read whole, in one request.
+        locator.bind(source.read_ranges, read_cost(store.location).gap_bytes)
+        return source
 
     def _tables(self) -> dict[str, dict[int, tuple[int, bytes]]]:
         """Every rank's digest table, read once: (rank, content hash) of each chunk, by array path and flat index."""
@@ -87,10 +91,15 @@ class ChunkSource:
 
     def read_range(self, key: str, offset: int, length: int) -> np.ndarray:
         """``length`` bytes at ``offset`` of file ``key``, read at once."""
+        [data] = self.read_ranges([(key, offset, length)])
+        return data
+
+    def read_ranges(self, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
+        """The bytes of every ``(file, offset, length)`` of ``spans``, fetched together, merged by the cost model."""
         batch = self.batch()
-        slot = batch.want(key, offset, offset + length)
+        slots = [batch.want(key, offset, offset + length) for key, offset, length in spans]
         batch.run()
-        return slot.bytes
+        return [slot.bytes for slot in slots]
 
     def batch(self) -> RangeBatch:
         """A new batch of reads, merged by the location's cost model."""

@@ -21,17 +21,19 @@ A layout subclasses :class:`KvLayout` and is decorated with
 Which method runs where, in a save: :meth:`KvLayout.sink` on every rank while
 it writes; :meth:`KvLayout.write_nodes` once, on the coordinator, after every
 rank's data is durable and before the root document is written. When reading,
-:meth:`KvLayout.locator` once per process, then :meth:`Locator.locate` per chunk.
+:meth:`KvLayout.locator` once per process, :meth:`Locator.prefetch` with the keys a read needs, then
+:meth:`Locator.locate` per chunk.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import tensorstore as ts
 
 from ..errors import MetadataError, OptionError
@@ -73,6 +75,18 @@ class Locator(ABC):
     @abstractmethod
     def locate(self, key: str) -> Located | None:
         """Where ``key`` (relative to the checkpoint) is stored; None if the checkpoint has no such key."""
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Find ``keys`` together, so that each :meth:`locate` of them after reads nothing more (an index's
+        nodes on their way, read level by level for all the keys at once)."""
+
+    def bind(self, read: Callable[[Sequence[tuple[str, int, int]]], list[np.ndarray]], whole_up_to: int) -> None:
+        """Read what locating needs (an index's nodes) through ``read``, merged with the reader's other ranges;
+        an index file of at most ``whole_up_to`` bytes is read whole, at once."""
+
+    def everything(self) -> Mapping[str, Located]:
+        """Every key of an index and where its value is, every node read and checked (``verify``)."""
+        return {}
 
     def sizes(self) -> Mapping[str, int]:
         """Files whose size is known from the root document: a file of another size is damaged."""
@@ -229,34 +243,52 @@ class _PackedLocator(Locator):
         assert metadata.data_files is not None
         self.kvstore = store.kvstore
         self.files = metadata.data_files
-        self._index: packed.PackedIndex | None = None
         self._store = store
+        self._index: packed.BTreeIndex | None = None
 
-    def _load(self) -> packed.PackedIndex:
-        if self._index is None and self.files.index is None:  # a checkpoint of no arrays
-            self._index = packed.PackedIndex({})
-        if self._index is None:
-            span = self.files.index
-            assert span is not None
-            where = f"{self._store.url}/{span.path}"
+    def bind(self, read: packed.ReadSpans, whole_up_to: int) -> None:
+        root = self.files.index
+        if root is not None:
+            self._index = packed.BTreeIndex(root, read, [f.path for f in self.files.files],
+                                            f"the index of {self._store.url}", whole_up_to)
+
+    def _tree(self) -> packed.BTreeIndex | None:
+        if self._index is None and self.files.index is not None:
+            self.bind(self._read, 0)
+        return self._index
+
+    def _read(self, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
+        """Node spans read one by one through the kvstore (a locator no reader has bound)."""
+        out = []
+        for path, offset, length in spans:
             try:
-                result = self.kvstore.read(span.path, byte_range=slice(span.offset, span.offset + span.length)).result()
+                result = self.kvstore.read(path, byte_range=slice(offset, offset + length)).result()
             except ValueError as e:
                 raise storage_error(e, f"reading the index of {self._store.url} failed") from None
             if result.state != "value":
-                raise MetadataError(f"{where}: the checkpoint's index is missing")
-            if len(result.value) != span.length:
-                raise MetadataError(f"{where}: the index is {len(result.value)} bytes, not the {span.length} written")
-            self._index = packed.PackedIndex.decode(result.value, where, [f.path for f in self.files.files])
-        return self._index
+                raise MetadataError(f"{self._store.url}/{path}: the checkpoint's index is missing")
+            out.append(np.frombuffer(result.value, dtype=np.uint8))
+        return out
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        tree = self._tree()
+        if tree is not None:
+            tree.lookup(keys)
 
     def locate(self, key: str) -> Located | None:
-        value = self._load().get(key)
+        tree = self._tree()
+        value = tree.get(key) if tree is not None else None
         if value is None:
             return None
         if isinstance(value, ocdbt.Ref):
             return Located(value.path, value.offset, value.length)
         return Located("", inline=value)
+
+    def everything(self) -> Mapping[str, Located]:
+        tree = self._tree()
+        found = tree.everything() if tree is not None else {}
+        return {k: Located(v.path, v.offset, v.length) if isinstance(v, ocdbt.Ref) else Located("", inline=v)
+                for k, v in found.items()}
 
     def sizes(self) -> Mapping[str, int]:
         return {f.path: f.size for f in self.files.files}
@@ -352,3 +384,4 @@ def _open(spec: dict[str, Any], store: Store) -> ts.KvStore:
         return ts.KvStore.open(spec, context=store.context).result()
     except ValueError as e:
         raise storage_error(e, f"cannot open the packed database of {store.url}") from None
+

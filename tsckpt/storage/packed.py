@@ -1,13 +1,12 @@
 """The packed layout: a checkpoint's Zarr keys in one OCDBT database over one data file per rank.
 
 Each global tensor is still one Zarr v3 array with the same chunk grid; only
-where its keys live changes. A packed checkpoint (format version 4) at ``BASE``
-holds::
+where its keys live changes. A packed checkpoint at ``BASE`` holds::
 
     zarr.json                   root group and metadata document, a plain file written last (the commit)
     manifest.ocdbt              the OCDBT manifest: points at the root of the B+tree
-    d/<save id>.index           every B+tree node; the leaves map each array's and group's zarr.json
-                                (stored inline) and every chunk key to bytes in a data file
+    d/<save id>.index           every B+tree node, the root last; the leaves map each array's and group's
+                                zarr.json (stored inline) and every chunk key to bytes in a data file
     d/<save id>-<rank>          rank r's data file: its chunks and value blobs back to back, then its
                                 digest table (on object stores: parts ``.<k>``, each one object)
 
@@ -18,20 +17,20 @@ B+tree over all of them and the manifest (:func:`write_index`,
 :mod:`tsckpt.format.ocdbt`), then the root ``zarr.json``: a location without
 it is an incomplete checkpoint exactly as in the plain layout.
 
-Reading: tsckpt reads the node file once (its size is in the root document)
-and every value by byte range from the data files (:class:`PackedIndex`);
-TensorStore's ``zarr3`` driver over ``{"driver": "ocdbt", "base": BASE}``
-(:func:`read_kvstore`) reads the same database, and
-:func:`tsckpt.zarr_store` serves it to zarr-python. Checkpoints packed
-before format version 4 (per-rank OCDBT databases under
-``ocdbt.process_<r>/`` joined by TensorStore) are read through TensorStore.
+Reading: tsckpt finds the root node through the root document
+(``data_files.index``) and reads only the nodes on the way to the keys it
+needs (:class:`BTreeIndex`), then every value by byte range from the data
+files; TensorStore's ``zarr3`` driver over ``{"driver": "ocdbt", "base":
+BASE}`` (:func:`read_kvstore`) reads the same database, and
+:func:`tsckpt.zarr_store` serves it to zarr-python.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +47,12 @@ MANIFEST = ocdbt.MANIFEST_KEY
 #: Context resource holding decoded B+tree nodes for TensorStore readers (see :func:`reader_context`).
 NODE_CACHE = "cache_pool#tsckpt_ocdbt"
 NODE_CACHE_BYTES = 64 << 20
-#: Largest B+tree node tsckpt writes (the manifest's ``max_decoded_node_bytes``).
+#: Largest B+tree node a reader must accept (the manifest's ``max_decoded_node_bytes``).
 MAX_NODE_BYTES = 8 << 20
+#: The size tsckpt cuts nodes at (a node holding one larger value is larger): a lookup reads one node per
+#: level, so small nodes keep what a rank reads in proportion to the keys it looks up, while the tree stays
+#: a few levels deep (16 KiB nodes of 30-byte chunk keys: about 500 keys a node, 3 levels for 100 M keys).
+NODE_BYTES = 16 << 10
 #: Values up to this size are stored in the B+tree leaves (zarr.json documents); larger ones go
 #: into the node file as values of their own.
 MAX_INLINE_VALUE_BYTES = 64 << 10
@@ -137,7 +140,7 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
 
 
 def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str,
-                fence: Callable[[], None] = lambda: None) -> Span | None:
+                fence: Callable[[], None] = lambda: None, node_bytes: int = NODE_BYTES) -> Span | None:
     """Write the B+tree over ``entries`` as node file :func:`index_file` and the manifest pointing at it.
 
     ``entries``: every key of the checkpoint but the root document, sorted,
@@ -162,7 +165,7 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
             size = len(entries.inline[k] or b"")
             entries.file[k], entries.offset[k], entries.length[k] = entries.files.index(path), at, size
             entries.inline[k], at = None, at + size
-    tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=MAX_NODE_BYTES, start=len(head))
+    tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, start=len(head))
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
                               max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
     nodes = kv.write(path, head + tree.nodes)
@@ -177,54 +180,138 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
         kv.write(MANIFEST, manifest.encode()).result()
     except ValueError as e:
         raise storage_error(e, f"writing the packed index of {where} failed") from None
-    return Span(path, len(head), len(tree.nodes))
+    return Span(path, tree.root.offset, tree.root.length)
 
 
 # --- readers ------------------------------------------------------------------------
 
+#: Reads node spans, ``(path, offset, length)`` each, all at once: their bytes, in order.
+ReadSpans = Callable[[Sequence[tuple[str, int, int]]], list[np.ndarray]]
 
-@dataclass
-class PackedIndex:
-    """A version-4 packed checkpoint's B+tree, decoded: every key's inline value or where it is stored."""
 
-    values: dict[str, bytes | ocdbt.Ref]
+class BTreeIndex:
+    """A packed checkpoint's B+tree as a reader walks it: only the nodes on the way to the keys it asks for.
 
-    @classmethod
-    def decode(cls, nodes: bytes | memoryview | np.ndarray, where: str,
-               files: Collection[str] | None = None) -> PackedIndex:
-        """Every leaf of the B+tree nodes ``nodes`` (as :func:`write_index` writes them: back to back).
+    ``root`` is the root node's span (``data_files.index``); every other node
+    lies before it in the same file, and is read when a lookup first needs it,
+    level by level, all the nodes a level needs in one call of ``read``: so a
+    rank that loads its own shards reads the leaves holding its keys, never the
+    whole tree, and a file of at most ``whole_up_to`` bytes is read at once.
+    ``files``: the data files the root document lists; a value stored in any
+    other file (a path the index was made to name, outside the checkpoint or
+    not) is refused.
+    """
 
-        ``files``: the data files the root document lists; a value stored in any other file (a path the
-        index was made to name, outside the checkpoint or not) is refused.
-        """
-        data = memoryview(nodes).cast("B")
-        values: dict[str, bytes | ocdbt.Ref] = {}
-        at, last = 0, b""
-        try:
-            while at < len(data):
-                if len(data) - at < 12:
-                    raise ocdbt.OcdbtFormatError(f"{where}: ends inside a node header")
-                length = int.from_bytes(data[at + 4:at + 12], "little")
-                if length < 12 or at + length > len(data):
-                    raise ocdbt.OcdbtFormatError(f"{where}: a node at byte {at} runs past the end of the file")
-                node = ocdbt.decode_node(data[at:at + length], f"{where} (node at byte {at})")
-                at += length
-                if node.height:
-                    continue
-                if node.keys[0] <= last:
-                    raise ocdbt.OcdbtFormatError(f"{where}: leaves out of key order")
-                last = node.keys[-1]
-                for key, value in zip(node.keys, node.values):
-                    values[key.decode("utf-8", "surrogateescape")] = value
-        except ocdbt.OcdbtFormatError as e:
-            raise (ChecksumError if "crc32c" in str(e) else MetadataError)(str(e)) from None
-        if files is not None:
-            allowed = set(files)
-            stray = next((v.path for v in values.values() if isinstance(v, ocdbt.Ref) and v.path not in allowed), None)
-            if stray is not None:
-                raise MetadataError(f"{where}: a value is stored in {stray!r}, which is not one of the checkpoint's "
-                                    "data files")
-        return cls(values)
+    def __init__(self, root: Span, read: ReadSpans, files: Collection[str], where: str, whole_up_to: int = 0):
+        self.root = root
+        self.where = where
+        self._read = read
+        self._files = frozenset(files)
+        self._nodes: dict[int, ocdbt.Node] = {}  # by offset in the file
+        self._whole: np.ndarray | None = None
+        self._whole_up_to = whole_up_to
+        #: Every key looked up so far: its inline value, where it is stored, or None (no such key).
+        self.values: dict[str, bytes | ocdbt.Ref | None] = {}
+        #: Node bytes read, in all.
+        self.bytes_read = 0
 
     def get(self, key: str) -> bytes | ocdbt.Ref | None:
-        return self.values.get(key)
+        if key not in self.values:
+            self.lookup((key,))
+        return self.values[key]
+
+    def lookup(self, keys: Iterable[str]) -> None:
+        """Find every key of ``keys`` not looked up before, reading the nodes on their paths."""
+        wanted = sorted({k.encode("utf-8", "surrogateescape") for k in keys if k not in self.values})
+        if not wanted:
+            return
+        level: list[tuple[ocdbt.Ref, int, list[bytes], bytes, bytes | None]] = [
+            (ocdbt.Ref(self.root.path, self.root.offset, self.root.length), -1, wanted, b"", None)]
+        while level:
+            self._fetch([ref for ref, *_ in level])
+            below = []
+            for ref, height, ks, low, high in level:
+                node = self._node(ref, height, low, high)
+                if node.height == 0:
+                    for k in ks:
+                        at = bisect.bisect_left(node.keys, k)
+                        found = at < len(node.keys) and node.keys[at] == k
+                        self.values[k.decode("utf-8", "surrogateescape")] = node.values[at] if found else None
+                    continue
+                for k in ks:
+                    at = bisect.bisect_right(node.keys, k) - 1
+                    if at < 0:  # before the subtree's first key: not stored
+                        self.values[k.decode("utf-8", "surrogateescape")] = None
+                        continue
+                    child = node.values[at]
+                    assert isinstance(child, ocdbt.Ref)
+                    if below and below[-1][0] == child:
+                        below[-1][2].append(k)
+                    else:
+                        below.append((child, node.height - 1, [k], node.keys[at],
+                                      node.keys[at + 1] if at + 1 < len(node.keys) else high))
+            level = below
+
+    def everything(self) -> dict[str, bytes | ocdbt.Ref]:
+        """Every key of the tree and its value, reading every node (``verify``): each node checked as a lookup
+        checks it."""
+        out: dict[str, bytes | ocdbt.Ref] = {}
+        level = [(ocdbt.Ref(self.root.path, self.root.offset, self.root.length), -1, b"", None)]
+        while level:
+            self._fetch([ref for ref, *_ in level])
+            below = []
+            for ref, height, low, high in level:
+                node = self._node(ref, height, low, high)
+                if node.height == 0:
+                    out.update((k.decode("utf-8", "surrogateescape"), v) for k, v in zip(node.keys, node.values))
+                    continue
+                bounds = [*node.keys[1:], high]
+                below += [(child, node.height - 1, k, b) for child, k, b in zip(node.values, node.keys, bounds)]
+            level = below
+        self.values.update(out)
+        return out
+
+    def _fetch(self, refs: Sequence[ocdbt.Ref]) -> None:
+        """Read the nodes of ``refs`` not read before (the whole file at once where it is small)."""
+        todo = sorted({r.offset: r for r in refs if r.offset not in self._nodes}.values(), key=lambda r: r.offset)
+        end = self.root.offset + self.root.length
+        for ref in todo:
+            if ref.path != self.root.path or ref.offset + ref.length > end or ref.length < 12:
+                raise MetadataError(f"{self.where}: a node at {ref.path!r} bytes {ref.offset}+{ref.length} is not "
+                                    "within the index")
+        if not todo:
+            return
+        if self._whole is None and end <= self._whole_up_to:
+            [self._whole] = self._read([(self.root.path, 0, end)])
+            self.bytes_read += end
+        if self._whole is not None:
+            data = [self._whole[r.offset:r.offset + r.length] for r in todo]
+        else:
+            data = self._read([(r.path, r.offset, r.length) for r in todo])
+            self.bytes_read += sum(r.length for r in todo)
+        for ref, raw in zip(todo, data):
+            if len(raw) != ref.length:
+                raise MetadataError(f"{self.where}: the node at byte {ref.offset} is cut short")
+            try:
+                self._nodes[ref.offset] = ocdbt.decode_node(memoryview(raw).cast("B"),
+                                                            f"{self.where} (node at byte {ref.offset})")
+            except ocdbt.OcdbtFormatError as e:
+                raise (ChecksumError if "crc32c" in str(e) else MetadataError)(str(e)) from None
+
+    def _node(self, ref: ocdbt.Ref, height: int, low: bytes, high: bytes | None) -> ocdbt.Node:
+        """The node at ``ref``, checked against where its parent put it: ``height`` (-1: the root) and keys in
+        ``[low, high)``, in order; its values in the checkpoint's data files."""
+        node = self._nodes[ref.offset]
+        at = f"{self.where}: the node at byte {ref.offset}"
+        if height >= 0 and node.height != height:
+            raise MetadataError(f"{at} has height {node.height}, not the {height} its parent gives it")
+        keys = node.keys
+        if keys[0] < low or (high is not None and keys[-1] >= high) or any(a >= b for a, b in zip(keys, keys[1:])):
+            raise MetadataError(f"{at}: keys out of order")
+        if node.height == 0:
+            stray = next((v.path for v in node.values if isinstance(v, ocdbt.Ref) and v.path not in self._files),
+                         None)
+            if stray is not None:
+                raise MetadataError(f"{self.where}: a value is stored in {stray!r}, which is not one of the "
+                                    "checkpoint's data files")
+        return node
