@@ -112,41 +112,6 @@ def test_gc_is_paused_during_the_call_and_restored_after():
         gc.enable()
 
 
-def test_slash_separated_chunk_keys_still_load_and_verify(tmp_path):
-    """Version-1 checkpoints, written with Zarr's "/" chunk keys (c/0/0), stay readable."""
-    sd = {"w": torch.arange(24.0).reshape(4, 6), "z": torch.tensor(3.0)}
-    tsckpt.save(sd, tmp_path / "c", layout="plain")  # version 1 knew no other
-    root = json.loads((tmp_path / "c" / "zarr.json").read_text())
-    md = root["attributes"].pop("tsckpt")
-    del root["attributes"]["tsckpt_crc32c"], md["array_options"], md["layout"], md["data_files"], md["content_hash"]
-    md["version"] = 1  # version 1 named no codecs and recorded no checksums: each zarr.json says how to read
-    for t in md["tensors"].values():
-        t["writes"] = []
-        del t["checksums"]
-    root["attributes"]["tsckpt"] = md
-    (tmp_path / "c" / "zarr.json").write_text(json.dumps(root))
-    for name in sd:
-        array = tmp_path / "c" / name
-        doc = json.loads((array / "zarr.json").read_text())
-        doc["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
-        del doc["dimension_names"]  # named only since version 2
-        (array / "zarr.json").write_text(json.dumps(doc))
-        for chunk in array.glob("c*"):
-            target = array.joinpath(*chunk.name.split("."))
-            data = chunk.read_bytes()
-            chunk.unlink()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-    assert (tmp_path / "c" / "w" / "c" / "0" / "0").is_file()
-    back = {k: torch.empty_like(v) for k, v in sd.items()}
-    tsckpt.load(back, tmp_path / "c")
-    assert all(torch.equal(back[k], v) for k, v in sd.items())
-    assert verify(tmp_path / "c").ok
-    (tmp_path / "c" / "w" / "c" / "0" / "0").unlink()
-    report = verify(tmp_path / "c")
-    assert not report.ok and "c/0/0" in str(report.to_dict())
-
-
 # --- ranks whose writers were given different options -------------------------------------------
 
 _RANK_OPTIONS = [

@@ -31,6 +31,7 @@ from .errors import (
     TsckptError,
     UnsafeObjectError,
     UnsupportedDtypeError,
+    UnsupportedVersionError,
 )
 
 __version__ = "0.1.0"
@@ -70,9 +71,9 @@ __all__ = [
     *_LAZY,
     "TsckptError", "IncompleteCheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "ForeignContentError", "FileInTheWayError", "ConcurrentSaveError", "NotACheckpointError",
-    "MetadataError", "PlanError", "LoadMismatchError", "UnsafeObjectError", "UnsupportedDtypeError",
-    "ChecksumError", "DamagedValueError", "StorageError", "OptionError", "LocationError", "ConversionError",
-    "SaveFailedError",
+    "MetadataError", "UnsupportedVersionError", "PlanError", "LoadMismatchError", "UnsafeObjectError",
+    "UnsupportedDtypeError", "ChecksumError", "DamagedValueError", "StorageError", "OptionError", "LocationError",
+    "ConversionError", "SaveFailedError",
 ]
 
 

@@ -20,9 +20,9 @@ the new checkpoint stands alone (``docs/format.md``, section 8):
   so neither checkpoint can change the other.
 * **plain layout, local filesystem**: the base's chunk file is hard-linked
   into the new checkpoint.
-* **object stores, memory, a base in another layout or of an older format
-  version**: nothing is taken (TensorStore has no server-side copy); the save
-  writes everything and says why.
+* **object stores, memory, a base in another layout or in a format version
+  this tsckpt does not read**: nothing is taken (TensorStore has no
+  server-side copy); the save writes everything and says why.
 
 :func:`choose_base` runs once, on the coordinator; :class:`BaseChunks` on every rank.
 """
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ChecksumError, OptionError, StorageError, TsckptError
+from .errors import ChecksumError, OptionError, StorageError, TsckptError, UnsupportedVersionError
 from .format import compressed, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
 from .format.data_files import FileRef
@@ -46,7 +46,6 @@ from .format.digest_table import DigestTable
 from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from .format.ocdbt import Ref
 from .format.reuse import Reuse
-from .format.versions import CODEC_CHECKSUMS_VERSION
 from .storage.chunk_source import ChunkSource
 from .storage.layouts import PLAIN
 from .storage.store import Store
@@ -105,6 +104,9 @@ def choose_base(target: Location, base: LocationLike | None, *, incremental: boo
                           f"checksums=True (unchanged chunks are found by their content hashes)")
     try:
         _, md = commit.open_committed(location)
+    except UnsupportedVersionError:
+        # Found beside the target by incremental=True after an upgrade: the first save writes everything.
+        return BaseChoice(location, None, None, "the base is in a format version this tsckpt does not read")
     except TsckptError as e:
         raise type(e)(f"the base of the save to {target.url} is not a loadable checkpoint: {e}") from None
     save_id = md.extra.get("save_id") if isinstance(md.extra.get("save_id"), str) else None
@@ -121,9 +123,6 @@ def _unusable(target: Location, base: Location, md: CheckpointMetadata, layout: 
                 "copy in TensorStore)")
     if md.layout != layout:
         return f"the base is in the {md.layout} layout, this save in the {layout} layout"
-    if md.version < CODEC_CHECKSUMS_VERSION:
-        return (f"the base was saved in format version {md.version}; chunks are taken from bases of version "
-                f"{CODEC_CHECKSUMS_VERSION} or later")
     if md.content_hash != content_hashes.STORED_ALGORITHM:
         return "the base records no content hashes (saved with checksums=False)"
     if md.array_options != options:
@@ -149,7 +148,7 @@ class BaseChunks:
         self.store, self.metadata = commit.open_committed(choice.location, io_concurrency=4)
         self.source = ChunkSource.of(self.store, self.metadata)
         files = self.metadata.data_files
-        assert files is not None, "bases are version-4 checkpoints (choose_base)"
+        assert files is not None, "a committed checkpoint lists its data files"
         self._files = files
         self._rank_of = {f.path: r for r, record in enumerate(files.ranks) for f in record.files}
         self._sizes = {f.path: f.size for f in files.files}

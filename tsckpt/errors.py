@@ -56,6 +56,10 @@ class MetadataError(TsckptError):
     """The metadata document is malformed, unsupported or inconsistent."""
 
 
+class UnsupportedVersionError(MetadataError):
+    """The checkpoint is in a format version this tsckpt does not read; the message names the release that does."""
+
+
 class UnsupportedDtypeError(TsckptError):
     """A tensor's dtype has no Zarr v3 equivalent that tsckpt can store bit-exactly."""
 

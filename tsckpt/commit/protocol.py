@@ -241,7 +241,7 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     try:
         return CheckpointMetadata.from_dict(document)
     except MetadataError as e:
-        raise MetadataError(f"{url}/{ROOT}: {e}") from None
+        raise type(e)(f"{url}/{ROOT}: {e}") from None
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
         # from_dict validates field by field; this only guards against a hostile
         # document reaching a case it did not foresee, which must still be a clean refusal.

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MetadataError
+from ..errors import MetadataError, UnsupportedVersionError
 from . import content_hashes, dtypes, values, zarr_json
 from .data_files import DataFiles
 from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
@@ -36,7 +36,7 @@ from .placements import (  # noqa: F401
 from .names import check_relative_path, parent_groups, zarr_path
 from .reuse import Reuse
 from .versions import (
-    CODEC_CHECKSUMS_VERSION, FORMAT, FORMAT_VERSION, INNER_CHECKSUMS_VERSION, UNCUT_FIRST_VERSION)
+    CODEC_CHECKSUMS_VERSION, FORMAT, FORMAT_VERSION, INNER_CHECKSUMS_VERSION, UNCUT_FIRST_VERSION, refusal)
 
 
 # Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
@@ -317,10 +317,8 @@ class CheckpointMetadata:
         if get_field(d, "format", what, str) != FORMAT:
             raise MetadataError(f"{what}: 'format' is {d['format']!r}, expected {FORMAT!r}")
         version = get_field(d, "version", what, int)
-        if version > FORMAT_VERSION or version < 1:
-            raise MetadataError(
-                f"{what}: format version {version} is not supported by this tsckpt (reads 1..{FORMAT_VERSION})"
-            )
+        if version != FORMAT_VERSION:
+            raise UnsupportedVersionError(refusal(version))
         meshes = tuple(Mesh.from_dict(m, f"mesh {i}") for i, m in enumerate(get_field(d, "meshes", what, list)))
         tensors = {
             k: TensorEntry.from_dict(v, f"tensor {k!r}", version)

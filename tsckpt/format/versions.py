@@ -1,15 +1,11 @@
-"""The format's name and versions: what each version changed, and the first version of each change.
+"""The format's name and version, and what a reader says of a checkpoint in another version.
 
-A reader refuses a version above :data:`FORMAT_VERSION` and reads every lower
-one (``docs/format.md``, section 9). Each constant below names the first
-version with one change, so code that reads older checkpoints asks
-``version >= X`` rather than comparing numbers of its own.
+Until 1.0 tsckpt reads only the version it writes (``docs/format.md``,
+section 9): one reader, checked against the one writer, instead of a reader
+per version no release still writes. A checkpoint of an older version names
+the release that reads it, whose ``tsckpt convert`` rewrites it in this one.
 
-* version 1 recorded every rank's region;
-* version 2 records one checksum table per tensor instead, so the document grows with tensors, not ranks;
-* version 3 checksums every inner chunk (the piece a read fetches) instead of every outer chunk;
-* version 4 keeps each inner chunk's crc32c beside it (Zarr's crc32c codec) and each rank's content
-  hashes in a table of its own, so the document grows with tensors and ranks, not chunks;
+* versions 1 to 4: read by tsckpt 0.1, which wrote version 5;
 * version 5 stores a chunk's inner chunks with the dimensions no chunk boundary cuts slowest
   (:attr:`tsckpt.format.shards.ShardFormat.order`), so a column block of a row-sharded save is one
   byte range per chunk.
@@ -19,9 +15,18 @@ from __future__ import annotations
 
 FORMAT = "tsckpt"
 FORMAT_VERSION = 5
-#: The first version whose checksum tables cover inner chunks.
+#: The release that reads every version before :data:`FORMAT_VERSION`.
+OLDER_VERSIONS_READER = "tsckpt 0.1"
 INNER_CHECKSUMS_VERSION = 3
-#: The first version whose chunks carry their own crc32c and whose root document holds no per-chunk table.
 CODEC_CHECKSUMS_VERSION = 4
-#: The first version whose chunks store the dimensions no chunk boundary cuts slowest.
 UNCUT_FIRST_VERSION = 5
+
+
+def refusal(version: int) -> str:
+    """Why a document of format ``version`` (not :data:`FORMAT_VERSION`) is not read, and what reads it."""
+    said = f"format version {version} is not supported by this tsckpt (it reads version {FORMAT_VERSION} only)"
+    if version > FORMAT_VERSION:
+        return f"{said}; a newer tsckpt reads it"
+    if version >= 1:
+        return f"{said}; {OLDER_VERSIONS_READER} reads it, and its `tsckpt convert` rewrites it in version {FORMAT_VERSION}"
+    return said
