@@ -1,0 +1,335 @@
+"""``tsckpt://``: checkpoints by URL for zarr-python, xarray and dask, whatever the layout.
+
+zarr-python hands a URL with a scheme to fsspec (``FsspecStore.from_url``),
+and fsspec finds ``tsckpt`` through the ``fsspec.specs`` entry point this
+package declares, so these work with tsckpt installed and never imported::
+
+    zarr.open_group("tsckpt://ckpt/step_1000", mode="r")
+    xr.open_zarr("tsckpt://ckpt/step_1000/model", consolidated=False)
+    dask.array.from_zarr("tsckpt://ckpt/step_1000", component="model/layers.0.attn.wq.weight")
+    zarr.open_group("tsckpt://s3://bucket/run/step_1000", mode="r")
+
+What follows ``tsckpt://`` is a checkpoint location as :func:`tsckpt.open`
+takes one (a path, relative to the working directory or not, or an
+``s3://``, ``gs://`` or ``file://`` URL), optionally followed by a group or
+array inside it. The filesystem serves the checkpoint's Zarr keys, documents
+and chunks, and nothing else (no ``manifest.ocdbt``, no data files), read
+through :func:`tsckpt.zarr_store`: plain or packed, every chunk reaches
+zarr-python with its crc32c, which zarr's codec checks, and a slice reads
+the byte ranges of the inner chunks it overlaps, never whole files.
+
+Loading this module imports tsckpt, which registers the bfloat16 and float8
+data types with zarr-python before zarr parses the first array document: the
+URL alone is enough for them on every zarr release tsckpt supports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec.asyn import AsyncFileSystem
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+
+from ..commit.states import ROOT, is_data_file
+from ..errors import LocationError, NotACheckpointError
+from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
+from ..storage.kvio import problem
+from ..storage.location import LocationLike, parse_location
+from .zarr_store import TensorStoreZarrStore, zarr_store
+
+PROTOCOL = "tsckpt"
+
+
+def url(location: LocationLike) -> str:
+    """The ``tsckpt://`` URL of a checkpoint location: ``tsckpt:///abs/path``, ``tsckpt://s3://bucket/prefix``."""
+    loc = parse_location(location)
+    return f"{PROTOCOL}://{loc.url}"
+
+
+def open_line(location: LocationLike) -> str:
+    """The line of Python that opens ``location`` with zarr-python by URL, to paste into a notebook.
+
+    Spec members given with the location (an ``endpoint``, say, in a JSON
+    location) go into ``storage_options``; those the environment supplies
+    (``AWS_ENDPOINT_URL``...) need not, since the notebook has them too.
+    """
+    given: Any = location
+    if isinstance(location, str) and location.lstrip().startswith("{"):
+        given = json.loads(location)
+    members = ({k: v for k, v in given.items() if k not in ("url", "driver", "bucket", "path")}
+               if isinstance(given, Mapping) else {})
+    options = f", storage_options={{'spec': {members!r}}}" if members else ""
+    # JSON's string literal is Python's too, and keeps the double quotes notebooks use.
+    return f'g = zarr.open_group({json.dumps(url(location))}, mode="r"{options})  # zarr-python, with tsckpt installed'
+
+
+@dataclass
+class _Open:
+    """A checkpoint found under some path: its store, and its root document as it was when opened."""
+
+    store: TensorStoreZarrStore
+    root: bytes
+
+
+class TsckptFileSystem(AsyncFileSystem):
+    """A read-only fsspec filesystem whose files are the Zarr keys of the checkpoints it finds.
+
+    A path is a checkpoint location followed by a key inside it. The
+    checkpoint is the nearest location at or above the path whose root
+    ``zarr.json`` is a tsckpt document; each is opened once per instance, and
+    opened again when its root document changes (a save replaced it).
+
+    Args:
+        io_concurrency: concurrent requests per checkpoint, as for :func:`tsckpt.zarr_store`.
+        spec: kvstore spec members added to every object-store location (``endpoint``,
+            ``aws_region``, ``context``...): ``storage_options={"spec": {"endpoint": ...}}``
+            in zarr-python, xarray or dask. Without it the usual environment applies
+            (``AWS_ENDPOINT_URL``, ``AWS_REGION``, the AWS credentials chain).
+    """
+
+    protocol = (PROTOCOL,)
+    root_marker = ""
+
+    def __init__(self, *args: Any, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+                 spec: Mapping[str, Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.io_concurrency = io_concurrency
+        self.spec = dict(spec or {})
+        self._checkpoints: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+
+    # --- paths ---------------------------------------------------------------
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        text = str(path).removeprefix(f"{PROTOCOL}://")
+        scheme, sep, rest = text.partition("://")
+        if sep and scheme != "file":
+            return f"{scheme}://{rest.rstrip('/')}"
+        local = rest if sep else text
+        # Absolute, so that a copy unpickled elsewhere (a dask worker) names the same files.
+        return os.path.abspath(os.path.expanduser(local)) if local else ""
+
+    def unstrip_protocol(self, name: str) -> str:
+        return f"{PROTOCOL}://{name}"
+
+    @staticmethod
+    def _candidates(path: str) -> list[str]:
+        """``path`` and the locations above it, nearest first, down to a bucket (never the filesystem root)."""
+        scheme, sep, rest = path.partition("://")
+        head, parts = (f"{scheme}://", rest.split("/")) if sep else ("/", path.strip("/").split("/"))
+        return [head + "/".join(parts[:n]) for n in range(len(parts), 0, -1) if parts[n - 1]]
+
+    def _location(self, root: str) -> Any:
+        if self.spec and "://" in root:
+            return {"url": root, **self.spec}
+        return root
+
+    # --- finding checkpoints -------------------------------------------------
+
+    def _root_document(self, candidate: str) -> bytes | None:
+        """The ``zarr.json`` right under ``candidate`` if it is a checkpoint's root document, else None.
+
+        A document that is not JSON counts: opening it then says what is wrong,
+        where skipping it would hide a damaged checkpoint behind "not found".
+        """
+        try:
+            loc = parse_location(self._location(candidate))
+            result = open_kvstore(loc, make_context(self.io_concurrency, loc)).read(ROOT).result()
+        except (NotACheckpointError, LocationError):
+            return None  # a file (a key of a plain checkpoint), or no location at all (a bare bucket name)
+        except ValueError as e:
+            raise OSError(f"reading {candidate}/{ROOT} failed: {problem(e)}") from None
+        if result.state != "value":
+            return None
+        raw = bytes(result.value)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return raw
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        found = isinstance(attrs, dict) and doc.get("node_type") == "group" and "tsckpt" in attrs
+        return raw if found else None
+
+    def _checkpoint(self, path: str) -> tuple[str, _Open]:
+        """The checkpoint holding ``path``: its location and what was opened there."""
+        candidates = self._candidates(path)
+        with self._lock:
+            for root in candidates:
+                if root in self._checkpoints:
+                    return root, self._checkpoints[root]
+        for root in candidates:
+            document = self._root_document(root)
+            if document is not None:
+                found = _Open(zarr_store(self._location(root), io_concurrency=self.io_concurrency), document)
+                with self._lock:
+                    return root, self._checkpoints.setdefault(root, found)
+        raise FileNotFoundError(f"no tsckpt checkpoint at or above {path}")
+
+    async def _split(self, path: str) -> tuple[str, _Open, str]:
+        """(the checkpoint's location, what is open there, the key of ``path`` in it: "" for the root)."""
+        path = self._strip_protocol(path)
+        root, found = await asyncio.to_thread(self._checkpoint, path)
+        return root, found, path[len(root) + 1:]
+
+    async def _root(self, root: str, found: _Open) -> bytes:
+        """The root document as stored now; a checkpoint saved over the one opened is opened afresh."""
+        value = await found.store.get(ROOT, default_buffer_prototype())
+        if value is None:
+            raise FileNotFoundError(f"{root}/{ROOT}: the checkpoint is gone")
+        current = value.to_bytes()
+        if current != found.root:
+            store = await asyncio.to_thread(zarr_store, self._location(root), io_concurrency=self.io_concurrency)
+            with self._lock:
+                self._checkpoints[root] = _Open(store, current)
+        return current
+
+    # --- reads ---------------------------------------------------------------
+
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                        **kwargs: Any) -> bytes:
+        root, found, key = await self._split(path)
+        if not key:
+            raise IsADirectoryError(path)
+        if is_data_file(key):
+            raise FileNotFoundError(path)  # a plain checkpoint's digest tables: tsckpt's, not Zarr's
+        if key == ROOT:
+            return _cut(await self._root(root, found), start, end)
+        if (start is not None and end is not None and start < 0) or (end is not None and end < 0):
+            return _cut(await self._value(found.store, path, key, None), start, end)
+        return await self._value(found.store, path, key, _request(start, end))
+
+    @staticmethod
+    async def _value(store: TensorStoreZarrStore, path: str, key: str, byte_range: ByteRequest | None) -> bytes:
+        value = await store.get(key, default_buffer_prototype(), byte_range)
+        if value is None:
+            raise FileNotFoundError(path)
+        return value.to_bytes()
+
+    async def _exists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            _, found, key = await self._split(path)
+        except FileNotFoundError:
+            return False
+        return not key or await found.store.exists(key) or bool(await self._keys(found, key))
+
+    async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        path = self._strip_protocol(path)
+        root, found, key = await self._split(path)
+        if not key:
+            return _directory(path)
+        if await found.store.exists(key):
+            # Sizes are not listed anywhere cheaper: the value is read (zarr asks only for getsize()).
+            return _file(path, len(await self._cat_file(path)))
+        if await self._keys(found, key):
+            return _directory(path)
+        raise FileNotFoundError(path)
+
+    @staticmethod
+    async def _keys(found: _Open, key: str) -> list[str]:
+        """Every Zarr key below ``key`` ("" for the root)."""
+        return [k async for k in found.store.list_prefix(f"{key}/" if key else "") if not is_data_file(k)]
+
+    async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        path = self._strip_protocol(path)
+        _, found, key = await self._split(path)
+        below = await self._keys(found, key)
+        if not below:
+            if key and await found.store.exists(key):
+                entry = _file(path, None)
+                return [entry] if detail else [path]
+            if key:
+                raise FileNotFoundError(path)
+        start = f"{key}/" if key else ""
+        children: dict[str, bool] = {}  # name -> is a directory
+        for k in below:
+            name, slash, _ = k[len(start):].partition("/")
+            children[name] = children.get(name, False) or bool(slash)
+        entries = [(_directory if is_dir else _file)(f"{path}/{name}", *(() if is_dir else (None,)))
+                   for name, is_dir in sorted(children.items())]
+        return entries if detail else [e["name"] for e in entries]
+
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False,
+                    **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        detail = kwargs.pop("detail", False)
+        try:
+            _, found, key = await self._split(path)
+        except FileNotFoundError:
+            return {} if detail else []
+        start = f"{key}/" if key else ""
+        out: dict[str, dict[str, Any]] = {}
+        for k in await self._keys(found, key):
+            parts = k[len(start):].split("/")
+            if maxdepth is not None and len(parts) > maxdepth:
+                continue
+            out[f"{path}/{'/'.join(parts)}"] = _file(f"{path}/{'/'.join(parts)}", None)
+            if withdirs:
+                for n in range(1, len(parts)):
+                    name = f"{path}/{'/'.join(parts[:n])}"
+                    out.setdefault(name, _directory(name))
+        if not out and key and await found.store.exists(key):
+            out[path] = _file(path, None)
+        names = sorted(out)
+        return {n: out[n] for n in names} if detail else names
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> io.BytesIO:
+        if mode != "rb":
+            raise PermissionError(self._read_only(path))
+        return io.BytesIO(self.cat_file(path))
+
+    # --- writes: refused -----------------------------------------------------
+
+    def _read_only(self, path: Any) -> str:
+        return f"{PROTOCOL}:// is read-only: cannot change {path}"
+
+    async def _pipe_file(self, path: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(self._read_only(path))
+
+    async def _put_file(self, lpath: str, rpath: str, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(self._read_only(rpath))
+
+    async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        raise PermissionError(self._read_only(path2))
+
+    async def _rm_file(self, path: str, **kwargs: Any) -> None:
+        raise PermissionError(self._read_only(path))
+
+    async def _rm(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(self._read_only(path))
+
+    async def _mkdir(self, path: str, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(self._read_only(path))
+
+    async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
+        raise PermissionError(self._read_only(path))
+
+
+def _request(start: int | None, end: int | None) -> ByteRequest | None:
+    if start is None or start == 0:
+        return None if end is None else RangeByteRequest(0, end)
+    if start < 0:
+        return SuffixByteRequest(-start)
+    return OffsetByteRequest(start) if end is None else RangeByteRequest(start, end)
+
+
+def _cut(value: bytes, start: int | None, end: int | None) -> bytes:
+    return value[slice(start, end)]
+
+
+def _file(name: str, size: int | None) -> dict[str, Any]:
+    return {"name": name, "type": "file", "size": size}
+
+
+def _directory(name: str) -> dict[str, Any]:
+    return {"name": name, "type": "directory", "size": 0}
