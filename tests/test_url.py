@@ -21,8 +21,10 @@ import pytest
 import tensorstore as ts
 import torch
 import zarr
+from typer.testing import CliRunner
 
 import tsckpt
+from tsckpt.cli import app, inspect  # noqa: F401 - inspect registers ls and info
 from tsckpt.read.url import TsckptFileSystem, open_line
 from tsckpt.storage.location import parse_location
 
@@ -259,3 +261,19 @@ def test_storage_options_carry_an_endpoint_the_environment_does_not(on_s3, s3, m
     scope: dict = {"zarr": zarr}
     exec(line, scope)
     assert scope["g"]["model/embed.weight"][:].tolist() == state()["model"]["embed.weight"].tolist()
+
+
+# --- the line to paste ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["ls", "info"])
+def test_ls_and_info_print_the_line_that_opens_the_checkpoint_by_url(local, command, monkeypatch):
+    good, _ = local["packed"]
+    monkeypatch.chdir(Path(good).parent)
+    res = CliRunner().invoke(app, [command, "step_1000"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    line = res.output.splitlines()[-1]
+    assert line.startswith(f'g = zarr.open_group("tsckpt://{good}", mode="r")')
+    scope: dict = {"zarr": zarr}
+    exec(line, scope)
+    assert sorted(scope["g"]["model"].keys()) == ["embed.weight", WQ]

@@ -71,6 +71,19 @@ def ls(
         print_wide(_tree_table(ck, list(ck), title=ck.url), out)
         out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
                   f"{count(len(ck.metadata.objects), 'value')}; world size {ck.world_size}", highlight=False)
+        _print_open_line(path)
+
+
+def _print_open_line(path: str) -> None:
+    """The zarr-python line that opens the checkpoint by URL, on a line of its own.
+
+    Printed as it is, not through rich: a console would wrap it at the
+    terminal's width and read brackets in a path as markup, and it must paste
+    as one line of Python.
+    """
+    from ..read.url import open_line
+
+    print(open_line(path), flush=True)
 
 
 def _tree_table(ck: Any, keys: list[str], title: str) -> Table:
@@ -216,3 +229,4 @@ def info(
         for name, value in rows:
             table.add_row(name, value)
         print_wide(table, out)
+        _print_open_line(path)
