@@ -27,6 +27,7 @@ import tsckpt
 from tsckpt.cli import app, inspect  # noqa: F401 - inspect registers ls and info
 from tsckpt.read.url import TsckptFileSystem, open_line
 from tsckpt.storage.location import parse_location
+from reading_scripts import REFUSAL
 
 BUCKET = "tsckpt-url"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 WQ = "layers.0.attn.wq.weight"
@@ -116,14 +117,7 @@ out = {"imported_before_open": "tsckpt" in sys.modules}
 
 def same(values, want=expected):
     return bool(np.array_equal(np.asarray(values).astype(np.float32), want))
-
-def refusal(read):
-    try:
-        read()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
+''' + REFUSAL + r'''
 def bytes_read():
     return sum(v.get("value", 0) for m in ts.experimental_collect_matching_metrics(args["metric"]) for v in m["values"])
 

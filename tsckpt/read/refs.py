@@ -1,0 +1,108 @@
+"""Reference files: a packed checkpoint as byte ranges of its data files, for zarr-python without tsckpt.
+
+A packed checkpoint keeps its Zarr keys in an OCDBT database that only
+TensorStore reads. fsspec's ``reference://`` filesystem reads a kerchunk
+reference file (format version 1: each key mapped to ``[url, offset, length]``
+or to its content), so with only zarr-python and fsspec installed::
+
+    zarr.open_group("reference://step_1000", storage_options={"fo": "step_1000.refs.json"}, mode="r")
+
+opens the hierarchy the file describes. Documents are stored in it inline,
+chunks as ranges of the data files, so zarr's ``crc32c`` codec still checks
+every inner chunk it decodes. The keys are under one top-level name (the
+checkpoint's directory name): zarr-python 3.1's ``FsspecStore`` lists the
+groups of a store at the root of a reference filesystem as ``/model``, a path
+the filesystem does not know, so a group opened at the root would show no
+members.
+
+Data files are named through the template ``u``, the checkpoint's location
+when the file was written: ``template_overrides={"u": ...}`` in
+``storage_options`` reads a moved copy. On an object store, fsspec's target
+filesystem must be asynchronous like the one zarr opens
+(``"remote_options": {"asynchronous": True, ...}``); without it fsspec
+refuses with "Reference-FS's target filesystem must have same value of
+asynchronous" (zarr-python issues #2946 and #3323).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from typing import Any
+
+from ..commit import protocol as commit
+from ..commit.states import ROOT
+from ..errors import OptionError, StorageError
+from ..storage.kvio import problem
+from ..storage.layouts import PACKED
+from ..storage.location import LocationLike, parse_location
+from ..storage.store import Store
+
+#: The template naming the checkpoint's location in every data file's URL.
+TEMPLATE = "u"
+
+
+def references(location: LocationLike, *, name: str | None = None) -> dict[str, Any]:
+    """The reference document (kerchunk format, version 1) of the packed checkpoint at ``location``.
+
+    Args:
+        location: the checkpoint, as for :func:`tsckpt.open`.
+        name: the top-level name its keys are under (default: the location's last path element).
+
+    Raises:
+        OptionError: the checkpoint is in the plain layout, which every Zarr reader opens by path.
+    """
+    loc = parse_location(location)
+    store = Store.open(loc)
+    metadata = commit.read_metadata(store.kvstore, loc.url)
+    if metadata.layout != PACKED:
+        raise OptionError(f"{loc.url} is in the {metadata.layout} layout: zarr-python opens it by path "
+                          f"(zarr.open_group({json.dumps(loc.url)}, mode=\"r\")); references are for the packed layout")
+    store = store.for_checkpoint(metadata)
+    name = name if name is not None else default_name(location)
+    try:
+        root = store.kvstore.read(ROOT).result()
+    except ValueError as e:
+        raise StorageError(f"reading {loc.url}/{ROOT} failed: {problem(e)}") from None
+    refs: dict[str, Any] = {f"{name}/{ROOT}": _inline(bytes(root.value))}
+    for key, where in sorted(store.layout.locator(store, metadata).everything().items()):
+        if where.inline is not None:
+            refs[f"{name}/{key}"] = _inline(where.inline)
+        else:
+            refs[f"{name}/{key}"] = [f"{{{{{TEMPLATE}}}}}/{where.file}", where.offset, where.length]
+    return {"version": 1, "templates": {TEMPLATE: loc.url}, "refs": refs}
+
+
+def default_name(location: LocationLike) -> str:
+    """The location's last path element (``step_1000``), or ``ckpt`` where it has none."""
+    path = str(parse_location(location).spec.get("path", "")).rstrip("/")
+    return path.rsplit("/", 1)[-1] or "ckpt"
+
+
+def write_references(location: LocationLike, out: str | os.PathLike[str], *, name: str | None = None) -> str:
+    """Write :func:`references` of ``location`` to the local file ``out``; returns the top-level name."""
+    doc = references(location, name=name)
+    text = json.dumps(doc, separators=(",", ":"))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    return next(iter(doc["refs"])).split("/", 1)[0]
+
+
+def open_line(out: str | os.PathLike[str], name: str, location: LocationLike) -> str:
+    """The zarr-python line that opens the reference file ``out`` (written for ``location``)."""
+    options: dict[str, Any] = {"fo": os.path.abspath(out)}
+    if parse_location(location).is_object_store:
+        options["remote_options"] = {"asynchronous": True}
+    return f"g = zarr.open_group({json.dumps(f'reference://{name}')}, storage_options={options!r}, mode=\"r\")"
+
+
+def _inline(value: bytes) -> str:
+    """A value as the reference format stores one: its text, or ``base64:`` and its bytes encoded."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and not text.startswith("base64:"):
+        return text
+    return "base64:" + base64.b64encode(value).decode("ascii")
