@@ -13,7 +13,7 @@ every inner chunk it decodes. The keys are under one top-level name (the
 checkpoint's directory name): zarr-python 3.1's ``FsspecStore`` lists the
 groups of a store at the root of a reference filesystem as ``/model``, a path
 the filesystem does not know, so a group opened at the root would show no
-members.
+members (zarr-python 3.4.2 lists them).
 
 Data files are named through the template ``u``, the checkpoint's location
 when the file was written: ``template_overrides={"u": ...}`` in
