@@ -21,8 +21,10 @@ from tsckpt.storage.store import Store
 
 SHAPE = (10, 13)
 CHUNK = (3, 16)  # rows cut by the saving ranks; columns rounded up to whole inner chunks
-# Inner chunks across the array's edge and wholly outside it; stored row-major or column-major (below).
+# Inner chunks across the array's edge and wholly outside it.
 INNERS = [(1, 4), (1, 8), (3, 2)]
+# Columns uncut, stored slowest; or cut too, stored by inner-chunk count (row-major for inner chunks of 3x2).
+CHUNKS = [CHUNK, (3, 8)]
 
 
 def _data(dtype):
@@ -30,38 +32,33 @@ def _data(dtype):
     return rng.standard_normal(SHAPE) > 0 if dtype is bool else rng.standard_normal(SHAPE).astype(dtype)
 
 
-def _save(path, data, inner, crc32c_codec, uncut_first=True):
-    """Write ``data`` in row blocks as ranks would, through the encoder; returns the entry with its table.
-
-    ``uncut_first``: columns (which no chunk boundary cuts) stored slowest, as since format version 5;
-    else by inner-chunk count, as before (row-major where the columns hold more inner chunks).
-    """
+def _save(path, data, inner, crc32c_codec, chunk=CHUNK):
+    """Write ``data`` in row blocks as ranks would, through the encoder; returns the entry and its codecs."""
     dtype = "bool" if data.dtype == bool else data.dtype.name
-    entry = TensorEntry(("w",), "w", SHAPE, dtype, CHUNK, inner, None, uncut_first=uncut_first)
+    entry = TensorEntry(("w",), "w", SHAPE, dtype, chunk, inner, None)
     options = ArrayOptions(crc32c_codec=crc32c_codec)
     fmt = shards.shard_format(entry, options)
-    assert fmt.order == ((1, 0) if uncut_first else shards.ShardFormat(CHUNK, inner, 1).order)
     kv = ts.KvStore.open({"driver": "file", "path": f"{path}/w/"}).result()
     kv.write("zarr.json", json.dumps(zarr_json.tensor_metadata(entry, options)).encode()).result()
     found = {}
-    for row in range(0, SHAPE[0], CHUNK[0]):
-        for index, encoded, pieces, crcs in shard_encoding.encode_region(fmt, SHAPE, (row, 0), data[row:row + CHUNK[0]]):
+    for row in range(0, SHAPE[0], chunk[0]):
+        for index, encoded, pieces, crcs in shard_encoding.encode_region(fmt, SHAPE, (row, 0), data[row:row + chunk[0]]):
             assert len(encoded) == fmt.nbytes
             kv.write(zarr_json.chunk_key(index), encoded.tobytes()).result()
             found.update(zip(pieces.tolist(), crcs))
-    units = entry.checksum_grid
-    assert found == dict(zip(*checksums.region_checksums(data, units, (0, 0))))  # what the tables define
-    table = checksums.encode_table(units, list(found), list(found.values()))
-    return TensorEntry(("w",), "w", SHAPE, dtype, CHUNK, inner, None, table, uncut_first=uncut_first), options
+    # Each inner chunk's crc32c covers its elements inside the array, whatever the order it is stored in.
+    units = ChunkGrid(SHAPE, inner)
+    assert found == {units.flat_index(i): checksums.crc32c(data[view]) for i, view in units.chunks_within((0, 0), SHAPE)}
+    return entry, options
 
 
-@pytest.mark.parametrize("uncut_first", [True, False])
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("crc32c_codec", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, bool])
 @pytest.mark.parametrize("inner", INNERS)
-def test_encoded_chunks_are_zarr_that_other_readers_read(tmp_path, inner, dtype, crc32c_codec, uncut_first):
+def test_encoded_chunks_are_zarr_that_other_readers_read(tmp_path, inner, dtype, crc32c_codec, chunk):
     data = _data(dtype)
-    _save(tmp_path, data, inner, crc32c_codec, uncut_first)
+    _save(tmp_path, data, inner, crc32c_codec, chunk)
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{tmp_path}/w/"}, "fill_missing_data_reads": False}
     np.testing.assert_array_equal(ts.open(spec).result().read().result(), data)
     np.testing.assert_array_equal(zarr.open_array(f"{tmp_path}/w", mode="r")[...], data)
@@ -71,10 +68,10 @@ def test_encoded_chunks_are_zarr_that_other_readers_read(tmp_path, inner, dtype,
 @pytest.mark.parametrize("inner", INNERS)
 def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refused(tmp_path, inner):
     data = _data(np.float32)
-    entry, options = _save(tmp_path, data, inner, False, uncut_first=False)
-    # A version-3 plain checkpoint: the crc32c of each inner chunk in the root document's table.
-    md = CheckpointMetadata(world_size=1, tensors={"w": entry}, objects={}, version=3, array_options=options)
-    source = ChunkSource.of(Store.open(tmp_path).for_checkpoint(md), md)
+    entry, options = _save(tmp_path, data, inner, True)
+    # A plain checkpoint: each inner chunk followed by its crc32c.
+    md = CheckpointMetadata(world_size=1, tensors={"w": entry}, objects={}, array_options=options)
+    source = ChunkSource.of(Store.open(tmp_path, layout="plain").for_checkpoint(md), md)
     reader = BoxReader(source, entry, "tensor 'w'")
     rng = np.random.default_rng(1)
     for _ in range(60):
@@ -83,7 +80,7 @@ def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refus
         got = reader.read(lo, [b - a for a, b in zip(lo, hi)])
         np.testing.assert_array_equal(got, data[lo[0]:hi[0], lo[1]:hi[1]])
     # Flip one byte of the value at (4, 9); every box touching its inner chunk is refused, others are not.
-    fmt = shards.ShardFormat(CHUNK, inner, 4)
+    fmt = shards.shard_format(entry, options)
     local = (4 - 3, 9)
     piece = fmt.positions[np.ravel_multi_index([x // u for x, u in zip(local, inner)], fmt.grid)]
     offset = int(piece) * fmt.piece_bytes + int(np.ravel_multi_index([x % u for x, u in zip(local, inner)], inner)) * 4
@@ -110,11 +107,9 @@ def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refus
 def test_storage_order_puts_uncut_dimensions_first_then_the_dimension_with_most_inner_chunks_last():
     assert shards.ShardFormat((12565, 384), (1795, 16), 2).order == (0, 1)  # 7 x 24
     assert shards.ShardFormat((12565, 128), (359, 32), 2).order == (1, 0)  # 35 x 4
-    # Version 5: the columns of a row-sharded array's chunk come first, however many inner chunks each holds.
+    # The columns of a row-sharded array's chunk come first, however many inner chunks each holds.
     row_sharded = TensorEntry(("w",), "w", (50257, 384), "float32", (12565, 384), (1795, 16), None)
     assert shards.uncut(row_sharded) == (1,) and shards.shard_format(row_sharded, ArrayOptions()).order == (1, 0)
-    assert shards.uncut(TensorEntry(("w",), "w", (50257, 384), "float32", (12565, 384), (1795, 16), None,
-                                    uncut_first=False)) == ()  # before version 5
     assert shards.uncut(TensorEntry(("w",), "w", (70, 384), "float32", (70, 384), (7, 16), None)) == ()  # whole
     assert shards.ShardFormat((8, 6, 4), (2, 3, 1), 4, first=(1, 2)).order == (1, 2, 0)
     fmt = shards.ShardFormat((8, 6), (2, 3), 4)  # 4 x 2: column-major

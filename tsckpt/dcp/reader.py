@@ -45,7 +45,6 @@ from .replica_reads import RankNote, ReplicaShare, schedule
 from .replica_transfers import ReplicaTransfers
 from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
 from .values import DecodedValue
-from ..storage.kvio import storage_error
 from .io import TensorStoreIO, done
 
 
@@ -301,7 +300,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 planner.load_bytes(item, DecodedValue(self._read_object(fqn)))
                 continue
             reader = readers[fqn]
-            self._opened(reader, fqn)
             # Detached like DCP's own reader: a destination that requires grad is still filled in place.
             dest = planner.resolve_tensor(item).detach()
             in_place = readable_in_place(dest, reader.dtype)
@@ -322,14 +320,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
     def _stored_dtype(self, fqn: str) -> torch.dtype:
         assert self.metadata is not None
         return dtypes.to_torch_dtype(dtypes.from_zarr(self.metadata.tensors[fqn].dtype))
-
-    def _opened(self, reader: BoxReader, fqn: str) -> None:
-        try:
-            reader.opened()
-        except TsckptError:
-            raise
-        except ValueError as e:  # how TensorStore reports a failed open
-            raise storage_error(e, f"cannot open array of tensor {fqn!r} in {self.checkpoint_id}") from None
 
     def _result(self, fqn: str, dest: torch.Tensor, read: Callable[[], np.ndarray], copy: bool) -> np.ndarray:
         """The checked values of one read, also copied into ``dest`` unless read in place; one clear error."""

@@ -181,7 +181,6 @@ class SharedReads:
         read: Callable[[], np.ndarray] | None = None
         try:
             if error is None:
-                self.reader._opened(reader, item.fqn)
                 read = reader.plan(item.offsets, item.lengths, batch,
                                    out=dtypes.tensor_as_numpy(dest) if in_place else None)
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised

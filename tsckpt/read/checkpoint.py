@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import IncompleteCheckpointError, MetadataError, NotACheckpointError, OptionError, TsckptError
+from ..errors import IncompleteCheckpointError, NotACheckpointError, OptionError, TsckptError
 from ..format import dtypes, values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader
@@ -187,14 +187,7 @@ class TensorHandle:
         source = self._ck.source  # raises once the checkpoint is closed
         with self._lock:
             if self._box_reader is None:
-                reader = BoxReader(source, self.entry, f"tensor {self.key!r} in {self._ck.url}")
-                try:
-                    reader.opened()
-                except ValueError as e:
-                    raise MetadataError(f"cannot open the array of tensor {self.key!r} at {self._ck.url}/"
-                                      f"{self.entry.path} (expected {self.entry.dtype} "
-                                      f"{list(self.entry.shape)}): {e}") from None
-                self._box_reader = reader
+                self._box_reader = BoxReader(source, self.entry, f"tensor {self.key!r} in {self._ck.url}")
             return self._box_reader
 
     def numpy(self, slice: Index | None = None) -> np.ndarray:  # noqa: A002 - mirrors handle[...]

@@ -5,7 +5,7 @@ stored value checks that:
 
 * the array's ``zarr.json`` exists and agrees with the metadata (shape, data type, chunk grid, codecs);
 * every chunk of the regular grid exists (a missing one is an error, never fill values), decodes, and
-  matches its crc32c: stored beside each piece (version 4 on), or in the root document (before).
+  matches the crc32c stored beside each piece and the content hash its rank recorded.
 
 Problems are collected per entry instead of stopping at the first, so one run
 tells which tensors and which chunks are damaged. Torch-free.
@@ -27,7 +27,6 @@ from ..format import compressed, content_hashes, dtypes, shards, zarr_json
 from ..format.digest_table import DigestTable
 from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader
 from ..storage.chunk_source import ChunkSource
 from ..storage.fetchers import LocalFiles
 from ..format.grid import ChunkGrid
@@ -71,7 +70,7 @@ class VerifyReport:
 
     location: str
     entries: tuple[EntryReport, ...] = field(default_factory=tuple)
-    #: Version 4: the data files, digest tables and index beside the arrays (None before).
+    #: The data files, digest tables and index beside the arrays.
     files: EntryReport | None = None
 
     @property
@@ -111,48 +110,21 @@ class _Target:
     entry: TensorEntry | None  # None for a blob
 
 
-def _disagreements(want_any: list[dict[str, Any]], doc: Mapping[str, Any]) -> list[str]:
-    """How ``doc`` differs from the closest of the ``zarr.json`` documents tsckpt could have written.
-
-    The whole document is compared except ``attributes`` (informative) and the
-    chunk-key separator, which is ``/`` in checkpoints from before ``.``.
-    """
-    found = {k: v for k, v in doc.items() if k != "attributes"}
-    encoding = doc.get("chunk_key_encoding")
-    diff: list[str] = []
-    if not isinstance(encoding, dict) or encoding.get("name") != "default" \
-            or zarr_json.chunk_key_separator(dict(doc)) not in (".", "/"):
-        diff.append(f"chunk_key_encoding: zarr.json says {encoding!r}, expected Zarr's default with '.' or '/'")
-    else:
-        found["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": zarr_json.CHUNK_KEY_SEPARATOR}}
-    wants = [{k: v for k, v in w.items() if k != "attributes"} for w in want_any]
-    if not diff and found in wants:
-        return []
-    best = min(wants, key=lambda w: sum(w.get(k) != found.get(k) for k in w.keys() | found.keys()))
-    for k in sorted(best.keys() | found.keys()):
-        if k == "codecs" and found.get(k) != best.get(k) and all(found.get(k) != w["codecs"] for w in wants):
-            diff.append(f"codecs: zarr.json says {found.get(k)!r}, not a chain tsckpt writes for this array")
-        elif k != "codecs" and best.get(k) != found.get(k):
-            diff.append(f"{k}: metadata says {best.get(k)!r}, zarr.json says {found.get(k)!r}")
-    return diff
+def _disagreements(want: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]:
+    """How ``doc`` differs from the ``zarr.json`` tsckpt wrote, ``attributes`` (informative) aside."""
+    return [f"{k}: metadata says {want.get(k)!r}, zarr.json says {doc.get(k)!r}"
+            for k in sorted((want.keys() | doc.keys()) - {"attributes"}) if want.get(k) != doc.get(k)]
 
 
-def _expected_docs(target: _Target, doc: Mapping[str, Any], options: ArrayOptions | None) -> list[dict[str, Any]] | None:
-    """The documents tsckpt could have written for ``target`` (for a blob, of the length ``doc`` declares).
-
-    A version-2 checkpoint names its codec options, so exactly one document is expected.
-    """
-    e = target.entry
-    if e is not None and options is not None:
-        return [zarr_json.tensor_metadata(e, options)]
-    if e is not None:
-        return [zarr_json.array_metadata(e.shape, e.dtype, e.chunk_shape, e.inner_chunk_shape,
-                                         checksums=c, compression=z) for c, z in zarr_json.writer_options()]
+def _expected_doc(target: _Target, doc: Mapping[str, Any], options: ArrayOptions) -> dict[str, Any] | None:
+    """The document tsckpt wrote for ``target`` (for a blob, of the length ``doc`` declares)."""
+    if target.entry is not None:
+        return zarr_json.tensor_metadata(target.entry, options)
     shape = doc.get("shape")
     if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
             and not isinstance(shape[0], bool) and 0 <= shape[0] < 2**63):
         return None
-    return [zarr_json.blob_metadata(shape[0])]
+    return zarr_json.blob_metadata(shape[0])
 
 
 class _Checker:
@@ -182,7 +154,7 @@ class _Checker:
         problems += [f"chunk {key}: {target.path}/{key} is missing" for key in missing]
         # A missing chunk is reported once, not again as the read that fails on it.
         present = [i for i in indices if zarr_json.chunk_key(i, sep) not in missing]
-        read_problems, checksummed = self._read_chunks(target, chunks, present, nbytes, sep)
+        read_problems, checksummed = self._read_chunks(target, present, nbytes, sep)
         return EntryReport(target.key, target.path, nbytes, len(indices), tuple(problems + read_problems),
                            checksummed)
 
@@ -196,11 +168,11 @@ class _Checker:
         if not isinstance(doc, dict) or doc.get("node_type") != "array":
             problems.append(f"{where} is missing or is not a Zarr array")
             return None
-        wants = _expected_docs(target, doc, self.store.array_options)
-        if wants is None:
+        want = _expected_doc(target, doc, self.source.metadata.array_options)
+        if want is None:
             problems.append(f"{where} is not a 1-d uint8 array as a stored value must be")
             return None
-        diff = _disagreements(wants, doc)
+        diff = _disagreements(want, doc)
         if diff:
             problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
             return None
@@ -221,13 +193,13 @@ class _Checker:
 
     def _read_stored(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
                      sep: str) -> tuple[list[str], int]:
-        """Version 4: every chunk read as stored, whole, and checked as stored: its size and index, the crc32c
+        """Every chunk read as stored, whole, and checked as stored: its size and index, the crc32c
         beside each inner chunk (or, compressed, each decoded), and the content hash its rank recorded (a
         chunk replaced whole by another intact one has every crc32c right)."""
         entry = target.entry
         assert entry is not None
         md = self.source.metadata
-        options = md.array_options or ArrayOptions()
+        options = md.array_options
         fmt = shards.value_format(entry, options)
         dtype = dtypes.from_zarr(entry.dtype).numpy
         what = f"tensor {target.key!r}"
@@ -280,47 +252,27 @@ class _Checker:
             self.advance(chunk_bytes * len(part))
         return problems, checked
 
-    def _read_chunks(self, target: _Target, chunks: ChunkGrid, indices: list[tuple[int, ...]],
-                     nbytes: int, sep: str) -> tuple[list[str], int]:
+    def _read_chunks(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
+                     sep: str) -> tuple[list[str], int]:
         if not indices:
             return [], 0
-        if target.entry is not None and self.source.metadata.data_files is not None:
+        if target.entry is not None:
             return self._read_stored(target, indices, nbytes, sep)
+        return self._read_blob(target, nbytes, sep), 0
+
+    def _read_blob(self, target: _Target, nbytes: int, sep: str) -> list[str]:
+        """A value blob, read whole through TensorStore, whose crc32c codec checks it."""
         try:
-            if target.entry is not None:
-                reader = BoxReader(self.source, target.entry, f"tensor {target.key!r}")
-                reader.opened()
-            else:
-                blob = self.store.open_blob(target.path).result()
+            blob = self.store.open_blob(target.path).result()
         except Exception as e:  # TensorStore reports every failure as ValueError or its own types
-            return [f"cannot open the array: {e}"], 0
-        problems: list[str] = []
-        checksummed = 0
-        entry = target.entry
-
-        # Whether each chunk read is compared with a crc32c: its own (version 4), or the root document's table.
-        table = entry is not None and (self.source.metadata.codec_checksums or entry.checksums is not None)
-        chunk_bytes = max(nbytes // len(indices), 1)
-        batch = max(1, _IN_FLIGHT_BYTES // chunk_bytes)
-        for start in range(0, len(indices), batch):
-            part = indices[start:start + batch]
-            if target.entry is not None:
-                # Every inner chunk is checked against the checksum table as it is read.
-                futures = [(idx, reader.start([r.start for r in chunks.chunk_region(idx)],
-                                              [r.stop - r.start for r in chunks.chunk_region(idx)]))
-                           for idx in part]
-            else:
-                futures = [(idx, blob.read()) for idx in part]
-            for idx, fut in futures:
-                try:
-                    fut.result()  # checks every inner chunk it reads against its crc32c
-                    checksummed += table
-                except Exception as e:
-                    problems.append(f"chunk {zarr_json.chunk_key(idx, sep)}: {e}")
-                    continue
-
-            self.advance(chunk_bytes * len(part))
-        return problems, checksummed
+            return [f"cannot open the array: {e}"]
+        problems = []
+        try:
+            blob.read().result()
+        except Exception as e:
+            problems.append(f"chunk {zarr_json.chunk_key((0,), sep)}: {e}")
+        self.advance(nbytes)
+        return problems
 
 
 def _targets(md: CheckpointMetadata) -> list[_Target]:
@@ -360,7 +312,7 @@ def verify(
 
 
 def _files_report(source: ChunkSource) -> EntryReport | None:
-    """Version 4: the files beside the arrays, checked whole: each data file's size, each rank's digest
+    """The files beside the arrays, checked whole: each data file's size, each rank's digest
     table and the packed layout's index (nodes and manifest, by their crc32c)."""
     md = source.metadata
     files = md.data_files

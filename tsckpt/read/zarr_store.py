@@ -8,9 +8,8 @@ spec) is readable by zarr-python, dask and xarray without fsspec.
 In a packed checkpoint every key but the root ``zarr.json`` lives in the
 OCDBT database (:mod:`tsckpt.storage.packed`); the root document is a plain
 file beside it. The store routes each key accordingly, so zarr-python sees one
-ordinary Zarr v3 hierarchy either way. Chunks of format version 4 carry
-Zarr's crc32c codec, which zarr-python checks itself; older ones are checked
-here (:mod:`tsckpt.read.served_chunks`) before any byte is served.
+ordinary Zarr v3 hierarchy either way. Chunks carry Zarr's crc32c codec
+(unless saved with ``checksums=False``), which zarr-python checks itself.
 """
 
 from __future__ import annotations
@@ -32,11 +31,9 @@ from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
 from ..storage.store import Store as SpecStore
 from ..commit.states import ROOT
 from ..format.metadata import CheckpointMetadata
-from ..format.versions import CODEC_CHECKSUMS_VERSION
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import problem
-from .served_chunks import Plan, Request, ServedChunks
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -87,10 +84,9 @@ class TensorStoreZarrStore(Store):
         self.location = location
         self.layout = layout
         self.io_concurrency = io_concurrency
-        #: The committed checkpoint's metadata: with it, every tensor chunk byte served is checked first.
+        #: The committed checkpoint's metadata (None: a location opened as found, committed or not).
         self.metadata = metadata
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
-        self._served: ServedChunks | None = None
         self._opened_at = 0.0
         self._copies: list[weakref.ref[TensorStoreZarrStore]] = []  # what close() closes too
 
@@ -102,9 +98,6 @@ class TensorStoreZarrStore(Store):
             store = SpecStore.open(self.location, io_concurrency=self.io_concurrency, layout=self.layout)
             if self.metadata is not None:
                 store = store.for_checkpoint(self.metadata)
-                if self.metadata.version < CODEC_CHECKSUMS_VERSION:
-                    # Older chunks' crc32c values are in the root document: checked here before they are served.
-                    self._served = ServedChunks(self.metadata, store)
             self._stores = (store.kvstore, store.layout.hierarchy(store))
             self._opened_at = time.time()
         return self._stores
@@ -115,7 +108,7 @@ class TensorStoreZarrStore(Store):
 
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle (dask may pickle the store); reopen lazily.
-        return {**self.__dict__, "_stores": None, "_served": None, "_copies": []}
+        return {**self.__dict__, "_stores": None, "_copies": []}
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, TensorStoreZarrStore) and self.location == other.location
@@ -141,7 +134,7 @@ class TensorStoreZarrStore(Store):
             copy = ref()
             if copy is not None:
                 copy.close()
-        self._stores, self._served = None, None
+        self._stores = None
         super().close()
 
     def with_read_only(self, read_only: bool = False) -> TensorStoreZarrStore:
@@ -164,25 +157,8 @@ class TensorStoreZarrStore(Store):
         if "OUT_OF_RANGE" not in str(error):
             raise self._error(key, error) from None
 
-    def _plan(self, key: str, byte_range: ByteRequest | None) -> Plan | None:
-        """How a tensor chunk key is served checked (None: any other key, served as stored)."""
-        self._kvstores()
-        return self._served.plan(key, _as_request(byte_range)) if self._served is not None else None
-
-    def _checked(self, key: str, plan: Plan) -> ts.Future:
-        return self._route(key).read(key, byte_range=plan.fetch, staleness_bound=self._opened_at)
-
     async def get(self, key: str, prototype: BufferPrototype | None = None,
                   byte_range: ByteRequest | None = None) -> Buffer | None:
-        plan = self._plan(key, byte_range)
-        if plan is not None:
-            if plan.before is not None:
-                await asyncio.get_running_loop().run_in_executor(None, plan.before)
-            try:
-                result = await self._checked(key, plan)
-            except ValueError as e:
-                raise self._error(key, e) from None
-            return self._from(prototype, plan.finish(result))
         try:
             return self._buffer(prototype, await self._read(key, byte_range))
         except ValueError as e:
@@ -192,15 +168,6 @@ class TensorStoreZarrStore(Store):
     def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
                  byte_range: ByteRequest | None = None) -> Buffer | None:
         """Synchronous read (zarr's ``SupportsGetSync`` protocol)."""
-        plan = self._plan(key, byte_range)
-        if plan is not None:
-            if plan.before is not None:
-                plan.before()
-            try:
-                result = self._checked(key, plan).result()
-            except ValueError as e:
-                raise self._error(key, e) from None
-            return self._from(prototype, plan.finish(result))
         try:
             return self._buffer(prototype, self._read(key, byte_range).result())
         except ValueError as e:
@@ -273,10 +240,6 @@ class TensorStoreZarrStore(Store):
         return StorageError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
 
     @staticmethod
-    def _from(prototype: BufferPrototype | None, value: bytes) -> Buffer:
-        return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
-
-    @staticmethod
     def _buffer(prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
                 clip: ByteRequest | None = None) -> Buffer | None:
         """The value read, or None for a missing key; ``clip`` cuts a whole value to a range."""
@@ -284,18 +247,6 @@ class TensorStoreZarrStore(Store):
             return None
         value = result.value if clip is None else _clip(result.value, clip)
         return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
-
-
-def _as_request(byte_range: ByteRequest | None) -> Request:
-    if byte_range is None:
-        return None
-    if isinstance(byte_range, RangeByteRequest):
-        return byte_range.start, byte_range.end
-    if isinstance(byte_range, OffsetByteRequest):
-        return byte_range.offset, None
-    if isinstance(byte_range, SuffixByteRequest):
-        return "suffix", byte_range.suffix
-    raise TypeError(f"unexpected byte range {byte_range!r}")
 
 
 def _as_slice(byte_range: ByteRequest | None) -> slice | None:

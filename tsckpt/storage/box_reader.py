@@ -1,24 +1,19 @@
 """Reading a box of one tensor: byte ranges planned per file, every value checked before it is placed.
 
-Every read path (the DCP reader, :func:`tsckpt.open` handles, whole-tensor
-reads for ``convert`` and ``diff``, ``verify``) reads through a
-:class:`BoxReader`. A box is read as the whole checksummed pieces it touches
-(inner chunks, or outer chunks without them): :meth:`BoxReader.plan` finds
-where each piece is stored (the layout's :class:`~tsckpt.storage.layouts.Locator`)
-and asks a :class:`~tsckpt.storage.byte_reads.RangeBatch` for its bytes, so
-the ranges of many boxes and tensors are merged per file and fetched
-together; the returned call checks every piece (its crc32c, stored beside
-it since format version 4, or the root document's table before) and only
-then copies what the box wants of it into place. Nothing of a piece that
-fails is ever placed.
+The DCP reader, :func:`tsckpt.open` handles and whole-tensor reads for
+``convert`` and ``diff`` read through a :class:`BoxReader`. A box is read as
+the whole checksummed pieces it touches (inner chunks, or outer chunks
+without them): :meth:`BoxReader.plan` finds where each piece is stored (the
+layout's :class:`~tsckpt.storage.layouts.Locator`) and asks a
+:class:`~tsckpt.storage.byte_reads.RangeBatch` for its bytes, so the ranges
+of many boxes and tensors are merged per file and fetched together; the
+returned call checks every piece (the crc32c stored beside it) and only then
+copies what the box wants of it into place. Nothing of a piece that fails is
+ever placed.
 
-Which chunks are read this way: every chunk tsckpt encodes (outer chunks in
-:class:`~tsckpt.format.shards.ShardFormat`, uncompressed), in either layout
-and every format version with checksums; compressed chunks of version 4,
-fetched whole and decoded (:mod:`tsckpt.format.compressed`). Other arrays
-(versions 1 and 2, compressed or unchecked version-3 arrays) are read through
-TensorStore's array driver, over the box widened to whole pieces, and checked
-before anything is copied out.
+Uncompressed chunks (outer chunks in :class:`~tsckpt.format.shards.ShardFormat`)
+are read by the byte ranges of the pieces a box needs; compressed ones are
+fetched whole and decoded (:mod:`tsckpt.format.compressed`).
 """
 
 from __future__ import annotations
@@ -26,33 +21,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
-import tensorstore as ts
 
 from ..errors import ChecksumError
-from ..format import checksums, compressed, dtypes, shards, untiling, zarr_json
-from ..format.metadata import CheckpointMetadata, TensorEntry
+from ..format import compressed, dtypes, shards, untiling, zarr_json
+from ..format.metadata import TensorEntry
 from .byte_reads import RangeBatch
 from .chunk_source import ChunkSource
 from .fetchers import LocalFiles
 from .planned_box import ChunkStep, PendingBox, PlannedBox
-
-Finish = Callable[[], np.ndarray]
-
-
-def _mode(entry: TensorEntry, md: CheckpointMetadata) -> str:
-    """How ``entry``'s chunks are read: ``"encoded"`` (tsckpt's layout, by byte ranges), ``"compressed"``
-    (whole values, decoded here) or ``"array"`` (TensorStore's array driver)."""
-    options = md.array_options
-    if md.codec_checksums or (md.version >= 4 and options is not None):
-        return "compressed" if options is not None and options.compression is not None else "encoded"
-    if entry.checksums is not None and entry.checksums_per_inner_chunk and options is not None \
-            and options.compression is None:
-        return "encoded"
-    return "array"
 
 
 class BoxReader:
@@ -63,21 +42,10 @@ class BoxReader:
         self.entry = entry
         self.what = what
         self.dtype = dtypes.from_zarr(entry.dtype).numpy
-        md = source.metadata
-        self.mode = _mode(entry, md)
-        options = md.array_options
-        self.fmt = shards.value_format(entry, options) if self.mode != "array" and options is not None else None
-        self.table: np.ndarray | None = None
-        # Runs of a chunk read as one block are checked by their own crc32c, or not at all (no table either).
-        self._blockwise = md.codec_checksums or entry.checksums is None
-        self._array: Any = None
-        if self.mode == "array":
-            self._array = source.store.open_tensor(entry)
-
-    def opened(self) -> None:
-        """Wait for TensorStore's open of the array, where it is read through TensorStore (raises what it raised)."""
-        if self._array is not None:
-            self._array.result()
+        options = source.metadata.array_options
+        #: Whole chunks decoded here (None: tsckpt's layout, read by byte ranges).
+        self.compression = options.compression
+        self.fmt = shards.value_format(entry, options)
 
     def held_bytes(self, sizes: Sequence[int], out: bool) -> int:
         """About how many bytes of host memory a read of ``sizes`` holds until its result is taken."""
@@ -108,8 +76,6 @@ class BoxReader:
             out = np.empty(sizes, dtype=self.dtype)
         if 0 in sizes:
             return PlannedBox(out, ())
-        if self.mode == "array":
-            return PlannedBox(out, (ChunkStep((), self._read_array(offsets, sizes, out)),))
         chunks = list(self.entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, sizes)]))
         self.source.locator.prefetch(self._key(index) for index in chunks)
         return PlannedBox(out, tuple(self._planned(index, offsets, sizes, batch, out) for index in chunks))
@@ -146,14 +112,13 @@ class BoxReader:
     def _plan_chunk(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
                     batch: RangeBatch, out: np.ndarray) -> ChunkStep:
         fmt = self.fmt
-        assert fmt is not None
         key = self._key(index)
         found = self.source.locator.locate(key)
         if found is None:
             raise ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} "
                              f"is missing")
         start = tuple(i * c for i, c in zip(index, self.entry.grid.chunk_shape))
-        if self.mode == "compressed":
+        if self.compression is not None:
             if found.length is None:  # a plain layout's file: its size is known only to the store
                 return ChunkStep((), self._compressed_file(found.file, index, start, offsets, sizes, out))
             whole = batch.want(found.file, found.offset, found.offset + found.length)
@@ -172,10 +137,9 @@ class BoxReader:
             first, last = (0,) * len(fmt.grid), fmt.grid
         else:
             region = self.entry.grid.chunk_region(index)
-            lo, extent = checksums.covering_box(self.entry, offsets, sizes) \
-                if not self.source.metadata.codec_checksums else (offsets, sizes)
-            first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(lo, region, fmt.inner))
-            last = tuple(-(-(min(o + n, r.stop) - r.start) // i) for o, n, r, i in zip(lo, extent, region, fmt.inner))
+            first = tuple((max(o, r.start) - r.start) // i for o, r, i in zip(offsets, region, fmt.inner))
+            last = tuple(-(-(min(o + n, r.stop) - r.start) // i)
+                         for o, n, r, i in zip(offsets, sizes, region, fmt.inner))
         whole = first == (0,) * len(fmt.grid) and last == fmt.grid
         if whole and fmt.nbytes <= batch.cost.max_request:
             # The whole chunk, index included, as one range, checked and placed in one go: a band of a banded
@@ -193,7 +157,7 @@ class BoxReader:
         # the pieces of an object of its own, which has no size on record (one cut short fails there).
         indexed = fmt.indexed and (whole or found.length is None and not isinstance(self.source.fetcher, LocalFiles))
         span = (int(positions[-1]) - int(positions[0]) + 1) * fmt.piece_bytes
-        if (len(runs) > 1 and not indexed and self._blockwise and span <= batch.cost.max_request
+        if (len(runs) > 1 and not indexed and span <= batch.cost.max_request
                 and (int(np.diff(positions).max()) - 1) * fmt.piece_bytes <= batch.cost.gap_bytes):
             # Runs the batch would fetch as one request anyway: one range, checked and placed as one block.
             slot = batch.want(found.file, base + int(positions[0]) * fmt.piece_bytes,
@@ -223,7 +187,7 @@ class BoxReader:
         """A whole stored outer chunk whose index is not the one tsckpt writes, as (its inner chunks' bytes one
         after the other in tsckpt's order, their storage positions)."""
         fmt = self.fmt
-        assert fmt is not None and data is not None
+        assert data is not None
         data = np.asarray(data).reshape(-1)
         tail = data[fmt.nbytes - fmt.index_bytes:]
         positions = np.arange(fmt.pieces)
@@ -238,32 +202,18 @@ class BoxReader:
             raise ChecksumError(f"{self.what}: {where}: the shard index points outside the shard's data")
         return np.concatenate([data[a:a + fmt.piece_bytes] for a in starts.tolist()]), positions
 
-    def _checksums(self) -> np.ndarray | None:
-        if self.entry.checksums is not None and self.table is None:
-            self.table = checksums.decode_table(self.entry.checksums, self.entry.checksum_grid, self.what)
-        return self.table
-
-    def _check(self, index: tuple[int, ...], positions: np.ndarray, stored: np.ndarray, values: np.ndarray,
-               pieces: np.ndarray) -> None:
-        """Check inner chunks before any of them is placed: their codec crc32c (version 4) or the table's."""
-        fmt = self.fmt
-        assert fmt is not None
+    def _check(self, index: tuple[int, ...], positions: np.ndarray, stored: np.ndarray, pieces: np.ndarray) -> None:
+        """Check inner chunks against the crc32c stored after each (``pieces``) before any of them is placed."""
         if self.source.metadata.codec_checksums:
             raw = stored.shape[1]
             found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=len(stored))
             self._compare(index, positions, found, pieces[:, raw:raw + 4])
-            return
-        table = self._checksums()
-        if table is not None:
-            coords = fmt.coords(positions) + np.asarray(index) * np.asarray(fmt.grid)
-            shards.check_pieces(self.entry, fmt, table, index, coords, stored, values, self.what)
 
     def _compare(self, index: tuple[int, ...], positions: np.ndarray, found: np.ndarray, stored: np.ndarray) -> None:
         """Refuse the inner chunks at storage ``positions`` unless their crc32c ``found`` are the ``stored`` ones
         (4 bytes each, little-endian)."""
         bad = np.flatnonzero(found != np.ascontiguousarray(stored).view("<u4").reshape(-1))
         if len(bad):
-            assert self.fmt is not None
             at = self.fmt.coords(positions[bad[:1]])[0].tolist()
             inner = f" at inner chunk {at}" if self.fmt.indexed else ""
             raise ChecksumError(f"{self.what}: chunk {list(index)} does not match its stored crc32c{inner} "
@@ -275,7 +225,6 @@ class BoxReader:
         """Check the inner chunks ``[first, last)`` of outer chunk ``index`` (at storage ``positions``, within
         the stored bytes ``span``), then copy what the box ``offsets``/``sizes`` wants of them to ``out``."""
         fmt = self.fmt
-        assert fmt is not None
         raw = math.prod(fmt.inner) * fmt.itemsize
         pieces = untiling.stored_block(span, fmt.grid, fmt.order, fmt.piece_bytes, first, last)
         if self.source.metadata.codec_checksums:
@@ -292,7 +241,6 @@ class BoxReader:
         ``offsets``/``sizes`` wants of it to ``out``. ``inside``: the chunk lies in the box, and the chunks
         carry their crc32c (as :meth:`_plan_chunk` found)."""
         fmt = self.fmt
-        assert fmt is not None
         end = [s + c for s, c in zip(start, fmt.chunk)]
         # Rows one after the other (a band's) are checked by one crc32c call per inner chunk and copied in one
         # go, where the general check and untiling cost a band 4-5x its copy.
@@ -309,7 +257,7 @@ class BoxReader:
         if rows:  # splitting an axis is always a view
             np.copyto(dest.reshape(fmt.rows), pieces[:, :raw].view(self.dtype).reshape(fmt.rows))
             return
-        self._check(index, fmt.stored, pieces[:, :raw], pieces[:, :raw], pieces)
+        self._check(index, fmt.stored, pieces[:, :raw], pieces)
         np.copyto(*shards.tile_views(dest, fmt.grid_view(pieces[:, :raw].view(self.dtype)), fmt.grid, fmt.inner))
 
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
@@ -323,14 +271,13 @@ class BoxReader:
         of the block ``[first, last)``.
         """
         fmt = self.fmt
-        assert fmt is not None
         data, positions, at = read
         count = len(positions)
         raw = math.prod(fmt.inner) * fmt.itemsize
         pieces = data[:count * fmt.piece_bytes].reshape(count, fmt.piece_bytes)
         stored = pieces[:, :raw]
         values = stored.view(self.dtype).reshape(count, *fmt.inner)
-        self._check(index, positions, stored, values, pieces)
+        self._check(index, positions, stored, pieces)
         order = fmt.order
         # The run is a range of the block's storage order: boxes of the block, each a view of its bytes.
         for lo, hi in untiling.linear_boxes([last[d] - first[d] for d in order], at, at + count):
@@ -343,7 +290,6 @@ class BoxReader:
         """Copy what the box ``offsets``/``sizes`` wants of checked inner chunks ``stored`` (``(*block, *inner)``,
         the block in storage order, from grid coordinates ``corner`` of the outer chunk at ``start``) to ``out``."""
         fmt = self.fmt
-        assert fmt is not None
         ndim = len(fmt.inner)
         values = stored.transpose(*[fmt.order.index(d) for d in range(ndim)], *range(ndim, 2 * ndim))
         origin = tuple(s + c * i for s, c, i in zip(start, corner, fmt.inner))
@@ -352,13 +298,12 @@ class BoxReader:
                   zip(origin, values.shape[:ndim], fmt.inner, offsets, sizes, self.entry.shape))
         untiling.untile_into(values, fmt.inner, origin, a, b, out, offsets)
 
-    # --- compressed chunks (version 4) ----------------------------------------------
+    # --- compressed chunks ------------------------------------------------------------
 
     def _place_compressed(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray | None,
                           offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
-        options = self.source.metadata.array_options
-        assert self.fmt is not None and data is not None and options is not None and options.compression
-        compressed.place(self.fmt, options.compression, data, self.dtype, f"{self.what}: chunk {list(index)}",
+        assert data is not None and self.compression is not None
+        compressed.place(self.fmt, self.compression, data, self.dtype, f"{self.what}: chunk {list(index)}",
                          start, self.entry.shape, offsets, sizes, out)
 
     def _compressed_file(self, key: str, index: tuple[int, ...], start: tuple[int, ...], offsets: tuple[int, ...],
@@ -374,28 +319,6 @@ class BoxReader:
             self._place_compressed(index, start, np.frombuffer(result.value, np.uint8), offsets, sizes, out)
 
         return step
-
-    # --- through TensorStore's array driver -----------------------------------------
-
-    def _read_array(self, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> Finish:
-        lo, extent = checksums.covering_box(self.entry, offsets, sizes)
-        source = self._array.result()[tuple(slice(o, o + n) for o, n in zip(lo, extent))]
-        table_checked = self.entry.checksums is not None
-        # Without a table there is nothing to check: read straight into place. With one, into a
-        # buffer first: nothing of a read that fails its check may reach the caller's tensor.
-        direct = not table_checked and extent == sizes
-        fut = ts.array(out, copy=False, write=True).write(source) if direct else source.read()
-
-        def finish() -> np.ndarray:
-            if direct:
-                fut.result()
-                return out
-            data = np.asarray(fut.result())
-            checksums.check_read(self.entry, data, lo, self.what, self._checksums())
-            np.copyto(out, data[tuple(slice(o - a, o - a + n) for o, a, n in zip(offsets, lo, sizes))])
-            return out
-
-        return finish
 
 
 def _runs(positions: np.ndarray, most: int) -> list[tuple[int, int]]:

@@ -68,12 +68,12 @@ class ChunkSource:
         return self._saved
 
     def digests(self, entry: TensorEntry) -> dict[int, bytes]:
-        """The content hash each rank recorded for each outer chunk of ``entry``, by flat index (version 4)."""
+        """The content hash each rank recorded for each outer chunk of ``entry``, by flat index."""
         return {flat: digest for flat, (_, digest) in self._tables().get(entry.path, {}).items()}
 
     def writers(self, entry: TensorEntry) -> dict[int, int]:
         """Which rank saved each outer chunk of ``entry`` (by flat index), from the ranks' digest tables
-        (version 4; where a save recorded none, from which rank's data file holds it, packed)."""
+        (where a save recorded none, from which rank's data file holds it, packed)."""
         files = self.metadata.data_files
         if files is None:
             return {}
@@ -107,8 +107,6 @@ class ChunkSource:
 
     def read_blob(self, name: str, path: str) -> bytes:
         """The bytes of value blob ``name`` stored at array ``path``, checked against its crc32c."""
-        if self.metadata.version < 4:
-            return self.store.read_blob(name, path)
         key = f"{path}/{zarr_json.chunk_key((0,))}"
         where = f"value {name!r} in {self.store.url}"
         try:

@@ -11,9 +11,6 @@ and every TensorStore spec is still built by :mod:`tsckpt.storage.store`.
 * ``"plain"``: each array under its own path below the location, one file (or
   object) per chunk. Any Zarr v3 reader opens it directly.
 
-Checkpoints packed before format version 4 are read through TensorStore's
-OCDBT kvstore (:class:`LegacyPackedLayout`), never written.
-
 A layout subclasses :class:`KvLayout` and is decorated with
 :func:`register_layout`; a checkpoint's metadata names its layout and
 :func:`layout_for` selects it.
@@ -40,7 +37,6 @@ from ..errors import MetadataError, OptionError
 from ..format import ocdbt
 from ..format.data_files import Span
 from ..format.metadata import CheckpointMetadata
-from ..format.versions import CODEC_CHECKSUMS_VERSION
 from . import key_sinks, packed, sinks
 from .kvio import storage_error
 from .localfs import unsynced_nodes
@@ -69,7 +65,7 @@ class Located:
 class Locator(ABC):
     """A committed checkpoint's keys, as a reader finds them (see :meth:`KvLayout.locator`)."""
 
-    #: The kvstore files are read from: the location's own, or an older packed checkpoint's database.
+    #: The kvstore files are read from: the location's own.
     kvstore: ts.KvStore
 
     @abstractmethod
@@ -101,8 +97,6 @@ class KvLayout(ABC):
     """How a checkpoint's arrays and node documents map onto files or objects under its location."""
 
     name: ClassVar[str]
-    #: Whether saves may use it (layouts of older format versions are read only).
-    writable: ClassVar[bool] = True
 
     @abstractmethod
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
@@ -180,9 +174,7 @@ def default_layout() -> str:
 
 
 def layout_for(metadata: CheckpointMetadata) -> KvLayout:
-    """The layout a committed checkpoint was written with (every version-1 checkpoint is plain)."""
-    if metadata.layout == PACKED and metadata.version < CODEC_CHECKSUMS_VERSION:
-        return LegacyPackedLayout()
+    """The layout a committed checkpoint was written with."""
     try:
         return LAYOUTS[metadata.layout]
     except KeyError:
@@ -336,44 +328,6 @@ class PackedLayout(KvLayout):
 
     def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
         return _PackedLocator(store, metadata)
-
-    def hierarchy(self, store: Store) -> ts.KvStore:
-        return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
-
-
-class _LegacyLocator(Locator):
-    def __init__(self, kv: ts.KvStore):
-        self.kvstore = kv
-
-    def locate(self, key: str) -> Located | None:
-        return Located(key)
-
-
-class LegacyPackedLayout(KvLayout):
-    """A checkpoint packed before format version 4 (per-rank OCDBT databases joined by TensorStore): read only."""
-
-    name = PACKED
-    writable = False
-
-    def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
-        return packed.read_kvstore(dict(location.spec), path)
-
-    def context(self, parent: ts.Context) -> ts.Context:
-        return packed.reader_context(parent)
-
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        raise OptionError("checkpoints are no longer written in the packed layout of format version 3")
-
-    def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
-        return ()
-
-    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
-                    values: packed.StoredValues | None,
-                    fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
-        raise OptionError("checkpoints are no longer written in the packed layout of format version 3")
-
-    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
-        return _LegacyLocator(self.hierarchy(store))
 
     def hierarchy(self, store: Store) -> ts.KvStore:
         return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
