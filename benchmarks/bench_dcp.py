@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import platform
-import shlex
 import shutil
 import sys
 import tempfile
@@ -206,23 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"machine": f"{os.cpu_count()} CPUs, {mem / 2**30:.0f} GiB RAM, {platform.system()} {platform.release()}, "
-                       f"Python {platform.python_version()}, torch {_version('torch')}, "
-                       f"tensorstore {_version('tensorstore')}",
-            "cpus": os.cpu_count(), "command": "python benchmarks/bench_dcp.py " + shlex.join(sys.argv[1:]),
-            "args": vars(args), "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_before": _loadavg(), "complete": False}
-
-
-def _version(module: str) -> str:
-    from importlib.metadata import version
-
-    return version(module)
-
-
-def _loadavg() -> str:
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1/5/15 min)"
+    return harness.environment("python benchmarks/bench_dcp.py", sys.argv[1:]) | {
+        "args": vars(args), "reps": args.reps, "complete": False}
 
 
 def write_results(args: argparse.Namespace, results: dict[str, Any]) -> str:
@@ -274,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         results["env"]["complete"] = True
     finally:
         shutil.rmtree(base, ignore_errors=True)
-        results["env"]["load_after"] = _loadavg()
+        results["env"]["load_after"] = harness.loadavg()
         print(write_results(args, results))
 
 

@@ -46,11 +46,8 @@ import argparse
 import json
 import math
 import os
-import platform
-import shlex
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -162,13 +159,9 @@ def run_block(args: argparse.Namespace, name: str, link: linkproxy.Link, peers: 
 
 
 def environment(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    versions = ", ".join(f"{m} {_version(m)}" for m in ("torch", "tensorstore", "s3fs", "s3torchconnector", "moto"))
-    return {"machine": f"{os.cpu_count()} CPUs, {mem / 2**30:.0f} GiB RAM, {platform.system()} "
-                       f"{platform.release()}, Python {platform.python_version()}, {versions}",
-            "command": "python benchmarks/bench_s3_peers.py " + shlex.join(sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(), "reps": args.reps,
-            "load_before": _loadavg(), "notes": notes, "complete": False}
+    env = harness.environment("python benchmarks/bench_s3_peers.py", sys.argv[1:],
+                              ("torch", "tensorstore", "s3fs", "s3torchconnector", "moto"))
+    return env | {"commit": _commit(), "reps": args.reps, "notes": notes, "complete": False}
 
 
 def _commit() -> str:
@@ -180,17 +173,6 @@ def _commit() -> str:
 
     head = git("rev-parse", "--short", "HEAD")
     return f"{head}+changes" if head and git("status", "--porcelain", "--untracked-files=no") else head or "unknown"
-
-
-def _version(module: str) -> str:
-    try:
-        return version(module)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def _loadavg() -> str:
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1/5/15 min)"
 
 
 def write(args: argparse.Namespace, results: dict[str, Any]) -> str:
@@ -227,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         results["env"]["complete"] = True
     finally:
         restore_credentials(previous)
-        results["env"]["load_after"] = _loadavg()
+        results["env"]["load_after"] = harness.loadavg()
         print(write(args, results))
 
 

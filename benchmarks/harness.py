@@ -7,6 +7,8 @@
   ``posix_fadvise(DONTNEED)``; dropping the whole cache (``drop_caches``) would
   evict the Python libraries too, and needs root.
 * :func:`table` renders rows as a markdown table, the form every benchmark prints.
+* :func:`environment` says where and when a run ran (machine, versions, date,
+  load average), the header of every results file.
 
 Importing this module puts this checkout's tsckpt and ``tests/`` (the spawner,
 the moto S3 server) on ``sys.path``; it imports neither torch nor tsckpt itself.
@@ -15,7 +17,10 @@ the moto S3 server) on ``sys.path``; it imports neither torch nor tsckpt itself.
 from __future__ import annotations
 
 import os
+import platform
+import shlex
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -69,3 +74,28 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "")
 
 def _row(cells: Sequence[Any]) -> str:
     return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def environment(command: str, argv: Sequence[str], modules: Sequence[str] = ("torch", "tensorstore")) -> dict[str, Any]:
+    """Machine, versions of ``modules``, the command line (``command`` and ``argv``), date and load average."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    versions = ", ".join(f"{m} {version(m)}" for m in modules)
+    return {"machine": f"{os.cpu_count()} CPUs, {mem / 2**30:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+                       f"Python {platform.python_version()}, {versions}",
+            "cpus": os.cpu_count(), "command": f"{command} {shlex.join(argv)}".strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": loadavg()}
+
+
+def version(module: str) -> str:
+    """The installed version of the distribution ``module``, or "not installed"."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(module)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def loadavg() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1/5/15 min)"
