@@ -25,7 +25,9 @@ writes kept on their way while the test does something else. ``holding`` is
 set once the first one is held.
 
 ``counts`` says how many requests came and how many met each fault;
-``get_bytes``, how many bytes of GET answers it forwarded. The
+``get_bytes``, how many bytes of GET answers it forwarded; ``wait_idle()``
+returns once every request that came has been dealt with (a held write
+forwarded, its answer sent or its client gone). The
 proxy runs in threads of the test process; spawned ranks reach it over
 loopback like any S3 endpoint. It never talks to anything but 127.0.0.1.
 
@@ -79,6 +81,8 @@ class FaultProxy:
         self._gate = threading.Event()
         #: Set once a request is held by :meth:`hold`.
         self.holding = threading.Event()
+        self._active = 0
+        self._settled = threading.Condition(self._lock)
 
     @property
     def endpoint(self) -> str:
@@ -108,6 +112,20 @@ class FaultProxy:
         if match is not None and match(method, path):
             self.holding.set()
             self._gate.wait(timeout=60)
+
+    def wait_idle(self, timeout: float = 60) -> bool:
+        """Wait until no request is being dealt with; False if some still is after ``timeout`` seconds."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._active == 0, timeout)
+
+    def _begin(self) -> None:
+        with self._settled:
+            self._active += 1
+
+    def _end(self) -> None:
+        with self._settled:
+            self._active -= 1
+            self._settled.notify_all()
 
     @property
     def faulted(self) -> int:
@@ -189,6 +207,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         proxy: FaultProxy = self.server.proxy  # type: ignore[attr-defined]
+        proxy._begin()
+        try:
+            self._answer(proxy)
+        finally:
+            proxy._end()
+
+    def _answer(self, proxy: FaultProxy) -> None:
         fault = proxy.draw()
         if fault == "refuse":
             self.close_connection = True

@@ -90,11 +90,8 @@ def test_ctrl_c_on_one_rank_stops_every_rank_with_the_same_line(tmp_path):
     results = dist.run_ranks(2, _interrupt_rank_1, str(target), timeout=120)
     line = (f"save to {target} was interrupted (Ctrl-C on rank 1); nothing was committed; "
             f"what it had staged was removed")
-    # The coordinator removed it and says so; the rank that was interrupted stays interrupted.
-    assert results[0] == ("SaveFailedError", line), results
-    assert results[1][0] == "KeyboardInterrupt", results
-    assert results[1][1].startswith(f"save to {target} was interrupted (Ctrl-C on rank 1); nothing was committed; "
-                                    f"`tsckpt clean {target}` removes what it left"), results
+    # The coordinator removed it and every rank says so; the rank that was interrupted stays interrupted.
+    assert results == [("SaveFailedError", line), ("KeyboardInterrupt", line)], results
     assert os.listdir(tmp_path) == [] and not staging_dirs(str(target))
 
 

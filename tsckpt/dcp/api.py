@@ -156,7 +156,18 @@ class _SaveInterrupts:
     def error(self, stopped: list[int]) -> BaseException:
         # Set on the coordinator once the save has begun; before that nothing was written.
         target = getattr(self.writer, "_target", None) if self.writer.is_coordinator else None
-        return failure.interrupted(self.shown, self.rank(), stopped, target)
+        save_id, location = getattr(self.writer, "_orders_save_id", None), self.writer.location
+        committed = None
+        if save_id is not None and location is not None:  # the rank had its orders: it can look for the commit
+            def committed() -> bool:
+                return failure.committed_at(location, save_id)
+        return failure.interrupted(self.shown, self.rank(), stopped, target, committed)
+
+    def own(self, error: TsckptError) -> BaseException:
+        """``error`` as this rank raises it: a ``KeyboardInterrupt`` where Ctrl-C was pressed."""
+        if self.rank() in failure.interrupted_ranks(error):
+            return KeyboardInterrupt(str(error))
+        return error
 
 
 def _shown(path: LocationLike) -> str:
@@ -188,9 +199,11 @@ def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = No
     A rank's TensorStore error (a failed request that reached DCP as it was)
     becomes a StorageError that says what to check, ``doing`` ("load from
     ckpt/step_1000") and the rank first. Ctrl-C on any rank becomes one line:
-    with ``interrupts`` (a save), what the save left where
-    (:func:`tsckpt.dcp.failure.interrupted`); else the ``KeyboardInterrupt``
-    itself. Any other exception is ``e``, unchanged.
+    with ``interrupts`` (a save), what the save left where (the line the
+    coordinator's ``finish`` raised, :func:`tsckpt.dcp.failure.interruption`,
+    or, for Ctrl-C outside the writer's steps, :func:`tsckpt.dcp.failure.interrupted`),
+    a ``KeyboardInterrupt`` where Ctrl-C was pressed; else the
+    ``KeyboardInterrupt`` itself. Any other exception is ``e``, unchanged.
     """
     if isinstance(e, KeyboardInterrupt):  # outside DCP's wrapping: between its steps
         if interrupts is None or e.args:  # no save, or already the line that says what it left
@@ -205,7 +218,7 @@ def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = No
     # A rank's own error before one relayed from the rank that fetched a region for it (replica reads).
     for exc in sorted((x for x in failures.values() if isinstance(x, TsckptError)),
                       key=lambda x: x.relayed_from is not None):
-        return exc.with_traceback(None)
+        return interrupts.own(exc.with_traceback(None)) if interrupts is not None else exc.with_traceback(None)
     for rank, exc in failures.items():
         if isinstance(exc, ValueError) and _TENSORSTORE_STATUS.match(str(exc)):
             return storage_error(exc, f"{doing} failed on rank {rank}")

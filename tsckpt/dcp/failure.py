@@ -17,21 +17,34 @@ DCP raises that on every rank, inside its ``CheckpointException`` (whose own
 first line names the coordinator, where the failure was raised);
 ``tsckpt.save`` raises it as itself.
 
-Ctrl-C is not a failure a rank reports: the ``KeyboardInterrupt`` leaves the
-rank's ``write_data`` once the writes it started have ended (a second Ctrl-C
-stops that wait too), and DCP never calls ``finish``. ``tsckpt.save`` then
-calls :func:`interrupted` on every rank:
-the coordinator waits for the writes to land, removes what the save staged,
-and every rank raises one line that says what is left where
-(a ``KeyboardInterrupt`` where Ctrl-C was pressed, so the program still
-ends as Ctrl-C ends it; :class:`~tsckpt.errors.SaveFailedError` on ranks it
-only stopped).
+Ctrl-C is reported the same way, through ``dcp.save`` as through
+``tsckpt.save``: a rank's ``write_data`` stops starting writes, waits for those
+it started (a second Ctrl-C stops that wait), and reports that it was
+interrupted; ``finish`` removes what the save staged and raises one line that
+says so (:func:`interruption`), which DCP raises on every rank and
+``tsckpt.save`` raises as a ``KeyboardInterrupt`` where Ctrl-C was pressed, so
+the program still ends as Ctrl-C ends it. Ctrl-C while the coordinator commits
+waits for the commit, and the line says the checkpoint is complete.
+
+Python raises ``KeyboardInterrupt`` at whatever instruction comes next, even
+between a call that started a write and the one that records it: nothing
+would wait for that write, and it would land after the clean-up (a chunk
+object left on S3 after "what it had staged was removed"). So while a rank
+starts writes, Ctrl-C is held until the step ends (:class:`CtrlC`).
+
+Where Ctrl-C stops a save outside ``write_data`` (a second Ctrl-C, or one in
+DCP's own collectives), ``tsckpt.save`` calls :func:`interrupted` on every
+rank: the coordinator waits for the writes to land, removes what the save
+staged, and every rank raises the same kind of line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +56,7 @@ from ..commit.states import ROOT, describe_root
 from ..commit.target import SaveTarget, warn_committed
 from ..storage.context import make_context, open_kvstore
 from ..storage.hints import hint
+from ..storage.location import Location
 from ..storage.kvio import one_line, problem
 from .contract import RankSummary
 
@@ -53,13 +67,19 @@ class RankFailure:
     rank: int
     #: One line: what failed and on what, e.g. "no space left on device writing 'model.w'".
     problem: str
+    #: Ctrl-C stopped the rank (once the writes it had started ended), rather than an error.
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "problem": self.problem}
+        return {"rank": self.rank, "problem": self.problem, "interrupted": self.interrupted}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> RankFailure:
-        return cls(rank=int(doc["rank"]), problem=str(doc["problem"]))
+        return cls(rank=int(doc["rank"]), problem=str(doc["problem"]), interrupted=bool(doc.get("interrupted")))
+
+    @classmethod
+    def ctrl_c(cls, rank: int) -> RankFailure:
+        return cls(rank, "Ctrl-C", interrupted=True)
 
     @classmethod
     def of(cls, rank: int, error: BaseException) -> RankFailure:
@@ -99,33 +119,49 @@ def failures_in(summaries: Iterable[RankSummary]) -> list[RankFailure]:
     return sorted(found, key=lambda f: f.rank)
 
 
-def commit_or_clean_up(target: SaveTarget, rank: int, summaries: list[RankSummary],
-                       commit: Callable[[], None]) -> None:
-    """Coordinator: ``commit()`` unless a rank failed; a failure, a rank's or the commit's, removes what was staged.
+def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], list[RankSummary]],
+                       commit: Callable[[list[RankSummary]], None]) -> None:
+    """Coordinator: ``commit`` the ranks' ``summaries()`` unless a rank failed or was interrupted; a failure, an
+    interrupt or a failed commit removes what was staged and raises one line that says so.
 
-    ``rank`` is the coordinator's, named when the commit itself fails.
+    ``rank`` is the coordinator's, named when the commit itself fails or
+    Ctrl-C stops it. Ctrl-C while committing waits for the commit
+    (:class:`CtrlC`): the line then says whether it is complete.
     """
-    failures = failures_in(summaries)
-    if failures:
-        raise save_failed(target.url, failures, clean_up(target))
-    try:
-        commit()
-    except Exception as e:
-        if _committed_by(target):
-            # Its root document is at the location: committed, whatever failed after that (a request
-            # whose answer was lost after it took effect, the clean-up of a replaced checkpoint).
-            warn_committed(target.url, target.save_id, [f"{RankFailure.of(rank, e).problem} after its commit"])
-            return
-        if isinstance(e, TsckptError):
+    with CTRL_C.watched():
+        try:
+            given = summaries()
+        except BaseException:
             clean_up(target)
             raise
-        # How TensorStore reports a failed request: ValueError.
-        cleanup = clean_up(target)
-        reason = RankFailure.of(rank, e)
-        raise save_failed(target.url, [RankFailure(rank, f"{reason.problem} (while committing)")], cleanup) from None
-    except BaseException:
-        clean_up(target)
-        raise
+        failures = failures_in(given)
+        stopped = [f.rank for f in failures if f.interrupted]
+        if stopped:
+            raise interruption(target.url, stopped, _outcome(target, settle=False))
+        if failures:
+            raise save_failed(target.url, failures, clean_up(target))
+        try:
+            with CTRL_C.step():
+                commit(given)
+        except KeyboardInterrupt:
+            raise interruption(target.url, [rank], _outcome(target, settle=False)) from None
+        except Exception as e:
+            if _committed_by(target):
+                # Its root document is at the location: committed, whatever failed after that (a request
+                # whose answer was lost after it took effect, the clean-up of a replaced checkpoint).
+                warn_committed(target.url, target.save_id, [f"{RankFailure.of(rank, e).problem} after its commit"])
+                return
+            if isinstance(e, TsckptError):
+                clean_up(target)
+                raise
+            # How TensorStore reports a failed request: ValueError.
+            cleanup = clean_up(target)
+            reason = RankFailure.of(rank, e)
+            raise save_failed(target.url, [RankFailure(rank, f"{reason.problem} (while committing)")],
+                              cleanup) from None
+        except BaseException:
+            clean_up(target)
+            raise
 
 
 def clean_up(target: SaveTarget) -> str | None:
@@ -152,32 +188,63 @@ def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> S
     return SaveFailedError("\n".join(lines))
 
 
-def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | None) -> BaseException:
-    """What rank ``rank`` raises after Ctrl-C stopped the save to ``url`` on the ranks ``stopped``.
+def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | None,
+                committed: Callable[[], bool] | None = None) -> BaseException:
+    """What rank ``rank`` raises after Ctrl-C stopped the save to ``url`` on the ranks ``stopped`` outside
+    its writers' steps (a second Ctrl-C, or one in DCP's collectives).
 
     ``target`` is the coordinator's (None on other ranks): the coordinator
     removes what the save staged, once the writes still running have landed,
-    and says what is left; other ranks name the command that removes it.
-    Ctrl-C that came after the commit says the checkpoint is complete.
+    and says what is left; other ranks name the command that removes it, or
+    say that the save is complete where ``committed()`` finds its root.
     """
-    others = len(stopped) - 1
-    where = f"Ctrl-C on rank {stopped[0]}" + (f" and {others} other{'s' if others > 1 else ''}" if others else "")
-    if target is None:
-        outcome = f"nothing was committed; `tsckpt clean {url}` removes what it left, if the coordinator did not"
-    elif _committed_by(target):
+    if target is not None:
+        outcome = _outcome(target, settle=True)
+    elif committed is not None and committed():
         outcome = f"it had committed: {url} is complete"
     else:
-        cleanup = _abort_interrupted(target)
-        outcome = "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
-    line = f"save to {url} was interrupted ({where}); {outcome}"
+        outcome = f"nothing was committed; `tsckpt clean {url}` removes what it left, if the coordinator did not"
+    line = _interrupted_line(url, stopped, outcome)
     return KeyboardInterrupt(line) if rank in stopped else SaveFailedError(line)
 
 
-def _abort_interrupted(target: SaveTarget) -> str | None:
+def interruption(url: str, stopped: list[int], outcome: str) -> SaveFailedError:
+    """The one error of a save that Ctrl-C stopped on the ranks ``stopped``, raised on every rank through DCP;
+    ``tsckpt.save`` raises its line as a ``KeyboardInterrupt`` on those ranks (:func:`interrupted_ranks`)."""
+    error = SaveFailedError(_interrupted_line(url, stopped, outcome))
+    error.interrupted_ranks = list(stopped)  # type: ignore[attr-defined] - kept by pickling, as DCP sends it
+    return error
+
+
+def interrupted_ranks(error: BaseException) -> list[int]:
+    """The ranks where Ctrl-C was pressed, for an error made by :func:`interruption`; else none."""
+    return list(getattr(error, "interrupted_ranks", None) or [])
+
+
+def _interrupted_line(url: str, stopped: list[int], outcome: str) -> str:
+    others = len(stopped) - 1
+    where = f"Ctrl-C on rank {stopped[0]}" + (f" and {others} other{'s' if others > 1 else ''}" if others else "")
+    return f"save to {url} was interrupted ({where}); {outcome}"
+
+
+def _outcome(target: SaveTarget, *, settle: bool) -> str:
+    """What an interrupted save left: complete if it had committed, else what its clean-up removed.
+
+    ``settle``: some rank may have stopped waiting for its writes (Ctrl-C
+    pressed twice): wait for them to land before removing.
+    """
+    if _committed_by(target):
+        return f"it had committed: {target.url} is complete"
+    cleanup = _abort_interrupted(target, settle=settle)
+    return "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
+
+
+def _abort_interrupted(target: SaveTarget, *, settle: bool) -> str | None:
     try:
-        if isinstance(target, StagedTarget):  # a staging directory: waits for late writes itself
+        if settle and isinstance(target, StagedTarget):  # a staging directory: waits for late writes itself
             return target.abort_interrupted()
-        _settle_keys(target)
+        if settle:
+            _settle_keys(target)
         return target.abort()
     except (OSError, ValueError, TsckptError) as e:
         return f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
@@ -204,9 +271,71 @@ def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) 
 
 def _committed_by(target: SaveTarget) -> bool:
     """Whether the root document at the target is this save's (the interrupt came after the commit)."""
+    return committed_at(target.location, target.save_id)
+
+
+def committed_at(location: Location, save_id: str) -> bool:
+    """Whether the root document at ``location`` commits save ``save_id``."""
     try:
-        kv = open_kvstore(target.location, make_context(location=target.location))
+        kv = open_kvstore(location, make_context(location=location))
         raw = kv.read(ROOT).result()
     except (ValueError, OSError, TsckptError):
         return False
-    return raw.state == "value" and describe_root(raw.value).save_id == target.save_id
+    return raw.state == "value" and describe_root(raw.value).save_id == save_id
+
+
+class CtrlC:
+    """Ctrl-C on a rank's main thread, held while the rank starts writes and raised when that step ends.
+
+    :meth:`watched` puts this object's handler in place of the program's
+    (only where that is a Python handler, as the interpreter's default is);
+    Ctrl-C during a :meth:`step` is held until the step ends, and then handed
+    to the program's handler, which raises ``KeyboardInterrupt`` there. Outside
+    steps, and for a second Ctrl-C, the program's handler runs at once. Each
+    step is short (starting one item's writes; the commit), so Ctrl-C waits a
+    moment at most.
+    """
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._depth = 0
+        self._held: tuple[int, Any] | None = None
+
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[None]:
+        if self._previous is not None or threading.current_thread() is not threading.main_thread():
+            yield  # already watched; or a thread of its own (async_save), which Ctrl-C never interrupts
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        if not callable(previous):  # ignored, the default action (the process ends), or not set from Python
+            yield
+            return
+        self._previous = previous
+        signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield
+        finally:
+            self._previous, self._held = None, None
+            signal.signal(signal.SIGINT, previous)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._held is not None:
+                held, self._held = self._held, None
+                self._previous(*held)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._depth and self._held is None:
+            self._held = (signum, frame)
+            return
+        self._held = None
+        self._previous(signum, frame)
+
+
+#: Signals are the process's: one watcher for every writer in it.
+CTRL_C = CtrlC()

@@ -40,7 +40,7 @@ from ..storage.store import Store
 from . import compat, logs
 from .contract import (NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder,
                        WriteConfig)
-from .failure import RankFailure, commit_or_clean_up, failed_summary
+from .failure import CTRL_C, RankFailure, commit_or_clean_up, failed_summary
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .global_layout import GlobalLayout
 from .merged_chunks import MergedChunks, once_each, stored_values
@@ -220,13 +220,28 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         # The packed layout gives each rank its own database, so the rank must be right.
         self.rank = int(kwargs["rank"] if "rank" in kwargs else dist.get_rank() if dist.is_initialized() else 0)
         self._target, self._data_store, self._layout, self._base = None, None, None, None
+        self._orders_save_id = None
         if is_coordinator:
-            # Refuses before any rank writes; on local filesystems, picks this save's staging directory.
             assert self.location is not None
             self._base = choose_base(self.location, self.base, incremental=self.incremental, layout=self.layout,
                                      options=self.array_options, checksums_on=self.checksums)
-            self._target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite,
-                                      writes=get_layout(self.config.layout).prefixes_before_planning(self.save_id))
+
+    def _begin(self) -> SaveTarget:
+        """Coordinator, once every rank has planned: refuse, or claim the location (on local filesystems, make
+        this save's staging directory). Begun here, not in set-up, so that a rank stopped while planning
+        (DCP then never calls ``finish``) leaves nothing begun; Ctrl-C comes once it is, and removes it."""
+        assert self.location is not None
+        with CTRL_C.watched():
+            target = None
+            try:
+                with CTRL_C.step():
+                    target = begin_save(self.location, save_id=self.save_id, overwrite=self.overwrite,
+                                        writes=get_layout(self.config.layout).prefixes_before_planning(self.save_id))
+            except KeyboardInterrupt:
+                if target is not None:
+                    target.abort()
+                raise
+        return target
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Attach what this rank holds (:class:`Holdings`), so that the coordinator finds its replicas (step 2)."""
@@ -237,9 +252,18 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Lay out every array from all ranks' regions; give each rank its :class:`RankPlan` (contract, step 3)."""
         where = str(self.checkpoint_id)
-        if self._target is None:
+        if not self.is_coordinator:
             raise OptionError(f"saving {where}: the global plan was made on a rank that is not "
                               f"the coordinator (use_collectives=False is not supported)")
+        self._target = self._begin()
+        try:
+            return self._global_plan(plans, where)
+        except BaseException:  # DCP then never calls finish: nothing of this save may stay
+            self._target.abort()
+            raise
+
+    def _global_plan(self, plans: list[SavePlan], where: str) -> list[SavePlan]:
+        assert self._target is not None
         full, key = CACHE.full_plans(plans, where)
         bands = get_layout(self.config.layout).bands(self._target.data_location)
         kept = CACHE.layout(key, full, self.inner_chunk_bytes, bands)
@@ -263,27 +287,35 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as its :class:`RankPlan` says (contract, step 4).
 
-        A failure is reported, not raised: only the coordinator's ``finish`` can
-        remove what this save staged, and DCP calls it only when no rank raised
-        (:mod:`tsckpt.dcp.failure`). Either way, and after Ctrl-C too, every
-        write this rank started has ended before it returns or raises: none
-        lands after the clean-up has removed the save's data.
+        A failure, or Ctrl-C, is reported, not raised: only the coordinator's
+        ``finish`` can remove what this save staged, and DCP calls it only when
+        no rank raised (:mod:`tsckpt.dcp.failure`). Either way every write this
+        rank started has ended before it returns: none lands after the clean-up
+        has removed the save's data. Ctrl-C is held while a write is started
+        and recorded (:class:`~tsckpt.dcp.failure.CtrlC`), so none is started
+        unrecorded.
         """
         writers: list[RankWriter] = []
         if self.is_coordinator and not isinstance(planner, TsckptSavePlanner):
             CACHE.note(planner)  # its full plans, for the next save DCP's plan cache finds unchanged
-        try:
-            return done(self._write(plan, planner, writers))
-        except Exception as e:
+        orders = getattr(plan.storage_data, "orders", None)
+        save_id = orders.value.save_id if orders is not None else self.save_id
+        self._orders_save_id = save_id
+        with CTRL_C.watched():
+            try:
+                return done(self._write(plan, planner, writers))
+            except Exception as e:
+                failure = RankFailure.of(self.rank, e)
+            except KeyboardInterrupt:
+                failure = RankFailure.ctrl_c(self.rank)
+            except BaseException:
+                for writer in writers:
+                    writer.abandon()
+                raise
+            # A second Ctrl-C stops this wait: raised as it is, it reaches tsckpt.save (failure.interrupted).
             for writer in writers:
                 writer.abandon()
-            orders = getattr(plan.storage_data, "orders", None)
-            save_id = orders.value.save_id if orders is not None else self.save_id
-            return done(RankWrites([], failed_summary(self.rank, save_id, RankFailure.of(self.rank, e))))
-        except BaseException:
-            for writer in writers:  # Ctrl-C, which tsckpt.save reports (tsckpt.dcp.failure.interrupted)
-                writer.abandon()
-            raise
+        return done(RankWrites([], failed_summary(self.rank, save_id, failure)))
 
     def _write(self, plan: SavePlan, planner: SavePlanner, writers: list[RankWriter]) -> RankWrites:
         where = str(self.checkpoint_id)
@@ -321,9 +353,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             chunk = item.tensor_data.chunk
             if tuple(chunk.sizes) != tuple(data.shape):  # a piece of a replicated tensor (replica_writes)
                 data = piece_of(data, item, where)
-            nbytes = writer.write(fqn, chunk.offsets, data)
+            with CTRL_C.step():
+                nbytes = writer.write(fqn, chunk.offsets, data)
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
-        stored = writer.finish()
+        with CTRL_C.step():
+            stored = writer.finish()
         for fqn, chunks in writer.written.items():
             summary.add(arrays[fqn][0], chunks)
         for fqn, ref in writer.blobs.items():
@@ -336,7 +370,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if encoding == values.JSON:
             summary.add_object(fqn, encoding, payload, 0)
             return
-        writer.write_blob(fqn, path, payload)
+        with CTRL_C.step():  # not the pickling above: that may run for long, and starts no write
+            writer.write_blob(fqn, path, payload)
         summary.add_object(fqn, encoding, None, len(payload))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -347,9 +382,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         names the rank and the problem (:mod:`tsckpt.dcp.failure`).
         """
         where = str(self.checkpoint_id)
-        assert self._target is not None, "finish runs on the coordinator, after set-up"
-        summaries = [RankWrites.summary_of(rank_results, self.save_id, where) for rank_results in results]
-        commit_or_clean_up(self._target, self.rank, summaries, lambda: self._commit(metadata, summaries))
+        assert self._target is not None, "finish runs on the coordinator, after planning"
+        commit_or_clean_up(self._target, self.rank,
+                           lambda: [RankWrites.summary_of(results_of, self.save_id, where) for results_of in results],
+                           lambda summaries: self._commit(metadata, summaries))
 
     def _commit(self, metadata: Metadata, summaries: list[RankSummary]) -> None:
         """Merge every rank's summary into the arrays' documents, then commit and publish."""
