@@ -7,14 +7,16 @@ Each phase is timed between barriers, and its CPU is the user + system time of
 every rank process (all threads, ``getrusage(RUSAGE_SELF)``), summed over the
 ranks, per GB of state. Every repetition rotates which contender goes first;
 the page cache is emptied of a checkpoint's files before each load. Medians of
-``--reps``; ratios are tsckpt's CPU over DCP's (below 1: tsckpt uses less).
+``--reps`` with their range; ratios are tsckpt's CPU over DCP's (below 1:
+tsckpt uses less). ``--json FILE`` keeps every sample.
 
-    python benchmarks/bench_cpu.py --gb 1 --reps 6
+    python -m benchmarks cpu --gb 1 --reps 6
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -94,7 +96,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--settle", type=float, default=1.0, help="seconds to wait (after sync) before each save")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    ap.add_argument("--json", default=None, help="also write the samples here")
     args = ap.parse_args()
+    env = harness.environment("python -m benchmarks cpu", sys.argv[1:])
     work = wl.WORKLOADS[args.workload].for_size(args.gb * 1e9, wl.DTYPES[args.dtype].itemsize)
     cfg = {"workload": wl.to_dict(work), "dtype": args.dtype}
     gb = wl.total_bytes(work, wl.DTYPES[args.dtype].itemsize) / 1e9
@@ -105,16 +109,29 @@ def main() -> None:
         res = harness.run_ranks(args.world, _ranks, root, cfg, args.layouts.split(","), args.reps, args.settle)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows = []
-    for name, phases in res.items():
-        for phase, samples in phases.items():
-            wall = statistics.median(s[0] for s in samples)
-            cpu = statistics.median(s[1] for s in samples) / gb
-            dcp_cpu = statistics.median(s[1] for s in res["dcp"][phase]) / gb
-            rows.append([phase, name, f"{wall:.3f} s", f"{cpu:.2f}", "-" if name == "dcp" else f"**{cpu / dcp_cpu:.2f}x**"])
-    rows.sort(key=lambda r: PHASES.index(r[0]))
+    env["load_after"] = harness.loadavg()
     print(f"\nload average {os.getloadavg()[0]:.1f} after\n")
-    print(harness.table(["phase", "contender", "wall (median)", "CPU s / GB", "CPU vs DCP"], rows))
+    print(harness.table(["phase", "contender", "wall, median (min-max)", "CPU s / GB, median (min-max)",
+                         "CPU vs DCP"], rows(res, gb)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "state": f"{args.workload} {args.dtype}, {gb:.2f} GB", "gb": gb,
+                       "world": args.world, "samples": res}, f, indent=1)
+
+
+def rows(res: dict[str, dict[str, list[tuple[float, float]]]], gb: float) -> list[list[str]]:
+    """A row per phase and contender: wall seconds and CPU seconds per GB, medians with their range."""
+    def cell(xs: list[float], fmt: str) -> str:
+        return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
+
+    out = []
+    for phase in PHASES:
+        dcp_cpu = statistics.median(s[1] for s in res["dcp"][phase]) / gb
+        for name, phases in res.items():
+            wall, cpu = [s[0] for s in phases[phase]], [s[1] / gb for s in phases[phase]]
+            out.append([phase, name, cell(wall, ".3f"), cell(cpu, ".2f"),
+                        "-" if name == "dcp" else f"**{statistics.median(cpu) / dcp_cpu:.2f}x**"])
+    return out
 
 
 if __name__ == "__main__":

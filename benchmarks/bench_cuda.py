@@ -17,8 +17,9 @@ freed but the allocator kept cannot hide another's peak. Each loaded tensor is
 compared bit for bit with what was saved. The checkpoint's files are evicted
 from the page cache before every load.
 
-    python benchmarks/bench_cuda.py --size-gb 8 --reps 3
-    python benchmarks/bench_cuda.py --windows 0,268435456,none   # tsckpt's copy-ahead window
+    python -m benchmarks cuda --size-gb 8 --reps 3
+    python -m benchmarks cuda --windows 0,268435456,none   # tsckpt's copy-ahead window
+    python -m benchmarks cuda --device cpu --size-gb 0.01 --reps 1   # checks the script, no GPU
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import contenders as cont  # noqa: E402
 from dcp_ranks import _status_kb, rotated  # noqa: E402
-from harness import evict, free_port, table  # noqa: E402
+from harness import environment, evict, free_port, loadavg, table  # noqa: E402
 from workloads import Untuned, total_bytes  # noqa: E402
 
 
@@ -166,6 +167,7 @@ def main() -> None:
     args = parse_args()
     if args.child:
         return child(args)
+    env = environment("python -m benchmarks cuda", sys.argv[1:])
     names = [n for n in everyone(args) if not args.only or n == "dcp-t1" or n in args.only.split(",")]
     w = Untuned.for_size(args.size_gb * 1e9, 2)
     nbytes = total_bytes(w, 2)
@@ -191,18 +193,26 @@ def main() -> None:
                   f"load {loaded['seconds']:.2f} s (+{loaded['peak'] / 1e9:.2f} GB host; cache {how}{note})",
                   flush=True)
     dcp_s = {k: statistics.median(samples["dcp-t1"][k]) for k in ("save", "load")}
+
+    def seconds(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
     rows = []
     for name, s in samples.items():
         med = {k: statistics.median(v) for k, v in s.items()}
-        rows.append([name, f"{med['save']:.2f}", f"{nbytes / 1e9 / med['save']:.2f}", f"{dcp_s['save'] / med['save']:.2f}",
-                     f"{med['save_mem'] / 1e9:.2f}", f"{med['load']:.2f}", f"{nbytes / 1e9 / med['load']:.2f}",
+        rows.append([name, seconds(s["save"]), f"{nbytes / 1e9 / med['save']:.2f}", f"{dcp_s['save'] / med['save']:.2f}",
+                     f"{med['save_mem'] / 1e9:.2f}", seconds(s["load"]), f"{nbytes / 1e9 / med['load']:.2f}",
                      f"{dcp_s['load'] / med['load']:.2f}", f"{med['load_mem'] / 1e9:.2f}"])
-    print(f"\nmedians of {args.reps}; state {nbytes / 1e9:.2f} GB, largest tensor {largest / 1e9:.2f} GB")
+    print(f"\nmedians of {args.reps} (range in brackets); state {nbytes / 1e9:.2f} GB, largest tensor "
+          f"{largest / 1e9:.2f} GB")
     print(table(["contender", "save s", "save GB/s", "save x DCP", "save peak host GB", "load s", "load GB/s",
                  "load x DCP", "load peak host GB"], rows, "lrrrrrrrr"))
     if args.json:
+        env["load_after"] = loadavg()
+        env["machine"] += f", {where}"
         with open(args.json, "w") as f:
-            json.dump({"state_bytes": nbytes, "largest_tensor_bytes": largest, "samples": samples}, f)
+            json.dump({"env": env, "describe": f"{nbytes / 1e9:.2f} GB bf16 on {where}", "state_bytes": nbytes,
+                       "largest_tensor_bytes": largest, "samples": samples}, f)
 
 
 if __name__ == "__main__":
