@@ -7,7 +7,7 @@ reading its input) and the disk's plain write+fsync speed (what it must also
 pay to write its output). Page caches are not dropped, so on a machine with
 enough RAM both are warm-cache figures; run it on an idle machine.
 
-    python benchmarks/bench_convert.py --size-mb 500
+    python -m benchmarks convert --size-mb 500
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ samples in ``results.json`` and the tables report medians. Writes
 ``results.md``, ``results.png`` and ``results.json`` to ``--out``, and with
 ``--plots DIR`` the figures of ``plots.py`` (speed-ups, bytes per rank) to DIR.
 
-    python benchmarks/bench_dcp.py --size-gb 0.25 --update-docs
-    python benchmarks/bench_dcp.py --quick                  # smoke run: tiny sizes, 1 repetition
+    python -m benchmarks local --size-gb 0.25 --update-docs
+    python -m benchmarks local --quick                      # smoke run: tiny sizes, 1 repetition
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--many-reps", type=int, default=None, help="repetitions of the many-rank runs (default --reps)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 repetition, no settling")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(harness.RESULTS, "local"),
+                    help="where results.json, results.md and results.png go")
     ap.add_argument("--update-docs", "--update-readme", dest="update_docs", action="store_true",
                     help="replace the results block of docs/benchmarks/dcp.md")
     ap.add_argument("--plots", default="", help="also write plots.py's figures (dcp_<kind>.png) to this directory")
@@ -204,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    return harness.environment("python benchmarks/bench_dcp.py", sys.argv[1:]) | {
+    return harness.environment("python -m benchmarks local", sys.argv[1:]) | {
         "args": vars(args), "reps": args.reps, "complete": False}
 
 

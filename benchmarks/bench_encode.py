@@ -10,7 +10,7 @@ units to a no-op write. Prints the first repetition per chunk (memory this
 process never touched: on a VM, pages the host has to supply) and the median
 (memory freed by the repetition before).
 
-    python benchmarks/bench_encode.py --chunks 8 --reps 5
+    python -m benchmarks encode --chunks 8 --reps 5
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ about ``--mb`` MiB (as a 1 GB, 4-rank save of the untuned workload does) on 4
 threads, in each of three ways, alternating; prints the median of the slowest
 process's time and the system CPU time summed over processes.
 
-    python benchmarks/bench_fsync.py --ranks 4 --files 116 --mb 2 --reps 6
+    python -m benchmarks fsync --ranks 4 --files 116 --mb 2 --reps 6
 """
 
 from __future__ import annotations

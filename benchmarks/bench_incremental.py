@@ -29,8 +29,8 @@ Reported, as medians over repetitions:
 
 Usage::
 
-    python benchmarks/bench_incremental.py --gb 1 --ranks 4 --reps 5 --layouts plain packed
-    python benchmarks/bench_incremental.py --gb 0.1 --ranks 2 --reps 1      # a quick check that it works
+    python -m benchmarks incremental --gb 1 --ranks 4 --reps 5 --layouts plain packed
+    python -m benchmarks incremental --gb 0.1 --ranks 2 --reps 1      # a quick check that it works
 
 Targets (issue 22): an adapter-only step allocates <= 25% of a full save's bytes
 and saves >= 3x faster; loads as fast as from a full checkpoint.

@@ -11,7 +11,7 @@ Builds (once, in a temporary directory) a single-process checkpoint with
 
 Prints a markdown table. Usage::
 
-    python benchmarks/bench_open.py [--small 2000] [--rows 4096] [--cols 4096] [--repeat 5]
+    python -m benchmarks open [--small 2000] [--rows 4096] [--cols 4096] [--repeat 5]
 """
 
 from __future__ import annotations

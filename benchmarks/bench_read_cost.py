@@ -19,8 +19,8 @@ deletes it after, and prints the member to give the location:
 Local reads come from the page cache once the object is written (what a load
 right after a save sees); ``--cold`` drops it from the cache first (local only).
 
-    python benchmarks/bench_read_cost.py /mnt/ckpt
-    python benchmarks/bench_read_cost.py s3://bucket/prefix --mb 256
+    python -m benchmarks read-cost /mnt/ckpt
+    python -m benchmarks read-cost s3://bucket/prefix --mb 256
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ ranks, once as ``Replicate()`` DTensors and once as plain tensors, is saved by
 
 Prints bytes per rank and the largest over an even share (1.00 is even).
 
-    python benchmarks/bench_replica_writes.py --size-gb 0.1
+    python -m benchmarks replica-writes --size-gb 0.1
 """
 
 from __future__ import annotations

@@ -26,15 +26,14 @@ contender's save is followed by its loads. Tables give medians over
 repetitions; speed-ups are the faster peer's median over the contender's (and,
 in brackets, the median of the per-repetition ratios). Writes
 ``s3_peers.json`` (every sample) and ``s3_peers.md`` to ``--out``, and figures
-(``plots.py``) to ``--plots``.
+(``plots.py``) to ``--plots`` (by default ``--out``'s ``plots``).
 
 Usage (``pip install -e ".[bench]"`` installs the peers, moto and matplotlib):
 
-    python benchmarks/bench_s3_peers.py                                  # the full run: 3 links, 2 states, 6 reps
-    python benchmarks/bench_s3_peers.py --links 60:10 --states untuned --reps 6
-    python benchmarks/bench_s3_peers.py --layouts plain,packed,NEW --plots benchmarks/results/s3_peers
-    python benchmarks/bench_s3_peers.py --gb 0.02 --small-gb 0.005 --reps 2 --links 200:2 --out /tmp/s3p --plots ""
-    python benchmarks/s3_peers_report.py benchmarks/results/s3_peers.json --plots DIR   # tables and figures again
+    python -m benchmarks s3                                   # the full run: 3 links, 2 states, 6 reps
+    python -m benchmarks s3 --runs 2 --links 60:10 --states untuned --layouts packed
+    python -m benchmarks s3 --gb 0.02 --small-gb 0.005 --reps 2 --links 200:2 --plots ""
+    python benchmarks/s3_peers_report.py build/bench/s3/run-1/s3_peers.json --plots DIR   # tables, figures again
 
 moto serves every rank from one Python process on the same CPUs as the
 ranks, so it is slower than a real object store, and slower still per request.
@@ -86,15 +85,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fewer", type=int, default=2, help="ranks of the smaller group's column-resharded load")
     ap.add_argument("--weights", default="bf16", choices=sorted(wl.DTYPES), help="dtype of the weights")
     ap.add_argument("--moments", default="fp32", choices=sorted(wl.DTYPES), help="dtype of the optimizer moments")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where s3_peers.json and .md go")
-    ap.add_argument("--plots", default=os.path.join(HERE, "results", "s3_peers"),
-                    help="directory for the figures; empty: none")
+    ap.add_argument("--out", default=os.path.join(harness.RESULTS, "s3"), help="where s3_peers.json and .md go")
+    ap.add_argument("--plots", default=None, help="directory for the figures (default: OUT/plots); empty: none")
     ap.add_argument("--plot-format", default="png", choices=("png", "svg"))
     args = ap.parse_args(argv)
     for name, given, allowed in (("--states", args.states, STATES), ("--phases", args.phases, LOADS),
                                  ("--peers", args.peers, ranks.PEERS)):
         if unknown := set(given) - set(allowed):
             ap.error(f"{name}: unknown {sorted(unknown)}; choose from {allowed}")
+    if args.plots is None:
+        args.plots = os.path.join(args.out, "plots")
     return args
 
 
@@ -159,7 +159,7 @@ def run_block(args: argparse.Namespace, name: str, link: linkproxy.Link, peers: 
 
 
 def environment(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
-    env = harness.environment("python benchmarks/bench_s3_peers.py", sys.argv[1:],
+    env = harness.environment("python -m benchmarks s3", sys.argv[1:],
                               ("torch", "tensorstore", "s3fs", "s3torchconnector", "moto"))
     return env | {"commit": _commit(), "reps": args.reps, "notes": notes, "complete": False}
 

@@ -9,8 +9,8 @@ that grid from the regions), then loads it whole into one tensor with
 ``tsckpt.load``, in each layout, alternating which layout goes first, with the
 page cache warm. Reports medians, files and chunks.
 
-    python benchmarks/bench_tiny_chunks.py                  # the case above, 3 repetitions
-    python benchmarks/bench_tiny_chunks.py --rows 2049 --reps 1     # 2049 chunks: the same grid, smaller
+    python -m benchmarks tiny-chunks                  # the case above, 3 repetitions
+    python -m benchmarks tiny-chunks --rows 2049 --reps 1     # 2049 chunks: the same grid, smaller
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import table  # noqa: E402
+from ranges import Figure  # noqa: E402
 
 #: The page whose marked block ``bench_dcp.py --update-docs`` rewrites, and the markers around it.
 DOCS_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks", "dcp.md")
@@ -296,6 +297,30 @@ def records(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "contender": label(name, s3=s3), "peer": name == DCP,
                             "requests": sum(e["requests"]) / ranks if s3 else None,
                             "moved_mb": sum(e[moved]) / ranks / 1e6, "needed_mb": sum(e["needed"]) / ranks / 1e6})
+    return out
+
+
+def figures(results: dict[str, Any]) -> list[Figure]:
+    """The run's medians as rows of ``ranges.py``: one per workload (or rank count), phase and contender.
+
+    DCP's writers (``dcp-t<N>``) are the peers; raw disk is shown as a reference.
+    """
+    out = []
+    for run in results.get("runs", []):
+        state = f"{run['workload']} {run['dtype']}, {run['bytes'] / 1e9:.2f} GB"
+        fill = {"world": run["world"], "fewer": run["reshard_world"]}
+        for key, text in FIGURES + EXTRAS:
+            for name in _columns(run["samples"]):
+                if times := run["samples"].get(name, {}).get(key):
+                    out.append(Figure("local disk", state, text.format(**fill), label(name), name.startswith("dcp-t"),
+                                      {"seconds": statistics.median(times)}))
+    for many in results.get("many", []):
+        state = f"{many['describe']}, {many['ranks']} ranks"
+        for key in ("save", "load"):
+            for name in [DCP, *tsckpt_names(many["samples"])]:
+                if times := many["samples"].get(name, {}).get(key):
+                    out.append(Figure("local disk", state, key, label(name), name == DCP,
+                                      {"seconds": statistics.median(times)}))
     return out
 
 

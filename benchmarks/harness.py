@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: Where results go unless a run is told otherwise: under the checkout's ignored build folder.
+RESULTS = os.path.join(os.path.dirname(HERE), "build", "bench")
 for _path in (os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")):
     if os.path.abspath(_path) not in map(os.path.abspath, sys.path):
         sys.path.insert(0, _path)

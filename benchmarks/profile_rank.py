@@ -10,8 +10,8 @@ and the functions that took most of it are printed, with the CPU seconds
 (all threads of each rank process, summed over the ranks) of every
 repetition.
 
-    python benchmarks/profile_rank.py --phase reshard
-    python benchmarks/profile_rank.py --phase save --workload small --gb 0.16
+    python -m benchmarks profile --phase reshard
+    python -m benchmarks profile --phase save --workload small --gb 0.16
 """
 
 from __future__ import annotations

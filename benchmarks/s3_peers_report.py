@@ -4,8 +4,8 @@ Everything here works on the samples in ``s3_peers.json``; medians and ratios
 are computed here and nowhere else, so the tables and figures can be rebuilt
 from a results file:
 
-    python benchmarks/s3_peers_report.py benchmarks/results/s3_peers.json
-    python benchmarks/s3_peers_report.py benchmarks/results/s3_peers.json --plots /tmp/figures --format svg
+    python benchmarks/s3_peers_report.py build/bench/s3/run-1/s3_peers.json
+    python benchmarks/s3_peers_report.py build/bench/s3/run-1/s3_peers.json --plots /tmp/figures --format svg
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import table  # noqa: E402
+from ranges import Figure  # noqa: E402
 
 FSSPEC, CONNECTOR = "dcp-fsspec", "s3torchconnector"  # as in s3_peers_ranks (which imports torch)
 PEERS = (FSSPEC, CONNECTOR)
@@ -202,6 +203,23 @@ def records(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "speedup": {label(p): r[0] for p, r in f["speedup"].items() if p != name},
                             "requests": f["requests"], "moved_mb": f["moved_mb"], "needed_mb": f["needed_mb"],
                             "cpu_per_gb": f["cpu_per_gb"]})
+    return out
+
+
+def figures(results: dict[str, Any]) -> list[Figure]:
+    """The run's medians as rows of ``ranges.py``: a store per link setting, a row per state, phase and contender."""
+    out = []
+    for block in results["blocks"]:
+        s = summarize(block)
+        fill = {"world": block["world"], "fewer": block["fewer"]}
+        store = f"S3 (moto), each rank behind a link of {block['link']['label']}"
+        state = f"{block['state']}, {block['bytes'] / 1e9:.2f} GB"
+        for phase, text in PHASES:
+            for name in _order([n for n in s if phase in s[n]]):
+                f = s[name][phase]
+                out.append(Figure(store, state, text.format(**fill), label(name), name in PEERS,
+                                  {"seconds": f["seconds"], "requests / rank": f["requests"],
+                                   "CPU s / GB": f["cpu_per_gb"]}))
     return out
 
 
