@@ -186,7 +186,6 @@ def test_metadata_round_trips_through_json():
     (dict(path="m/x"), "does not match key path"),
     (dict(dtype="float99"), "unknown data type"),
     (dict(chunk_shape=(2,)), "wrong rank"),
-    (dict(checksums="A" * 8), "per-chunk tables"),  # version 4 keeps them beside the data
     (dict(chunk_shape=(8, 2)), "larger than shape"),
     (dict(inner_chunk_shape=(3, 2)), "larger than chunk_shape"),
 ])
@@ -196,6 +195,13 @@ def test_metadata_validation_names_the_tensor(bad, message):
     with pytest.raises(errors.TsckptError, match=message) as info:
         CheckpointMetadata.from_dict(doc)
     assert "m.w" in str(info.value) or "checkpoint metadata" in str(info.value)
+
+
+def test_metadata_refuses_the_per_chunk_tables_of_older_versions():
+    doc = _metadata().to_dict()
+    doc["tensors"]["m.w"]["checksums"] = "A" * 8  # versions 2 and 3 kept a crc32c table per tensor here
+    with pytest.raises(errors.MetadataError, match="tensor 'm.w': holds per-chunk tables"):
+        CheckpointMetadata.from_dict(doc)
 
 
 def test_metadata_refuses_newer_format_versions():

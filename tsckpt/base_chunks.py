@@ -226,7 +226,7 @@ class BaseChunks:
         is missing, truncated, replaced or any byte of it changed (its size, its shard index, the crc32c
         of every inner chunk, then the content hash ``digest`` of its stored bytes: a chunk replaced whole
         by another intact one has every crc32c right), so it must not be taken."""
-        options = self.metadata.array_options or ArrayOptions()
+        options = self.metadata.array_options
         fmt = shards.value_format(entry, options)
         what = f"tensor {fqn!r} of {self.choice.url}"
         try:

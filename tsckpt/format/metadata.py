@@ -35,8 +35,7 @@ from .placements import (  # noqa: F401
 )
 from .names import check_relative_path, parent_groups, zarr_path
 from .reuse import Reuse
-from .versions import (
-    CODEC_CHECKSUMS_VERSION, FORMAT, FORMAT_VERSION, INNER_CHECKSUMS_VERSION, UNCUT_FIRST_VERSION, refusal)
+from .versions import FORMAT, FORMAT_VERSION, refusal
 
 
 # Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
@@ -68,15 +67,11 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _content_hash(d: Mapping[str, Any], tensors: Mapping[str, TensorEntry], what: str,
-                  version: int = FORMAT_VERSION) -> str | None:
-    """The document's content hash algorithm: the one its version uses, and named wherever a table exists."""
+def _content_hash(d: Mapping[str, Any], what: str) -> str | None:
+    """The document's content hash algorithm, when its ranks recorded content hashes."""
     name = optional_field(d, "content_hash", what, str)
-    expected = content_hashes.STORED_ALGORITHM if version >= CODEC_CHECKSUMS_VERSION else content_hashes.ALGORITHM
-    if name is not None and name != expected:
-        raise MetadataError(f"{what}: unknown content_hash {name!r}; expected {expected!r}")
-    if name is None and any(t.content_hashes is not None for t in tensors.values()):
-        raise MetadataError(f"{what}: tensors carry content hash tables but 'content_hash' names no algorithm")
+    if name is not None and name != content_hashes.STORED_ALGORITHM:
+        raise MetadataError(f"{what}: unknown content_hash {name!r}; expected {content_hashes.STORED_ALGORITHM!r}")
     return name
 
 
@@ -117,18 +112,6 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None
     placement: Placement | None
-    #: base64 crc32c table, one value per chunk of :attr:`checksum_grid` (``tsckpt.format.checksums``);
-    #: None in version 1.
-    checksums: str | None = None
-    #: base64 table of 16-byte digests, one per outer chunk (``tsckpt.format.content_hashes``); None when
-    #: the save recorded none (checkpoints from before incremental saves, or ``checksums=False``).
-    content_hashes: str | None = None
-    #: Whether the table covers inner chunks (version 3) or outer chunks (version 2). It
-    #: follows from the document's version, so it is not written into the entry.
-    checksums_per_inner_chunk: bool = True
-    #: Whether inner chunks are stored with the dimensions no chunk boundary cuts slowest (version 5) or
-    #: by inner-chunk count alone (before). It follows from the version, so it is not written either.
-    uncut_first: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -140,12 +123,6 @@ class TensorEntry:
     def grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
 
-    @functools.cached_property
-    def checksum_grid(self) -> ChunkGrid:
-        """The pieces the checksum table covers, one crc32c each: inner chunks, or outer chunks before version 3."""
-        unit = self.grid.read_unit if self.checksums_per_inner_chunk else self.chunk_shape
-        return ChunkGrid(self.shape, unit)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "key_path": list(self.key_path),
@@ -155,12 +132,10 @@ class TensorEntry:
             "chunk_shape": list(self.chunk_shape),
             "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape is not None else None,
             "placement": self.placement.to_dict() if self.placement else None,
-            "checksums": self.checksums,
-            "content_hashes": self.content_hashes,
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], what: str, version: int = FORMAT_VERSION) -> TensorEntry:
+    def from_dict(cls, d: Mapping[str, Any], what: str) -> TensorEntry:
         inner = d.get("inner_chunk_shape") if isinstance(d, Mapping) else None
         entry = cls(
             key_path=_key_path(get_field(d, "key_path", what, list), what),
@@ -170,14 +145,10 @@ class TensorEntry:
             chunk_shape=parse_shape(get_field(d, "chunk_shape", what, list), what, "chunk_shape", minimum=1),
             inner_chunk_shape=parse_shape(inner, what, "inner_chunk_shape", minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),
-            checksums=optional_field(d, "checksums", what, str),
-            content_hashes=optional_field(d, "content_hashes", what, str),
-            checksums_per_inner_chunk=version >= INNER_CHECKSUMS_VERSION,
-            uncut_first=version >= UNCUT_FIRST_VERSION,
         )
-        if version >= CODEC_CHECKSUMS_VERSION and (entry.checksums is not None or entry.content_hashes is not None):
-            raise MetadataError(f"{what}: a version-{version} entry holds per-chunk tables; its chunks carry their "
-                                f"own crc32c and its content hashes are in the ranks' digest tables")
+        if d.get("checksums") is not None or d.get("content_hashes") is not None:
+            raise MetadataError(f"{what}: holds per-chunk tables, as only format versions 2 and 3 did (each chunk "
+                                f"carries its own crc32c)")
         entry.validate(what)
         return entry
 
@@ -213,15 +184,6 @@ class TensorEntry:
                     o + s > n for o, s, n in zip(offsets, sizes, self.shape)
                 ):
                     raise MetadataError(f"{what}: shard at {list(offsets)} of size {list(sizes)} lies outside shape {list(self.shape)}")
-        # base64 of 4 bytes per chunk; decoding waits until a read needs it.
-        units = self.checksum_grid
-        if self.checksums is not None and len(self.checksums) != 4 * -(-4 * units.nchunks // 3):
-            raise MetadataError(f"{what}: the checksum table does not have one entry per chunk of "
-                                f"shape {list(self.shape)} in chunks of {list(units.chunk_shape)}")
-        if self.content_hashes is not None and len(self.content_hashes) != content_hashes.text_length(
-                self.grid.nchunks):
-            raise MetadataError(f"{what}: the content hash table does not have one entry per chunk of "
-                                f"shape {list(self.shape)} in chunks of {list(self.chunk_shape)}")
 
 
 @dataclass(frozen=True)
@@ -276,21 +238,21 @@ class CheckpointMetadata:
     created: str = ""
     version: int = FORMAT_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
-    #: The codecs every tensor array was written with; None in version 1 (read from each zarr.json).
-    array_options: ArrayOptions | None = None
+    #: The codecs every tensor array was written with.
+    array_options: ArrayOptions = ArrayOptions()
     #: How the arrays' keys are stored (:data:`tsckpt.storage.layouts.LAYOUTS`): "plain" or "packed".
     layout: str = "plain"
     #: The algorithm of the tensors' ``content_hashes`` tables (None when there are none).
     content_hash: str | None = None
     #: What an incremental save took from its base (None for a save without a base).
     reuse: Reuse | None = None
-    #: Version 4: the data files and digest tables each rank wrote, and the packed layout's index.
+    #: The data files and digest tables each rank wrote, and the packed layout's index.
     data_files: DataFiles | None = None
 
     @property
     def codec_checksums(self) -> bool:
-        """Whether every chunk carries its own crc32c (Zarr's codec): version 4 with checksums on."""
-        return self.version >= CODEC_CHECKSUMS_VERSION and bool(self.array_options and self.array_options.crc32c_codec)
+        """Whether every chunk carries its own crc32c (Zarr's codec): saved with checksums on."""
+        return self.array_options.crc32c_codec
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -304,7 +266,7 @@ class CheckpointMetadata:
             "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
             "extra": dict(self.extra),
-            "array_options": self.array_options.to_dict() if self.array_options else None,
+            "array_options": self.array_options.to_dict(),
             "layout": self.layout,
             "content_hash": self.content_hash,
             "reuse": self.reuse.to_dict() if self.reuse else None,
@@ -321,7 +283,7 @@ class CheckpointMetadata:
             raise UnsupportedVersionError(refusal(version))
         meshes = tuple(Mesh.from_dict(m, f"mesh {i}") for i, m in enumerate(get_field(d, "meshes", what, list)))
         tensors = {
-            k: TensorEntry.from_dict(v, f"tensor {k!r}", version)
+            k: TensorEntry.from_dict(v, f"tensor {k!r}")
             for k, v in get_field(d, "tensors", what, dict).items()
         }
         objs = {k: ObjectEntry.from_dict(v, f"object {k!r}") for k, v in get_field(d, "objects", what, dict).items()}
@@ -342,7 +304,7 @@ class CheckpointMetadata:
         world_size = get_field(d, "world_size", what, int)
         if world_size < 1:
             raise MetadataError(f"{what}: world_size {world_size} is not a positive number of ranks")
-        # Absent before the packed layout existed: every such checkpoint is plain.
+        # Absent means plain (docs/format.md, section 2).
         layout = optional_field(d, "layout", what, str) or "plain"
         return cls(
             world_size=world_size,
@@ -354,29 +316,16 @@ class CheckpointMetadata:
             created=str(d.get("created", "")),
             version=version,
             extra=extra if isinstance(extra, dict) else {},
-            array_options=_array_options(d, version, what),
+            array_options=ArrayOptions.from_dict(get_field(d, "array_options", what, dict)),
             layout=layout,
-            content_hash=_content_hash(d, tensors, what, version),
+            content_hash=_content_hash(d, what),
             reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
-            data_files=_data_files(d, version, world_size, layout, what),
+            data_files=_data_files(d, world_size, layout, what),
         )
 
 
-def _array_options(d: Mapping[str, Any], version: int, what: str) -> ArrayOptions | None:
-    """The codec choices of every tensor array: required from version 4 (its readers build every array's
-    ``zarr.json`` from them), optional before."""
-    if d.get("array_options") is None:
-        if version >= CODEC_CHECKSUMS_VERSION:
-            raise MetadataError(f"{what}: array_options is missing (required from format version "
-                                f"{CODEC_CHECKSUMS_VERSION})")
-        return None
-    return ArrayOptions.from_dict(d["array_options"])
-
-
-def _data_files(d: Mapping[str, Any], version: int, world_size: int, layout: str, what: str) -> DataFiles | None:
-    """Version 4's ``data_files``: required, one record per rank; absent before."""
-    if version < CODEC_CHECKSUMS_VERSION:
-        return None
+def _data_files(d: Mapping[str, Any], world_size: int, layout: str, what: str) -> DataFiles:
+    """``data_files``: one record per rank, each file listed once, an index exactly where the layout has one."""
     files = DataFiles.from_dict(get_field(d, "data_files", what, dict), f"{what}: data_files")
     if len(files.ranks) != world_size:
         raise MetadataError(f"{what}: data_files lists {len(files.ranks)} ranks, world_size is {world_size}")

@@ -30,7 +30,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from ..errors import ChecksumError
-from . import checksums, dtypes, zarr_json
+from . import checksums, dtypes
 from .metadata import ArrayOptions, TensorEntry
 
 #: The index value of an inner chunk that is not stored (outside the array).
@@ -54,8 +54,8 @@ class ShardFormat:
     itemsize: int
     crc32c_codec: bool = False
     indexed: bool = True
-    #: Dimensions stored slowest, ahead of the others (:attr:`order`; format version 5: those no chunk
-    #: boundary of the array cuts, in an array that chunk boundaries cut along another dimension).
+    #: Dimensions stored slowest, ahead of the others (:attr:`order`): those no chunk boundary of the array
+    #: cuts, in an array that chunk boundaries cut along another dimension.
     first: tuple[int, ...] = ()
 
     @functools.cached_property
@@ -203,41 +203,8 @@ class ShardFormat:
         return index
 
 
-def check_pieces(entry: TensorEntry, fmt: ShardFormat, table: np.ndarray, index: Sequence[int], coords: np.ndarray,
-                 stored: np.ndarray, values: np.ndarray, what: str) -> None:
-    """Check inner chunks of outer chunk ``index`` against the checksum ``table``.
-
-    ``coords``: each inner chunk's position in the array's grid of inner
-    chunks, one row each; ``stored``: their raw bytes, one row each;
-    ``values``: the same bytes as values, shaped ``(count, *inner)``. Inner
-    chunks entirely beyond the array's edge (padding) are skipped; those
-    across it are checked over their elements inside it.
-    """
-    shape = np.asarray(entry.shape)
-    inner = np.asarray(fmt.inner)
-    corner = coords * inner
-    whole = ((corner + inner) <= shape).all(axis=1)
-    if whole.all():  # the usual case: one crc32c call per inner chunk, on its bytes as stored
-        inside = np.arange(len(coords))
-        found = np.fromiter(map(_crc32c.crc32c, stored), dtype=np.uint32, count=len(coords))
-    else:
-        inside = np.flatnonzero((corner < shape).all(axis=1))
-        found = np.fromiter((_crc32c.crc32c(stored[k]) if whole[k] else
-                             checksums.crc32c(values[k][tuple(slice(0, int(m)) for m in np.minimum(inner, shape - corner[k]))])
-                             for k in inside.tolist()), dtype=np.uint32, count=len(inside))
-    expected = table[np.ravel_multi_index(tuple(coords[inside].T), entry.checksum_grid.grid_shape)]
-    bad = np.flatnonzero(found != expected)
-    if len(bad):
-        at = coords[inside[bad[0]]].tolist()
-        if not fmt.indexed:  # the chunk is one piece, stored as one key
-            raise ChecksumError(f"{what}: chunk {list(index)} does not match its stored crc32c (key "
-                                f"{zarr_json.chunk_key(index)}; the data changed after it was written)")
-        raise ChecksumError(f"{what}: chunk {list(index)} does not match its stored crc32c at inner chunk {at} "
-                            "(the data changed after it was written)")
-
-
 def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.ndarray, what: str) -> None:
-    """Check a whole outer chunk of a version-4 checkpoint as stored: exactly :attr:`ShardFormat.nbytes`
+    """Check a whole outer chunk as stored: exactly :attr:`ShardFormat.nbytes`
     long, ending in tsckpt's index, every inner chunk matching the crc32c stored after it. Raises
     :class:`ChecksumError` naming ``what`` otherwise."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
@@ -263,7 +230,7 @@ def check_layout(fmt: ShardFormat, index: Sequence[int], size: int, tail: np.nda
 
 
 def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
-    """How every outer chunk of ``entry`` is laid out in a version-4 checkpoint: with inner chunks (the
+    """How every outer chunk of ``entry`` is laid out: with inner chunks (the
     sharding codec, indexed), or as one piece; each piece followed by its crc32c when the codecs have one."""
     inner = entry.inner_chunk_shape
     return _format(entry.chunk_shape, inner if inner is not None else entry.chunk_shape,
@@ -284,10 +251,10 @@ def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardForma
 
 
 def uncut(entry: TensorEntry) -> tuple[int, ...]:
-    """The dimensions ``entry``'s inner chunks store first (:attr:`ShardFormat.first`): since version 5, those
-    one chunk spans whole, where chunk boundaries cut another; none before, or where no dimension is cut."""
+    """The dimensions ``entry``'s inner chunks store first (:attr:`ShardFormat.first`): those one chunk spans
+    whole, where chunk boundaries cut another; none where no dimension is cut."""
     whole = tuple(d for d, (n, c) in enumerate(zip(entry.shape, entry.chunk_shape)) if c >= n)
-    return whole if entry.uncut_first and len(whole) < len(entry.shape) else ()
+    return whole if len(whole) < len(entry.shape) else ()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -17,9 +17,6 @@ FORMAT = "tsckpt"
 FORMAT_VERSION = 5
 #: The release that reads every version before :data:`FORMAT_VERSION`.
 OLDER_VERSIONS_READER = "tsckpt 0.1"
-INNER_CHECKSUMS_VERSION = 3
-CODEC_CHECKSUMS_VERSION = 4
-UNCUT_FIRST_VERSION = 5
 
 
 def refusal(version: int) -> str:

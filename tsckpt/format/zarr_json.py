@@ -54,17 +54,6 @@ def _codecs(dt: dtypes.DType, inner_chunk_shape: Sequence[int] | None, checksums
     }]
 
 
-def writer_options() -> list[tuple[bool, str | None]]:
-    """Every (checksums, compression) pair a writer accepts."""
-    return [(c, z) for c in (False, True) for z in (None, *COMPRESSORS)]
-
-
-def possible_codecs(dtype: str, inner_chunk_shape: Sequence[int] | None) -> list[list[dict[str, Any]]]:
-    """Every chain a tsckpt writer can give such an array, for readers that do not know its options."""
-    dt = dtypes.from_zarr(dtype)
-    return [_codecs(dt, inner_chunk_shape, c, z) for c, z in writer_options()]
-
-
 def array_metadata(
     shape: Sequence[int],
     dtype: str,
