@@ -1,6 +1,6 @@
 """Data files: where a checkpoint's bytes are beyond its Zarr keys, as the metadata document records them.
 
-Version 4 of the document (``docs/format.md``, section 1) lists every file
+The document (``docs/format.md``, section 1) lists every file
 each rank wrote besides chunk keys (the packed layout's data files, each rank's
 digest table) and the packed layout's index, so that a reader finds them from
 the root document alone, and on object stores refuses an object replaced
@@ -83,7 +83,7 @@ class RankFiles:
 
 @dataclass(frozen=True)
 class DataFiles:
-    """Version 4: where a checkpoint's bytes are, beyond its Zarr keys (``docs/format.md``, section 1).
+    """Where a checkpoint's bytes are, beyond its Zarr keys (``docs/format.md``, section 1).
 
     ``index``: the packed layout's B+tree root node, ``length`` bytes at
     ``offset`` of the node file, which ends with it (every other node, and

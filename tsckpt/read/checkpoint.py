@@ -45,7 +45,6 @@ from ..native_logs import quiet
 from ..storage.store import Store, read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
-from ..storage.kvio import read_json
 from .index import Index, bounding_box, normalize_index
 
 if TYPE_CHECKING:
@@ -150,17 +149,10 @@ class TensorHandle:
         return self.entry.grid
 
     def writers(self) -> dict[tuple[int, ...], int]:
-        """Which rank saved each outer chunk: from the ranks' digest tables (format version 4, read once per
-        checkpoint), or the array's ``zarr.json`` before. Empty when the save did not record it."""
-        if self._ck.metadata.data_files is not None:
-            saved = self._ck.source.writers(self.entry)
-            return {index: saved[flat] for flat, index in enumerate(self.chunks.indices()) if flat in saved}
-        doc = read_json(self._ck.store.node_kvstore(self.entry.path), commit.ROOT)
-        attrs = doc.get("attributes", {}).get(commit.ATTRIBUTE, {}) if isinstance(doc, dict) else {}
-        ranks = attrs.get("writers") if isinstance(attrs, dict) else None
-        if not isinstance(ranks, list) or len(ranks) != self.chunks.nchunks:
-            return {}
-        return dict(zip(self.chunks.indices(), ranks))
+        """Which rank saved each outer chunk, from the ranks' digest tables (read once per checkpoint); empty
+        when the save did not record it."""
+        saved = self._ck.source.writers(self.entry)
+        return {index: saved[flat] for flat, index in enumerate(self.chunks.indices()) if flat in saved}
 
     def close(self) -> None:
         """Release this tensor's open array (TensorStore handles and buffers); a later read opens it again."""

@@ -3,9 +3,8 @@
 Plain file calls on a local disk (:class:`LocalFiles`: ``preadv`` into one
 buffer per request, on a few threads, the GIL released; each file's size
 checked once against what was written), or TensorStore ranged reads of a
-kvstore (:class:`KvFiles`: object stores, memory, and the keys of an OCDBT
-database written before format version 4). Which ranges to fetch, merged how,
-is :mod:`tsckpt.storage.byte_reads`.
+kvstore (:class:`KvFiles`: object stores, memory). Which ranges to fetch,
+merged how, is :mod:`tsckpt.storage.byte_reads`.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def _under(base: Mapping[str, Any], relpath: str) -> dict[str, Any]:
 
 
 def root_database(base: Mapping[str, Any]) -> dict[str, Any]:
-    """The OCDBT kvstore spec TensorStore reads a packed checkpoint's database through (any version).
+    """The OCDBT kvstore spec TensorStore reads a packed checkpoint's database through.
 
     Decoded B+tree nodes are cached in :data:`NODE_CACHE`.
     """
