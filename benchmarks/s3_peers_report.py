@@ -223,22 +223,47 @@ def figures(results: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def link_records(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """tsckpt's speed-up over the faster peer, a panel per state and a bar per link: how its lead moves with the link."""
+    out = []
+    for block in results["blocks"]:
+        s = summarize(block)
+        fill = {"world": block["world"], "fewer": block["fewer"]}
+        for phase, _ in PHASES:
+            for name in [n for n in s if n not in PEERS and phase in s[n]]:
+                f = s[name][phase]
+                if f["vs_faster"]:
+                    out.append({"panel": f"{block['state']} state, {block['bytes'] / 1e9:.2f} GB",
+                                "phase": SHORT[phase].format(**fill),
+                                "contender": f"{label(name)}, link {block['link']['label']}", "peer": False,
+                                "speedup": {"the faster peer": f["vs_faster"][0]}})
+    return out
+
+
 def plot(results: dict[str, Any], directory: str, fmt: str = "png") -> list[str]:
-    """The figures of ``plots.py`` for these results, as ``s3_peers_<kind>.<fmt>`` in ``directory``."""
+    """The figures of ``plots.py`` for these results, as ``s3_peers_<kind>.<fmt>`` in ``directory``, and
+    ``s3_peers_links.<fmt>``: tsckpt over the faster peer, link by link."""
     import plots
 
-    return plots.write_all(records(results), directory, "s3_peers", fmt,
-                           title="tsckpt and its peers on S3 through emulated node links")
+    paths = plots.write_all(records(results), directory, "s3_peers", fmt,
+                            title="tsckpt and its peers on S3 through emulated node links")
+    links = plots.speedups(link_records(results), os.path.join(directory, f"s3_peers_links.{fmt}"),
+                           title="tsckpt on S3 through emulated node links")
+    return paths + ([links] if links else [])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Tables (and figures) again from a bench_s3_peers.py results file")
-    ap.add_argument("results")
+    ap = argparse.ArgumentParser(description="Tables (and figures) again from bench_s3_peers.py results files; "
+                                             "the blocks of several files are put together")
+    ap.add_argument("results", nargs="+")
     ap.add_argument("--plots", default="", help="directory for the figures (default: none)")
     ap.add_argument("--format", default="png", choices=("png", "svg"))
     args = ap.parse_args()
-    with open(args.results) as f:
-        results = json.load(f)
+    loaded = []
+    for path in args.results:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    results = loaded[0] | {"blocks": [b for r in loaded for b in r["blocks"]]}
     print(markdown(results))
     if args.plots:
         for path in plot(results, args.plots, args.format):

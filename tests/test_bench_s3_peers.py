@@ -150,5 +150,5 @@ def test_benchmark_smoke_run(tmp_path: Any) -> None:
             # Every rank's requests crossed its own link, tsckpt's saves included.
             assert sample["seconds"] > 0 and min(sample["requests"]) > 0 and min(sample["needed"]) > 0
     assert "| same-topology load, 4 ranks | tsckpt plain |" in done.stdout
-    assert sorted(p.name for p in figures.iterdir()) == ["s3_peers_cpu.png", "s3_peers_speedups.png",
-                                                        "s3_peers_traffic.png"]
+    assert sorted(p.name for p in figures.iterdir()) == ["s3_peers_cpu.png", "s3_peers_links.png",
+                                                        "s3_peers_speedups.png", "s3_peers_traffic.png"]
