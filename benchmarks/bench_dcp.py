@@ -10,8 +10,9 @@ dtype, row-sharded over ``--world`` gloo CPU ranks, every contender
 * loads column-sharded into the same rank count and into ``--reshard-world`` ranks;
 * on the tuned workload also: ``async_save``, and opening and slicing without a process group.
 
-Then (``fetched.py``) the bytes each rank fetches vs the bytes it needs, on
-each load of ``--reshards``, on local disk and on an S3 server on loopback; and (``--many-ranks``)
+Then (``fetched.py``) the bytes each rank fetches from the local disk vs the
+bytes it needs, on each load of ``--reshards`` (what ranks fetch from S3 is
+the ``s3`` scenario's); and (``--many-ranks``)
 runs with more ranks than cores on a few hundred small tensors.
 
 Every repetition rotates which contender goes first; every figure keeps its
@@ -180,7 +181,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait (after sync) before each save")
     ap.add_argument("--phases", type=_names, default=list(PHASES), help=f"comma-separated subset of {PHASES}")
     ap.add_argument("--fetch-gb", type=float, default=0.25, help="state dict size for bytes fetched on local disk")
-    ap.add_argument("--s3-gb", type=float, default=0.05, help="state dict size for bytes fetched on S3")
     ap.add_argument("--fetch-workload", default="untuned", choices=sorted(wl.WORKLOADS))
     ap.add_argument("--reshards", default=fetched.RESHARDS,
                     help="loads measured for bytes fetched, as PLACEMENT:RANKS (row, column, replicated), comma-separated")
@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plots", default="", help="also write plots.py's figures (dcp_<kind>.png) to this directory")
     args = ap.parse_args(argv)
     if args.quick:
-        args.size_gb, args.fetch_gb, args.s3_gb, args.many_gb = 0.01, 0.01, 0.005, 0.002
+        args.size_gb, args.fetch_gb, args.many_gb = 0.01, 0.01, 0.002
         args.reps, args.settle, args.many_ranks = 1, 0.0, args.many_ranks[:1]
     args.many_reps = args.many_reps or args.reps
     if args.dcp_threads[0] != 1:

@@ -76,10 +76,10 @@ def _ratio_cell(r: tuple[float, float, float] | None) -> str:
     return f"**{r[0]:.2f}x**" + (f" ({r[1]:.2f}-{r[2]:.2f})" if r[1] != r[2] else "")
 
 
-def label(name: str, s3: bool = False) -> str:
-    """A contender's column heading (on S3, DCP's writer and reader are the fsspec ones over s3fs)."""
+def label(name: str) -> str:
+    """A contender's column heading."""
     if name == DCP:
-        return "DCP FsspecWriter/Reader over s3fs (defaults)" if s3 else "DCP FileSystemWriter/Reader (default)"
+        return "DCP FileSystemWriter/Reader (default)"
     if name.startswith("dcp-t"):
         return f"DCP thread_count={name[5:]}"
     if name.startswith("tsckpt-dcp/"):
@@ -143,24 +143,23 @@ def _load_label(key: str, world: int) -> str:
     return f"{what}, {world} -> {ranks} ranks"
 
 
-def _fetched_rows(loads: dict[str, Any], world: int, moved: str, s3: bool) -> list[list[str]]:
+def _fetched_rows(loads: dict[str, Any], world: int) -> list[list[str]]:
     rows = []
     for key, by_contender in loads.items():
         for name, e in by_contender.items():
-            needed, got = e["needed"], e[moved]
+            needed, got = e["needed"], e["rchar"]
             per_rank = max(g / n for g, n in zip(got, needed) if n)
             ratio = sum(got) / sum(needed)
             # A replicated load needs a whole copy on every rank; storage served that many copies.
             copies = f" ({sum(got) / needed[0]:.2f} copies)" if key.startswith("replicated") else ""
-            extra = f"{sum(e['requests'])}" if s3 else f"{sum(e['read_bytes']) / sum(needed):.2f}"
-            rows.append([_load_label(key, world), label(name, s3=s3), f"{sum(needed) / 1e6:.1f} MB",
-                         f"{sum(got) / 1e6:.1f} MB", f"**{ratio:.2f}**{copies}", f"**{per_rank:.2f}**", extra,
-                         f"{e['seconds']:.3f}"])
+            rows.append([_load_label(key, world), label(name), f"{sum(needed) / 1e6:.1f} MB",
+                         f"{sum(got) / 1e6:.1f} MB", f"**{ratio:.2f}**{copies}", f"**{per_rank:.2f}**",
+                         f"{sum(e['read_bytes']) / sum(needed):.2f}", f"{e['seconds']:.3f}"])
     return rows
 
 
 def fetched_tables(f: dict[str, Any]) -> list[str]:
-    """Bytes each rank fetched vs the bytes it needed, for every resharded load, on local disk and on S3."""
+    """Bytes each rank fetched from the local disk vs the bytes it needed, for every resharded load."""
     lines: list[str] = []
     world = f["world"]
     disk = f.get("disk")
@@ -172,16 +171,7 @@ def fetched_tables(f: dict[str, Any]) -> list[str]:
                       "device delivered after the page cache was dropped (ranks on one machine share the cache).", ""]
         lines += table(["load into", "contender", "needed", "rchar", "rchar / needed", "largest rank",
                         "read_bytes / needed", "seconds"],
-                       _fetched_rows(disk["loads"], world, "rchar", s3=False)).splitlines()
-    s3 = f.get("s3")
-    if s3:
-        lines += ["", f"S3, moto on loopback behind one byte-counting proxy per rank ({s3['bytes'] / 1e6:.0f} MB "
-                      f"state dict saved row-sharded by {world} ranks). Served: bytes the server sent to a rank "
-                      "(HTTP bodies and headers), summed and for the rank with the largest ratio; requests: "
-                      "HTTP requests the ranks sent.", ""]
-        lines += table(["load into", "contender", "needed", "served", "served / needed", "largest rank",
-                        "requests", "seconds"],
-                       _fetched_rows(s3["loads"], world, "served", s3=True)).splitlines()
+                       _fetched_rows(disk["loads"], world)).splitlines()
     return lines
 
 
@@ -267,8 +257,8 @@ def records(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The results as ``plots.py`` records: speed-ups over DCP's default per workload, bytes per rank per load.
 
     Timed runs give one panel per workload (seconds and the speed-up over
-    DCP's default); the bytes-fetched phase one panel per store (MB a rank
-    fetched, what it needed and, on S3, its requests). bench_dcp measures no CPU.
+    DCP's default); the bytes-fetched phase one panel (MB a rank fetched and
+    what it needed). bench_dcp measures no CPU.
     """
     out: list[dict[str, Any]] = []
     for run in results.get("runs", []):
@@ -285,18 +275,14 @@ def records(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "peer": name == DCP, "seconds": median(times),
                             "speedup": {label(DCP): ratio[0]} if ratio else {}})
     fetched = results.get("fetched") or {}
-    for store, moved, s3 in (("disk", "rchar", False), ("s3", "served", True)):
-        part = fetched.get(store)
-        if not part:
-            continue
-        panel = f"bytes fetched, {'S3 (moto)' if s3 else 'local disk'}, {part['bytes'] / 1e6:.0f} MB state"
-        for key, by_name in part["loads"].items():
+    if disk := fetched.get("disk"):
+        panel = f"bytes fetched, local disk, {disk['bytes'] / 1e6:.0f} MB state"
+        for key, by_name in disk["loads"].items():
             for name, e in by_name.items():
                 ranks = len(e["needed"])
-                out.append({"panel": panel, "phase": _short_load(key, fetched["world"]),
-                            "contender": label(name, s3=s3), "peer": name == DCP,
-                            "requests": sum(e["requests"]) / ranks if s3 else None,
-                            "moved_mb": sum(e[moved]) / ranks / 1e6, "needed_mb": sum(e["needed"]) / ranks / 1e6})
+                out.append({"panel": panel, "phase": _short_load(key, fetched["world"]), "contender": label(name),
+                            "peer": name == DCP, "moved_mb": sum(e["rchar"]) / ranks / 1e6,
+                            "needed_mb": sum(e["needed"]) / ranks / 1e6})
     return out
 
 

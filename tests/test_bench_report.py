@@ -96,17 +96,13 @@ def _results(**env: object) -> dict:
                                            "read_bytes": [50, 55]}},
              "replicated:2": {"tsckpt/plain": {"seconds": 0.5, "needed": [100, 100], "rchar": [100, 101],
                                                "read_bytes": [100, 0]}}}
-    s3 = {"column:2": {"dcp-t1": {"seconds": 2.0, "needed": [50, 50], "served": [180, 180], "requests": [13, 13]},
-                       "tsckpt/plain": {"seconds": 1.0, "needed": [50, 50], "served": [60, 60],
-                                        "requests": [450, 450]}}}
     many = {"ranks": 16, "describe": "150 matrices", "bytes": 10**7, "cpus": 2, "evict": "drop_caches",
             "samples": {"dcp-t1": {"save": [4.0], "load": [2.0]}, "tsckpt/plain": {"save": [2.0], "load": [4.0]}},
             "files": {"dcp-t1": 17, "tsckpt/plain": 3000}}
     return {"env": {"date": "2026-01-01 00:00 UTC", "machine": "2 CPUs", "command": "python benchmarks/bench_dcp.py",
                     "reps": 3, "load_before": "1.0", "load_after": "2.0", "complete": True, **env},
             "layouts": {"run": ["plain"], "skipped": ["packed"]}, "runs": [run],
-            "fetched": {"world": 4, "reshards": ["column:2", "replicated:2"], "disk": {"bytes": 10**8, "loads": loads},
-                        "s3": {"bytes": 10**8, "loads": s3}},
+            "fetched": {"world": 4, "reshards": ["column:2", "replicated:2"], "disk": {"bytes": 10**8, "loads": loads}},
             "many": [many]}
 
 
@@ -122,7 +118,6 @@ def test_markdown_reports_ratios_verdicts_bytes_and_ranks():
     assert "| column-sharded, 4 -> 2 ranks | DCP FileSystemWriter/Reader (default) | 0.0 MB | 0.0 MB | **2.50** | " \
            "**3.00** | 1.00 | 1.000 |" in text
     assert "| **1.10** | **1.20** | 1.05 |" in text and "| **1.00** (2.01 copies) | **1.01** |" in text
-    assert "| **3.60** | **3.60** | 26 |" in text and "FsspecWriter/Reader over s3fs" in text
     assert "| 16 | tsckpt.save/load, plain | 2.000 s | 4.000 s | 3000 | **2.00x** | **0.50x** |" in text
     assert "drop_caches" in text
 
