@@ -11,10 +11,11 @@ Options of this command, for the comparisons: ``--runs N`` (default 1) runs
 the scenario N times; ``--out DIR`` (default ``build/bench/SCENARIO``) holds
 each run's results (``DIR/run-K``) and ``summary.md``; ``--summarize FILE...``
 prints the summary of results files already written. Every other option goes
-to the scenario's script, unchanged; the other scenarios run their script once. After the runs, the summary gives for each store one table:
-every phase and contender, the range of the runs' medians, and the ratio
-against the best peer (see ``ranges.py``). Each run also prints the script's
-own tables, with the range over its repetitions.
+to the scenario's script, unchanged; the other scenarios run their script
+once. After the runs, the summary gives for each store one table: every phase
+and contender, the range of the runs' medians, and the ratio against the best
+peer (see ``ranges.py``). Each run also prints the script's own tables, with
+the range over its repetitions.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def summary(scenario: Scenario, files: list[str], runs: list[dict[str, Any]], co
                      f"{env.get('load_before', '?')} before, {env.get('load_after', '?')} after")
     lines += ["", ranges.HOW_TO_READ, ""]
     assert scenario.figures is not None
-    return "\n".join(lines + ranges.tables([scenario.figures(r) for r in loaded]))
+    tables = ranges.tables([scenario.figures(r) for r in loaded]) or [
+        "(These runs timed no phase; each run's own report, beside its results file, holds what it measured.)"]
+    return "\n".join(lines + tables)
 
 
 def compare(scenario: Scenario, opts: argparse.Namespace, args: list[str], command: str) -> int:

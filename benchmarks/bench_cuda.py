@@ -200,7 +200,8 @@ def main() -> None:
     rows = []
     for name, s in samples.items():
         med = {k: statistics.median(v) for k, v in s.items()}
-        rows.append([name, seconds(s["save"]), f"{nbytes / 1e9 / med['save']:.2f}", f"{dcp_s['save'] / med['save']:.2f}",
+        rows.append([name, seconds(s["save"]), f"{nbytes / 1e9 / med['save']:.2f}",
+                     f"{dcp_s['save'] / med['save']:.2f}",
                      f"{med['save_mem'] / 1e9:.2f}", seconds(s["load"]), f"{nbytes / 1e9 / med['load']:.2f}",
                      f"{dcp_s['load'] / med['load']:.2f}", f"{med['load_mem'] / 1e9:.2f}"])
     print(f"\nmedians of {args.reps} (range in brackets); state {nbytes / 1e9:.2f} GB, largest tensor "

@@ -224,7 +224,8 @@ def figures(results: dict[str, Any]) -> list[Figure]:
 
 
 def link_records(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """tsckpt's speed-up over the faster peer, a panel per state and a bar per link: how its lead moves with the link."""
+    """tsckpt's speed-up over the faster peer, a panel per state and a bar per link: how its lead moves with
+    the link."""
     out = []
     for block in results["blocks"]:
         s = summarize(block)

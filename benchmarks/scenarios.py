@@ -61,7 +61,8 @@ def _cuda(results: dict[str, Any]) -> list[Figure]:
     out = []
     for phase in ("save", "load"):
         for name, s in results["samples"].items():
-            out.append(Figure("local disk, state on the GPU", state, phase, dcp_report.label(name), name.startswith("dcp-t"),
+            out.append(Figure("local disk, state on the GPU", state, phase, dcp_report.label(name),
+                              name.startswith("dcp-t"),
                               {"seconds": statistics.median(s[phase]),
                                "peak host GB": statistics.median(s[f"{phase}_mem"]) / 1e9}))
     return out
