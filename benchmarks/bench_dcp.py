@@ -17,8 +17,8 @@ runs with more ranks than cores on a few hundred small tensors.
 
 Every repetition rotates which contender goes first; every figure keeps its
 samples in ``results.json`` and the tables report medians. Writes
-``results.md``, ``results.png`` and ``results.json`` to ``--out``, and with
-``--plots DIR`` the figures of ``plots.py`` (speed-ups, bytes per rank) to DIR.
+``results.md`` and ``results.json`` to ``--out``, and the figures of
+``plots.py`` (speed-ups, bytes per rank) to ``--plots`` (default: ``--out``).
 
     python -m benchmarks local --size-gb 0.25 --update-docs
     python -m benchmarks local --quick                      # smoke run: tiny sizes, 1 repetition
@@ -190,10 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 repetition, no settling")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--out", default=os.path.join(harness.RESULTS, "local"),
-                    help="where results.json, results.md and results.png go")
+                    help="where results.json and results.md go")
     ap.add_argument("--update-docs", "--update-readme", dest="update_docs", action="store_true",
                     help="replace the results block of docs/benchmarks/dcp.md")
-    ap.add_argument("--plots", default="", help="also write plots.py's figures (dcp_<kind>.png) to this directory")
+    ap.add_argument("--plots", default="", help="where plots.py's figures (dcp_<kind>.png) go (default: --out)")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gb, args.fetch_gb, args.many_gb = 0.01, 0.01, 0.002
@@ -218,9 +218,7 @@ def write_results(args: argparse.Namespace, results: dict[str, Any]) -> str:
     text = dcp_report.markdown(results)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
-    dcp_report.plot(results, os.path.join(args.out, "results.png"))
-    if args.plots:
-        dcp_report.write_plots(results, args.plots)
+    dcp_report.write_plots(results, args.plots or args.out)
     if args.update_docs:
         dcp_report.update_block(dcp_report.DOCS_PAGE, text)
     return text

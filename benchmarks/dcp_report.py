@@ -227,32 +227,6 @@ def _evicts(results: dict[str, Any]) -> set[str]:
     return {run["evict"] for run in results.get("runs", []) + results.get("many", []) if run.get("evict")}
 
 
-def plot(results: dict[str, Any], path: str) -> None:
-    """Bar chart of speed-ups over DCP's default, one panel per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results.get("runs", [])
-    if not runs:
-        return
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.8), squeeze=False)
-    for ax, run in zip(axes[0], runs):
-        names = tsckpt_names(run["samples"])
-        width = 0.8 / max(1, len(names))
-        for i, name in enumerate(names):
-            vals = [(speedup(run["samples"], k, name) or (0.0,))[0] for k, _ in FIGURES]
-            ax.bar([x + i * width for x in range(len(FIGURES))], vals, width, label=label(name))
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(FIGURES))], ["save", "load", "reshard =", "reshard <"])
-        ax.set_ylabel("speed-up over DCP default (higher is better)")
-        ax.set_title(f"{run['workload']}, {run['dtype']}, {run['bytes'] / 1e9:.2f} GB")
-        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def records(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The results as ``plots.py`` records: speed-ups over DCP's default per workload, bytes per rank per load.
 
