@@ -1,11 +1,13 @@
-"""A save never deletes what tsckpt did not write: not with DCP's defaults, not with overwrite, not on S3.
+"""A save never touches what tsckpt did not write: it writes beside it, as DCP's own writer does.
 
 A run directory (or bucket prefix) holding a config, logs and a directory that
-looks like a step checkpoint is the usual place a user points a writer at by
-mistake. Every call that writes or removes checkpoints (``dcp.save`` with the
-writer's defaults, ``tsckpt.save``, ``convert``, ``clean``, ``prune``) must
-leave those files byte for byte, and either write beside them or refuse in one
-line that says why.
+looks like a step checkpoint is where a training script saves, with
+``dcp.save`` as with ``FileSystemWriter``. Every call that writes or removes
+checkpoints (``dcp.save`` with the writer's defaults, ``tsckpt.save``,
+``convert``, ``clean``, ``prune``) must leave those files byte for byte and
+write its own beside them; a save that fails, or is killed while it
+publishes, leaves them too, and never the previous checkpoint damaged.
+Another tool's Zarr data is refused (tests/test_foreign_zarr.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tsckpt
+import tsckpt.commit.states
 from tsckpt import TensorStoreWriter
-from tsckpt.errors import ForeignContentError
+from tsckpt.commit.publication import leftovers
+from tsckpt.errors import CheckpointExistsError, ForeignContentError
 from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 
@@ -28,6 +32,11 @@ FOREIGN = {
     "logs/events.txt": b"step 100 loss 2.5\n",
     "step_100/notes.md": b"# notes of a step that tsckpt never saved\n",
 }
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("this value cannot be pickled")
 
 
 def _state(v: float) -> dict:
@@ -56,6 +65,14 @@ class Local:
         path = self.root / key
         return path.read_bytes() if path.is_file() else None
 
+    def keys(self) -> list[str]:
+        """Every file under the run directory, and every entry beside it (staging directories)."""
+        inside = [str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file()]
+        return sorted(inside) + sorted(n for n in os.listdir(self.root.parent) if n != self.root.name)
+
+    def others(self) -> list[str]:
+        return sorted(k for k in self.keys() if not tsckpt.commit.states.is_zarr_key(k))
+
 
 class S3Prefix:
     def __init__(self, server, prefix: str):
@@ -73,8 +90,15 @@ class S3Prefix:
         result = self.kv.read(key).result()
         return result.value if result.state == "value" else None
 
+    def keys(self) -> list[str]:
+        return sorted(k.decode() for k in self.kv.list().result())
+
+    def others(self) -> list[str]:
+        return sorted(k for k in self.keys() if not tsckpt.commit.states.is_zarr_key(k))
+
 
 BUCKET = "tsckpt-foreign"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
+ROOT_BUCKET = "tsckpt-foreign-root"
 _RUNS = iter(range(10**6))
 
 
@@ -95,53 +119,85 @@ def _intact(store) -> None:
         assert store.get(key) == data, f"{key} was changed or deleted"
 
 
-def test_dcp_save_with_the_writers_defaults_keeps_everything(run_dir):
-    """The drop-in call that used to delete the run directory (overwrite defaults to True, as DCP's)."""
+def _dcp_save(state: dict, location, **options) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(BaseException) as raised:  # DCP's CheckpointException is a BaseException
-            dcp.save({"w": torch.ones(4)}, storage_writer=TensorStoreWriter(run_dir.location()), no_dist=True)
-    # DCP wraps what a rank raised; the rank's own error is what says why.
-    failures = getattr(raised.value, "failures", None)
-    cause = failures[0][0] if failures else raised.value
-    assert isinstance(cause, ForeignContentError), repr(raised.value)
-    assert "3 file(s) tsckpt did not write" in str(cause) and "with or without overwrite" in str(cause)
-    _intact(run_dir)
+        dcp.save(state, storage_writer=TensorStoreWriter(location, **options), no_dist=True)
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_dcp_save_with_the_writers_defaults_writes_beside_the_run_directorys_files(run_dir, layout):
+    """The drop-in call into a run directory, as with FileSystemWriter; again, replacing its checkpoint."""
+    for step in (1, 2):
+        _dcp_save(_state(step), run_dir.location(), layout=layout)
+        assert _loaded(run_dir.location()) == step
+        _intact(run_dir)
+    assert leftovers(run_dir.location()) == []  # no staging directory, no claim, no replaced tree
+    assert run_dir.others() == sorted(FOREIGN)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_tsckpt_save_into_a_run_directory_refuses_and_saves_beside(run_dir, overwrite):
-    with pytest.raises(ForeignContentError, match="e.g. 'config.yaml'.*such as a subdirectory"):
-        tsckpt.save(_state(1), run_dir.location(), overwrite=overwrite)
+def test_tsckpt_save_into_a_run_directory_writes_beside_its_files(run_dir, overwrite):
+    tsckpt.save(_state(1), run_dir.location(), overwrite=overwrite)
+    assert _loaded(run_dir.location()) == 1
+    with pytest.raises(CheckpointExistsError):
+        tsckpt.save(_state(2), run_dir.location())
+    tsckpt.save(_state(3), run_dir.location(), overwrite=True)
+    assert _loaded(run_dir.location()) == 3
     _intact(run_dir)
-    # A step directory beside the foreign files is the intended use: it keeps them all.
-    tsckpt.save(_state(2), run_dir.location("step_200"), overwrite=overwrite)
-    tsckpt.save(_state(3), run_dir.location("step_200"), overwrite=True)
-    assert _loaded(run_dir.location("step_200")) == 3
-    _intact(run_dir)
-
-
-def test_a_step_like_directory_with_foreign_files_is_never_replaced(run_dir):
-    with pytest.raises(ForeignContentError, match="notes.md"):
-        tsckpt.save(_state(1), run_dir.location("step_100"), overwrite=True)
+    # A step directory beside them, the layout of a training loop, keeps them all too.
+    tsckpt.save(_state(4), run_dir.location("step_200"), overwrite=overwrite)
+    assert _loaded(run_dir.location("step_200")) == 4 and _loaded(run_dir.location()) == 3
     _intact(run_dir)
 
 
-def test_overwriting_a_checkpoint_that_holds_a_foreign_file_refuses(run_dir):
+def test_a_step_like_directory_with_a_file_of_its_own_is_saved_into_beside_it(run_dir):
+    tsckpt.save(_state(1), run_dir.location("step_100"), overwrite=True)
+    assert _loaded(run_dir.location("step_100")) == 1
+    _intact(run_dir)
+
+
+def test_overwriting_a_checkpoint_keeps_a_file_put_beside_it(run_dir):
     tsckpt.save(_state(1), run_dir.location("step_300"))
     run_dir.put("step_300/README.md", b"what this checkpoint is\n")
-    with pytest.raises(ForeignContentError, match="README.md"):
-        tsckpt.save(_state(2), run_dir.location("step_300"), overwrite=True)
+    tsckpt.save(_state(2), run_dir.location("step_300"), overwrite=True)
     assert run_dir.get("step_300/README.md") == b"what this checkpoint is\n"
-    assert _loaded(run_dir.location("step_300")) == 1
+    assert _loaded(run_dir.location("step_300")) == 2
+    assert leftovers(run_dir.location("step_300")) == []
     _intact(run_dir)
 
 
-def test_convert_refuses_a_run_directory(run_dir, tmp_path):
+def test_a_failed_save_into_a_run_directory_removes_what_it_staged(run_dir):
+    tsckpt.save(_state(1), run_dir.location())
+    before = run_dir.keys()
+    with pytest.raises(tsckpt.SaveFailedError, match="(?s)cannot be pickled.*what the save had written was removed"):
+        tsckpt.save({**_state(2), "z": Unpicklable()}, run_dir.location(), overwrite=True)
+    if isinstance(run_dir, Local):
+        assert run_dir.keys() == before and _loaded(run_dir.location()) == 1
+    else:  # written in place: the overwrite had un-committed the old checkpoint (docs/publication.md)
+        assert run_dir.keys() == sorted(FOREIGN)
+    assert leftovers(run_dir.location()) == []
+    _intact(run_dir)
+
+
+def test_another_tools_zarr_array_in_a_run_directory_is_refused(run_dir):
+    run_dir.put("embeddings/zarr.json", b'{"zarr_format": 3, "node_type": "array"}')
+    run_dir.put("embeddings/c/0", b"\0" * 8)
+    for overwrite in (False, True):
+        with pytest.raises(ForeignContentError, match="Zarr data tsckpt did not write.*'embeddings/zarr.json'"):
+            tsckpt.save(_state(1), run_dir.location(), overwrite=overwrite)
+    assert run_dir.get("embeddings/c/0") == b"\0" * 8
+    assert run_dir.get("zarr.json") is None
+    _intact(run_dir)
+
+
+def test_convert_writes_into_a_run_directory_beside_its_files(run_dir, tmp_path):
     src = tmp_path / "src.safetensors"
     tsckpt.convert(_save_tmp(tmp_path), str(src), to="safetensors")
-    with pytest.raises(ForeignContentError):
-        tsckpt.convert(str(src), run_dir.location(), to="tsckpt", overwrite=True)
+    tsckpt.convert(str(src), run_dir.location(), to="tsckpt", overwrite=True)
+    sd = {"w": torch.zeros(4, 3)}
+    tsckpt.load(sd, run_dir.location())
+    assert torch.equal(sd["w"], torch.full((4, 3), 4.0))
     _intact(run_dir)
 
 
@@ -165,12 +221,14 @@ def test_clean_and_prune_delete_only_what_tsckpt_wrote(run_dir):
     assert _loaded(run_dir.location("step_3")) == 3
 
 
-def test_a_bucket_root_is_never_emptied(s3):
-    """``TensorStoreWriter("s3://bucket")`` with the defaults: the bucket's other objects survive."""
+def test_a_save_into_a_bucket_root_keeps_its_other_objects(s3):
+    """``TensorStoreWriter("s3://bucket")`` with the defaults: the bucket's other objects stay as they are."""
+    s3.create_bucket(ROOT_BUCKET)  # a bucket of its own: the module's holds other tests' checkpoints
     store = S3Prefix(s3, "")
-    store.kv = open_kvstore(parse_location(s3.location(BUCKET, "")), make_context())
+    store.kv = open_kvstore(parse_location(s3.location(ROOT_BUCKET, "")), make_context())
     store.put("datasets/shard-0000.tar", b"data")
-    with pytest.raises(ForeignContentError, match="did not write"):
-        tsckpt.save(_state(1), s3.location(BUCKET, ""), overwrite=True)
+    for step in (1, 2):
+        _dcp_save(_state(step), s3.location(ROOT_BUCKET, ""))
+        assert _loaded(s3.location(ROOT_BUCKET, "")) == step
     assert store.get("datasets/shard-0000.tar") == b"data"
     assert os.environ.get("AWS_ACCESS_KEY_ID")  # the fixture's credentials were in force

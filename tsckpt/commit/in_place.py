@@ -21,7 +21,6 @@ import tensorstore as ts
 from ..errors import ConcurrentSaveError, TsckptError
 from ..storage.context import make_context, open_kvstore
 from ..storage.kvio import problem, storage_error
-from ..storage.kvio import prefix_range
 from ..storage.location import Location
 from .states import (
     ABSENT,
@@ -235,9 +234,9 @@ class InPlaceTarget(SaveTarget):
                 self._release_quietly()
                 return None
             if self.written:
-                for prefix in self.written:
-                    self.kv.delete_range(prefix_range(prefix)).result()
-                left = [k for k in list_keys(self.kv, self.url) if k.startswith(self.written)]
+                # Key by key, and only a save's: an array's path may hold files of someone else's.
+                delete_own_keys(self.kv, self._written_keys(), self.url)
+                left = self._written_keys()
             else:  # where it wrote was not recorded (CheckpointBuilder): every key a save writes, under its claim
                 if raw is None:
                     delete_own_keys(self.kv, [k for k in list_keys(self.kv, self.url) if k != CLAIM], self.url)
@@ -251,6 +250,10 @@ class InPlaceTarget(SaveTarget):
         if holds:
             self._release_quietly()
         return None
+
+    def _written_keys(self) -> list[str]:
+        """The keys under the prefixes this save's ranks write that a save may have written."""
+        return [k for k in list_keys(self.kv, self.url) if k.startswith(self.written) and is_own_key(k)]
 
     def _holds_claim(self) -> bool:
         claim = read_key(self.kv, CLAIM, self.url)

@@ -16,14 +16,28 @@ staging directory from a dead one's. Publication is one atomic step:
   absent; if the save dies there, :func:`recover` (run by the next save into the
   target and by ``tsckpt clean``) publishes the new checkpoint, which was
   complete before the first rename.
+* when the target holds other files (a run directory's configs and logs), the
+  directory itself is never moved: the save puts a claim, ``.tsckpt-claim.json``,
+  into it, moves the checkpoint it replaces (its root document first, then
+  the files that checkpoint names) into ``.<name>.tsckpt-<save_id>.old``, moves
+  its own files in (whole directories where the target has none of that
+  name), renames its root document in last, and removes the claim. Between
+  the first and the last rename no checkpoint loads there; if the save dies,
+  :func:`finish_merge` (run by the next save and by ``tsckpt clean``) goes on
+  from where it stopped. Nothing of the other files is moved, replaced or
+  deleted; a file standing where the save's files go refuses the publication
+  before anything moves.
 
-The parent directory is fsynced after each publication.
+Publications into one target take turns (an exclusive ``flock`` on it). The
+parent directory is fsynced after each publication.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import json
 import os
 import re
 import time
@@ -32,12 +46,12 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from ..errors import ConcurrentSaveError, StorageError
+from ..errors import ConcurrentSaveError, FileInTheWayError, StorageError
 from ..storage.context import make_context, open_kvstore
-from ..storage.localfs import DirLock, exchange, fsync_dir, liveness
+from ..storage.localfs import UNSUPPORTED, DirLock, exchange, fsync_dir, liveness
 from ..storage.location import Location
-from .states import (ABSENT, COMMITTED, FILE, ROOT, Found, checkpoint_keys, classify, describe_root, is_own_key,
-                     refuse)
+from .states import (ABSENT, CLAIM, COMMITTED, FILE, ROOT, Found, checkpoint_keys, classify, describe_root,
+                     is_own_key, refuse)
 from .target import Leftover, SaveTarget, warn_committed
 from ..wording import human_bytes
 
@@ -159,7 +173,11 @@ def staging_dirs(target: str) -> list[StagingDir]:
 
 
 def recover(target: str) -> str | None:
-    """Finish a publication that died between its two renames; returns the save id published, if any."""
+    """Finish a publication that died between its two renames, or beside other files (:func:`finish_merge`);
+    returns the save id published, if any."""
+    if os.path.isdir(target):
+        with _Turn(target) as turn:
+            return finish_merge(target) if turn else None
     if os.path.lexists(target):
         return None
     for d in staging_dirs(target):
@@ -180,7 +198,8 @@ def find_leftovers(loc: Location) -> list[Leftover]:
     out = []
     for d in staging_dirs(target):
         if d.old:
-            live: bool | None = False
+            # Filled while its save publishes beside other files: that save's until it is done.
+            live: bool | None = _merging(target) == d.save_id and liveness(staging_path(target, d.save_id)) is True
             what = f"the checkpoint replaced by save {d.save_id}, not yet deleted"
         else:
             live = liveness(d.path)
@@ -228,6 +247,205 @@ def hint(path: str) -> str:
     many = len(dirs) != 1
     return (f"; {len(dirs)} leftover staging director{'ies' if many else 'y'} of saves that did not finish "
             f"{'are' if many else 'is'} beside it (`tsckpt clean {path}` removes dead ones)")
+
+
+class _Turn:
+    """An exclusive ``flock`` on the target directory, waited for: publications into it take turns.
+
+    False (retry) when the target went or was replaced while waiting; True
+    without a lock where the filesystem has none, or the target is not a
+    directory (the classification then refuses it).
+    """
+
+    def __init__(self, path: str):
+        self.path, self.fd = path, -1
+
+    def __enter__(self) -> bool:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            return True
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in UNSUPPORTED:
+                raise
+            return True
+        try:
+            here, now = os.fstat(self.fd), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (now.st_dev, now.st_ino)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
+
+
+def _read_root(path: str) -> bytes | None:
+    try:
+        with open(os.path.join(path, ROOT), "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _root_keys(path: str) -> Callable[[str], bool] | None:
+    """Which files belong to the checkpoint whose root document is in ``path`` (None: no root)."""
+    raw = _read_root(path)
+    if raw is None:
+        return None
+    return checkpoint_keys(raw) or is_own_key
+
+
+def _files(path: str) -> list[str]:
+    """Every file under ``path``, relative to it, with "/" between names."""
+    out = []
+    for top, _, names in os.walk(path):
+        rel = os.path.relpath(top, path).replace(os.sep, "/")
+        out += [name if rel == "." else f"{rel}/{name}" for name in names]
+    return out
+
+
+def _in_the_way(staging: str, target: str, old_own: Callable[[str], bool] | None, rel: str = "") -> list[str]:
+    """What in ``target`` stands where a file or directory of ``staging`` goes (the replaced checkpoint's own
+    files, which go aside first, do not). Only directories both hold are looked into."""
+    found = []
+    for name in sorted(os.listdir(os.path.join(staging, rel) if rel else staging)):
+        key = f"{rel}{name}"
+        if key == ROOT:
+            continue
+        there = os.path.join(target, key)
+        if not os.path.lexists(there):
+            continue
+        mine_is_dir = os.path.isdir(os.path.join(staging, key))
+        if mine_is_dir and os.path.isdir(there) and not os.path.islink(there):
+            found += _in_the_way(staging, target, old_own, key + "/")
+        elif mine_is_dir or os.path.isdir(there) or old_own is None or not old_own(key):
+            found.append(key)
+    return found
+
+
+def _move_aside(target: str, aside: str, old_own: Callable[[str], bool]) -> None:
+    """Un-commit the checkpoint at ``target`` and move its files into ``aside``, its root document first;
+    run again after a crash, it goes on where it stopped."""
+    os.makedirs(aside, exist_ok=True)
+    if os.path.exists(os.path.join(target, ROOT)):
+        os.rename(os.path.join(target, ROOT), os.path.join(aside, ROOT))
+        fsync_dir(target)
+    emptied = set()
+    for key in _files(target):
+        if key in (ROOT, CLAIM) or not old_own(key):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(aside, key)), exist_ok=True)
+        os.rename(os.path.join(target, key), os.path.join(aside, key))
+        parts = key.split("/")[:-1]
+        emptied |= {"/".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    for rel in sorted(emptied, key=lambda d: -d.count("/")):  # only directories that held its files
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(target, rel))
+    fsync_dir(aside)
+
+
+def _move_in(staging: str, target: str, rel: str = "") -> set[str]:
+    """Move everything but the root document from ``staging`` into ``target``, whole directories where the
+    target has none of that name; returns the directories that got new entries."""
+    into = os.path.join(target, rel) if rel else target
+    changed = set()
+    for name in sorted(os.listdir(os.path.join(staging, rel) if rel else staging)):
+        key = f"{rel}{name}"
+        if key == ROOT:
+            continue
+        there = os.path.join(target, key)
+        if os.path.isdir(there) and not os.path.islink(there) and os.path.isdir(os.path.join(staging, key)):
+            changed |= _move_in(staging, target, key + "/")
+        else:
+            os.rename(os.path.join(staging, key), there)  # fails where something is in the way
+            changed.add(into)
+    return changed
+
+
+def _put_claim(target: str, aside: str, doc: dict[str, object], *, new: bool) -> None:
+    """Write the claim of a publication beside other files: created only if absent (``new``), else replaced in
+    one step (written in ``aside``, which is this save's, then renamed in)."""
+    if new:
+        with open(os.path.join(target, CLAIM), "x") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        draft = os.path.join(aside, CLAIM)
+        with open(draft, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(draft, os.path.join(target, CLAIM))
+    fsync_dir(target)
+
+
+def _complete_merge(target: str, staging: str, aside: str, save_id: str,
+                    old_own: Callable[[str], bool] | None, *, aside_done: bool) -> None:
+    """The steps of a publication beside other files after its claim is down; run again after a crash, it
+    goes on where it stopped. Until the claim says the replaced checkpoint is all aside (``aside_done``),
+    the target holds none of the new checkpoint's files: both may name the same keys."""
+    if old_own is not None and not aside_done:
+        _move_aside(target, aside, old_own)
+        _put_claim(target, aside, {"save_id": save_id, "publishing": True, "aside": True}, new=False)
+    for directory in _move_in(staging, target) | {target}:
+        fsync_dir(directory)
+    if os.path.exists(os.path.join(staging, ROOT)):
+        os.rename(os.path.join(staging, ROOT), os.path.join(target, ROOT))  # the commit, at the target
+    fsync_dir(target)
+    os.unlink(os.path.join(target, CLAIM))
+    fsync_dir(target)
+
+
+def _claim(target: str) -> dict[str, object]:
+    """The claim of a publication beside other files into ``target`` that has not finished ({} if none)."""
+    try:
+        with open(os.path.join(target, CLAIM), "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    save_id = doc.get("save_id") if isinstance(doc, dict) else None
+    return doc if isinstance(save_id, str) and re.fullmatch(r"[0-9a-f]{32}", save_id) else {}
+
+
+def _merging(target: str) -> str | None:
+    """The save whose publication beside other files in ``target`` has not finished, if any."""
+    return _claim(target).get("save_id")  # type: ignore[return-value]
+
+
+def finish_merge(target: str) -> str | None:
+    """Finish a publication beside other files that died after its claim went down; the save id published.
+
+    Its checkpoint was complete in its staging directory before the claim:
+    the replaced checkpoint's files still in the target go aside, the rest of
+    the new one goes in, and its root last. A running one is left alone.
+    """
+    claim = _claim(target)
+    save_id = claim.get("save_id")
+    if not isinstance(save_id, str):
+        return None
+    staging, aside = staging_path(target, save_id), staging_path(target, save_id, old=True)
+    if liveness(staging) is True:
+        return None
+    root = _read_root(target)
+    if root is None or describe_root(root).save_id != save_id:
+        if _read_root(staging) is None:  # neither here nor staged: not a claim of this protocol's
+            return None
+        old_own = _root_keys(target) if root is not None else _root_keys(aside)
+        _complete_merge(target, staging, aside, save_id, old_own, aside_done=bool(claim.get("aside")))
+    else:
+        os.unlink(os.path.join(target, CLAIM))
+        fsync_dir(target)
+    for tree in (aside, staging):
+        with contextlib.suppress(OSError):
+            remove_tree(tree)
+    return save_id
 
 
 def _target_path(loc: Location) -> str:
@@ -332,21 +550,42 @@ class StagedTarget(SaveTarget):
                         with contextlib.suppress(OSError):
                             os.rename(replaced[-1], self.path)
                     raise
-            found = self._found()
-            if found.state == ABSENT:
-                continue
-            refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id, at_commit=True)
-            if found.state == COMMITTED and self.use_exchange and exchange(self.staging, self.path):
-                # The old checkpoint now sits under the staging name; nobody holds a lock on it.
-                return replaced + [self.staging]
-            aside = staging_path(self.path, self.save_id, old=True)
-            try:
-                os.rename(self.path, aside)
-            except FileNotFoundError:
-                continue
-            replaced.append(aside)
+            with _Turn(self.path) as turn:
+                if not turn:
+                    continue  # the target went, or was replaced, while this save waited for its turn
+                finish_merge(self.path)  # a publication beside other files that died here, first
+                found = self._found()
+                if found.state == ABSENT and not found.others:
+                    continue
+                refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id, at_commit=True)
+                if found.others:  # never moved, exchanged or renamed aside: the new files go in beside them
+                    return replaced + self._merge(found)
+                if found.state == COMMITTED and self.use_exchange and exchange(self.staging, self.path):
+                    # The old checkpoint now sits under the staging name; nobody holds a lock on it.
+                    return replaced + [self.staging]
+                aside = staging_path(self.path, self.save_id, old=True)
+                try:
+                    os.rename(self.path, aside)
+                except FileNotFoundError:
+                    continue
+                replaced.append(aside)
         raise ConcurrentSaveError(f"{self.url} kept changing while save {self.save_id} was being published; "
                           f"it was not published")
+
+    def _merge(self, found: Found) -> list[str]:
+        """Publish into a target that holds other files, beside them (module docstring); returns the trees
+        left to delete: the replaced checkpoint's files, moved aside, and the emptied staging directory."""
+        old_own = _root_keys(self.path) if found.state == COMMITTED else None
+        in_the_way = _in_the_way(self.staging, self.path, old_own)
+        if in_the_way:
+            raise FileInTheWayError(
+                f"{self.url} holds {in_the_way[0]!r} where save {self.save_id} writes its own files; it was not "
+                f"published (tsckpt never writes over what it did not write): move that file, or save elsewhere")
+        aside = staging_path(self.path, self.save_id, old=True)
+        # Marks the target as being published into, for finish_merge.
+        _put_claim(self.path, aside, {"save_id": self.save_id, "publishing": True}, new=True)
+        _complete_merge(self.path, self.staging, aside, self.save_id, old_own, aside_done=False)
+        return [aside, self.staging]
 
     def release(self) -> None:
         if self._lock is not None:
@@ -360,6 +599,12 @@ class StagedTarget(SaveTarget):
         command that removes it (a filesystem without locks, or files that
         are not a save's).
         """
+        if _merging(self.path) == self.save_id:
+            # Its publication beside other files had begun: the replaced checkpoint may be aside and the
+            # new one half moved in. Only going forward restores a checkpoint there (finish_merge).
+            self.release()
+            return (f"its publication into {self.path} did not finish: `tsckpt clean {self.url}` "
+                    f"finishes it")
         if os.path.isdir(self.staging) and self._lock is not None:
             remove_tree(self.staging)
         self.release()

@@ -1,9 +1,9 @@
 """What a location holds, as a save or a prune sees it: checkpoint states, own keys, refusals.
 
 One vocabulary for every caller that must tell a committed checkpoint from a
-dead save's leftovers or from content tsckpt did not write: a save's set-up
-and its publication, ``clean``, and the step scan behind ``latest`` and
-``prune``. Deciding only: nothing here writes, except :func:`delete_own_keys`,
+dead save's leftovers, from Zarr data tsckpt did not write, or from other
+files a save writes beside (:func:`is_zarr_key`): a save's set-up and its
+publication, ``clean``, and the step scan behind ``latest`` and ``prune``. Deciding only: nothing here writes, except :func:`delete_own_keys`,
 which deletes, one key at a time, only the keys a tsckpt save writes. Its
 callers (a save replacing a checkpoint in place, ``clean`` and ``prune``)
 also delete the root document and the claim by name; an in-place save that
@@ -14,6 +14,7 @@ are removed by :func:`tsckpt.commit.staged.remove_tree`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -68,6 +69,17 @@ def is_own_key(key: str) -> bool:
     return any(p.search(key) for p in OWN_KEYS)
 
 
+#: Zarr version 2's metadata files, which no tsckpt save writes.
+_ZARR_V2 = re.compile(r"(?:^|/)\.z(?:group|array|attrs|metadata)$")
+
+
+def is_zarr_key(key: str) -> bool:
+    """Whether ``key`` is named as Zarr data (node documents, chunk keys, version 2 metadata) or as a save's
+    own files are: keys a save never writes beside unless they are a checkpoint's or a save's leftovers.
+    Every other key is a file a save writes its own beside and never touches."""
+    return is_own_key(key) or _ZARR_V2.search(key.removesuffix(LOCK_SUFFIX)) is not None
+
+
 @dataclass(frozen=True)
 class Found:
     """What a location holds, as far as saving there is concerned."""
@@ -77,6 +89,9 @@ class Found:
     what: str = ""
     #: For a committed checkpoint, the save that wrote it (from ``extra.save_id``).
     save_id: str | None = None
+    #: How many files beside it are neither Zarr data nor tsckpt's (a run directory's configs and logs):
+    #: a save writes its own files beside them and never touches them.
+    others: int = 0
 
 
 def read_key(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
@@ -174,11 +189,23 @@ def checkpoint_keys(raw: bytes) -> Callable[[str], bool] | None:
     return own
 
 
-def _foreign(keys: list[str], what: str, own: Callable[[str], bool] = is_own_key) -> Found | None:
-    foreign = sorted(k for k in keys if not own(k))
-    if not foreign:
-        return None
-    return Found(FOREIGN, f"{what}{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
+def beside_others(keys: list[str]) -> Found:
+    """Classify a location whose root document is missing, as a save into it sees its keys (relative to it).
+
+    Files that are neither Zarr data nor a save's (:func:`is_zarr_key`) do not
+    count: a save writes beside them. Zarr data is a dead save's leftovers
+    only under that save's claim (see :func:`without_root`); otherwise it is
+    another tool's, and the save is refused.
+    """
+    zarr = sorted(k for k in keys if is_zarr_key(k))
+    others = len(keys) - len(zarr)
+    if not zarr:
+        return Found(ABSENT, others=others)
+    if CLAIM in zarr and all(is_own_key(k) for k in zarr):
+        return Found(INCOMPLETE, f"{len(zarr)} file(s) of a save that did not finish", others=others)
+    nodes = [k for k in zarr if k.removesuffix(LOCK_SUFFIX).rsplit("/", 1)[-1] == ROOT]
+    return Found(FOREIGN, f"Zarr data tsckpt did not write ({len(zarr)} file(s), e.g. {(nodes or zarr)[0]!r}, "
+                          f"and no root {ROOT} with tsckpt metadata nor a save's claim)")
 
 
 class Survey:
@@ -219,22 +246,29 @@ def _result(future: Any, what: str) -> Any:
 
 
 def classify(kv: ts.KvStore, url: str, *, inside: bool = False, survey: Survey | None = None) -> Found:
-    """Whether the kvstore at ``url`` holds nothing, a committed checkpoint, a dead save's leftovers, or other data.
+    """What a save into the kvstore at ``url`` finds there: nothing, a committed checkpoint, a dead save's
+    leftovers, or Zarr data tsckpt did not write; and how many other files it writes beside (``others``).
 
     ``inside``: also list a committed checkpoint's keys, so that one holding
-    files tsckpt did not write counts as foreign (a save about to replace it
-    must know; everyone else needs only the root document). ``survey``: the
+    Zarr data it does not name (an array someone added inside) counts as
+    foreign, and its other files are counted (a save about to replace it must
+    know; everyone else needs only the root document). ``survey``: the
     location's reads, already started.
     """
     survey = survey or Survey(kv, url, listing=False)
     raw, _ = survey.root()
-    if raw is not None:
-        found = describe_root(raw)
-        if inside and found.state == COMMITTED:
-            own = checkpoint_keys(raw) or is_own_key
-            return _foreign(survey.keys(), f"{found.what}, and beside it ", own) or found
+    if raw is None:
+        return beside_others(survey.keys())
+    found = describe_root(raw)
+    if not inside or found.state != COMMITTED:
         return found
-    return without_root(survey.keys())
+    own = checkpoint_keys(raw) or is_own_key
+    keys = [k for k in survey.keys() if not own(k)]
+    zarr = sorted(k for k in keys if is_zarr_key(k))
+    if zarr:
+        return Found(FOREIGN, f"{found.what}, and inside it Zarr data tsckpt did not write ({len(zarr)} file(s), "
+                              f"e.g. {zarr[0]!r})")
+    return dataclasses.replace(found, others=len(keys))
 
 
 def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "",
@@ -251,19 +285,20 @@ def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "",
 def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: bool = False) -> None:
     """Raise unless saving over ``found`` is allowed.
 
-    A committed tsckpt checkpoint may be replaced with ``overwrite``; content
-    tsckpt did not write never is, whatever ``overwrite`` says: replacing a
-    location replaces all of it, and a save must never delete what it did not
-    write (a run directory holding configs and logs, a bucket's other objects).
+    A committed tsckpt checkpoint may be replaced with ``overwrite``. Other
+    files (a run directory's configs and logs, a bucket's other objects) are
+    no reason to refuse: the save writes beside them and never touches them.
+    Zarr data tsckpt did not write is, whatever ``overwrite`` says: the save's
+    own documents would mix with it or go over it.
     """
     if found.state == FILE:
         raise FileInTheWayError(f"{url} is a file, not a checkpoint directory; refusing to save there "
                                 f"(tsckpt never replaces what it did not write): choose another location")
     if found.state == FOREIGN:
         raise ForeignContentError(
-            f"{url} holds {found.what}; refusing to save there, with or without overwrite (a save replaces "
-            f"the whole location, and tsckpt never deletes what it did not write): save into a new or empty "
-            f"location, such as a subdirectory")
+            f"{url} holds {found.what}; refusing to save there, with or without overwrite (tsckpt writes "
+            f"beside other files, but never over or among Zarr data it did not write): save into a new or "
+            f"empty location, such as a subdirectory")
     if overwrite:
         return
     if found.state == COMMITTED:

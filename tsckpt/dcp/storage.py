@@ -84,15 +84,20 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         cache_staged_state_dict: with ``dcp.async_save``, keep the staged CPU
             copies and refill them on the next save instead of allocating new
             ones (:class:`~tsckpt.dcp.staging.Stager`).
-        overwrite: replace a checkpoint, or data tsckpt did not write, already
-            at ``path`` (the default, as in DCP); ``False`` refuses with
+        overwrite: replace a tsckpt checkpoint already at ``path`` (the
+            default, as in DCP); ``False`` refuses with
             :class:`~tsckpt.errors.CheckpointExistsError` ("Checkpoint already
-            exists ...") or :class:`~tsckpt.errors.ForeignContentError`, before
-            any data is written. On a local filesystem the old checkpoint stays
-            loadable until the new one is complete, and is swapped out in one
-            atomic step. On object stores and ``memory://`` the old checkpoint
-            is un-committed before the new data is written: a save that dies
-            there leaves no loadable checkpoint (docs/format.md, section 8).
+            exists ..."), before any data is written. Other files there (a run
+            directory's configs and logs) are kept as they are: the save writes
+            beside them, as DCP's writer does. Zarr data tsckpt did not write is
+            refused either way (:class:`~tsckpt.errors.ForeignContentError`).
+            On a local filesystem the old checkpoint stays loadable until the
+            new one is complete, and is swapped out in one atomic step (beside
+            other files: moved out and in, under a claim that the next save or
+            ``tsckpt clean`` finishes from). On object stores and ``memory://``
+            the old checkpoint is un-committed before the new data is written:
+            a save that dies there leaves no loadable checkpoint
+            (docs/publication.md).
         _extensions: ``[ZStandard()]`` (``torch.distributed.checkpoint._extension``)
             compresses chunks with Zarr's ``zstd`` codec, like ``compression="zstd"``;
             other extensions are refused.
