@@ -45,7 +45,8 @@ class CheckpointExistsError(TsckptError):
 
 
 class ForeignContentError(TsckptError):
-    """The location holds data tsckpt did not write (a plain Zarr group, other files) and overwriting was not asked for."""
+    """The location holds Zarr data tsckpt did not write (a plain Zarr group, another tool's arrays), which a save
+    never writes over or among, whatever ``overwrite`` says; other files there are saved beside."""
 
 
 class ConcurrentSaveError(TsckptError):
@@ -93,7 +94,8 @@ class StorageError(TsckptError):
 
 
 class FileInTheWayError(NotACheckpointError, ForeignContentError):
-    """A regular file sits where the checkpoint directory should be (refused unless overwriting)."""
+    """A regular file sits where the checkpoint directory, or a directory or file of a save, should be (refused
+    whatever ``overwrite`` says)."""
 
 
 class OptionError(TsckptError, ValueError):
