@@ -115,7 +115,8 @@ def test_s3_errors_name_the_endpoint_or_the_credentials_behind_them(tmp_path):
     assert hint(dns, {"AWS_ACCESS_KEY_ID": "k"}) == (
         "cannot resolve bucket.s3.amazonaws.com: without an endpoint, s3:// goes to AWS; to reach another S3 "
         "server set AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or 'endpoint' in a JSON location")
-    nowhere = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    nowhere = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+               "AWS_EC2_METADATA_DISABLED": "true"}
     assert hint(dns, nowhere).endswith("; no AWS credentials were found either (set AWS_ACCESS_KEY_ID and "
                                        "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
     denied = "PERMISSION_DENIED: AccessDenied: Access Denied"

@@ -113,28 +113,6 @@ def test_a_directory_of_other_files_is_not_called_a_crashed_save(tmp_path):
                     f"e.g. 'run3.txt', and no committed metadata in zarr.json")
 
 
-def test_the_command_line_drops_native_log_lines_and_keeps_everything_else():
-    code = r"""
-import os, sys
-from tsckpt.cli.native_logs import native_logs_filtered
-with native_logs_filtered():
-    os.write(2, b"E1123 18:32:15.330546   16201 common-io:5] static: Failed to open file.\n")
-    os.write(2, b"kept from C++\nW0101 00:00:00.000001 7 aws_api.cc:6148] IMDS client failed\n")
-    print("kept from Python", file=sys.stderr)
-    os.write(2, b"a last line without its newline")
-print("stdout untouched")
-"""
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "TSCKPT_NATIVE_LOGS": ""})
-    assert res.returncode == 0, res.stderr
-    assert sorted(res.stderr.splitlines()) == ["a last line without its newline", "kept from C++",
-                                               "kept from Python"]
-    assert res.stdout == "stdout untouched\n"
-    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "TSCKPT_NATIVE_LOGS": "1"})
-    assert "IMDS client failed" in shown.stderr
-
-
 def test_the_readme_lists_every_command_and_how_to_install_what_its_commands_need():
     readme = (ROOT / "README.md").read_text()
     table = readme.split("## Command line", 1)[1].split("\n\n", 2)[1]

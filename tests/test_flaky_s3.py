@@ -150,21 +150,19 @@ def test_a_stalled_store_fails_in_bounded_time_with_one_line(s3):
         assert "retries" in line and f"s3://{BUCKET}/stalled" in line
 
 
-def test_refused_credentials_are_one_line_that_says_so_without_the_sdks_log(s3, monkeypatch):
-    # No credentials anywhere: the AWS SDK inside TensorStore logs its whole credentials chain to stderr
-    # (missing ~/.aws files, the instance metadata service) before the store says 403 AccessDenied.
-    # The command line keeps those lines off its stderr and names the credentials as the cause.
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
-        monkeypatch.delenv(key, raising=False)
+def test_refused_credentials_are_one_line_that_says_so_without_the_sdks_log(s3, monkeypatch, tmp_path):
+    # No credentials anywhere: tsckpt sends unsigned requests, which ask no source of the AWS SDK (each would log
+    # to stderr that it found nothing), and names the credentials as the cause of the 403.
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path))
     with FaultProxy(s3.endpoint, rate=1.0, kinds=("denied",)) as proxy:
-        result = run_cli("ls", f"s3://{BUCKET}/denied", env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        result = run_cli("ls", f"s3://{BUCKET}/denied", env={"AWS_ENDPOINT_URL": proxy.endpoint,
+                                                              "AWS_EC2_METADATA_DISABLED": "true"})
         line = one_line_error(result)  # exactly one line on stderr
         assert line.startswith(f"error: cannot read 'zarr.json' at s3://{BUCKET}/denied: ")
-        assert "AccessDenied" in line and "check the credentials" in line
-        kept = run_cli("ls", f"s3://{BUCKET}/denied", env={"AWS_ENDPOINT_URL": proxy.endpoint,
-                                                            "TSCKPT_NATIVE_LOGS": "1"})
+        assert "AccessDenied" in line and "check the credentials (none found" in line
         print(f"\n403 on every request: {proxy.summary()}; `tsckpt ls` said: {line}")
-    assert kept.returncode == 2 and line in kept.stderr
 
 
 @pytest.mark.parametrize("after", [1, 3, 5, 7, 9, 11, 13, 15])

@@ -105,8 +105,12 @@ def test_s3_url_reads_endpoint_and_region_from_the_environment(monkeypatch):
     assert "endpoint" not in parse_location("gs://bkt/x").spec
 
 
-def test_environment_credentials_are_used_without_probing_aws_files(monkeypatch):
-    assert "aws_credentials" not in context_spec(8, parse_location("s3://bkt/x"))
+def test_one_credentials_source_is_named_and_a_locations_own_wins(monkeypatch, tmp_path):
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert context_spec(8, parse_location("s3://bkt/x"))["aws_credentials"] == {"type": "anonymous"}
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     assert context_spec(8, parse_location("s3://bkt/x"))["aws_credentials"] == {"type": "environment"}
     assert "aws_credentials" not in context_spec(8, parse_location("gs://bkt/x"))

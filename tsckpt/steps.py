@@ -48,7 +48,6 @@ from typing import Any, overload
 import tensorstore as ts
 
 from .errors import LocationError, OptionError, StorageError, TsckptError
-from .native_logs import quiet_on
 from .commit.staged import STAGING_NAME, remove_leftovers, remove_tree, staging_path
 from .commit.states import (ABSENT, ATTRIBUTE, CLAIM, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, checkpoint_keys,
                             delete_own_keys, is_own_key, without_root)
@@ -254,7 +253,6 @@ def _entry(root: _Root, step: int, name: str, state: str) -> StepCheckpoint:
     return StepCheckpoint(name, step, state, location, url)
 
 
-@quiet_on
 def scan(root: LocationLike) -> list[StepCheckpoint]:
     """Every candidate entry directly under ``root`` with its state, oldest step first.
 
@@ -273,7 +271,6 @@ def latest(root: str | os.PathLike[str]) -> str | None: ...
 def latest(root: Mapping[str, Any] | Location) -> dict[str, Any] | None: ...
 
 
-@quiet_on
 def latest(root: LocationLike) -> str | dict[str, Any] | None:
     """The newest committed checkpoint directly under ``root``, or None when there is none.
 
@@ -322,7 +319,6 @@ def run_directory_error(location: LocationLike, error: TsckptError) -> TsckptErr
                        f"{step}, which tsckpt.latest({shown!r}) returns (`tsckpt latest {shown}` in a shell)")
 
 
-@quiet_on
 def prune(root: LocationLike, keep: int, *, dry_run: bool = False,
           remove_incomplete: bool = False) -> list[str]:
     """Delete all but the ``keep`` newest committed checkpoints under ``root``; return what went.

@@ -61,23 +61,21 @@ def main() -> None:
     """
     from ..storage.kvio import S3_RETRIES_ENV
     from .messages import for_cli
-    from .native_logs import native_logs_filtered
 
     os.environ.setdefault(S3_RETRIES_ENV, str(CLI_S3_RETRIES))
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}")
-    with native_logs_filtered():
-        try:
-            app()
-        except TsckptError as e:
-            print(f"error: {for_cli(str(e))}", file=sys.stderr)
-            sys.exit(ERROR)
-        except (KeyboardInterrupt, SystemExit) as e:
-            interrupt = _interrupt_in(e)
-            if interrupt is None:
-                raise
-            print(f"interrupted: {for_cli(str(interrupt))}" if interrupt.args else "interrupted", file=sys.stderr)
-            sys.exit(INTERRUPTED)
+    try:
+        app()
+    except TsckptError as e:
+        print(f"error: {for_cli(str(e))}", file=sys.stderr)
+        sys.exit(ERROR)
+    except (KeyboardInterrupt, SystemExit) as e:
+        interrupt = _interrupt_in(e)
+        if interrupt is None:
+            raise
+        print(f"interrupted: {for_cli(str(interrupt))}" if interrupt.args else "interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
 
 
 def _interrupt_in(e: BaseException) -> KeyboardInterrupt | None:

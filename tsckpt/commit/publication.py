@@ -10,7 +10,6 @@ committed meanwhile.
 
 from __future__ import annotations
 
-from ..native_logs import quiet_on
 from ..storage.location import Location, LocationLike, parse_location
 from .in_place import InPlaceTarget
 from .staged import StagedTarget
@@ -38,14 +37,12 @@ def begin_save(location: LocationLike, *, save_id: str, overwrite: bool,
     return target
 
 
-@quiet_on
 def leftovers(location: LocationLike) -> list[Leftover]:
     """Leftovers of saves into ``location`` that did not finish (running saves' data included, marked live)."""
     loc = parse_location(location)
     return target_kind(loc).leftovers(loc)
 
 
-@quiet_on
 def clean(location: LocationLike, *, force: bool = False) -> list[Leftover]:
     """Remove leftovers of dead saves into ``location``; returns what was removed.
 

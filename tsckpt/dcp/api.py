@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import IncompleteCheckpointError, NotACheckpointError, TsckptError
-from ..native_logs import quiet
 from ..steps import run_directory_error
 from ..storage.kvio import storage_error
 from ..storage.location import LocationLike, parse_location
@@ -53,7 +52,7 @@ def save(
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
     try:
-        with quiet(path), gc_paused(), _single_process_quiet():
+        with gc_paused(), _single_process_quiet():
             return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
     except (CheckpointException, KeyboardInterrupt) as e:
         raise _plain(e, f"save to {_shown(path)}", _SaveInterrupts(writer, path, process_group)) from None
@@ -76,7 +75,7 @@ def async_save(
     ``writer_options`` to :class:`TensorStoreWriter`.
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
-    with quiet(path), gc_paused():
+    with gc_paused():
         return dcp.async_save(
             state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
             async_checkpointer_type=async_checkpointer_type, async_stager=Stager(),
@@ -100,14 +99,13 @@ def load(
     (``io_concurrency``, ``per_thread_copy_ahead``, ``replica_reads``) go to :class:`TensorStoreReader`.
     """
     reader = TensorStoreReader(path, allow_pickle=allow_pickle, **reader_options)
-    with quiet(path):
-        try:
-            reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
-        except (IncompleteCheckpointError, NotACheckpointError) as e:
-            raise run_directory_error(path, e) from None
+    try:
+        reader.prefetch_metadata()  # fail fast with tsckpt's own error, not DCP's wrapped one
+    except (IncompleteCheckpointError, NotACheckpointError) as e:
+        raise run_directory_error(path, e) from None
     planner = LoadPlanner(allow_partial_load=allow_partial_load, allow_dtype_cast=allow_dtype_cast)
     try:
-        with quiet(path), gc_paused(), _single_process_quiet():
+        with gc_paused(), _single_process_quiet():
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except (CheckpointException, KeyboardInterrupt) as e:
         raise _plain(e, f"load from {_shown(path)}") from None

@@ -41,7 +41,6 @@ from ..format.metadata import (
     TensorEntry,
 )
 from ..format.names import nest
-from ..native_logs import quiet
 from ..storage.store import Store, read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
@@ -369,11 +368,10 @@ def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency for all reads.
     """
-    with quiet(location):  # the AWS SDK's credentials chain logs to stderr as the store opens
-        try:
-            store, md = commit.open_committed(location, io_concurrency=io_concurrency)
-        except (IncompleteCheckpointError, NotACheckpointError) as e:
-            from ..steps import run_directory_error
+    try:
+        store, md = commit.open_committed(location, io_concurrency=io_concurrency)
+    except (IncompleteCheckpointError, NotACheckpointError) as e:
+        from ..steps import run_directory_error
 
-            raise run_directory_error(location, e) from None
+        raise run_directory_error(location, e) from None
     return Checkpoint(store, md, allow_pickle=allow_pickle)

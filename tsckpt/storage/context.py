@@ -1,5 +1,7 @@
 """The TensorStore context every kvstore and array of a rank is opened with: I/O pools, credentials, retries.
 
+Which credentials an ``s3://`` location takes is :mod:`tsckpt.storage.credentials`.
+
 One context per rank (:func:`make_context`), a child of one process-wide
 context so that a ``memory://`` checkpoint written by one writer is read by a
 later reader. Torch-free.
@@ -16,6 +18,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import NotACheckpointError, OptionError
+from . import credentials
 from .kvio import S3_RETRIES_ENV, one_line, storage_error
 from .location import Location, scheme_for_driver
 
@@ -77,11 +80,9 @@ def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Locatio
         "file_io_sync": sync,
         "data_copy_concurrency": {"limit": max(os.cpu_count() or 1, 1)},
     }
-    if os.environ.get("AWS_ACCESS_KEY_ID") and (location is None or location.driver == "s3"):
-        # With keys in the environment, skip the default chain: it would also
-        # probe ~/.aws/{config,credentials} and log an error when they are absent.
-        spec["aws_credentials"] = {"type": "environment"}
     if location is None or location.driver == "s3":
+        # One source, the one that applies here: the SDK's default chain would log every source it finds empty.
+        spec["aws_credentials"] = credentials.resolve().spec
         spec["s3_request_retries"] = s3_retries()
     if location is None:
         return spec

@@ -14,6 +14,8 @@ import os
 import re
 from collections.abc import Mapping
 
+from . import credentials
+
 #: The ways to point an ``s3://`` location at another S3 server, for messages.
 ENDPOINT_SETTINGS = "AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or 'endpoint' in a JSON location"
 #: S3's error codes for a request whose signature or identity was refused.
@@ -24,29 +26,16 @@ _REFUSED = re.compile(r"\b(AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch
 _DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
 #: A local file's refusal (``[os_error_code=13]``): permissions on disk, nothing credentials change.
 _OS_ERROR = re.compile(r"os_error_code|OS error")
+#: How TensorStore reports a credentials source that gave none (environment variables missing, a metadata
+#: service or container endpoint that does not answer).
+_NO_CREDENTIALS = re.compile(r"Failed to (get credentials from|create credentials) provider")
 #: S3 responses carry Amazon's request-id headers; other stores' (GCS) do not.
 _S3_RESPONSE = re.compile(r"x-amzn?-", re.IGNORECASE)
 
 
 def credentials_source(environ: Mapping[str, str] = os.environ) -> str | None:
-    """Where the AWS credentials chain would find credentials here, in words; None when nowhere obvious.
-
-    The chain's last resort, an EC2 instance's metadata service, cannot be
-    asked without waiting for it, so it is not: None means "only that".
-    """
-    if environ.get("AWS_ACCESS_KEY_ID"):
-        return "AWS_ACCESS_KEY_ID from the environment"
-    if environ.get("AWS_PROFILE"):
-        return f"profile {environ['AWS_PROFILE']!r} (AWS_PROFILE)"
-    if environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
-        return "a web identity token (AWS_WEB_IDENTITY_TOKEN_FILE)"
-    if environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or environ.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        return "the container's credentials endpoint"
-    for name, default in (("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"), ("AWS_CONFIG_FILE", "~/.aws/config")):
-        path = os.path.expanduser(environ.get(name) or default)
-        if os.path.isfile(path):
-            return f"the default profile of {path}"
-    return None
+    """Where S3 requests take AWS credentials from here, in words; None when nowhere (unsigned requests)."""
+    return credentials.resolve(environ).source
 
 
 def hint(text: str, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -64,6 +53,10 @@ def hint(text: str, environ: Mapping[str, str] = os.environ) -> str | None:
     refused = re.search(r"Failed to connect to (\S+) port (\d+)", text)
     if refused:
         return f"nothing answers at {refused.group(1)}:{refused.group(2)}: check the endpoint ({ENDPOINT_SETTINGS})"
+    if _NO_CREDENTIALS.search(text):
+        source = credentials_source(environ) or "the source named in the location's context"
+        return (f"no AWS credentials from {source}: check them, or name another source as the location's "
+                f"context resource aws_credentials")
     denied = _DENIED.search(text) is not None and _OS_ERROR.search(text) is None
     if _REFUSED.search(text) or (denied and _S3_RESPONSE.search(text)):
         source = credentials_source(environ)
