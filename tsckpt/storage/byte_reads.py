@@ -216,7 +216,7 @@ class RangeBatch:
     wanted: int = 0
 
     def __post_init__(self) -> None:
-        self._queue: list[_Request] = []
+        self._queue: list[_Request | None] = []
         self._next = 0
         self._held = 0
         self._arriving = 0
@@ -274,6 +274,7 @@ class RangeBatch:
                 if self._next >= len(self._queue):
                     return
                 request = self._queue[self._next]
+                assert request is not None  # only those before _next have begun
                 size = request.stop - request.start
                 due = upto is not None and upto.seq >= self._next
                 if not due and self._held and self._held + size > self.cost.max_inflight:
@@ -282,6 +283,9 @@ class RangeBatch:
                 if not due and wire is not None and self._arriving and self._arriving + size > wire:
                     self._stalled = True
                     return
+                # Begun: the queue lets go of it, so that the batch and its requests (which refer to it) form
+                # no reference cycle that would keep the fetcher's TensorStore objects for the collector.
+                self._queue[self._next] = None
                 self._next += 1
                 self._held += size
                 self._arriving += size

@@ -10,7 +10,6 @@ later reader. Torch-free.
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import threading
 from typing import Any
@@ -46,26 +45,23 @@ def process_context() -> ts.Context:
     with _root_lock:
         if _root_context is None:
             _root_context = ts.Context()
+            atexit.register(_release_before_shutdown)
         return _root_context
 
 
-@atexit.register
 def _release_before_shutdown() -> None:
-    """Free tsckpt's TensorStore objects while the interpreter is still whole.
+    """Drop the process context while the interpreter is still whole, not during its finalization.
 
-    The process context lives in this module, and a reader, writer or store
-    left in a garbage cycle is freed only by a collection: left alone, their
-    TensorStore resources would be destroyed during interpreter finalization,
-    when Python no longer lets other threads take the GIL. Spawned ranks on
-    Python 3.13 aborted now and then during finalization ("terminate called
-    without an active exception"), after a packed load had returned and the
-    process group was gone (``tools/loop_packed_reshard.py``).
+    Spawned ranks on Python 3.13 aborted now and then during finalization
+    ("terminate called without an active exception") after a packed load had
+    returned and the process group was gone: TensorStore objects freed then
+    release Python objects from threads that may no longer take the GIL. The
+    other TensorStore objects a load holds are freed with it, by reference
+    counting: none is left in a reference cycle (``tests/test_collector.py``).
     """
     global _root_context
-    gc.collect()
     with _root_lock:
         _root_context = None
-    gc.collect()
 
 
 def context_spec(io_concurrency: int = DEFAULT_IO_CONCURRENCY, location: Location | None = None, *,
