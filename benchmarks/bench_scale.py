@@ -78,6 +78,8 @@ import pickle
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -152,13 +154,15 @@ def finish(world: World, gathered: list[SavePlan], writers: dict[str, Any], cloc
     """Gather every rank's results and run both writers' ``finish``; the bytes of DCP's ``.metadata``, and
     why tsckpt refused to commit (None if it committed)."""
     ts, dcp = writers["tsckpt"], writers["dcp"]
+    # The ranks' chunk tables go where the ranks' data goes, so that a load of the committed checkpoint reads them.
+    tables = str(ts._target.data_location.spec.get("path"))
     summaries: list[RankWrites] = []
     metadata_bytes = 0
     for part in slices(world.ranks, slice_ranks):
         results, metadata = [], world.metadata([])
         for r in part:
             items = as_sent(gathered[r].items)
-            got = received(_object_to_tensor(tsckpt_results(items, r, ts._layout, ts.save_id), CPU, None),
+            got = received(_object_to_tensor(tsckpt_results(items, r, ts._layout, ts.save_id, tables), CPU, None),
                            clocks["tsckpt"], "finish")
             summaries.append(RankWrites([], got.summary))  # finish reads only the summary
             del got
@@ -174,6 +178,15 @@ def finish(world: World, gathered: list[SavePlan], writers: dict[str, Any], cloc
     except MetadataError as e:  # a root document no reader accepts: timed up to the refusal
         return metadata_bytes, str(e)
     return metadata_bytes, None
+
+
+def load_rank(path: str, rank: int, world: int) -> dict[str, Any]:
+    """One rank's load planned in a fresh process (:mod:`scale_load`): what it reads, spends and holds."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, os.path.join(here, "scale_load.py"), path, "--rank", str(rank),
+                           "--world", str(world)], env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -257,6 +270,7 @@ def main() -> None:
         del plans, dcp_planned, first, handed
 
         raw, parse_s, parse_cpu, peak, md = b"", math.nan, math.nan, 0, None
+        loads: dict[str, dict[str, Any]] = {}
         if refused is None:
             store = Store.open(parse_location(os.path.join(base, "tsckpt0")))
             raw = store.kvstore.read(commit.ROOT).result().value
@@ -266,6 +280,13 @@ def main() -> None:
             parse_s, parse_cpu = time.perf_counter() - t, time.process_time() - c
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
+            del md
+            md = None
+            gc.enable()
+            for name, into in (("same world size", args.ranks), ("3/4 of the world size", max(1, args.ranks * 3 // 4))):
+                loads[name] = load_rank(os.path.join(base, "tsckpt0"), into // 3, into)
+                status(f"load into {name}: planned")
+            md = commit.read_metadata(store.kvstore, store.url)
     finally:
         CACHE.clear()
         shutil.rmtree(base, ignore_errors=True)
@@ -288,6 +309,15 @@ def main() -> None:
     for k, v in sizes.items():
         print(f"| {k} | {min(v)} | {int(statistics.median(v))} | {max(v)} |")
 
+    if loads:
+        print("\n| one rank's load | chunks | tables read | metadata bytes read beyond the root | root parse s (CPU) "
+              "| plan s (CPU) | RSS added MB |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, f in loads.items():
+            print(f"| rank {f['rank']} of {f['world']} ({name}) | {f['keys']} | {f['tables_read']} | "
+                  f"{f['metadata_bytes_read']} | "
+                  f"{f['root_parse_s']:.2f} ({f['root_parse_cpu_s']:.2f}) | {f['plan_s']:.2f} ({f['plan_cpu_s']:.2f}) | "
+                  f"{f['root_parse_rss_mb'] + f['plan_rss_mb']:.0f} |")
     if refused is not None:
         print(f"\ntsckpt refused to commit (its finish is timed up to the refusal): {refused}")
     entries = md.tensors if md is not None else {}
@@ -307,6 +337,7 @@ def main() -> None:
         "plain_files": None if md is None else sum(e.grid.nchunks for e in entries.values()) + len(entries) + 1
         + len({e.path.rsplit('/', 1)[0] for e in entries.values()}),
         "tsckpt_refused": refused,
+        "loads": loads,
         "packed_files_bound": packed_files,
         "prepickled_shared_vs_own_bytes": round(shared_bytes / own_bytes, 3),
         "items_share_write_data": shared, "peak_rss_gb": round(peak_gb(), 2), "load_average": [round(x, 1) for x in load],

@@ -24,6 +24,7 @@ Two representations of the same plans, so that 10,000 ranks fit in memory:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tsckpt.dcp.contract import PlannerNotes, RankSummary, RankWrites
+from tsckpt.format.chunk_table import ChunkTable
 from tsckpt.format.data_files import FileRef, RankFiles, Span
 
 
@@ -138,9 +140,11 @@ def sent_plan(plan: SavePlan, gathered: SavePlan, items: list[WriteItem]) -> Sav
     return plan  # pre-pickled, or without items
 
 
-def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str) -> RankWrites:
+def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str, tables: str | None = None) -> RankWrites:
     """What rank ``r``'s ``TensorStoreWriter.write_data`` returns: a result per item and one columnar summary
-    (each chunk where the packed layout stores it: back to back in the rank's data file)."""
+    (each chunk where the packed layout stores it: back to back in the rank's data file). With ``tables`` (the
+    save's staging directory), the rank's chunk table is written there at the end of its data file, as the
+    rank writes it (the chunks before it are a hole: never read)."""
     numbers = {fqn: i for i, fqn in enumerate(layout.entries)}
     found_for: dict[tuple[Any, ...], list[int]] = {}
     tensor, chunk, length, results = [], [], [], []
@@ -160,9 +164,20 @@ def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str) ->
     offsets = np.zeros(len(sizes), np.int64)
     np.cumsum(sizes[:-1], out=offsets[1:])
     path = f"d/{save_id}-{r}"
+    end, table = int(sizes.sum()), b""
+    if tables is not None:
+        names = list(layout.entries)
+        paths = [layout.entries[names[t]].path for t in tensor]
+        table = ChunkTable.of(paths, chunk, files=[path], where=[(0, int(o), int(n)) for o, n in zip(offsets, sizes)],
+                              digests=[bytes(16)] * len(paths)).encode()
+        os.makedirs(os.path.join(tables, "d"), exist_ok=True)
+        with open(os.path.join(tables, path), "wb") as f:
+            f.truncate(end)
+            f.seek(end)
+            f.write(table)
     summary = RankSummary(r, save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64),
                           np.zeros(len(sizes), np.int32), offsets, sizes, np.zeros(len(sizes), bool), (path,),
-                          RankFiles((FileRef(path, int(sizes.sum())),), Span(path, int(sizes.sum()), 0)))
+                          RankFiles((FileRef(path, end + len(table)),), Span(path, end, len(table))))
     return RankWrites(results, summary)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tsckpt.commit.protocol import CHECKSUM_ATTRIBUTE, document_checksum
-from tsckpt.format import ocdbt, ocdbt_tree
+from tsckpt.format import chunk_table, ocdbt, ocdbt_tree, writers
 from tsckpt.format.data_files import Span
 from tsckpt.storage import packed
 
@@ -50,7 +50,13 @@ def packed_values(path: str | os.PathLike, md: dict) -> dict[str, bytes | ocdbt.
 
 
 def _rewrite(path: str | os.PathLike, values: dict[str, bytes | ocdbt.Ref]) -> None:
-    """Write a new index holding ``values`` and point the root document at it (checksum updated)."""
+    """Write a new index holding ``values`` and point the root document at it (checksum updated); where a
+    chunk or blob moved or went, its writer's chunk table says so too (tsckpt's readers look there)."""
+    _, old = _index(path)
+    for key in sorted(set(old) | set(values)):
+        if old.get(key) != values.get(key) and isinstance(old.get(key, values.get(key)), ocdbt.Ref):
+            new = values.get(key)
+            _edit_table(path, key, new if isinstance(new, ocdbt.Ref) else None)
     root = _root(path)
     md = root["attributes"]["tsckpt"]
     keys = sorted(values)
@@ -128,6 +134,48 @@ def write_key(path: str | os.PathLike, key: str, value: bytes | None) -> None:
     else:
         values[key] = value
     _rewrite(path, values)
+
+
+def _edit_table(path: str | os.PathLike, key: str, ref: ocdbt.Ref | None) -> None:
+    """Point the row of ``key`` in its writer's chunk table at ``ref``, or drop it (None): the table is written
+    anew at the end of its file, and the root document pointed there."""
+    root = _root(path)
+    md = root["attributes"]["tsckpt"]
+    array, _, name = key.rpartition("/")
+    tensor = next((t for t in md["tensors"].values() if t["path"] == array), None)
+    if tensor is None:
+        flat = 0
+        rank = next(o["writer"] for o in md["objects"].values() if o.get("path") == array)
+    else:
+        grid = [-(-n // c) for n, c in zip(tensor["shape"], tensor["chunk_shape"])]
+        index = [int(i) for i in name[2:].split(".")] if name != "c" else []
+        flat = int(np.ravel_multi_index(index, grid)) if grid else 0
+        ranks = writers.decode(tensor["writers"], int(np.prod(grid)) if grid else 1, md["world_size"], array)
+        rank = int(ranks[flat])
+    record = md["data_files"]["ranks"][rank]
+    file, offset, length = record["table"]
+    with open(os.path.join(path, file), "rb") as f:
+        data = np.frombuffer(f.read(), dtype=np.uint8)[offset:offset + length]
+    reader = chunk_table.TableReader(length, file, whole_up_to=length)
+    chunk_table.look_up({reader: ()}, lambda spans: [data[o:o + n] for _, o, n in spans])
+    table = chunk_table.look_up({reader: reader.every_key()}, lambda spans: [data[o:o + n] for _, o, n in spans])[reader]
+    records, files = table.records.copy(), list(table.files)
+    at = np.flatnonzero((records["array"] == chunk_table.array_key(array)) & (records["chunk"] == flat))
+    if ref is None:
+        records = np.delete(records, at)
+    else:
+        if ref.path not in files:
+            files.append(ref.path)
+        records["file"][at], records["offset"][at], records["length"][at] = files.index(ref.path), ref.offset, ref.length
+    encoded = chunk_table.ChunkTable(tuple(files), table.hashed, records).encode()
+    full = os.path.join(path, file)
+    end = os.path.getsize(full)
+    with open(full, "ab") as f:
+        f.write(encoded)
+    record["table"] = [file, end, len(encoded)]
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(root, f)
+    _grow(path, file, end + len(encoded))
 
 
 def _grow(path: str | os.PathLike, file: str, size: int) -> None:

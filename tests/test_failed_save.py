@@ -88,8 +88,8 @@ def test_a_save_that_fills_the_disk_removes_what_it_wrote_and_says_which_rank_fa
     ck = small_fs / "ck"
     line = re.compile(rf"save to {re.escape(str(ck))} failed on rank (\d): "
                       # which write meets the full disk first depends on timing: a chunk of model.w, or the
-                      # digest table the rank writes beside it (plain layout)
-                      r"no space left on device writing '(model\.w|d/[0-9a-f]+-\d\.digests)'"
+                      # chunk table the rank writes beside it (plain layout)
+                      r"no space left on device writing '(model\.w|d/[0-9a-f]+-\d\.table)'"
                       r"( \(and on \d other ranks?\))?$")
     assert dist.run_ranks(WORLD, _save, str(ck), 8, 0, "tsckpt", timeout=TIMEOUT) == ["ok"] * WORLD
     free = _free(small_fs)

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tsckpt.commit import protocol as commit
+from tsckpt.format import writers
 from tsckpt.format.zarr_json import group_metadata
 from tsckpt.errors import TsckptError
 from tsckpt.format.metadata import (
@@ -45,12 +46,14 @@ RUNS = {"from_dict": 0, "read_metadata": 0, "accepted": 0,
 def _placed_document() -> dict:
     mesh = Mesh(shape=(2, 2), dim_names=("dp", "tp"), device_type="cpu", ranks=(0, 1, 2, 3))
     w = TensorEntry(("model", "w"), "model/w", (8, 6), "bfloat16", (4, 3), (2, 3),
-                    DTensorPlacement(0, ({"type": "shard", "dim": 0}, {"type": "shard", "dim": 1})))
+                    DTensorPlacement(0, ({"type": "shard", "dim": 0}, {"type": "shard", "dim": 1})),
+                    writers=writers.encode([0, 1, 2, 3]))
     st_ = TensorEntry(("st",), "st", (6, 2), "float32", (3, 2), None,
-                      ShardedTensorPlacement((((0, 0), (3, 2), "rank:0/cpu"), ((3, 0), (3, 2), "rank:1/cpu"))))
-    step = TensorEntry(("step",), "step", (), "int64", (), None, ReplicatedPlacement())
+                      ShardedTensorPlacement((((0, 0), (3, 2), "rank:0/cpu"), ((3, 0), (3, 2), "rank:1/cpu"))),
+                      writers=writers.encode([0, 1]))
+    step = TensorEntry(("step",), "step", (), "int64", (), None, ReplicatedPlacement(), writers=writers.encode([0]))
     objs = {"lr": ObjectEntry(("lr",), "json", value={"$tuple": [0.9, {"$float": "nan"}]}),
-            "blob": ObjectEntry(("blob",), "torch", path="blob")}
+            "blob": ObjectEntry(("blob",), "torch", path="blob", writer=3)}
     md = CheckpointMetadata(world_size=4, tensors={"model.w": w, "st": st_, "step": step}, objects=objs,
                             meshes=(mesh,), torch_version="2.13.0", tsckpt_version="0.1.0", extra={"save_id": "x"})
     return md.to_dict()

@@ -176,17 +176,23 @@ def _save_many_chunks(rank, world, path):
     tsckpt.save({"emb": init_from_local_shards(shards, 64, 16), "b": torch.ones(3)}, path)
 
 
-def test_verify_reads_each_digest_table_once(tmp_path, monkeypatch):
-    # Reading the ranks' tables for every chunk would cost chunks x ranks reads. Count the decodes, not the time.
+def test_verify_reads_each_chunk_table_once(tmp_path, monkeypatch):
+    # Reading the ranks' tables for every chunk would cost chunks x ranks reads. Count the bytes taken, not the time.
     import dist
-    from tsckpt.format.digest_table import DigestTable
+    from tsckpt.format.chunk_table import TableReader
 
     dist.run_ranks(1, _save_many_chunks, str(tmp_path / "ck"))
     md = commit.open_committed(tmp_path / "ck")[1]
     assert md.tensors["emb"].grid.nchunks == 64
-    decoded = []
-    real = DigestTable.decode.__func__
-    monkeypatch.setattr(DigestTable, "decode", classmethod(lambda cls, *a, **k: decoded.append(a[1]) or real(cls, *a, **k)))
+    taken: dict[str, int] = {}
+    real = TableReader.take
+
+    def take(self, spans, data):
+        taken[self.where] = taken.get(self.where, 0) + sum(n for _, n in spans)
+        return real(self, spans, data)
+
+    monkeypatch.setattr(TableReader, "take", take)
     report = verify(tmp_path / "ck")
     assert report.ok and report.checksummed == 65
-    assert len(decoded) == 2, decoded  # once by the chunks' check, once by the files' check
+    table = md.data_files.ranks[0].table
+    assert list(taken.values()) == [table.length], taken  # one table, each byte read once

@@ -224,9 +224,9 @@ def test_a_rank_writes_its_values_back_to_back_in_one_file(tmp_path):
     md = tsckpt.open(path).metadata
     [record] = md.data_files.ranks
     assert [f.path for f in record.files] == data and record.files[0].size == os.path.getsize(os.path.join(path, data[0]))
-    # the chunks (each its data and a crc32c per inner chunk, then the index), then the digest table
-    assert record.digests.path == data[0] and record.digests.offset + record.digests.length == record.files[0].size
-    assert sum(64 * 256 * 4 for _ in sd) < record.digests.offset < sum(64 * 256 * 4 for _ in sd) * 1.01
+    # the chunks (each its data and a crc32c per inner chunk, then the index), then the chunk table
+    assert record.table.path == data[0] and record.table.offset + record.table.length == record.files[0].size
+    assert sum(64 * 256 * 4 for _ in sd) < record.table.offset < sum(64 * 256 * 4 for _ in sd) * 1.01
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     tsckpt.load(out, path)
     assert all(torch.equal(out[k], sd[k]) for k in sd)

@@ -133,11 +133,12 @@ def test_importing_tsckpt_first_reads_them_on_every_zarr_without_warnings(ckpt):
     assert out["tsckpt_warnings"] == []
 
 
-def test_readme_names_zarr_error_and_its_fix():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("It is plain Zarr"):readme.index("## Command line")]
-    quoted = re.search(r"No Zarr data type found that matches '[^']+'", section)
-    assert quoted and UNKNOWN_DTYPE.match(quoted.group(0)), "README should quote zarr's error as zarr words it"
+def test_troubleshooting_names_zarr_error_and_its_fix():
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    section = page[page.index("No Zarr data type found"):]
+    section = section[:section.find("\n### ") if "\n### " in section else None]
+    quoted = re.search(r"No Zarr data type found that matches '[^']+'", page)
+    assert quoted and UNKNOWN_DTYPE.match(quoted.group(0)), "the page should quote zarr's error as zarr words it"
     assert "import tsckpt" in section and "3.4.1" in section
 
 

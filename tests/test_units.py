@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tsckpt import errors
-from tsckpt.format import values
+from tsckpt.format import values, writers
 from tsckpt.format import inner_chunks
 from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
@@ -165,13 +165,13 @@ def test_non_json_values_are_refused_by_the_json_encoding():
 
 def entry(**kw):
     base = dict(key_path=("m", "w"), path="m/w", shape=(4, 2), dtype="float32", chunk_shape=(2, 2),
-                inner_chunk_shape=None, placement=None)
+                inner_chunk_shape=None, placement=None, writers=writers.encode([0, 1]))
     return TensorEntry(**(base | kw))
 
 
 def _metadata(**kw) -> CheckpointMetadata:
-    """A document of the current version, two ranks: plain layout, each rank with a digest table of its own."""
-    ranks = tuple(RankFiles((), Span(f"d/{'0' * 32}-{r}.digests", 0, 40)) for r in range(2))
+    """A document of the current version, two ranks: plain layout, each rank with a chunk table of its own."""
+    ranks = tuple(RankFiles((), Span(f"d/{'0' * 32}-{r}.table", 0, 40)) for r in range(2))
     return CheckpointMetadata(world_size=2, tensors={"m.w": entry()}, objects={}, data_files=DataFiles(None, ranks),
                               array_options=ArrayOptions(crc32c_codec=True), **kw)
 

@@ -53,8 +53,9 @@ def test_options_round_trip_and_zarr_python_reads_them(tmp_path, options):
     assert ("crc32c" in names) == (options.get("checksums", True) or options.get("crc32c_codec", False))
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
     assert "checksums" not in root["tensors"]["big"]  # no table in the root document: beside each chunk
-    digests = [r["digests"] for r in root["data_files"]["ranks"]]
-    assert all(d is not None for d in digests) == options.get("checksums", True)
+    # Each rank's chunk table: where its values are (packed) and their content hashes (with checksums).
+    tables = [r["table"] for r in root["data_files"]["ranks"]]
+    assert all(t is not None for t in tables) == (options.get("checksums", True) or root["layout"] == "packed")
     if "compression" in options:
         assert options["compression"] in names
     back = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -142,7 +143,7 @@ def test_every_rank_writes_with_the_coordinators_options(tmp_path):
     run_ranks(2, save_with_rank_options, path)
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
     assert root["layout"] == "plain" and root["array_options"] == {"crc32c_codec": True, "compression": None}
-    assert all(r["digests"] is not None for r in root["data_files"]["ranks"])
+    assert all(r["table"] is not None for r in root["data_files"]["ranks"])
     assert _codec_names(json.loads(read_key(tmp_path / "c", "big/zarr.json"))["codecs"])[0] == "sharding_indexed"
     sd = {k: v for k, v in _state_dict().items() if k != "mask"}
     back = {k: torch.empty_like(v) for k, v in sd.items()}

@@ -34,7 +34,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 try:
     # zarr-python reads bfloat16/float8 arrays only once these types are registered.

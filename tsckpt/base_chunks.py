@@ -39,10 +39,9 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, OptionError, StorageError, TsckptError, UnsupportedVersionError
-from .format import compressed, content_hashes, dtypes, shards, zarr_json
+from .format import chunk_table, compressed, content_hashes, dtypes, shards, zarr_json
 from .commit import protocol as commit
 from .format.data_files import FileRef
-from .format.digest_table import DigestTable
 from .format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from .format.ocdbt import Ref
 from .format.reuse import Reuse
@@ -135,13 +134,12 @@ class BaseChunks:
 
     Made from the coordinator's :class:`BaseChoice` with a usable mode; the
     rank reads the base's root document itself (one small read per rank), and
-    the digest tables (:mod:`tsckpt.format.digest_table`) of the base's ranks
-    whose chunks it may take: its own rank's first, then, packed, the rank
-    whose data file holds a chunk, plain, the others once one is looked for in
-    vain.
+    of the base's chunk tables (:mod:`tsckpt.format.chunk_table`) only the
+    blocks holding the chunks it may take, in the tables of the ranks that
+    wrote them (each tensor's ``writers``).
     """
 
-    def __init__(self, choice: BaseChoice, into: Store, rank: int = 0):
+    def __init__(self, choice: BaseChoice, into: Store):
         assert choice.mode is not None
         self.choice = choice
         self.into = into
@@ -150,36 +148,14 @@ class BaseChunks:
         files = self.metadata.data_files
         assert files is not None, "a committed checkpoint lists its data files"
         self._files = files
-        self._rank_of = {f.path: r for r, record in enumerate(files.ranks) for f in record.files}
         self._sizes = {f.path: f.size for f in files.files}
-        self._digests: dict[str, dict[int, bytes]] = {}
-        self._loaded: set[int] = set()
+        self._writers: dict[str, np.ndarray] = {}
         self._linked: dict[str, bool] = {}
-        self._load(rank if rank < len(files.ranks) else 0)
 
     @property
     def mode(self) -> str:
         assert self.choice.mode is not None
         return self.choice.mode
-
-    def _load(self, rank: int) -> None:
-        """Read base rank ``rank``'s digest table into the lookup (once)."""
-        if rank in self._loaded:
-            return
-        self._loaded.add(rank)
-        span = self._files.ranks[rank].digests
-        if span is None:
-            return
-        what = f"the digest table of rank {rank} of the base {self.choice.url}"
-        try:
-            batch = self.source.batch()
-            slot = batch.want(span.path, span.offset, span.offset + span.length)
-            batch.run()
-            table = DigestTable.decode(slot.bytes, what)
-        except (ValueError, TsckptError):  # unreadable or damaged: its chunks are written afresh
-            return
-        for path, digests in table.by_array().items():
-            self._digests.setdefault(path, {}).update(digests)
 
     def digests(self, fqn: str, entry: TensorEntry) -> _Digests | None:
         """The base's content hash of each outer chunk of ``fqn`` (by flat index), if its array is laid out
@@ -191,19 +167,19 @@ class BaseChunks:
         return _Digests(self, found)
 
     def _lookup(self, entry: TensorEntry, flat: int) -> bytes | None:
-        digest = self._digests.get(entry.path, {}).get(flat)
-        if digest is not None or len(self._loaded) == len(self._files.ranks):
-            return digest
-        if self.mode == PACKED:
-            index = tuple(int(i) for i in np.unravel_index(flat, entry.grid.grid_shape)) if entry.shape else ()
-            found = self.source.locator.locate(f"{entry.path}/{zarr_json.chunk_key(index)}")
-            rank = self._rank_of.get(found.file) if found is not None else None
-            if rank is not None:
-                self._load(rank)
-        else:
-            for rank in range(len(self._files.ranks)):
-                self._load(rank)
-        return self._digests.get(entry.path, {}).get(flat)
+        """The content hash the base's writer of chunk ``flat`` recorded, from the blocks of its chunk table that
+        hold it (read once); None if there is none, or the table is unreadable or damaged: the chunk is then
+        written afresh."""
+        try:
+            if entry.path not in self._writers:
+                self._writers[entry.path] = entry.writer_ranks(self.metadata.world_size, f"the base {self.choice.url}")
+            rank = int(self._writers[entry.path][flat])
+            key = chunk_table.array_key(entry.path)
+            rows = self.source.tables.look_up({rank: [(key, flat)]})[rank]
+        except (ValueError, TsckptError):
+            return None
+        row = rows.get_key(key, flat)
+        return row["digest"].tobytes() if row is not None and rows.hashed else None
 
     def read(self, fqn: str, index: tuple[int, ...]) -> Any:
         """Start reading chunk ``index`` of ``fqn`` from the base, as stored, to check it (:meth:`sound`)

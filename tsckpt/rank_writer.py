@@ -14,8 +14,8 @@ moves bytes and remembers what it wrote:
   :class:`~tsckpt.storage.sinks.Sink` under its Zarr key: a rank's data file
   (packed) or a file or object per key (plain);
 * every outer chunk gets its content hash (:mod:`tsckpt.format.content_hashes`),
-  kept in the rank's digest table, which :meth:`RankWriter.finish` stores
-  beside the data (:mod:`tsckpt.format.digest_table`);
+  kept in the rank's chunk table, which :meth:`RankWriter.finish` stores
+  beside the data (:mod:`tsckpt.format.chunk_table`);
 * given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
   with the base's content hash is not written: the base's copy is read back,
   checked, and taken; one that fails is written after all;
@@ -40,7 +40,7 @@ from .errors import StorageError
 from .format import content_hashes, dtypes, placement, shards, zarr_json
 from .format.compressed import CompressedChunk
 from .format.data_files import RankFiles
-from .format.digest_table import DigestTable
+from .format.chunk_table import ChunkTable
 from .format.grid import ChunkGrid
 from .format.metadata import ArrayOptions, TensorEntry
 from .format.ocdbt import Ref
@@ -92,7 +92,7 @@ class RankWriter:
 
     Args:
         store: where this save's data goes (its staging location, or in place).
-        rank: the rank writing (its data file and digest table are its own).
+        rank: the rank writing (its data file and chunk table are its own).
         save_id: the save, which names the rank's files.
         where: the checkpoint, as named in errors; empty where the caller names it.
         options: the codecs of every tensor array.
@@ -119,6 +119,7 @@ class RankWriter:
         self.written: dict[str, WrittenChunks] = {}
         #: Each value blob's key and, in the packed layout, where it is stored (after :meth:`finish`).
         self.blobs: dict[str, Ref | None] = {}
+        self._blob_paths: dict[str, str] = {}
         self._entries: dict[str, TensorEntry] = {}
         #: What each array path holds, by name: for errors, which name keys and not names.
         self._names: dict[str, str] = {}
@@ -237,6 +238,7 @@ class RankWriter:
     def write_blob(self, name: str, path: str, payload: bytes) -> None:
         """Store a value blob (``torch.save`` bytes) as the one chunk of the ``uint8`` array at ``path``."""
         self.blobs[name] = None
+        self._blob_paths[name] = path
         self._names[path] = name
         self._puts.append((name, -1))
         self._sink.put(f"{path}/{zarr_json.chunk_key((0,))}", Blob(payload), payload)
@@ -248,7 +250,7 @@ class RankWriter:
         self._put_deferred()
 
     def finish(self) -> RankFiles:
-        """Wait for every write, store the digest table, make everything durable; what the rank's files hold."""
+        """Wait for every write, store the chunk table, make everything durable; what the rank's files hold."""
         self._checks.drain()
         self._window.drain()
         self._put_deferred()
@@ -260,33 +262,53 @@ class RankWriter:
             raise StorageError(f"{problem(e)} making the rank's data durable"
                                + (f" in {self.where}" if self.where else "")) from e
         if self.base is not None:  # the base's data files this rank linked in are the new checkpoint's too
-            self.files = RankFiles(self.files.files + tuple(self.base.linked_files()), self.files.digests)
+            self.files = RankFiles(self.files.files + tuple(self.base.linked_files()), self.files.table)
         self._held.clear()
         return self.files
 
     def _collect(self) -> bytes | None:
-        """Once every value is written: where each is, its content hash, and so the digest table (if any)."""
+        """Once every value is written: where each is, its content hash, and so the chunk table (if any)."""
         refs = self._sink.refs
+        blob_digests: dict[str, bytes] = {}
         for k, (name, position) in enumerate(self._puts):
             if position < 0:
                 self.blobs[name] = refs[k] if refs is not None else None
+                if self._sink.hashed:
+                    blob_digests[name] = self._sink.digests[k]
                 continue
             if refs is not None:
                 self.written[name].refs[position] = refs[k]
             if self._sink.hashed:
                 self.written[name].digests[position] = self._sink.digests[k]
-        return self._digest_table() if self.checksums else None
+        return self._chunk_table(blob_digests)
 
-    def _digest_table(self) -> bytes:
-        paths, tensor, chunk, digests = [], [], [], []
+    def _chunk_table(self, blob_digests: Mapping[str, bytes]) -> bytes | None:
+        """The rank's chunk table: where each value is (packed), its content hash (with checksums); None
+        where there is neither (a plain save without checksums)."""
+        located = self._sink.refs is not None
+        if not (located or self.checksums):
+            return None
+        arrays: list[str] = []
+        chunks: list[int] = []
+        refs: list[Ref | None] = []
+        digests: list[bytes] = []
         for fqn, written in self.written.items():
-            if not written.indices:
-                continue
-            paths.append(self._entries[fqn].path)
-            tensor += [len(paths) - 1] * len(written.indices)
-            chunk += written.indices
+            arrays += [self._entries[fqn].path] * len(written.indices)
+            chunks += written.indices
+            refs += written.refs
             digests += written.digests
-        return DigestTable.of(paths, tensor, chunk, digests).encode()
+        for name, ref in self.blobs.items():
+            arrays.append(self._blob_paths[name])
+            chunks.append(0)
+            refs.append(ref)
+            digests.append(blob_digests.get(name, b""))
+        files: dict[str, int] = {}
+        where = None
+        if located:
+            assert all(r is not None for r in refs), "a packed value without a place"
+            where = [(files.setdefault(r.path, len(files)), r.offset, r.length) for r in refs if r is not None]
+        return ChunkTable.of(arrays, chunks, files=list(files), where=where,
+                             digests=digests if self.checksums else None).encode()
 
     def _wait(self, futures: list[Any]) -> None:
         for f in futures:

@@ -37,8 +37,8 @@ CLAIM = ".tsckpt-claim.json"
 #: document that is not JSON: the step scan reports it, a save treats it as committed.
 ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE, DAMAGED = "absent", "incomplete", "committed", "foreign", "file", "damaged"
 
-#: A save's own files (format version 4): ranks' data files and their parts, digest tables, the packed index.
-_DATA_FILE = r"^d/[0-9a-f]{32}(?:\.index|-\d+(?:\.\d+|\.digests)?)$"
+#: A save's own files (format version 4): ranks' data files and their parts, chunk tables, the packed index.
+_DATA_FILE = r"^d/[0-9a-f]{32}(?:\.index|-\d+(?:\.\d+|\.table)?)$"
 
 _DATA_FILE_KEY = re.compile(_DATA_FILE)
 
@@ -59,7 +59,7 @@ LOCK_SUFFIX = ".__lock"
 
 
 def is_data_file(key: str) -> bool:
-    """Whether ``key`` is named as a version-4 save names its data files, digest tables and index."""
+    """Whether ``key`` is named as a version-4 save names its data files, chunk tables and index."""
     return _DATA_FILE_KEY.match(key) is not None
 
 

@@ -196,7 +196,7 @@ class CheckpointBuilder:
         else:
             self._writer.write_blob(fqn, path, payload)
             self._blob_sizes[fqn] = len(payload)
-            entry = ObjectEntry(key_path, values.TORCH, path=path)
+            entry = ObjectEntry(key_path, values.TORCH, path=path, writer=0)
         self._objects[fqn] = entry
         return entry
 
@@ -220,7 +220,8 @@ class CheckpointBuilder:
                  for f, info in done.objects.items() if "ref" in info}
         packed = self.store.layout.name == PACKED
         md = commit.commit_checkpoint(
-            self.store, save_id=self.save_id, world_size=1, tensors=self._tensors, objects=self._objects,
+            self.store, save_id=self.save_id, world_size=1, tensors=written.writers(self._tensors),
+            objects=self._objects,
             blob_sizes=self._blob_sizes, ranks=[stored],
             stored=stored_values(self._tensors, written, blobs) if packed else None,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,

@@ -9,6 +9,7 @@ grid order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..format import zarr_json
+from ..format import writers, zarr_json
 from ..format.data_files import RankFiles
 from ..format.metadata import TensorEntry
 from ..storage.packed import StoredValues
@@ -106,6 +107,11 @@ class MergedChunks:
             offset[part], length[part] = s.offset, s.length
         return cls(starts, writer, reused, file, offset, length, tuple(files))
 
+    def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
+        """``tensors`` (in the order merged) with the rank that wrote each chunk recorded (``writers``)."""
+        return {fqn: dataclasses.replace(entry, writers=writers.encode(self.of(t).writer))
+                for t, (fqn, entry) in enumerate(tensors.items())}
+
     def of(self, t: int) -> TensorChunks:
         """Tensor ``t``'s chunks, one row each in row-major grid order."""
         a, b = int(self.starts[t]), int(self.starts[t + 1])
@@ -144,5 +150,5 @@ def once_each(ranks: Sequence[RankFiles]) -> list[RankFiles]:
     for record in ranks:
         files = tuple(f for f in record.files if f.path not in seen)
         seen.update(f.path for f in files)
-        out.append(RankFiles(files, record.digests))
+        out.append(RankFiles(files, record.table))
     return out

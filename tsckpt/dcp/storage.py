@@ -336,7 +336,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         base = orders.base
         writer = RankWriter(store, self.rank, orders.save_id, "", options=config.array_options,
                             checksums=config.checksums, window=self.per_thread_copy_ahead, sync=config.sync_files,
-                            base=BaseChunks(base, store, self.rank) if base is not None and base.mode else None)
+                            base=BaseChunks(base, store) if base is not None and base.mode else None)
         writers.append(writer)
         writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})
         summary = SummaryBuilder(self.rank, orders.save_id)
@@ -408,7 +408,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 if info["encoding"] == values.JSON:
                     objs[fqn] = ObjectEntry(layout.key_path(fqn), values.JSON, value=info["value"])
                 else:
-                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.TORCH, path=layout.blobs[fqn])
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.TORCH, path=layout.blobs[fqn],
+                                            writer=summary.rank)
                     blob_sizes[fqn] = info["nbytes"]
                     if "ref" in info:
                         blob_refs[fqn] = (summary.files[info["ref"][0]], info["ref"][1:])
@@ -421,6 +422,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             reused[fqn] = written.of(number).reused
             tensors[fqn] = dataclasses.replace(
                 planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"))
+        tensors = written.writers(tensors)
         stored = None
         if self.config.layout == PACKED:
             stored = stored_values(tensors, written, {objs[f].path: r for f, r in blob_refs.items()})

@@ -1,7 +1,7 @@
 """Content hashes: a 128-bit digest of every outer chunk's stored bytes, which incremental saves compare.
 
 Each rank keeps the digests of the chunks it wrote in a table of its own
-(:mod:`tsckpt.format.digest_table`), as the 16 bytes of XXH3's canonical
+(:mod:`tsckpt.format.chunk_table`), as the 16 bytes of XXH3's canonical
 (big-endian) form. A save given a base checkpoint (``docs/format.md``,
 section 8) takes a chunk from the base only when its digest equals the
 base's for the same chunk of the same array, and the base's copy still

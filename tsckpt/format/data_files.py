@@ -44,7 +44,7 @@ class FileRef:
 
 @dataclass(frozen=True)
 class Span:
-    """``length`` bytes at ``offset`` of file ``path`` (a rank's digest table)."""
+    """``length`` bytes at ``offset`` of file ``path`` (a rank's chunk table, the index's root node)."""
 
     path: str
     offset: int
@@ -64,21 +64,22 @@ class Span:
 
 @dataclass(frozen=True)
 class RankFiles:
-    """What one rank of a save wrote besides chunk keys: its data files (packed layout) and its digest table."""
+    """What one rank of a save wrote besides chunk keys: its data files (packed layout) and its chunk table
+    (:mod:`tsckpt.format.chunk_table`; None in a plain save without content hashes)."""
 
     files: tuple[FileRef, ...] = ()
-    digests: Span | None = None
+    table: Span | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"files": [f.to_list() for f in self.files],
-                "digests": self.digests.to_list() if self.digests is not None else None}
+                "table": self.table.to_list() if self.table is not None else None}
 
     @classmethod
     def from_dict(cls, d: Any, what: str) -> RankFiles:
         files = tuple(FileRef.from_list(f, f"{what}: files[{i}]")
                       for i, f in enumerate(get_field(d, "files", what, list)))
-        digests = d.get("digests")
-        return cls(files, Span.from_list(digests, f"{what}: digests") if digests is not None else None)
+        table = d.get("table")
+        return cls(files, Span.from_list(table, f"{what}: table") if table is not None else None)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+import numpy as np
 
 from ..errors import MetadataError, UnsupportedVersionError
-from . import content_hashes, dtypes, values, zarr_json
+from . import content_hashes, dtypes, values, writers, zarr_json
 from .data_files import DataFiles
 from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
@@ -112,6 +113,8 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None
     placement: Placement | None
+    #: Which rank saved each outer chunk (:mod:`tsckpt.format.writers`); None until the save commits.
+    writers: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +126,12 @@ class TensorEntry:
     def grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
 
+    def writer_ranks(self, world_size: int, what: str) -> np.ndarray:
+        """The rank that saved each outer chunk, by flat index (decoded anew: it may be long)."""
+        if self.writers is None:
+            raise MetadataError(f"{what}: it does not say which rank saved each chunk")
+        return writers.decode(self.writers, self.grid.nchunks, world_size, what)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "key_path": list(self.key_path),
@@ -132,6 +141,7 @@ class TensorEntry:
             "chunk_shape": list(self.chunk_shape),
             "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape is not None else None,
             "placement": self.placement.to_dict() if self.placement else None,
+            **({"writers": self.writers} if self.writers is not None else {}),
         }
 
     @classmethod
@@ -145,6 +155,7 @@ class TensorEntry:
             chunk_shape=parse_shape(get_field(d, "chunk_shape", what, list), what, "chunk_shape", minimum=1),
             inner_chunk_shape=parse_shape(inner, what, "inner_chunk_shape", minimum=1) if inner is not None else None,
             placement=placement_from_dict(d.get("placement"), what),
+            writers=get_field(d, "writers", what, str),
         )
         if d.get("checksums") is not None or d.get("content_hashes") is not None:
             raise MetadataError(f"{what}: holds per-chunk tables, as only format versions 2 and 3 did (each chunk "
@@ -194,6 +205,7 @@ class ObjectEntry:
     encoding: str
     value: Any = None  # the tagged JSON value, for encoding "json"
     path: str | None = None  # the uint8 array, for encoding "torch"
+    writer: int | None = None  # the rank that saved the blob, for encoding "torch" (None until the save commits)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key_path": list(self.key_path), "encoding": self.encoding}
@@ -201,6 +213,8 @@ class ObjectEntry:
             out["value"] = self.value
         else:
             out["path"] = self.path
+            if self.writer is not None:
+                out["writer"] = self.writer
         return out
 
     @classmethod
@@ -221,7 +235,10 @@ class ObjectEntry:
             path = check_relative_path(get_field(d, "path", what, str), what=what)
             if path != zarr_path(key_path):
                 raise MetadataError(f"{what}: path {path!r} does not match key path {list(key_path)}")
-            return cls(key_path, encoding, path=path)
+            writer = get_field(d, "writer", what, int)
+            if writer < 0:
+                raise MetadataError(f"{what}: writer {writer} is not a rank")
+            return cls(key_path, encoding, path=path, writer=writer)
         raise MetadataError(f"{what}: unknown encoding {encoding!r}; expected one of {list(values.ENCODINGS)}")
 
 
@@ -304,6 +321,9 @@ class CheckpointMetadata:
         world_size = get_field(d, "world_size", what, int)
         if world_size < 1:
             raise MetadataError(f"{what}: world_size {world_size} is not a positive number of ranks")
+        odd = next((k for k, o in objs.items() if o.writer is not None and o.writer >= world_size), None)
+        if odd is not None:
+            raise MetadataError(f"object {odd!r}: writer {objs[odd].writer} is not one of the {world_size} ranks")
         # Absent means plain (docs/format.md, section 2).
         layout = optional_field(d, "layout", what, str) or "plain"
         return cls(

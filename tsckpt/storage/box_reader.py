@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import crc32c as _crc32c
 import numpy as np
 
-from ..errors import ChecksumError
+from ..errors import ChecksumError, TsckptError
 from ..format import compressed, dtypes, shards, untiling, zarr_json
 from ..format.metadata import TensorEntry
 from .byte_reads import RangeBatch
@@ -113,7 +113,10 @@ class BoxReader:
                     batch: RangeBatch, out: np.ndarray) -> ChunkStep:
         fmt = self.fmt
         key = self._key(index)
-        found = self.source.locator.locate(key)
+        try:
+            found = self.source.locator.locate(key)
+        except TsckptError as e:  # a damaged chunk table or index: which tensor's read met it
+            raise type(e)(f"{self.what}: {e}") from None
         if found is None:
             raise ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} "
                              f"is missing")

@@ -2,27 +2,27 @@
 
 One :class:`ChunkSource` per open checkpoint (a load, a ``tsckpt.open``
 handle, a conversion): the layout's locator (which file and byte range holds
-each Zarr key), the fetcher (local files or a kvstore), and the per-rank
-digest tables, read once on first use. :mod:`tsckpt.storage.box_reader` plans
+each Zarr key), the fetcher (local files or a kvstore), and the ranks'
+chunk tables, read as far as lookups need. :mod:`tsckpt.storage.box_reader` plans
 every tensor read against it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c as _crc32c
 import numpy as np
 
 from ..errors import ChecksumError
 from ..format import zarr_json
-from ..format.digest_table import DigestTable
 from ..format.metadata import CheckpointMetadata, TensorEntry
-from .byte_reads import RangeBatch, read_cost
+from .byte_reads import RangeBatch, ReadCost, read_cost
 from .fetchers import Fetcher, KvFiles, LocalFiles
-from .kvio import storage_error
 from .layouts import Locator
+from .rank_tables import RankTables
 from .store import Store, read_error
 
 
@@ -34,8 +34,16 @@ class ChunkSource:
     metadata: CheckpointMetadata
     locator: Locator
     fetcher: Fetcher
-    #: Which rank saved each chunk and its content hash, by array path and flat index (read on first use).
-    _saved: dict[str, dict[int, tuple[int, bytes]]] | None = None
+    #: Every rank's chunk table, read as far as lookups need.
+    tables: RankTables = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A table or index no larger than what a request's latency could fetch is read whole, in one request.
+        cost = read_cost(self.store.location)
+        # Bound to the fetcher, not to this source: the source refers to them, and no cycle keeps it alive.
+        read = functools.partial(fetch_spans, self.fetcher, cost)
+        self.tables = RankTables(self.metadata.data_files, self.store.url, read, cost.gap_bytes)
+        self.locator.bind(read, cost.gap_bytes, self.tables)
 
     @classmethod
     def of(cls, store: Store, metadata: CheckpointMetadata) -> ChunkSource:
@@ -43,51 +51,18 @@ class ChunkSource:
         local = store.location.driver == "file" and locator.kvstore is store.kvstore
         fetcher: Fetcher = (LocalFiles(str(store.location.spec.get("path", ".")), locator.sizes()) if local
                             else KvFiles(locator.kvstore, locator.generations()))
-        source = cls(store, metadata, locator, fetcher)
-        # An index no larger than what a request's latency could fetch is read whole, in one request.
-        locator.bind(source.read_ranges, read_cost(store.location).gap_bytes)
-        return source
-
-    def _tables(self) -> dict[str, dict[int, tuple[int, bytes]]]:
-        """Every rank's digest table, read once: (rank, content hash) of each chunk, by array path and flat index."""
-        if self._saved is None:
-            self._saved = {}
-            files = self.metadata.data_files
-            for rank, record in enumerate(files.ranks if files is not None else ()):
-                if record.digests is None:
-                    continue
-                span = record.digests
-                what = f"the digest table of rank {rank} in {self.store.url}"
-                try:
-                    data = self.read_range(span.path, span.offset, span.length)
-                except ValueError as e:
-                    raise storage_error(e, f"reading {what} failed") from None
-                table = DigestTable.decode(data, what)
-                for path, chunks in table.by_array().items():
-                    self._saved.setdefault(path, {}).update({c: (rank, d) for c, d in chunks.items()})
-        return self._saved
+        return cls(store, metadata, locator, fetcher)
 
     def digests(self, entry: TensorEntry) -> dict[int, bytes]:
-        """The content hash each rank recorded for each outer chunk of ``entry``, by flat index."""
-        return {flat: digest for flat, (_, digest) in self._tables().get(entry.path, {}).items()}
+        """The content hash the writing rank recorded for each outer chunk of ``entry``, by flat index (none where
+        the save recorded none)."""
+        rows = self.tables.rows(entry, self.metadata.world_size) if self.metadata.content_hash else {}
+        return {flat: row["digest"].tobytes() for flat, row in rows.items()}
 
     def writers(self, entry: TensorEntry) -> dict[int, int]:
-        """Which rank saved each outer chunk of ``entry`` (by flat index), from the ranks' digest tables
-        (where a save recorded none, from which rank's data file holds it, packed)."""
-        files = self.metadata.data_files
-        if files is None:
-            return {}
-        found = self._tables().get(entry.path)
-        if found is not None or not files.index:
-            return {flat: rank for flat, (rank, _) in (found or {}).items()}
-        rank_of = {f.path: r for r, record in enumerate(files.ranks) for f in record.files}
-        out = {}
-        for flat in range(entry.grid.nchunks):
-            index = tuple(int(i) for i in np.unravel_index(flat, entry.grid.grid_shape)) if entry.shape else ()
-            where = self.locator.locate(f"{entry.path}/{zarr_json.chunk_key(index)}")
-            if where is not None and where.file in rank_of:
-                out[flat] = rank_of[where.file]
-        return out
+        """Which rank saved each outer chunk of ``entry``, by flat index."""
+        ranks = entry.writer_ranks(self.metadata.world_size, f"tensor {entry.path!r} in {self.store.url}")
+        return dict(enumerate(ranks.tolist()))
 
     def read_range(self, key: str, offset: int, length: int) -> np.ndarray:
         """``length`` bytes at ``offset`` of file ``key``, read at once."""
@@ -96,10 +71,7 @@ class ChunkSource:
 
     def read_ranges(self, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
         """The bytes of every ``(file, offset, length)`` of ``spans``, fetched together, merged by the cost model."""
-        batch = self.batch()
-        slots = [batch.want(key, offset, offset + length) for key, offset, length in spans]
-        batch.run()
-        return [slot.bytes for slot in slots]
+        return fetch_spans(self.fetcher, read_cost(self.store.location), spans)
 
     def batch(self) -> RangeBatch:
         """A new batch of reads, merged by the location's cost model."""
@@ -132,3 +104,11 @@ class ChunkSource:
                 raise ValueError(f"NOT_FOUND: {what} is missing ({key})")
             return np.frombuffer(result.value, dtype=np.uint8)
         return self.read_range(found.file, found.offset, found.length)
+
+
+def fetch_spans(fetcher: Fetcher, cost: ReadCost, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
+    """The bytes of every ``(file, offset, length)`` of ``spans``, fetched through ``fetcher`` in one batch."""
+    batch = RangeBatch(fetcher, cost)
+    slots = [batch.want(key, offset, offset + length) for key, offset, length in spans]
+    batch.run()
+    return [slot.bytes for slot in slots]

@@ -1,4 +1,4 @@
-"""The plain layout's sinks: each value a file or an object of its own, the digest table one more.
+"""The plain layout's sinks: each value a file or an object of its own, the chunk table one more.
 
 The :class:`~tsckpt.storage.sinks.Sink` contract (which method runs where, and
 when) is in :mod:`tsckpt.storage.sinks`, with the packed layout's sinks.
@@ -16,7 +16,7 @@ import tensorstore as ts
 
 from ..format.data_files import RankFiles, Span
 from . import chunk_files
-from .sinks import Blob, Sink, Value, digest_file, settle
+from .sinks import Blob, Sink, Value, table_file, settle
 
 
 class KeyFiles(Sink):
@@ -38,11 +38,11 @@ class KeyFiles(Sink):
     def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
         for f in self._pending:
             f.result()
-        digests, where = table(), None
-        if digests is not None:
-            path = digest_file(self.save_id, self.rank)
-            self._writer.write(os.path.join(self.root, path), Blob(digests, checksum=False), path).result()
-            where = Span(path, 0, len(digests))
+        rows, where = table(), None
+        if rows is not None:
+            path = table_file(self.save_id, self.rank)
+            self._writer.write(os.path.join(self.root, path), Blob(rows, checksum=False), path).result()
+            where = Span(path, 0, len(rows))
         self._writer.finish()
         return RankFiles((), where)
 
@@ -66,11 +66,11 @@ class KeyObjects(Sink):
         self._pending.append(self.kv.write(key, bytes(out)))
 
     def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
-        digests, where = table(), None
-        if digests is not None:
-            path = digest_file(self.save_id, self.rank)
-            self._pending.append(self.kv.write(path, digests))
-            where = Span(path, 0, len(digests))
+        rows, where = table(), None
+        if rows is not None:
+            path = table_file(self.save_id, self.rank)
+            self._pending.append(self.kv.write(path, rows))
+            where = Span(path, 0, len(rows))
         for f in self._pending:
             f.result()
         return RankFiles((), where)

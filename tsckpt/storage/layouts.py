@@ -40,6 +40,8 @@ from ..format.metadata import CheckpointMetadata
 from . import key_sinks, packed, sinks
 from .kvio import storage_error
 from .localfs import unsynced_nodes
+from .locator import Located, Locator
+from .packed_locator import PackedLocator
 from .location import Location
 
 if TYPE_CHECKING:
@@ -49,48 +51,6 @@ PLAIN = "plain"
 PACKED = "packed"
 #: Environment variable naming the layout of saves that name none (``packed`` when unset).
 LAYOUT_ENV = "TSCKPT_LAYOUT"
-
-
-@dataclass(frozen=True)
-class Located:
-    """Where a key's value is: ``length`` bytes (None: the whole file) at ``offset`` of file ``file``,
-    relative to the checkpoint, or ``inline`` bytes (the value itself)."""
-
-    file: str
-    offset: int = 0
-    length: int | None = None
-    inline: bytes | None = None
-
-
-class Locator(ABC):
-    """A committed checkpoint's keys, as a reader finds them (see :meth:`KvLayout.locator`)."""
-
-    #: The kvstore files are read from: the location's own.
-    kvstore: ts.KvStore
-
-    @abstractmethod
-    def locate(self, key: str) -> Located | None:
-        """Where ``key`` (relative to the checkpoint) is stored; None if the checkpoint has no such key."""
-
-    def prefetch(self, keys: Iterable[str]) -> None:
-        """Find ``keys`` together, so that each :meth:`locate` of them after reads nothing more (an index's
-        nodes on their way, read level by level for all the keys at once)."""
-
-    def bind(self, read: Callable[[Sequence[tuple[str, int, int]]], list[np.ndarray]], whole_up_to: int) -> None:
-        """Read what locating needs (an index's nodes) through ``read``, merged with the reader's other ranges;
-        an index file of at most ``whole_up_to`` bytes is read whole, at once."""
-
-    def everything(self) -> Mapping[str, Located]:
-        """Every key of an index and where its value is, every node read and checked (``verify``)."""
-        return {}
-
-    def sizes(self) -> Mapping[str, int]:
-        """Files whose size is known from the root document: a file of another size is damaged."""
-        return {}
-
-    def generations(self) -> Mapping[str, bytes]:
-        """Objects whose generation (ETag) the root document records: read as another generation, damaged."""
-        return {}
 
 
 class KvLayout(ABC):
@@ -230,65 +190,6 @@ class PlainLayout(KvLayout):
         return _KeysAsFiles(store.kvstore)
 
 
-class _PackedLocator(Locator):
-    def __init__(self, store: Store, metadata: CheckpointMetadata):
-        assert metadata.data_files is not None
-        self.kvstore = store.kvstore
-        self.files = metadata.data_files
-        self._store = store
-        self._index: packed.BTreeIndex | None = None
-
-    def bind(self, read: packed.ReadSpans, whole_up_to: int) -> None:
-        root = self.files.index
-        if root is not None:
-            self._index = packed.BTreeIndex(root, read, [f.path for f in self.files.files],
-                                            f"the index of {self._store.url}", whole_up_to)
-
-    def _tree(self) -> packed.BTreeIndex | None:
-        if self._index is None and self.files.index is not None:
-            self.bind(self._read, 0)
-        return self._index
-
-    def _read(self, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
-        """Node spans read one by one through the kvstore (a locator no reader has bound)."""
-        out = []
-        for path, offset, length in spans:
-            try:
-                result = self.kvstore.read(path, byte_range=slice(offset, offset + length)).result()
-            except ValueError as e:
-                raise storage_error(e, f"reading the index of {self._store.url} failed") from None
-            if result.state != "value":
-                raise MetadataError(f"{self._store.url}/{path}: the checkpoint's index is missing")
-            out.append(np.frombuffer(result.value, dtype=np.uint8))
-        return out
-
-    def prefetch(self, keys: Iterable[str]) -> None:
-        tree = self._tree()
-        if tree is not None:
-            tree.lookup(keys)
-
-    def locate(self, key: str) -> Located | None:
-        tree = self._tree()
-        value = tree.get(key) if tree is not None else None
-        if value is None:
-            return None
-        if isinstance(value, ocdbt.Ref):
-            return Located(value.path, value.offset, value.length)
-        return Located("", inline=value)
-
-    def everything(self) -> Mapping[str, Located]:
-        tree = self._tree()
-        found = tree.everything() if tree is not None else {}
-        return {k: Located(v.path, v.offset, v.length) if isinstance(v, ocdbt.Ref) else Located("", inline=v)
-                for k, v in found.items()}
-
-    def sizes(self) -> Mapping[str, int]:
-        return {f.path: f.size for f in self.files.files}
-
-    def generations(self) -> Mapping[str, bytes]:
-        return {f.path: bytes.fromhex(f.generation) for f in self.files.files if f.generation is not None}
-
-
 @register_layout
 class PackedLayout(KvLayout):
     """Every key in one OCDBT database over one data file per rank (:mod:`tsckpt.storage.packed`)."""
@@ -327,7 +228,7 @@ class PackedLayout(KvLayout):
         return packed.write_index(store.kvstore, save_id, entries, store.url, fence), None
 
     def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
-        return _PackedLocator(store, metadata)
+        return PackedLocator(store, metadata)
 
     def hierarchy(self, store: Store) -> ts.KvStore:
         return _open(packed.read_kvstore(dict(store.location.spec), ""), store)

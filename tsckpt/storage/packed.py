@@ -41,6 +41,7 @@ from ..errors import ChecksumError, MetadataError
 from ..format import ocdbt, ocdbt_tree
 from ..format.data_files import Span
 from .kvio import kv_name, storage_error
+from .locator import ReadSpans
 
 #: The database's manifest, at the checkpoint's root.
 MANIFEST = ocdbt.MANIFEST_KEY
@@ -184,9 +185,6 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
 
 
 # --- readers ------------------------------------------------------------------------
-
-#: Reads node spans, ``(path, offset, length)`` each, all at once: their bytes, in order.
-ReadSpans = Callable[[Sequence[tuple[str, int, int]]], list[np.ndarray]]
 
 
 class BTreeIndex:

@@ -17,8 +17,8 @@ stored under. The layout decides the sink:
   :class:`~tsckpt.storage.key_sinks.KeyObjects`, the plain layout: one file or
   object per key.
 
-Each rank also stores its digest table (:mod:`tsckpt.format.digest_table`):
-at the end of its data file, or as ``d/<save id>-<rank>.digests``.
+Each rank also stores its chunk table (:mod:`tsckpt.format.chunk_table`):
+at the end of its data file, or as ``d/<save id>-<rank>.table``.
 Which method runs where: :meth:`Sink.put` on the rank's thread, in any order;
 :meth:`Sink.finish` once, after the last put, returns when everything is
 durable; :meth:`Sink.abandon` after a failure.
@@ -78,7 +78,7 @@ class Value(ABC):
 
 @dataclass
 class Blob(Value):
-    """Bytes stored as they are, followed by their crc32c (a value blob's one chunk, a digest table)."""
+    """Bytes stored as they are, followed by their crc32c (a value blob's one chunk, a chunk table)."""
 
     payload: bytes | memoryview | np.ndarray
     checksum: bool = True
@@ -98,9 +98,9 @@ def data_file(save_id: str, rank: int, part: int | None = None) -> str:
     return f"d/{save_id}-{rank}" + (f".{part}" if part is not None else "")
 
 
-def digest_file(save_id: str, rank: int) -> str:
-    """Where the plain layout keeps a rank's digest table."""
-    return f"d/{save_id}-{rank}.digests"
+def table_file(save_id: str, rank: int) -> str:
+    """Where the plain layout keeps a rank's chunk table."""
+    return f"d/{save_id}-{rank}.table"
 
 
 class Sink(ABC):
@@ -127,7 +127,7 @@ class Sink(ABC):
 
     @abstractmethod
     def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
-        """Once every value is written, store the digest table ``table()`` gives (if any), make everything
+        """Once every value is written, store the chunk table ``table()`` gives (if any), make everything
         durable, and say what was written."""
 
     @property
@@ -247,11 +247,11 @@ class RankFile(Sink):
         try:
             for f in self._pending:
                 f.result()
-            digests, where = table(), None
-            if digests is not None:
-                where = Span(self.path, self._size, len(digests))
-                _write_all(self._fd, [self._size], memoryview(digests))
-                self._size += len(digests)
+            rows, where = table(), None
+            if rows is not None:
+                where = Span(self.path, self._size, len(rows))
+                _write_all(self._fd, [self._size], memoryview(rows))
+                self._size += len(rows)
             if self.sync:
                 os.fsync(self._fd)
         finally:
@@ -344,10 +344,10 @@ class RankObjects(Sink):
         return self._refs
 
     def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
-        digests, where = table(), None
-        if digests is not None:
-            where = Span(self._path(), len(self._buffer), len(digests))
-            self._buffer += digests
+        rows, where = table(), None
+        if rows is not None:
+            where = Span(self._path(), len(self._buffer), len(rows))
+            self._buffer += rows
         if self._buffer or not self._files:
             self._send()
         self._parts.wait()

@@ -1,0 +1,54 @@
+"""Which rank saved each outer chunk of an array: the ``writers`` field of a tensor entry.
+
+A reader looks a chunk up in the chunk table of the rank that wrote it
+(:mod:`tsckpt.format.chunk_table`), so it must know that rank without reading
+any other rank's metadata. Saves lay chunks out regularly (a rank's region
+is a run of chunks, ranks in mesh order), so the ranks, as differences from
+one chunk to the next, compress to a few bytes per array whatever the
+number of ranks: ``writers`` is the base64 (RFC 4648) of the zlib stream
+(RFC 1950) of one little-endian ``int32`` per outer chunk in row-major grid
+order, each the writer's rank minus the previous chunk's (the first chunk's
+minus 0). A one-chunk array saved by rank 0 is ``"eJxjYGBgAAAABAAB"``.
+
+Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import MetadataError
+
+#: The most bytes a ``writers`` field may inflate to (four per chunk): a document that claims more is refused
+#: before it is inflated.
+_MAX_CHUNKS = 1 << 28
+
+
+def encode(ranks: Sequence[int] | np.ndarray) -> str:
+    """The ``writers`` field of an array whose outer chunks (row-major) were saved by ``ranks``."""
+    ranks = np.asarray(ranks, np.int64)
+    deltas = np.diff(ranks, prepend=0).astype("<i4")
+    return base64.b64encode(zlib.compress(deltas.tobytes(), 6)).decode("ascii")
+
+
+def decode(field: str, nchunks: int, world_size: int, what: str) -> np.ndarray:
+    """The writer of each of an array's ``nchunks`` outer chunks (int64), or :class:`MetadataError`."""
+    if not isinstance(field, str):
+        raise MetadataError(f"{what}: writers must be a string, not {type(field).__name__}")
+    try:
+        raw = base64.b64decode(field, validate=True)
+        inflater = zlib.decompressobj()
+        data = inflater.decompress(raw, 4 * min(nchunks, _MAX_CHUNKS) + 1)
+    except (binascii.Error, zlib.error, ValueError) as e:
+        raise MetadataError(f"{what}: writers is not base64 of a zlib stream ({e})") from None
+    if len(data) != 4 * nchunks or not inflater.eof or inflater.unused_data:
+        raise MetadataError(f"{what}: writers does not hold one rank for each of the array's {nchunks} chunks")
+    ranks = np.cumsum(np.frombuffer(data, "<i4").astype(np.int64))
+    if len(ranks) and (ranks.min() < 0 or ranks.max() >= world_size):
+        raise MetadataError(f"{what}: writers names a rank outside the {world_size} that saved")
+    return ranks

@@ -1,0 +1,172 @@
+"""Where a packed checkpoint's values are, as tsckpt reads them: in the chunk tables of the ranks that wrote them.
+
+A chunk's writer is in its tensor's ``writers`` (a blob's in its object's
+``writer``), so a reader reads only the tables of the ranks whose chunks it
+reads, and in each only the blocks holding them
+(:mod:`tsckpt.format.chunk_table`): what a loading rank reads grows with
+the chunks it loads, never with the checkpoint's ranks x tensors. The
+B+tree that TensorStore and zarr-python read (:mod:`tsckpt.storage.packed`)
+answers the other keys (array and group documents), walked down from its
+root node, and ``verify`` reads all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import MetadataError, TsckptError
+from ..format import chunk_table, ocdbt, values
+from ..format.metadata import CheckpointMetadata, TensorEntry
+from .kvio import storage_error
+from .locator import Located, Locator, ReadSpans
+from .packed import BTreeIndex
+from .rank_tables import RankTables
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+def _chunk_index(name: str) -> tuple[int, ...] | None:
+    """The grid index a chunk key's last part names (``c``, ``c.1.0``); None for any other name."""
+    if name == "c":
+        return ()
+    if not name.startswith("c.") or not all(p.isdigit() for p in name[2:].split(".")):
+        return None
+    return tuple(int(p) for p in name[2:].split("."))
+
+
+class PackedLocator(Locator):
+    """A packed checkpoint's values, found through its ranks' chunk tables (its documents through its index)."""
+
+    def __init__(self, store: Store, metadata: CheckpointMetadata):
+        assert metadata.data_files is not None
+        self.kvstore = store.kvstore
+        self.metadata = metadata
+        self.files = metadata.data_files
+        self._url = store.url
+        self._read: ReadSpans = self._read_one_by_one
+        self._whole_up_to = 0
+        self.tables = RankTables(self.files, self._url, self._read, 0)
+        self._index: BTreeIndex | None = None
+        self._found: dict[str, Located | None] = {}
+        self._failed: dict[str, Exception] = {}
+        self._allowed = frozenset(f.path for f in self.files.files)
+        self._arrays: dict[str, TensorEntry | int] = {e.path: e for e in metadata.tensors.values()}
+        self._arrays |= {o.path: o.writer for o in metadata.objects.values()
+                         if o.encoding == values.TORCH and o.path is not None and o.writer is not None}
+
+    def bind(self, read: ReadSpans, whole_up_to: int, tables: RankTables | None = None) -> None:
+        self._read, self._whole_up_to = read, whole_up_to
+        self.tables = tables if tables is not None else RankTables(self.files, self._url, read, whole_up_to)
+        self._index = None
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Look ``keys`` up: chunks and blobs in their writers' tables, documents in the index. Never raises: a key
+        whose lookup failed raises that failure from :meth:`locate`."""
+        wanted: dict[int, dict[str, tuple[int, int]]] = {}  # rank -> key -> (array key, chunk)
+        documents = []
+        decoded: dict[str, np.ndarray] = {}
+        for key in keys:
+            if key in self._found:
+                continue
+            path, _, name = key.rpartition("/")
+            target = self._arrays.get(path)
+            index = _chunk_index(name)
+            if target is None or index is None:
+                documents.append(key)
+                continue
+            if isinstance(target, int):  # a value blob: its one chunk
+                flat, rank = (0, target) if index == (0,) else (None, None)
+            else:
+                grid = target.grid.grid_shape
+                inside = len(index) == len(grid) and all(0 <= i < g for i, g in zip(index, grid))
+                flat = target.grid.flat_index(index) if inside else None
+                if flat is not None:
+                    if path not in decoded:
+                        decoded[path] = target.writer_ranks(self.metadata.world_size, f"tensor at {path!r}")
+                    rank = int(decoded[path][flat])
+            if flat is None or rank is None:
+                self._found[key] = None
+                continue
+            wanted.setdefault(rank, {})[key] = (chunk_table.array_key(path), flat)
+        # A lookup that fails is the failure of every key it was for: each raises it where it is located, so
+        # that the reader that wanted it names its tensor.
+        if wanted:
+            try:
+                self._look_up(wanted)
+            except (ValueError, TsckptError) as e:
+                self._failed.update((k, e) for keys in wanted.values() for k in keys)
+        if documents:
+            try:
+                self._look_up_documents(documents)
+            except (ValueError, TsckptError) as e:
+                self._failed.update((k, e) for k in documents)
+
+    def locate(self, key: str) -> Located | None:
+        if key not in self._found and key not in self._failed:
+            self.prefetch((key,))
+        if key in self._failed:
+            raise self._failed[key]
+        return self._found[key]
+
+    def everything(self) -> Mapping[str, Located]:
+        index = self._tree()
+        found = index.everything() if index is not None else {}
+        return {k: Located(v.path, v.offset, v.length) if isinstance(v, ocdbt.Ref) else Located("", inline=v)
+                for k, v in found.items()}
+
+    def sizes(self) -> Mapping[str, int]:
+        return {f.path: f.size for f in self.files.files}
+
+    def generations(self) -> Mapping[str, bytes]:
+        return {f.path: bytes.fromhex(f.generation) for f in self.files.files if f.generation is not None}
+
+    # --- inside -------------------------------------------------------------------
+
+    def _look_up(self, wanted: Mapping[int, Mapping[str, tuple[int, int]]]) -> None:
+        found = self.tables.look_up({rank: list(keys.values()) for rank, keys in wanted.items()})
+        for rank, keys in wanted.items():
+            rows = found[rank]
+            for key, (array, chunk) in keys.items():
+                row = rows.get_key(array, chunk)
+                if row is None:
+                    self._found[key] = None
+                    continue
+                path = rows.files[int(row["file"])]
+                if path not in self._allowed:
+                    raise MetadataError(f"{self.tables.reader(rank).where}: a value is stored in {path!r}, which "
+                                        "is not one of the checkpoint's data files")
+                self._found[key] = Located(path, int(row["offset"]), int(row["length"]))
+
+    def _look_up_documents(self, documents: Sequence[str]) -> None:
+        index = self._tree()
+        if index is None:
+            self._found.update((k, None) for k in documents)
+            return
+        index.lookup(documents)
+        for k in documents:
+            value = index.values[k]
+            self._found[k] = (None if value is None else Located(value.path, value.offset, value.length)
+                              if isinstance(value, ocdbt.Ref) else Located("", inline=value))
+
+    def _tree(self) -> BTreeIndex | None:
+        if self._index is None and self.files.index is not None:
+            self._index = BTreeIndex(self.files.index, self._read, self._allowed, f"the index of {self._url}",
+                                     self._whole_up_to)
+        return self._index
+
+    def _read_one_by_one(self, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
+        """Spans read through the kvstore, one request each (a locator no reader has bound)."""
+        out = []
+        for path, offset, length in spans:
+            try:
+                result = self.kvstore.read(path, byte_range=slice(offset, offset + length)).result()
+            except ValueError as e:
+                raise storage_error(e, f"reading {self._url}/{path} failed") from None
+            if result.state != "value":
+                raise MetadataError(f"{self._url}/{path} is missing")
+            out.append(np.frombuffer(result.value, dtype=np.uint8))
+        return out
