@@ -43,6 +43,9 @@ def test_demo_saves_on_4_ranks_and_reloads_bit_exact_on_2(tmp_path):
     assert group["model/embed.weight"].attrs["tsckpt"]["kind"] == "tensor"
     assert sorted(set(tsckpt.open(path)["model.embed.weight"].writers().values())) == [0, 1, 2, 3]
     assert f"layout {md.get('layout', 'plain')}; as zarr-python sees it:" in proc.stdout
+    # A line per top-level group, not the hundred-odd of the whole tree: the outcome stays on one screen.
+    assert "├── model/ 28 arrays, e.g. blocks.0.fc1.bias (512,) float32" in proc.stdout.splitlines()
+    assert len(proc.stdout.splitlines()) <= 20, proc.stdout
     assert md["objects"]["step"] == {"key_path": ["step"], "encoding": "json", "value": demo.STEPS}
     moment = group["optim/state/embed.weight/exp_avg"]
     assert moment.shape == (demo.VOCAB, demo.DIM) and moment.dtype == np.float32

@@ -263,11 +263,25 @@ def _zarr_source(path: str, layout: str) -> Any:
     return zarr_store(path)
 
 
-def _zarr_tree(path: str, layout: str) -> Any:
-    """The checkpoint as zarr-python sees it."""
+def _zarr_outline(path: str, layout: str) -> str:
+    """The checkpoint as zarr-python sees it, a line per top-level member: the whole tree of a model and its
+    optimizer state is over a hundred lines, and buries the demo's outcome."""
     import zarr
 
-    return zarr.open_group(_zarr_source(path, layout), mode="r").tree()
+    members = zarr.open_group(_zarr_source(path, layout), mode="r").members()
+    lines = ["/"]
+    for n, (name, node) in enumerate(sorted(members)):
+        branch = "└──" if n == len(members) - 1 else "├──"
+        if isinstance(node, zarr.Array):
+            lines.append(f"{branch} {name} {node.shape} {node.dtype}")
+            continue
+        arrays = sorted((k, a) for k, a in node.members(max_depth=None) if isinstance(a, zarr.Array))
+        if not arrays:
+            lines.append(f"{branch} {name}/ (empty)")
+            continue
+        key, first = arrays[0]
+        lines.append(f"{branch} {name}/ {count(len(arrays), 'array')}, e.g. {key} {first.shape} {first.dtype}")
+    return "\n".join(lines)
 
 
 def _read_with_zarr(path: str, layout: str, entry: TensorEntry, saved: np.ndarray) -> None:
@@ -326,7 +340,7 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     print(f"  e.g. {_PROBE}: shape {list(embed.shape)}, chunks {list(embed.chunk_shape)}, "
           f"written by ranks {sorted(set(ck.tensors[_PROBE].writers().values()))}")
     print(f"layout {md.layout}; as zarr-python sees it:")
-    print(_zarr_tree(path, md.layout))
+    print(_zarr_outline(path, md.layout))
 
     loaded = _spawn(load_ranks, _load_rank, path)
     load_s = max(r["seconds"] for r in loaded)
