@@ -238,7 +238,8 @@ class TableReader:
 
     def _parse_front(self) -> None:
         size, header = self._header()
-        files, hashed, n, block = tuple(header["files"]), header["digests"] is not None, header["count"], header["block"]
+        files, hashed = tuple(header["files"]), header["digests"] is not None
+        n, block = header["count"], header["block"]
         front = self._front_length()
         if front + n * _record(bool(files), hashed).itemsize != self.length:
             raise MetadataError(f"{self.where}: the chunk table holds another number of rows than the {n} it "
@@ -286,7 +287,8 @@ class TableReader:
 _FRONT = 64 << 10
 
 
-def look_up(wanted: Mapping[TableReader, Collection[tuple[int, int]]], read: ReadSpans) -> dict[TableReader, ChunkTable]:
+def look_up(wanted: Mapping[TableReader, Collection[tuple[int, int]]],
+            read: ReadSpans) -> dict[TableReader, ChunkTable]:
     """Find each table's keys, reading what every table needs next together, round after round (the fronts,
     then the blocks): each table's rows that hold its keys."""
     while True:
