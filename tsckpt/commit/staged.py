@@ -617,6 +617,8 @@ class StagedTarget(SaveTarget):
         write after the removal is removed once more (the directory carries
         this save's id: no other save writes there). Returns as :meth:`abort`.
         """
+        if _merging(self.path) == self.save_id:  # its publication had begun: only going forward helps
+            return self.abort()
         settle(self.staging)
         self.abort()
         settle(self.staging, quiet=0.2, limit=2.0)
