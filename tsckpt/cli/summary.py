@@ -34,7 +34,13 @@ metadata's record of it. A value is given only for ``json`` encoded values
 ``verify --json`` (:func:`verification`)::
 
     {"location": str, "ok": bool, "arrays": int, "failed": int, "chunks": int, "nbytes": int,
-     "entries": [{"key": str, "path": str, "nbytes": int, "chunks": int, "problems": [str, ...]}, ...]}
+     "entries": [{"key": str, "path": str, "nbytes": int, "chunks": int, "problems": [str, ...],
+                  "problem_files": [str | null, ...], "stored_in": [str, ...], "kind": "tensor" | "value"}, ...],
+     "files": {... as an entry, "kind": "files"} | null}
+
+``problem_files`` names the file or object each problem is about (null: none in particular), and
+``stored_in`` the files holding the entry's chunks; ``files`` is the data files, chunk tables and
+index, checked whole.
 
 Torch-free.
 """

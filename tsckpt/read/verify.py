@@ -13,6 +13,7 @@ tells which tensors and which chunks are damaged. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -53,14 +54,28 @@ class EntryReport:
     problems: tuple[str, ...] = ()
     #: Chunks compared with the crc32c the save recorded (0 when it recorded none).
     checksummed: int = 0
+    #: The file or object each problem is about, in the order of :attr:`problems` (None: no one file, as for a
+    #: ``zarr.json`` that disagrees with the metadata). Reports group damage by it.
+    problem_files: tuple[str | None, ...] = ()
+    #: The files or objects holding the entry's chunks (a plain layout's chunk files; a packed one's data files),
+    #: so that a damaged file can say how many entries it holds.
+    stored_in: tuple[str, ...] = ()
+    #: "tensor", "value" (a stored non-tensor value's blob) or "files" (:attr:`VerifyReport.files`).
+    kind: str = "tensor"
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    def file_of(self, n: int) -> str | None:
+        """The file problem ``n`` is about, if one."""
+        return self.problem_files[n] if n < len(self.problem_files) else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "path": self.path, "nbytes": self.nbytes, "chunks": self.chunks,
-                "checksummed": self.checksummed, "problems": list(self.problems)}
+                "checksummed": self.checksummed, "problems": list(self.problems),
+                "problem_files": [self.file_of(n) for n in range(len(self.problems))],
+                "stored_in": list(self.stored_in), "kind": self.kind}
 
 
 @dataclass(frozen=True)
@@ -133,10 +148,16 @@ class _Checker:
         self.advance = advance
 
     def run(self, target: _Target) -> EntryReport:
+        report = self._run(target)
+        return report if target.entry is not None else dataclasses.replace(report, kind="value")
+
+    def _run(self, target: _Target) -> EntryReport:
         try:
             return self._check(target)
         except (ChecksumError, MetadataError) as e:  # damage below the arrays (a packed checkpoint's index)
-            return EntryReport(target.key, target.path, 0, 0, (str(e),))
+            index = self.source.metadata.data_files.index if self.source.metadata.data_files else None
+            return EntryReport(target.key, target.path, 0, 0, (str(e),),
+                               problem_files=(index.path if index is not None else None,))
 
     def _check(self, target: _Target) -> EntryReport:
         problems: list[str] = []
@@ -150,12 +171,40 @@ class _Checker:
         indices = list(chunks.indices())
         sep = zarr_json.chunk_key_separator(doc)
         missing = self._missing_chunks(kv, indices, sep)
-        problems += [f"chunk {key}: {target.path}/{key} is missing" for key in missing]
+        files: list[str | None] = [None] * len(problems)
+        for key in sorted(missing):
+            problems.append(f"chunk {key}: {target.path}/{key} is missing")
+            files.append(self._writer_file(target, key))
         # A missing chunk is reported once, not again as the read that fails on it.
         present = [i for i in indices if zarr_json.chunk_key(i, sep) not in missing]
-        read_problems, checksummed = self._read_chunks(target, present, nbytes, sep)
-        return EntryReport(target.key, target.path, nbytes, len(indices), tuple(problems + read_problems),
-                           checksummed)
+        stored_in: set[str] = set()
+        read_problems, checksummed = self._read_chunks(target, present, nbytes, sep, stored_in)
+        return EntryReport(target.key, target.path, nbytes, len(indices),
+                           tuple(problems + [p for p, _ in read_problems]), checksummed,
+                           tuple(files + [f for _, f in read_problems]), tuple(sorted(stored_in)))
+
+    def _writer_file(self, target: _Target, key: str) -> str | None:
+        """Where chunk ``key`` is, when its writer's chunk table cannot say: that rank's data file (whose end holds
+        the table), or in the plain layout the chunk's own file."""
+        md = self.source.metadata
+        if md.layout != "packed":
+            return f"{target.path}/{key}"
+        files = md.data_files
+        if files is None:
+            return None
+        try:
+            if target.entry is None:
+                rank = md.objects[target.key].writer
+            else:
+                index = tuple(int(p) for p in key[2:].split(".")) if key != "c" else ()
+                flat = target.entry.grid.flat_index(index)
+                rank = int(target.entry.writer_ranks(md.world_size, target.key)[flat])
+            record = files.ranks[rank] if rank is not None else None
+        except (TsckptError, ValueError, IndexError):
+            return None
+        if record is None:
+            return None
+        return record.table.path if record.table is not None else (record.files[-1].path if record.files else None)
 
     def _zarr_json(self, kv: ts.KvStore, target: _Target, problems: list[str]) -> dict[str, Any] | None:
         where = f"{target.path}/{commit.ROOT}"
@@ -191,7 +240,7 @@ class _Checker:
         return {key for key in (zarr_json.chunk_key(i, sep) for i in indices) if key not in present}
 
     def _read_stored(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
-                     sep: str) -> tuple[list[str], int]:
+                     sep: str, stored_in: set[str]) -> tuple[list[tuple[str, str | None]], int]:
         """Every chunk read as stored, whole, and checked as stored: its size and index, the crc32c
         beside each inner chunk (or, compressed, each decoded), and the content hash its rank recorded (a
         chunk replaced whole by another intact one has every crc32c right)."""
@@ -202,11 +251,14 @@ class _Checker:
         fmt = shards.value_format(entry, options)
         dtype = dtypes.from_zarr(entry.dtype).numpy
         what = f"tensor {target.key!r}"
-        problems: list[str] = []
+        problems: list[tuple[str, str | None]] = []
         try:
             hashes = self.source.digests(entry)
         except TsckptError as e:
-            problems.append(str(e))
+            ranks = set(entry.writer_ranks(md.world_size, what).tolist()) if entry.writers is not None else set()
+            tables = {md.data_files.ranks[r].table for r in ranks} if md.data_files is not None else set()
+            table = next(iter(tables)) if len(tables) == 1 else None
+            problems.append((str(e), table.path if table is not None else None))
             hashes = {}
         checked = 0
         chunk_bytes = max(nbytes // len(indices), 1)
@@ -216,13 +268,19 @@ class _Checker:
             self.source.locator.prefetch(f"{entry.path}/{zarr_json.chunk_key(idx, sep)}" for idx in part)
             batch = self.source.batch()
             reads = []
+            where: dict[tuple[int, ...], str | None] = {}
             for idx in part:
                 key = f"{entry.path}/{zarr_json.chunk_key(idx, sep)}"
                 try:
                     found = self.source.locator.locate(key)
                 except TsckptError as e:  # its writer's chunk table is damaged or unreadable
+                    where[idx] = self._writer_file(target, zarr_json.chunk_key(idx, sep))
+                    stored_in.update(f for f in (where[idx],) if f is not None)
                     reads.append((idx, ValueError(str(e))))
                     continue
+                where[idx] = found.file if found is not None else self._writer_file(target, zarr_json.chunk_key(idx, sep))
+                if found is not None:
+                    stored_in.add(found.file)
                 if found is None:
                     reads.append((idx, ValueError(f"{key} is missing (its writer's chunk table has no row for it)")))
                 elif found.length is None and options.compression is not None:  # a plain file of unknown size
@@ -246,34 +304,43 @@ class _Checker:
                         shards.check_stored_codec(fmt, idx, data, what)
                     checked += md.codec_checksums
                 except Exception as e:  # every way a chunk can fail is reported, and the others still checked
-                    problems.append(f"chunk {name}: {e}")
+                    problems.append((f"chunk {name}: {e}", where.get(idx)))
                     continue
                 recorded = hashes.get(entry.grid.flat_index(idx))
                 if recorded is not None and content_hashes.stored(data) != recorded:
-                    problems.append(f"chunk {name}: its stored bytes do not have the content hash recorded when "
-                                    f"it was saved (the chunk was replaced by another)")
+                    problems.append((f"chunk {name}: its stored bytes do not have the content hash recorded when "
+                                     f"it was saved (the chunk was replaced by another)", where.get(idx)))
             self.advance(chunk_bytes * len(part))
         return problems, checked
 
     def _read_chunks(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
-                     sep: str) -> tuple[list[str], int]:
+                     sep: str, stored_in: set[str]) -> tuple[list[tuple[str, str | None]], int]:
         if not indices:
             return [], 0
         if target.entry is not None:
-            return self._read_stored(target, indices, nbytes, sep)
-        return self._read_blob(target, nbytes, sep), 0
+            return self._read_stored(target, indices, nbytes, sep, stored_in)
+        return self._read_blob(target, nbytes, sep, stored_in), 0
 
-    def _read_blob(self, target: _Target, nbytes: int, sep: str) -> list[str]:
+    def _read_blob(self, target: _Target, nbytes: int, sep: str,
+                   stored_in: set[str]) -> list[tuple[str, str | None]]:
         """A value blob, read whole through TensorStore, whose crc32c codec checks it."""
+        name = zarr_json.chunk_key((0,), sep)
+        try:
+            found = self.source.locator.locate(f"{target.path}/{name}")
+            file = found.file if found is not None and found.file else self._writer_file(target, name)
+        except TsckptError:
+            file = self._writer_file(target, name)
+        if file is not None:
+            stored_in.add(file)
         try:
             blob = self.store.open_blob(target.path).result()
         except Exception as e:  # TensorStore reports every failure as ValueError or its own types
-            return [f"cannot open the array: {e}"]
+            return [(f"cannot open the array: {e}", file)]
         problems = []
         try:
             blob.read().result()
         except Exception as e:
-            problems.append(f"chunk {zarr_json.chunk_key((0,), sep)}: {e}")
+            problems.append((f"chunk {name}: {e}", file))
         self.advance(nbytes)
         return problems
 
@@ -322,36 +389,59 @@ def _files_report(source: ChunkSource) -> EntryReport | None:
     if files is None:
         return None
     problems: list[str] = []
+    about: list[str | None] = []
+
+    def found(problem: str, file: str | None) -> None:
+        problems.append(problem)
+        about.append(file)
+
     kv = source.store.kvstore
+    local = source.store.location.driver == "file"
     for f in files.files:
+        if local:  # the size itself, where one can be had: what a truncation changes
+            full = os.path.join(str(source.store.location.spec.get("path", "")), f.path)
+            if not os.path.exists(full):
+                found(f"{f.path} is missing", f.path)
+            elif os.path.getsize(full) != f.size:
+                found(f"{f.path} is {os.path.getsize(full)} bytes, not the {f.size} written (truncated or replaced)",
+                      f.path)
+            continue
         try:
             result = kv.read(f.path, byte_range=slice(f.size, f.size)).result() if f.size else kv.read(f.path).result()
             missing = result.state != "value"
         except ValueError as e:
-            problems.append(f"{f.path}: {e}")
+            # A read at the recorded end fails when the file or object is shorter.
+            found(f"{f.path} is shorter than the {f.size} bytes written: {e}", f.path)
             continue
         if missing:
-            problems.append(f"{f.path} is missing")
-        elif source.store.location.driver == "file":
-            size = os.path.getsize(os.path.join(str(source.store.location.spec.get("path", "")), f.path))
-            if size != f.size:
-                problems.append(f"{f.path} is {size} bytes, not the {f.size} written (truncated or replaced)")
+            found(f"{f.path} is missing", f.path)
     for rank, record in enumerate(files.ranks):
         if record.table is None:
             continue
         try:
             source.tables.everything(rank)
         except (ValueError, TsckptError) as e:
-            problems.append(str(e))
+            found(str(e), record.table.path)
+    index_file = files.index.path if files.index is not None else None
     if files.index is not None:
         try:
             index = source.locator.everything()
             Manifest.decode(kv.read(MANIFEST_KEY).result().value, MANIFEST_KEY)
             # What TensorStore and zarr-python find through the index must be what tsckpt finds in the tables.
             source.locator.prefetch(index)
-            odd = next((k for k, v in index.items() if v.inline is None and source.locator.locate(k) != v), None)
+            odd = next((k for k, v in index.items() if v.inline is None and _located(source, k) not in (v, None)),
+                       None)
             if odd is not None:
-                problems.append(f"the index and the chunk tables disagree on where {odd} is stored")
+                found(f"the index and the chunk tables disagree on where {odd} is stored", index_file)
         except (ValueError, TsckptError) as e:
-            problems.append(str(e))
-    return EntryReport("(data files)", "d/", sum(f.size for f in files.files), 0, tuple(problems))
+            found(str(e), index_file)
+    return EntryReport("(data files)", "d/", sum(f.size for f in files.files), 0, tuple(problems),
+                       problem_files=tuple(about), kind="files")
+
+
+def _located(source: ChunkSource, key: str) -> Any:
+    """Where the chunk tables say ``key`` is; None where its table cannot be read (reported as the table's damage)."""
+    try:
+        return source.locator.locate(key)
+    except TsckptError:
+        return None
