@@ -20,11 +20,16 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import crc32c as _crc32c
+import numpy as np
 import tensorstore as ts
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from ..errors import StorageError, TsckptError
+from ..errors import ChecksumError, StorageError, TsckptError
+from ..format import compressed, dtypes, shards
+from ..format.metadata import TensorEntry
+from ..storage.chunk_source import ChunkSource
 from ..commit import protocol as commit
 from ..storage import kvio, packed
 from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
@@ -87,6 +92,10 @@ class TensorStoreZarrStore(Store):
         #: The committed checkpoint's metadata (None: a location opened as found, committed or not).
         self.metadata = metadata
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
+        self._source: ChunkSource | None = None
+        self._arrays: dict[str, tuple[str, TensorEntry | None]] | None = None
+        #: (start, end) of each inner chunk of a compressed chunk, from the shard index zarr read before them.
+        self._pieces: dict[str, set[tuple[int, int]]] = {}
         self._opened_at = 0.0
         self._copies: list[weakref.ref[TensorStoreZarrStore]] = []  # what close() closes too
 
@@ -98,6 +107,7 @@ class TensorStoreZarrStore(Store):
             store = SpecStore.open(self.location, io_concurrency=self.io_concurrency, layout=self.layout)
             if self.metadata is not None:
                 store = store.for_checkpoint(self.metadata)
+                self._source = ChunkSource.of(store, self.metadata)
             self._stores = (store.kvstore, store.layout.hierarchy(store))
             self._opened_at = time.time()
         return self._stores
@@ -108,7 +118,7 @@ class TensorStoreZarrStore(Store):
 
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle (dask may pickle the store); reopen lazily.
-        return {**self.__dict__, "_stores": None, "_copies": []}
+        return {**self.__dict__, "_stores": None, "_source": None, "_copies": [], "_pieces": {}}
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, TensorStoreZarrStore) and self.location == other.location
@@ -135,6 +145,7 @@ class TensorStoreZarrStore(Store):
             if copy is not None:
                 copy.close()
         self._stores = None
+        self._source = None
         super().close()
 
     def with_read_only(self, read_only: bool = False) -> TensorStoreZarrStore:
@@ -160,19 +171,142 @@ class TensorStoreZarrStore(Store):
     async def get(self, key: str, prototype: BufferPrototype | None = None,
                   byte_range: ByteRequest | None = None) -> Buffer | None:
         try:
-            return self._buffer(prototype, await self._read(key, byte_range))
+            return self._checked(key, prototype, await self._read(key, byte_range), byte_range)
         except ValueError as e:
             self._only_out_of_range(key, e)
-        return self._buffer(prototype, await self._read(key, None), byte_range)
+        try:
+            whole = await self._read(key, None)
+        except ValueError as e:  # the value itself cannot be read: a data file cut short, say
+            raise self._error(key, e) from None
+        return self._checked(key, prototype, whole, byte_range, clip=True)
 
     def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
                  byte_range: ByteRequest | None = None) -> Buffer | None:
         """Synchronous read (zarr's ``SupportsGetSync`` protocol)."""
         try:
-            return self._buffer(prototype, self._read(key, byte_range).result())
+            return self._checked(key, prototype, self._read(key, byte_range).result(), byte_range)
         except ValueError as e:
             self._only_out_of_range(key, e)
-        return self._buffer(prototype, self._read(key, None).result(), byte_range)
+        try:
+            whole = self._read(key, None).result()
+        except ValueError as e:
+            raise self._error(key, e) from None
+        return self._checked(key, prototype, whole, byte_range, clip=True)
+
+    # --- damage, named -------------------------------------------------------
+
+    def _checked(self, key: str, prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
+                 byte_range: ByteRequest | None, clip: bool = False) -> Buffer | None:
+        """The value read, its crc32c checked here where it covers whole checksummed pieces, so that damage
+        raises an error naming the tensor, chunk and file, not zarr's codec error naming none."""
+        if result.state == "value" and self.metadata is not None and self.metadata.codec_checksums:
+            value = result.value if not clip else bytes(result.value)
+            if clip:
+                self._check(key, value, None)
+            else:
+                self._check(key, value, byte_range)
+        return self._buffer(prototype, result, byte_range if clip else None)
+
+    def _array_of(self, key: str) -> tuple[str, TensorEntry | None, tuple[int, ...]] | None:
+        """(the tensor or value's flat key, its entry (None for a value), the chunk's grid index) of a chunk key."""
+        if self.metadata is None:
+            return None
+        if self._arrays is None:
+            self._arrays = {e.path: (k, e) for k, e in self.metadata.tensors.items()}
+            self._arrays |= {o.path: (k, None) for k, o in self.metadata.objects.items() if o.path is not None}
+        path, _, name = key.rpartition("/")
+        found = self._arrays.get(path)
+        if found is None or not (name == "c" or name.startswith("c.") and name[2:].replace(".", "").isdigit()):
+            return None
+        return (*found, tuple(int(p) for p in name[2:].split(".")) if name != "c" else ())
+
+    def _check(self, key: str, value: bytes, byte_range: ByteRequest | None) -> None:
+        found = self._array_of(key)
+        if found is None:
+            return
+        flat, entry, index = found
+        if entry is None:  # a value blob: one piece, read whole
+            if byte_range is None and not _intact(value):
+                raise self._damage(key, ChecksumError, "its blob does not match its stored crc32c (the data "
+                                                        "changed after it was written)")
+            return
+        options = self.metadata.array_options  # type: ignore[union-attr]
+        fmt = shards.value_format(entry, options)
+        data = np.frombuffer(value, dtype=np.uint8)
+        if options.compression is not None:
+            self._check_compressed(key, entry, fmt, index, data, byte_range)
+            return
+        start, end = _span(byte_range, fmt.nbytes)
+        if (start, end) == (0, fmt.nbytes):
+            try:
+                shards.check_stored_codec(fmt, index, data, "")
+            except ChecksumError as e:
+                raise self._damage(key, ChecksumError, str(e).removeprefix(": ")) from None
+        elif fmt.indexed and (start, end) == (fmt.nbytes - fmt.index_bytes, fmt.nbytes):
+            if not _intact(data):
+                raise self._damage(key, ChecksumError, "its shard index does not match its stored crc32c")
+        elif end <= fmt.pieces * fmt.piece_bytes and start % fmt.piece_bytes == 0 and data.size % fmt.piece_bytes == 0:
+            for at in range(0, data.size, fmt.piece_bytes):
+                if not _intact(data[at:at + fmt.piece_bytes]):
+                    raise self._damage(key, ChecksumError, f"the inner chunk at bytes [{start + at}, "
+                                       f"{start + at + fmt.piece_bytes}) does not match its stored crc32c (the data "
+                                       "changed after it was written)")
+
+    def _check_compressed(self, key: str, entry: TensorEntry, fmt: shards.ShardFormat, index: tuple[int, ...],
+                          data: np.ndarray, byte_range: ByteRequest | None) -> None:
+        """Compressed chunks: a whole one decoded and checked; its index, and then each inner chunk zarr reads by
+        the ranges the index gives, by the crc32c each ends with."""
+        options = self.metadata.array_options  # type: ignore[union-attr]
+        assert options.compression is not None
+        if byte_range is None:
+            try:
+                compressed.decode(fmt, options.compression, data, dtypes.from_zarr(entry.dtype).numpy, "")
+            except ChecksumError as e:
+                raise self._damage(key, ChecksumError, str(e).removeprefix(": ")) from None
+            return
+        if fmt.indexed and isinstance(byte_range, SuffixByteRequest) and byte_range.suffix == fmt.index_bytes:
+            if not _intact(data):
+                raise self._damage(key, ChecksumError, "its shard index does not match its stored crc32c")
+            pairs = np.frombuffer(data[:16 * fmt.pieces].tobytes(), dtype="<u8").reshape(-1, 2)
+            self._pieces[key] = {(int(o), int(o + n)) for o, n in pairs.tolist() if o != shards.MISSING}
+        elif isinstance(byte_range, RangeByteRequest) and (byte_range.start, byte_range.end) in self._pieces.get(key, ()):
+            if not _intact(data):
+                raise self._damage(key, ChecksumError, f"the inner chunk at bytes [{byte_range.start}, "
+                                   f"{byte_range.end}) does not match its stored crc32c (the data changed after it "
+                                   "was written)")
+
+    def _stored_at(self, key: str) -> str:
+        """Where ``key``'s value is, as the error names it: its file (and range), or why that cannot be said."""
+        if self.layout != PACKED or self._source is None:
+            return key
+        try:
+            found = self._source.locator.locate(key)
+        except TsckptError:
+            found = None
+        if found is not None and found.length is not None:
+            return f"{found.file} (bytes [{found.offset}, {found.offset + found.length}))"
+        # Its writer's chunk table, which ends its data file, cannot say: that data file.
+        found_array = self._array_of(key)
+        files = self.metadata.data_files if self.metadata is not None else None
+        if found_array is None or files is None:
+            return "the packed index"
+        flat, entry, index = found_array
+        try:
+            rank = (self.metadata.objects[flat].writer if entry is None  # type: ignore[union-attr]
+                    else int(entry.writer_ranks(self.metadata.world_size, flat)[entry.grid.flat_index(index)])) # type: ignore[union-attr]
+            record = files.ranks[rank] if rank is not None else None
+        except (TsckptError, ValueError, IndexError):
+            record = None
+        if record is None or not record.files:
+            return "the packed index"
+        return " or ".join(f.path for f in record.files)
+
+    def _damage(self, key: str, kind: type[TsckptError], problem_text: str) -> TsckptError:
+        found = self._array_of(key)
+        assert found is not None
+        what = "tensor" if found[1] is not None else "value"
+        return kind(f"{what} {found[0]!r} in {self.location.url}: chunk {key} in {self._stored_at(key)}: "
+                    f"{problem_text}")
 
     async def get_partial_values(self, prototype: BufferPrototype,
                                  key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
@@ -237,6 +371,10 @@ class TensorStoreZarrStore(Store):
                           f"cannot change {key!r}")
 
     def _error(self, key: str, e: Exception) -> TsckptError:
+        if self._array_of(key) is not None:
+            kind = ChecksumError if "DATA_LOSS" in str(e) else StorageError
+            past = "it lies past the end of the file, which was cut short: " if "OUT_OF_RANGE" in str(e) else ""
+            return self._damage(key, kind, f"{past}reading it failed: {problem(e)}")
         return StorageError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
 
     @staticmethod
@@ -247,6 +385,23 @@ class TensorStoreZarrStore(Store):
             return None
         value = result.value if clip is None else _clip(result.value, clip)
         return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
+
+
+def _intact(data: bytes | np.ndarray) -> bool:
+    """Whether ``data`` ends with the crc32c (little-endian) of the bytes before it."""
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    return raw.size >= 4 and _crc32c.crc32c(raw[:-4]) == int.from_bytes(raw[-4:].tobytes(), "little")
+
+
+def _span(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:
+    """``[start, end)`` of a request into a value of ``size`` bytes."""
+    if byte_range is None:
+        return 0, size
+    if isinstance(byte_range, RangeByteRequest):
+        return byte_range.start, byte_range.end
+    if isinstance(byte_range, OffsetByteRequest):
+        return byte_range.offset, size
+    return size - byte_range.suffix, size
 
 
 def _as_slice(byte_range: ByteRequest | None) -> slice | None:

@@ -95,6 +95,15 @@ class BoxReader:
     def _where(self, index: Sequence[int]) -> str:
         return f"{self.source.store.url}/{self._key(index)}"
 
+    def _in_file(self, index: Sequence[int]) -> str:
+        """' in FILE' where chunk ``index`` is a range of a data file (packed), '' where it is a file of its own."""
+        key = self._key(index)
+        try:
+            found = self.source.locator.locate(key)  # looked up when the read was planned: no I/O
+        except (TsckptError, ValueError):
+            return ""
+        return f" in {found.file}" if found is not None and found.file and found.file != key else ""
+
     def _planned(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], batch: RangeBatch,
                  out: np.ndarray) -> ChunkStep:
         """:meth:`_plan_chunk`, a chunk found missing or damaged while planning failing when its step runs
@@ -115,8 +124,8 @@ class BoxReader:
         key = self._key(index)
         try:
             found = self.source.locator.locate(key)
-        except TsckptError as e:  # a damaged chunk table or index: which tensor's read met it
-            raise type(e)(f"{self.what}: {e}") from None
+        except TsckptError as e:  # a damaged chunk table or index: which tensor's and chunk's read met it
+            raise type(e)(f"{self.what}: chunk {key}: {e}") from None
         if found is None:
             raise ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} "
                              f"is missing")
@@ -127,8 +136,9 @@ class BoxReader:
             whole = batch.want(found.file, found.offset, found.offset + found.length)
             return ChunkStep((whole,), lambda: self._place_compressed(index, start, whole.bytes, offsets, sizes, out))
         if found.length is not None and found.length != fmt.nbytes:
-            raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} is "
-                             f"{found.length} bytes, not the {fmt.nbytes} written (truncated or replaced)")
+            raise ValueError(f"DATA_LOSS: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)}"
+                             f"{self._in_file(index)} is {found.length} bytes, not the {fmt.nbytes} written "
+                             "(truncated or replaced)")
         if found.length is None and isinstance(self.source.fetcher, LocalFiles):
             self.source.fetcher.expect(found.file, fmt.nbytes)
         base = found.offset
@@ -177,7 +187,8 @@ class BoxReader:
             if tail is not None and not np.array_equal(tail.bytes, fmt.index):
                 if not whole:
                     raise ChecksumError(f"{self.what}: the shard index of chunk {list(index)} is not the one tsckpt "
-                                        "wrote (it was damaged or cut short)")
+                                        f"wrote (key {self._key(index)}{self._in_file(index)}; it was damaged or cut "
+                                        "short)")
                 data = np.concatenate([*(s.bytes for s in slots), tail.bytes])
                 self._place(index, start, first, last, (*self._gathered(index, data), 0), offsets, sizes, out)
                 return
@@ -220,7 +231,8 @@ class BoxReader:
             at = self.fmt.coords(positions[bad[:1]])[0].tolist()
             inner = f" at inner chunk {at}" if self.fmt.indexed else ""
             raise ChecksumError(f"{self.what}: chunk {list(index)} does not match its stored crc32c{inner} "
-                                f"(key {self._key(index)}; the data changed after it was written)")
+                                f"(key {self._key(index)}{self._in_file(index)}; the data changed after it was "
+                                "written)")
 
     def _place_block(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...],
                      last: tuple[int, ...], positions: np.ndarray, span: np.ndarray, offsets: tuple[int, ...],
