@@ -1,8 +1,8 @@
-"""tsckpt's shared thread pools in a forked child: each process makes its own, so the child does not hang.
+"""tsckpt's thread pools in a forked child: each process makes its own, so the child does not hang.
 
-A pool made at import and used before a fork is copied into the child with
-its parent's count of idle threads, which do not exist there: the child's
-first task would wait forever. The parent runs in an interpreter of its own:
+A pool used before a fork (a checkpoint opened before a DataLoader forks its
+workers) is copied into the child with its parent's count of idle threads,
+which do not exist there: the child's first task would wait forever. The parent runs in an interpreter of its own:
 once TensorStore has run threads, it aborts any forked child that uses it, and
 the test process has run TensorStore in other tests. So the parent uses the
 pools directly (a chunk file written, a byte range read), never TensorStore.
@@ -23,16 +23,19 @@ PARENT = """
     from tsckpt.storage.sinks import Blob
 
     root = sys.argv[1]
-    # Both pools, used before the fork: a chunk file large enough for the write threads, and a read.
+    # Both kinds of pool, used before the fork: a chunk file large enough for the write threads, and a read.
     writer = chunk_files.ChunkFileWriter(sync=False)
     writer.write(os.path.join(root, "big"), Blob(np.ones(2 << 20, np.uint8), checksum=False)).result()
-    assert fetchers.LocalFiles(root).fetch("big", 0, 16).result().tolist() == [1] * 16
+    files = fetchers.LocalFiles(root)
+    assert files.fetch("big", 0, 16).result().tolist() == [1] * 16
 
     state = {"w": torch.randn(1024, 512, generator=torch.Generator().manual_seed(0))}  # 2 MiB chunks
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            assert files.fetch("big", 16, 32).result(timeout=20).tolist() == [1] * 16
+            writer.write(os.path.join(root, "big2"), Blob(np.ones(2 << 20, np.uint8), checksum=False)).result(20)
             tsckpt.save(state, os.path.join(root, "ck"), layout="plain")
             out = {"w": torch.zeros(1024, 512)}
             tsckpt.load(out, os.path.join(root, "ck"))

@@ -20,14 +20,13 @@ from typing import Any
 import numpy as np
 
 from . import localfs
-from .pools import ProcessPool
+from .context import DEFAULT_IO_CONCURRENCY
+from .pools import ThreadPool
 
 #: Whether files may be made durable by one syncfs at the end (Linux) rather than an fsync each.
 _DEFER_SYNC = localfs.has_syncfs()
 #: Chunk files smaller than this are written on the rank's own thread.
 INLINE_BYTES = 1 << 20
-#: Writes have threads of their own: an fsync waiting on the disk must not hold up reads.
-_WRITE_POOL = ProcessPool(max_workers=4, thread_name_prefix="tsckpt-chunk-write")
 
 
 #: Scratch buffers larger than this are not kept between uses.
@@ -74,18 +73,28 @@ class ChunkFileWriter:
 
     A file that exists already is replaced, never written into: in an
     incremental save it may be a hard link to a base checkpoint's chunk.
+
+    Large chunks are written on ``threads`` threads of the writer's own (the
+    save's ``io_concurrency``, DCP's ``thread_count``), made as writes come
+    and ended by :meth:`finish` or :meth:`close`.
     """
 
-    def __init__(self, *, sync: bool):
+    def __init__(self, *, sync: bool, threads: int = DEFAULT_IO_CONCURRENCY):
         self.sync = sync
+        self._pool = ThreadPool(threads, thread_name_prefix="tsckpt-chunk-write")
         self._dirs: set[str] = set()  # the directories made (or found) for the files written
         self._deferred = False  # a file was left to finish's syncfs
 
     def finish(self) -> None:
         """Make every file written so far durable (with ``sync``); call once all futures are done."""
+        self.close()
         if self._deferred:
             self._deferred = False
             localfs.syncfs_at(next(iter(self._dirs)))  # one filesystem: the save's staging directory
+
+    def close(self) -> None:
+        """End the write threads once the writes started are done (a later write makes new ones)."""
+        self._pool.shutdown(wait=True)
 
     def write(self, path: str, value: Any, key: str = "",
               emit: Callable[[Any, Callable[[memoryview], None]], None] | None = None) -> Future[None]:
@@ -96,7 +105,7 @@ class ChunkFileWriter:
         its bytes.
         """
         if value.nbytes >= INLINE_BYTES:
-            return _WRITE_POOL.submit(self._write, path, value, key, emit)
+            return self._pool.submit(self._write, path, value, key, emit)
         done: Future[None] = Future()
         try:
             done.set_result(self._write(path, value, key, emit))

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .pools import ProcessPool
+from .context import DEFAULT_IO_CONCURRENCY
+from .pools import ThreadPool
 
 
 class Fetcher(ABC):
@@ -31,26 +32,32 @@ class Fetcher(ABC):
         or raises ValueError worded as TensorStore words it (``NOT_FOUND``, ``OUT_OF_RANGE``, ``DATA_LOSS``)."""
 
 
-#: Local reads run on a few threads: enough to keep the page cache or a disk queue busy, few for 2 cores.
-_LOCAL_POOL = ProcessPool(max_workers=4, thread_name_prefix="tsckpt-read")
-
-
 class LocalFiles(Fetcher):
     """Files under a local directory, read with ``preadv``; ``sizes`` (key -> bytes written) are checked
-    once per file, so a file cut short or grown fails every read of it, partial reads included."""
+    once per file, so a file cut short or grown fails every read of it, partial reads included.
 
-    def __init__(self, root: str, sizes: Mapping[str, int] | None = None):
+    Reads run on ``threads`` threads of its own (the ``io_concurrency`` of the store it reads, DCP's
+    ``thread_count``), made as reads come and ended by :meth:`close` or when it is freed.
+    """
+
+    def __init__(self, root: str, sizes: Mapping[str, int] | None = None, *,
+                 threads: int = DEFAULT_IO_CONCURRENCY):
         self.root = root
         self.sizes = dict(sizes or {})
+        self._pool = ThreadPool(threads, thread_name_prefix="tsckpt-read")
         self._checked: dict[str, str | None] = {}
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """End the read threads once the reads started are done."""
+        self._pool.shutdown(wait=False)
 
     def expect(self, key: str, size: int) -> None:
         """Read ``key`` only if it is ``size`` bytes long."""
         self.sizes.setdefault(key, size)
 
     def fetch(self, key: str, start: int, stop: int, into: np.ndarray | None = None) -> Future[np.ndarray]:
-        return _LOCAL_POOL.submit(self._read, key, start, stop, into)
+        return self._pool.submit(self._read, key, start, stop, into)
 
     def _read(self, key: str, start: int, stop: int, into: np.ndarray | None) -> np.ndarray:
         path = os.path.join(self.root, key)

@@ -16,16 +16,18 @@ import tensorstore as ts
 
 from ..format.data_files import RankFiles, Span
 from . import chunk_files
+from .context import DEFAULT_IO_CONCURRENCY
 from .sinks import Blob, Sink, Value, table_file, settle
 
 
 class KeyFiles(Sink):
     """The plain layout on a local disk: each value a file of its own (:class:`~tsckpt.storage.chunk_files.ChunkFileWriter`)."""
 
-    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool):
+    def __init__(self, root: str, save_id: str, rank: int, *, sync: bool, hashed: bool,
+                 threads: int = DEFAULT_IO_CONCURRENCY):
         super().__init__(hashed)
         self.root, self.save_id, self.rank = root, save_id, rank
-        self._writer = chunk_files.ChunkFileWriter(sync=sync)
+        self._writer = chunk_files.ChunkFileWriter(sync=sync, threads=threads)
         self._pending: list[Future[None]] = []
 
     def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None]:
@@ -48,6 +50,7 @@ class KeyFiles(Sink):
 
     def abandon(self) -> None:
         settle(self._pending)
+        self._writer.close()
 
 
 class KeyObjects(Sink):

@@ -121,6 +121,9 @@ class Store:
     #: Whether what is written here is made durable before the commit (False: nothing is fsynced,
     #: ``sync_files=False``).
     sync: bool = True
+    #: Concurrent file operations of this rank (``io_concurrency``, DCP's ``thread_count``): TensorStore's,
+    #: and the threads of the writers and readers of its local files.
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY
 
     @classmethod
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
@@ -128,7 +131,7 @@ class Store:
         loc = parse_location(location)
         kv_layout = get_layout(layout)
         context = kv_layout.context(make_context(io_concurrency, loc, sync=sync))
-        return cls(loc, context, open_kvstore(loc, context), kv_layout, sync=sync)
+        return cls(loc, context, open_kvstore(loc, context), kv_layout, sync=sync, io_concurrency=io_concurrency)
 
     @property
     def url(self) -> str:
