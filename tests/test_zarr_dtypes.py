@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,28 @@ def test_zarr_python_writes_and_reads_bf16(tmp_path):
     doc = (tmp_path / "a" / "zarr.json").read_text()
     assert '"data_type": "bfloat16"' in doc
     assert zarr.open_array(str(tmp_path / "a"), mode="r")[...].tobytes() == data.tobytes()
+
+
+def test_import_tsckpt_registers_through_zarrs_registry_and_keeps_a_type_zarr_has():
+    code = textwrap.dedent("""
+        import sys, zarr
+        from zarr.dtype import data_type_registry
+        from zarr.dtype import Float16
+
+        class Theirs(Float16):
+            _zarr_v3_name = "bfloat16"
+
+        data_type_registry.register("bfloat16", Theirs)
+        import tsckpt.format.zarr_dtypes as zd
+        print(data_type_registry.get("bfloat16").__name__, data_type_registry.get("float8_e5m2") is zd.Float8E5M2)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["Theirs", "True"]
+
+
+def test_the_six_types_are_one_definition():
+    assert {cls.__module__ for cls in zd.DATA_TYPES} == {"tsckpt.format.zarr_dtypes"}
+    own = {name for cls in zd.DATA_TYPES for name, value in vars(cls).items()
+           if inspect.isfunction(value) or isinstance(value, (classmethod, staticmethod, property))}
+    assert own == set(), own  # every method is the one definition's

@@ -37,10 +37,13 @@ from .errors import (
 __version__ = "0.2.0"
 
 try:
-    # zarr-python reads bfloat16/float8 arrays only once these types are registered.
-    from .format import zarr_dtypes as _zarr_dtypes  # noqa: F401
+    # zarr-python reads bfloat16/float8 arrays only once these types are registered, and 3.1 lists the
+    # entry points tsckpt declares for them without loading them.
+    from .format.zarr_dtypes import register as _register_zarr_dtypes
 except ImportError:  # zarr missing or incompatible: tsckpt itself does not need it
     pass
+else:
+    _register_zarr_dtypes()
 
 _LAZY = {
     "TensorStoreWriter": "dcp.storage",

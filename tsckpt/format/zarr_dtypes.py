@@ -1,53 +1,66 @@
 """zarr-python data types for bfloat16 and the float8 formats, backed by ml_dtypes.
 
 TensorStore writes these types under the names ``bfloat16``, ``float8_e4m3fn``...
-but zarr-python ships no data type for them and refuses such arrays. The
-classes here fill that gap; they are registered through the ``zarr.data_type``
-entry-point group, so installing tsckpt is enough for ``zarr.open_group`` to
-read a checkpoint's bf16 and float8 arrays as ml_dtypes arrays once zarr loads
-its entry points, which zarr-python does from 3.4.1 on. Releases 3.1 to 3.4.0
-list them but never load them and fail with "No Zarr data type found that
-matches 'bfloat16'", so importing this module also registers the types:
-``import tsckpt`` (or this module) before ``zarr.open_group`` works with every
-supported zarr release.
+but zarr-python ships no data type for them and refuses such arrays. One class
+per type fills that gap, all made from one definition (:class:`_MLFloat`). They
+are declared as zarr's ``zarr.data_type`` entry points, so installing tsckpt
+lists them; zarr-python 3.1 lists them but never loads them ("No Zarr data type
+found that matches 'bfloat16'"), so ``import tsckpt`` registers them through
+zarr's public registry (:func:`register`), where zarr has none of those names
+yet. Importing this module registers nothing.
 
 Two-byte types carry an endianness like zarr's own floats; one-byte types
-carry none, because the ``bytes`` codec must not declare one for them.
+carry none, because the ``bytes`` codec must not declare one for them. zarr's
+codecs tell the two apart by its ``HasEndianness`` mixin, which zarr exposes in
+no public module: it is the one name taken from ``zarr.core``.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self, TypeGuard
 
 import ml_dtypes
 import numpy as np
-from zarr.core.dtype.common import DTypeJSON, HasEndianness, HasItemSize
-from zarr.core.dtype.npy.common import (
-    check_json_float_v3,
-    check_json_floatish_str,
-    endianness_to_numpy_str,
-    float_from_json_v3,
-    float_to_json_v3,
-    get_endianness_from_numpy_dtype,
-)
-from zarr.core.dtype.wrapper import ZDType
+from zarr.core.dtype.common import HasEndianness
+from zarr.dtype import ZDType
 
-try:  # zarr >= 3.3; the old home still works in 3.4 but warns
+try:  # zarr >= 3.3; importing it from zarr.dtype still works there, with a deprecation warning
     from zarr.errors import DataTypeValidationError
 except ImportError:  # zarr 3.1 and 3.2
-    from zarr.core.dtype.common import DataTypeValidationError
+    from zarr.dtype import DataTypeValidationError
 
 ZarrFormat = Literal[2, 3]
+
+#: Zarr v3's names for the floats no JSON number can hold.
+_SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+#: numpy's byte-order characters, as Zarr names them ("=": this machine's).
+_BYTE_ORDERS = {"<": "little", ">": "big", "=": sys.byteorder, "|": sys.byteorder}
 
 
 def _native(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name))
 
 
+def _float_from_json(data: Any) -> float | None:
+    """A JSON fill value as a float: a number, a special name or a numeric string; None if it is none of them."""
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return float(data)
+    if isinstance(data, str):
+        if data in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[data]
+        try:
+            return float(data)
+        except ValueError:
+            return None
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
-class _MLFloat(ZDType[np.dtype, np.generic], HasItemSize):
-    """Everything an ml_dtypes float needs; subclasses only name the type.
+class _MLFloat(ZDType[np.dtype, np.generic]):
+    """Everything an ml_dtypes float needs; the classes made by :func:`_ml_float` only name the type.
 
     Scalars travel as JSON numbers, ``"NaN"``/``"Infinity"``/``"-Infinity"``, or
     a ``"0x.."`` hex string of the raw bits (the Zarr v3 rule for floats), which
@@ -102,7 +115,7 @@ class _MLFloat(ZDType[np.dtype, np.generic], HasItemSize):
             return True
         if isinstance(data, np.generic) and data.dtype.type is self._scalar_type():
             return True
-        return isinstance(data, str) and check_json_floatish_str(data)
+        return isinstance(data, str) and _float_from_json(data) is not None
 
     def cast_scalar(self, data: object) -> np.generic:
         if not self._check_scalar(data):
@@ -115,10 +128,9 @@ class _MLFloat(ZDType[np.dtype, np.generic], HasItemSize):
     def from_json_scalar(self, data: Any, *, zarr_format: ZarrFormat) -> np.generic:
         if isinstance(data, str) and data.startswith("0x"):
             return self._from_hex(data)
-        if check_json_float_v3(data):
-            return self.to_native_dtype().type(float_from_json_v3(data))  # type: ignore[arg-type]
-        if check_json_floatish_str(data):
-            return self.to_native_dtype().type(float(data))
+        value = _float_from_json(data)
+        if value is not None:
+            return self.to_native_dtype().type(value)
         raise TypeError(f"Invalid {self._zarr_v3_name} fill value {data!r}: expected a number, "
                         "'NaN', 'Infinity', '-Infinity' or a '0x' hex string")
 
@@ -137,7 +149,9 @@ class _MLFloat(ZDType[np.dtype, np.generic], HasItemSize):
             # NaN payloads and values float() cannot carry: keep the exact bits.
             bits = value.astype(self.to_native_dtype().newbyteorder("<")).tobytes()[::-1]
             return "0x" + bits.hex()
-        return float_to_json_v3(as_float)
+        if math.isinf(as_float):
+            return "Infinity" if as_float > 0 else "-Infinity"
+        return as_float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,53 +160,31 @@ class _TwoByteFloat(_MLFloat, HasEndianness):
 
     @classmethod
     def _from_checked_native(cls, dtype: np.dtype) -> Self:
-        return cls(endianness=get_endianness_from_numpy_dtype(dtype))
+        return cls(endianness=_BYTE_ORDERS[dtype.byteorder])  # type: ignore[arg-type]
 
     def to_native_dtype(self) -> np.dtype:
-        return _native(self._zarr_v3_name).newbyteorder(endianness_to_numpy_str(self.endianness))
+        return _native(self._zarr_v3_name).newbyteorder("<" if self.endianness == "little" else ">")
 
 
-@dataclass(frozen=True, kw_only=True)
-class BFloat16(_TwoByteFloat):
-    """bfloat16 (``torch.bfloat16``), as ``ml_dtypes.bfloat16``."""
-
-    _zarr_v3_name: ClassVar[str] = "bfloat16"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8E4M3FN(_MLFloat):
-    """``torch.float8_e4m3fn``, as ``ml_dtypes.float8_e4m3fn``."""
-
-    _zarr_v3_name: ClassVar[str] = "float8_e4m3fn"
+def _ml_float(class_name: str, zarr_name: str) -> type[_MLFloat]:
+    """The class of one ml_dtypes float, named so that an entry point (``tsckpt.format.zarr_dtypes:BFloat16``)
+    finds it."""
+    native = _native(zarr_name)
+    base = _TwoByteFloat if native.itemsize > 1 else _MLFloat
+    return type(class_name, (base,), {
+        "__module__": __name__, "__qualname__": class_name,
+        "__doc__": f"``torch.{zarr_name}``, as ``ml_dtypes.{zarr_name}``.",
+        "_zarr_v3_name": zarr_name, "dtype_cls": type(native),
+    })
 
 
-@dataclass(frozen=True, kw_only=True)
-class Float8E5M2(_MLFloat):
-    """``torch.float8_e5m2``, as ``ml_dtypes.float8_e5m2``."""
-
-    _zarr_v3_name: ClassVar[str] = "float8_e5m2"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8E4M3FNUZ(_MLFloat):
-    """``torch.float8_e4m3fnuz``, as ``ml_dtypes.float8_e4m3fnuz``."""
-
-    _zarr_v3_name: ClassVar[str] = "float8_e4m3fnuz"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8E5M2FNUZ(_MLFloat):
-    """``torch.float8_e5m2fnuz``, as ``ml_dtypes.float8_e5m2fnuz``."""
-
-    _zarr_v3_name: ClassVar[str] = "float8_e5m2fnuz"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Float8E8M0FNU(_MLFloat):
-    """``torch.float8_e8m0fnu`` (exponent only, no zero), as ``ml_dtypes.float8_e8m0fnu``."""
-
-    _zarr_v3_name: ClassVar[str] = "float8_e8m0fnu"
-
+BFloat16 = _ml_float("BFloat16", "bfloat16")
+Float8E4M3FN = _ml_float("Float8E4M3FN", "float8_e4m3fn")
+Float8E5M2 = _ml_float("Float8E5M2", "float8_e5m2")
+Float8E4M3FNUZ = _ml_float("Float8E4M3FNUZ", "float8_e4m3fnuz")
+Float8E5M2FNUZ = _ml_float("Float8E5M2FNUZ", "float8_e5m2fnuz")
+#: Exponent only: no zero, and a NaN that only a hex fill value names exactly.
+Float8E8M0FNU = _ml_float("Float8E8M0FNU", "float8_e8m0fnu")
 
 DATA_TYPES: tuple[type[_MLFloat], ...] = (
     BFloat16, Float8E4M3FN, Float8E5M2, Float8E4M3FNUZ, Float8E5M2FNUZ, Float8E8M0FNU,
@@ -200,17 +192,14 @@ DATA_TYPES: tuple[type[_MLFloat], ...] = (
 
 
 def register() -> None:
-    """Register every type here with zarr-python (idempotent; the entry points do this on install)."""
-    from zarr.core.dtype import data_type_registry
+    """Register every type here with zarr-python's data-type registry, where no type has its name yet."""
+    from zarr.dtype import data_type_registry
 
     for cls in DATA_TYPES:
-        data_type_registry.register(cls._zarr_v3_name, cls)
+        try:
+            data_type_registry.get(cls._zarr_v3_name)
+        except KeyError:
+            data_type_registry.register(cls._zarr_v3_name, cls)
 
 
 __all__ = [cls.__name__ for cls in DATA_TYPES] + ["DATA_TYPES", "register"]
-
-
-# zarr-python before 3.4.1 collects the ``zarr.data_type`` entry points but only
-# registers them when ``data_type_registry._lazy_load()`` is called, which its
-# own read path never does; importing this module is the dependable way.
-register()
