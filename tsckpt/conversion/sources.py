@@ -297,7 +297,7 @@ class TorchSaveSource(Source):
 
     def __init__(self, path: Any, *, trust_pickle: bool = False):
         super().__init__(path, trust_pickle=trust_pickle)
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from ..dcp.torch_private import flatten_state_dict
 
         try:
             try:

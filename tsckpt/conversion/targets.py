@@ -32,7 +32,7 @@ def _refuse_existing(path: str, opts: Options, marker: str | None = None) -> Non
 
 
 def _nested(source: Source, values: dict[str, Any]) -> dict[str, Any]:
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+    from ..dcp.torch_private import unflatten_state_dict
 
     key_paths = source.key_paths()
     flats = [flat_key(p) for p in key_paths.values()]
@@ -81,8 +81,7 @@ def write_dcp(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
 
 
 def write_torch(source: Source, dst: Any, opts: Options, sink: Sink) -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.checkpoint._traverse import get_element
+    from ..dcp.torch_private import FakeTensorMode, get_element
 
     dst = os.fspath(dst)
     _refuse_existing(dst, opts)

@@ -28,6 +28,9 @@ Where the full plans come from, with nothing read from DCP's private caches:
   when a save brings every plan anew). The unchanged ranks' plans are the one
   set of that many ranks still held; two different sets (two caching planner
   classes in one process) cannot be told apart, and the save is refused.
+
+How DCP's cache behaves, which all of this relies on, is written down in
+:mod:`tsckpt.dcp.torch_private` and checked against the installed torch.
 """
 
 from __future__ import annotations

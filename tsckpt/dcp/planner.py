@@ -24,7 +24,6 @@ safe restoration of non-tensor values and refuses narrowing dtype casts.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import math
 from collections.abc import Mapping
@@ -32,22 +31,21 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..errors import LoadMismatchError, PlanError
 from ..format import values
 from .contract import GlobalPlans, NewOrders, PlannerNotes
+from .torch_private import ShardedTensor, StridedShard, plan_caching_asked, set_element
 from .values import DecodedValue, EncodedValue
 
 
 def _placement_record(p: Any) -> dict[str, Any]:
-    if isinstance(p, _StridedShard):
+    if isinstance(p, StridedShard):
         return {"type": "strided_shard", "dim": p.dim, "split_factor": p.split_factor}
     if isinstance(p, Shard):
         return {"type": "shard", "dim": p.dim}
@@ -173,9 +171,8 @@ class SavePlanner(DefaultSavePlanner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        given = inspect.signature(DefaultSavePlanner.__init__).bind(self, *args, **kwargs).arguments
         #: Whether DCP's plan cache is on for this planner (DCP keeps its own flag private).
-        self.caches_plans = bool(given.get("enable_plan_caching", False))
+        self.caches_plans = plan_caching_asked(*args, **kwargs)
 
     @property
     def cache_key(self) -> str:

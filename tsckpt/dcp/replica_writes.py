@@ -84,7 +84,7 @@ def box_bytes(item: WriteItem) -> int:
     td = item.tensor_data
     if td is None:
         return 0
-    return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 def piece_of(data: torch.Tensor, item: WriteItem, where: str) -> torch.Tensor:

@@ -19,10 +19,10 @@ import copy
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import Shard as LocalShard
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
+
+from .torch_private import LocalShard, ShardedTensor, sharded_tensor_like
 
 
 class Stager(AsyncStager):
@@ -76,8 +76,7 @@ def _copy(obj: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
                                   run_check=False, shape=obj.shape, stride=obj.stride())
     if isinstance(obj, ShardedTensor):
         shards = [LocalShard(_copy_tensor(s.tensor, memo), s.metadata) for s in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group)
+        return sharded_tensor_like(shards, obj)
     if isinstance(obj, torch.Tensor):
         return _copy_tensor(obj, memo)
     if isinstance(obj, dict):
