@@ -49,7 +49,8 @@ class ChunkSource:
     def of(cls, store: Store, metadata: CheckpointMetadata) -> ChunkSource:
         locator = store.layout.locator(store, metadata)
         local = store.location.driver == "file" and locator.kvstore is store.kvstore
-        fetcher: Fetcher = (LocalFiles(str(store.location.spec.get("path", ".")), locator.sizes()) if local
+        fetcher: Fetcher = (LocalFiles(str(store.location.spec.get("path", ".")), locator.sizes(),
+                                       threads=store.io_concurrency) if local
                             else KvFiles(locator.kvstore, locator.generations()))
         return cls(store, metadata, locator, fetcher)
 

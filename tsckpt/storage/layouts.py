@@ -166,7 +166,7 @@ class PlainLayout(KvLayout):
     def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         root = _local_root(store.location)
         if root is not None:
-            return key_sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed)
+            return key_sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed, threads=store.io_concurrency)
         return key_sinks.KeyObjects(store.kvstore, save_id, rank, hashed=hashed)
 
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
