@@ -211,7 +211,7 @@ def main() -> None:
     plans = world.gathered(with_notes=True, shared=shared)
     print(f"built {args.ranks} plans x {args.tensors} items in {time.perf_counter() - t:.1f} s (not timed below)",
           flush=True)
-    # As tsckpt.save does (gc_paused): a full collection over millions of plan objects is not what is measured.
+    # As tsckpt.save does (dcp.collector.held_off): a full collection over millions of plan objects is not what is measured.
     gc.collect()
     gc.freeze()
     gc.disable()

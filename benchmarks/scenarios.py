@@ -99,6 +99,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "bench_replica_writes.py"),
     Scenario("open", "tsckpt.open on many tensors, and a slice read against reading the whole tensor",
              "bench_open.py"),
+    Scenario("one-tensor", "the bytes reading one tensor of a checkpoint of many tensors reads beyond its root",
+             "bench_one_tensor.py"),
     Scenario("convert", "safetensors to tsckpt and back: MB/s against reading the source and writing the disk",
              "bench_convert.py"),
     Scenario("tiny-chunks", "a grid of 50,257 tiny chunks (nested uneven sharding) saved and loaded in each "

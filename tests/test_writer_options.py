@@ -12,7 +12,7 @@ import zarr
 
 import tsckpt
 from damage import edit_key, flip_byte, read_key
-from tsckpt.dcp.api import gc_paused
+from tsckpt.dcp.collector import held_off
 from tsckpt.read.verify import verify
 
 
@@ -101,12 +101,12 @@ def test_bad_writer_options_are_refused_before_writing(tmp_path, bad, message):
 
 def test_gc_is_paused_during_the_call_and_restored_after():
     assert gc.isenabled()
-    with gc_paused():
+    with held_off():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
     try:
-        with gc_paused():
+        with held_off():
             pass
         assert not gc.isenabled()  # a caller who had it off keeps it off
     finally:
