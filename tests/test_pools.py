@@ -17,10 +17,12 @@ def _threads(prefix: str, but: frozenset[threading.Thread] = frozenset()) -> lis
     return [t for t in threading.enumerate() if t.name.startswith(prefix) and t not in but]
 
 
-def _ended(prefix: str) -> bool:
-    for t in _threads(prefix):
+def _ended(prefix: str, but: frozenset[threading.Thread] = frozenset()) -> bool:
+    """Whether every thread named ``prefix...`` that is not in ``but`` (those of objects earlier tests left to the
+    collector) has ended."""
+    for t in _threads(prefix, but):
         t.join(30)
-    return not _threads(prefix)
+    return not _threads(prefix, but)
 
 
 def test_a_chunk_writer_writes_on_its_own_threads_as_many_as_it_was_given(tmp_path):
@@ -52,7 +54,7 @@ def test_local_reads_run_on_the_fetchers_threads_and_end_with_it(tmp_path):
     assert [bytes(r.result()) for r in reads[:2]] == [bytes(range(16)), bytes(range(16, 32))]
     assert 1 <= len(_threads("tsckpt-read", before)) <= 3
     files.close()
-    assert _ended("tsckpt-read")
+    assert _ended("tsckpt-read", before)
 
 
 def test_a_store_carries_its_io_concurrency(tmp_path):
@@ -61,6 +63,7 @@ def test_a_store_carries_its_io_concurrency(tmp_path):
 
 
 def test_no_thread_of_tsckpt_outlives_a_save_or_a_load(tmp_path):
+    before = frozenset(threading.enumerate())
     state = {"w": torch.randn(1024, 512), "step": 3}  # 2 MiB chunks: written on the writer's threads
     for layout in ("plain", "packed"):
         path = str(tmp_path / layout)
@@ -68,4 +71,4 @@ def test_no_thread_of_tsckpt_outlives_a_save_or_a_load(tmp_path):
         out = {"w": torch.zeros(1024, 512), "step": 0}
         tsckpt.load(out, path)
         assert torch.equal(out["w"], state["w"])
-        assert _ended("tsckpt-"), [t.name for t in _threads("tsckpt-")]
+        assert _ended("tsckpt-", before), [t.name for t in _threads("tsckpt-", before)]
