@@ -35,7 +35,7 @@ def _data_file(path) -> str:
 @pytest.fixture
 def truncated(tmp_path):
     path = tmp_path / "ckpt"
-    tsckpt.save(_state(), path)
+    tsckpt.save(_state(), path, layout="packed")
     file = _data_file(path)
     size = os.path.getsize(path / file)
     os.truncate(path / file, size // 2)
@@ -45,7 +45,7 @@ def truncated(tmp_path):
 @pytest.fixture
 def flipped(tmp_path):
     path = tmp_path / "flipped"
-    tsckpt.save(_state(), path)
+    tsckpt.save(_state(), path, layout="packed")
     edit_key(path, "model/l3/c.0.0", lambda data: flip_byte(data, 100, 0x10))
     return path
 
@@ -81,7 +81,7 @@ def test_verify_names_a_flipped_chunk_by_tensor_chunk_and_file(flipped):
 
 def test_verify_groups_damage_in_many_tensors_of_one_intact_file(tmp_path):
     path = tmp_path / "ckpt"
-    tsckpt.save(_state(), path)
+    tsckpt.save(_state(), path, layout="packed")
     for i in range(TENSORS):
         edit_key(path, f"model/l{i}/c.0.0", lambda data: flip_byte(data, 100, 0x10))
     result = run_cli("verify", str(path), "--no-progress")
@@ -138,7 +138,7 @@ def _kvstore(location):
 def test_s3_read_errors_name_tensor_chunk_and_file(s3, damage):
     prefix = f"damage-reports/{damage}"
     location = s3.location(BUCKET, prefix)
-    tsckpt.save(_state(), location, overwrite=True)
+    tsckpt.save(_state(), location, overwrite=True, layout="packed")
     with tsckpt.open(location) as ck:
         found = ck.source.locator.locate("model/l0/c.0.0")
     file = found.file
