@@ -146,7 +146,12 @@ def test_on_s3_fsspecs_target_filesystem_must_be_asynchronous(s3, tmp_path):
     line = write_refs(location, tmp_path / "step_2.json", env=env)
     assert "'remote_options': {'asynchronous': True}" in line and '"reference://step_2"' in line
     out = read(sys.executable, line, tmp_path, env=env)
-    assert out["same"] and out["model"] == ["b", "w"] and not out["tsckpt_imported"]
+    assert out["same"] and out["model"] == ["b", "w"]
+    # zarr 3.4 loads the installed packages' data-type entry points (tsckpt's among them) when it resolves a
+    # dtype, so only an older zarr reads this without importing tsckpt here; the virtualenv test above reads
+    # with no tsckpt installed at all.
+    if tuple(int(p) for p in zarr.__version__.split(".")[:2]) < (3, 4):
+        assert not out["tsckpt_imported"]
     # What zarr-python issues #2946 and #3323 report: a target filesystem that is not asynchronous is refused.
     without = line.replace("'remote_options': {'asynchronous': True}", "'remote_options': {}")
     done = subprocess.run([sys.executable, "-c", READER, json.dumps({"line": without, "damaged": False})],
