@@ -221,53 +221,53 @@ class BTreeIndex:
     def lookup(self, keys: Iterable[str]) -> None:
         """Find every key of ``keys`` not looked up before, reading the nodes on their paths."""
         wanted = sorted({k.encode("utf-8", "surrogateescape") for k in keys if k not in self.values})
-        if not wanted:
-            return
-        level: list[tuple[ocdbt.Ref, int, list[bytes], bytes, bytes | None]] = [
-            (ocdbt.Ref(self.root.path, self.root.offset, self.root.length), -1, wanted, b"", None)]
-        while level:
-            self._fetch([ref for ref, *_ in level])
-            below = []
-            for ref, height, ks, low, high in level:
-                node = self._node(ref, height, low, high)
-                if node.height == 0:
-                    for k in ks:
-                        at = bisect.bisect_left(node.keys, k)
-                        found = at < len(node.keys) and node.keys[at] == k
-                        self.values[k.decode("utf-8", "surrogateescape")] = node.values[at] if found else None
-                    continue
-                for k in ks:
-                    at = bisect.bisect_right(node.keys, k) - 1
-                    if at < 0:  # before the subtree's first key: not stored
-                        self.values[k.decode("utf-8", "surrogateescape")] = None
-                        continue
-                    child = node.values[at]
-                    assert isinstance(child, ocdbt.Ref)
-                    if below and below[-1][0] == child:
-                        below[-1][2].append(k)
-                    else:
-                        below.append((child, node.height - 1, [k], node.keys[at],
-                                      node.keys[at + 1] if at + 1 < len(node.keys) else high))
-            level = below
+        if wanted:
+            self._descend(wanted)
 
     def everything(self) -> dict[str, bytes | ocdbt.Ref]:
         """Every key of the tree and its value, reading every node (``verify``): each node checked as a lookup
         checks it."""
-        out: dict[str, bytes | ocdbt.Ref] = {}
-        level = [(ocdbt.Ref(self.root.path, self.root.offset, self.root.length), -1, b"", None)]
+        return self._descend(None)
+
+    def _descend(self, wanted: list[bytes] | None) -> dict[str, bytes | ocdbt.Ref]:
+        """Walk down from the root, level by level, the nodes a level needs read at once: to the leaves holding
+        ``wanted`` (sorted), or to every leaf (None). Records what it found in :attr:`values` (None for a wanted
+        key the tree lacks) and returns the keys it found with their values."""
+        found: dict[str, bytes | ocdbt.Ref | None] = {}
+        level: list[tuple[ocdbt.Ref, int, list[bytes] | None, bytes, bytes | None]] = [
+            (ocdbt.Ref(self.root.path, self.root.offset, self.root.length), -1, wanted, b"", None)]
         while level:
             self._fetch([ref for ref, *_ in level])
-            below = []
-            for ref, height, low, high in level:
+            below: list[tuple[ocdbt.Ref, int, list[bytes] | None, bytes, bytes | None]] = []
+            for ref, height, ks, low, high in level:
                 node = self._node(ref, height, low, high)
                 if node.height == 0:
-                    out.update((k.decode("utf-8", "surrogateescape"), v) for k, v in zip(node.keys, node.values))
+                    if ks is None:
+                        found.update((k.decode("utf-8", "surrogateescape"), v) for k, v in zip(node.keys, node.values))
+                    for k in ks or ():
+                        at = bisect.bisect_left(node.keys, k)
+                        hit = at < len(node.keys) and node.keys[at] == k
+                        found[k.decode("utf-8", "surrogateescape")] = node.values[at] if hit else None
                     continue
                 bounds = [*node.keys[1:], high]
-                below += [(child, node.height - 1, k, b) for child, k, b in zip(node.values, node.keys, bounds)]
+                if ks is None:
+                    below += [(c, node.height - 1, None, k, b) for c, k, b in zip(node.values, node.keys, bounds)
+                              if isinstance(c, ocdbt.Ref)]
+                    continue
+                for k in ks:
+                    at = bisect.bisect_right(node.keys, k) - 1
+                    if at < 0:  # before the subtree's first key: not stored
+                        found[k.decode("utf-8", "surrogateescape")] = None
+                        continue
+                    child = node.values[at]
+                    assert isinstance(child, ocdbt.Ref)
+                    if below and below[-1][0] == child:
+                        below[-1][2].append(k)  # type: ignore[union-attr]
+                    else:
+                        below.append((child, node.height - 1, [k], node.keys[at], bounds[at]))
             level = below
-        self.values.update(out)
-        return out
+        self.values.update(found)
+        return {k: v for k, v in found.items() if v is not None}
 
     def _fetch(self, refs: Sequence[ocdbt.Ref]) -> None:
         """Read the nodes of ``refs`` not read before (the whole file at once where it is small)."""
