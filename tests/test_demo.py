@@ -16,7 +16,7 @@ import pytest
 import zarr
 
 import tsckpt
-from tsckpt import demo
+from tsckpt import main_job as demo
 from tsckpt.errors import TsckptError
 
 

@@ -22,7 +22,7 @@ import zarr
 from typer.testing import CliRunner
 
 import tsckpt
-import tsckpt.cli.steps  # noqa: F401 - registers latest / prune
+import tsckpt.cli.step_chores  # noqa: F401 - registers latest / prune
 from tsckpt import steps
 from tsckpt.cli import app
 from tsckpt.errors import TsckptError

@@ -45,7 +45,7 @@ def flag(default: bool | None, *param_decls: str, **kwargs: Any) -> Any:
 
 
 # Modules that register commands on ``app`` when imported.
-COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "steps", "clean", "refs"]
+COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "step_chores", "clean", "refs"]
 
 
 #: How often the command line retries a failed S3 request unless ``$TSCKPT_S3_RETRIES`` says otherwise:

@@ -14,6 +14,6 @@ def demo(
     path: str = typer.Option("", help="checkpoint directory (default: a new temporary one)"),
 ) -> None:
     """Train a small FSDP2-sharded model on CPU ranks, save it, reload it on a different number of ranks."""
-    from ..demo import run
+    from ..main_job import run
 
     run(save_ranks=save_ranks, load_ranks=load_ranks, path=path or None)

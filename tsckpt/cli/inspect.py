@@ -55,7 +55,7 @@ def ls(
         try:
             ck = _open(path)
         except TsckptError as e:
-            from .steps import list_steps
+            from .step_chores import list_steps
 
             try:
                 if list_steps(path, as_json):

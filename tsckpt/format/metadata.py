@@ -5,7 +5,7 @@ The document lives in the root group's ``zarr.json`` under
 validates everything a hostile or broken file could get wrong, so code past it
 can trust shapes, dtypes, paths and regions. Torch-free on purpose: inspecting a
 checkpoint needs only numpy. Its placements and data files, concepts of their
-own, are modules of their own: :mod:`~tsckpt.format.placements` and
+own, are modules of their own: :mod:`~tsckpt.format.distribution` and
 :mod:`~tsckpt.format.data_files`.
 """
 
@@ -24,7 +24,7 @@ from .data_files import DataFiles
 from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
 # Placements are part of the document; re-exported so callers import the whole document from here.
-from .placements import (  # noqa: F401
+from .distribution import (  # noqa: F401
     PLACEMENTS,
     DTensorPlacement,
     Mesh,
