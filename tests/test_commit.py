@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dist
 import tsckpt
 from tsckpt.commit import protocol as commit
-from tsckpt.commit.staged import staging_dirs
+from tsckpt.commit.staging_dirs import staging_dirs
 from tsckpt.storage.layouts import default_layout
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
 from tsckpt.dcp.planner import SavePlanner

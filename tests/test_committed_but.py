@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt.commit.staged import staging_dirs
+from tsckpt.commit.staging_dirs import staging_dirs
 from tsckpt.commit.target import PublicationWarning
 
 

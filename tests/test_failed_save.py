@@ -19,7 +19,7 @@ import torch
 
 import dist
 import tsckpt
-from tsckpt.commit.staged import staging_dirs
+from tsckpt.commit.staging_dirs import staging_dirs
 
 WORLD = 4
 TIMEOUT = 300

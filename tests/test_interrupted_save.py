@@ -22,7 +22,7 @@ import tsckpt
 from cli_run import run_cli
 from ctrl_c import ARMED, CtrlC
 from tsckpt.cli.exits import INTERRUPTED
-from tsckpt.commit.staged import staging_dirs
+from tsckpt.commit.staging_dirs import staging_dirs
 
 HERE = os.path.dirname(__file__)
 BUCKET = "tsckpt-interrupted"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)

@@ -32,7 +32,8 @@ from tsckpt.cli import verify as _verify_cmd  # noqa: F401
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ForeignContentError
-from tsckpt.commit.staged import StagedTarget, staging_dirs, staging_path
+from tsckpt.commit.staged import StagedTarget
+from tsckpt.commit.staging_dirs import staging_dirs, staging_path
 
 TIMEOUT = 240
 TRIALS = 20

@@ -2,7 +2,7 @@
 
 Such a directory is never renamed or exchanged: the save moves the
 checkpoint it replaces aside and its own files in, under a claim
-(``tsckpt/commit/staged.py``). A save process is killed (SIGKILL, by its own
+(``tsckpt/commit/merge.py``). A save process is killed (SIGKILL, by its own
 profiler, at a named step of that publication) and then ``tsckpt clean`` or
 the next save runs: the directory must load as the old checkpoint (killed
 before the claim) or the new one (after), hold exactly that checkpoint's
@@ -62,7 +62,7 @@ def _exactly(run, step: int) -> None:
     assert leftovers(str(run)) == [] and os.listdir(run.parent) == ["exp1"]
 
 
-#: Where the save kills itself: a function of tsckpt/commit/staged.py and the profiler event, or the n-th rename
+#: Where the save kills itself: a function of tsckpt/commit/staged.py or merge.py and the profiler event, or the n-th rename
 #: the publication makes.
 POINTS = [
     ("commit_root", "call"),  # the checkpoint is complete in its staging directory: not published
@@ -81,7 +81,7 @@ SAVE = """
 
     def kill(frame, what, arg):
         code = frame.f_code
-        if not code.co_filename.endswith("tsckpt/commit/staged.py"):
+        if not code.co_filename.endswith(("tsckpt/commit/staged.py", "tsckpt/commit/merge.py")):
             return
         if where == "rename" and what == "c_call" and arg is os.rename and code.co_name == "_move_aside":
             renames[0] += 1

@@ -48,7 +48,8 @@ from typing import Any, overload
 import tensorstore as ts
 
 from .errors import LocationError, OptionError, StorageError, TsckptError
-from .commit.staged import STAGING_NAME, remove_leftovers, remove_tree, staging_path
+from .commit.leftovers import remove_leftovers
+from .commit.staging_dirs import STAGING_NAME, remove_tree, staging_path
 from .commit.states import (ABSENT, ATTRIBUTE, CLAIM, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, checkpoint_keys,
                             delete_own_keys, is_own_key, without_root)
 from .storage.localfs import fsync_dir

@@ -81,7 +81,7 @@ def _details(entry: StepCheckpoint) -> dict[str, Any]:
     """Bytes and time of one step: a committed one's tensor bytes and creation time, else what is on disk."""
     from ..errors import TsckptError
     from ..read import checkpoint
-    from ..commit.staged import staging_dirs, tree_bytes
+    from ..commit.staging_dirs import staging_dirs, tree_bytes
     from ..steps import COMMITTED, INCOMPLETE
 
     if entry.state == COMMITTED:
@@ -150,7 +150,7 @@ def _leftovers(root: str, entry: StepCheckpoint) -> str | None:
     table does not show: an interrupted save of a new step is listed as
     ``incomplete``, one that was replacing a committed step not at all.
     """
-    from ..commit.staged import staging_dirs
+    from ..commit.staging_dirs import staging_dirs
     from ..errors import TsckptError
     from ..steps import FOREIGN, INCOMPLETE
     from .clean import leftover_line

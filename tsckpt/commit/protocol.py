@@ -270,7 +270,7 @@ def _leftover_hint(kv: ts.KvStore) -> str:
     spec = kv.spec().to_json()
     if spec.get("driver") != "file":
         return ""
-    from .staged import hint  # local filesystems only
+    from .leftovers import hint  # local filesystems only
 
     return hint(str(spec.get("path", "")).rstrip("/"))
 

@@ -9,7 +9,7 @@ callers (a save replacing a checkpoint in place, ``clean`` and ``prune``)
 also delete the root document and the claim by name; an in-place save that
 failed deletes its own keys by the prefixes it recorded, which carry its save
 id or name its own arrays (:mod:`tsckpt.commit.in_place`); local directories
-are removed by :func:`tsckpt.commit.staged.remove_tree`.
+are removed by :func:`tsckpt.commit.staging_dirs.remove_tree`.
 """
 
 from __future__ import annotations

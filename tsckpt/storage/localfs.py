@@ -1,4 +1,4 @@
-"""Local-filesystem primitives the commit needs and TensorStore does not give: syncfs, exchange, directory locks.
+"""Local-filesystem primitives the commit needs and TensorStore does not give: syncfs, exchange, locks.
 
 Linux only where a call says so (``syncfs``, ``renameat2``); elsewhere each
 reports that it cannot, and callers fall back. Torch-free.
@@ -150,6 +150,43 @@ class DirLock:
 
     def release(self) -> None:
         self._finalizer()
+
+
+
+class Turn:
+    """An exclusive ``flock`` on a target directory, waited for: publications into it take turns.
+
+    False (retry) when the target went or was replaced while waiting; True
+    without a lock where the filesystem has none, or the target is not a
+    directory (the classification then refuses it).
+    """
+
+    def __init__(self, path: str):
+        self.path, self.fd = path, -1
+
+    def __enter__(self) -> bool:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            return True
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in UNSUPPORTED:
+                raise
+            return True
+        try:
+            here, now = os.fstat(self.fd), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (now.st_dev, now.st_ino)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
 
 
 def liveness(path: str) -> bool | None:
