@@ -54,7 +54,7 @@ from ..read.index import SelectionError, parse_index
 
 if TYPE_CHECKING:
     from ..read.checkpoint import Checkpoint
-    from ..read.verify import VerifyReport
+    from ..read.verify_report import VerifyReport
 
 
 def plain(value: Any) -> Any:
@@ -102,7 +102,7 @@ def information(ck: Checkpoint) -> dict[str, Any]:
 
 
 def verification(report: VerifyReport) -> dict[str, Any]:
-    """The ``verify --json`` document of a :class:`~tsckpt.read.verify.VerifyReport`."""
+    """The ``verify --json`` document of a :class:`~tsckpt.read.verify_report.VerifyReport`."""
     return {**report.to_dict(), "arrays": len(report.entries), "failed": len(report.failed),
             "chunks": report.chunks, "nbytes": report.nbytes}
 

@@ -21,7 +21,7 @@ from .exits import FOUND
 from .messages import failed
 
 if TYPE_CHECKING:
-    from ..read.verify import EntryReport, VerifyReport
+    from ..read.verify_report import EntryReport, VerifyReport
 
 #: Tensors of one file with damage of their own (a failed crc32c) named one line each; more share one line.
 _NAMED_PER_FILE = 3

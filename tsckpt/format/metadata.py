@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 import numpy as np
 
-from ..errors import MetadataError, UnsupportedVersionError
+from ..errors import MetadataError, TsckptError, UnsupportedVersionError
 from . import content_hashes, dtypes, values, writers, zarr_json
-from .data_files import DataFiles
+from .data_files import DataFiles, RankFiles
 from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
 # Placements are part of the document; re-exported so callers import the whole document from here.
@@ -270,6 +270,19 @@ class CheckpointMetadata:
     def codec_checksums(self) -> bool:
         """Whether every chunk carries its own crc32c (Zarr's codec): saved with checksums on."""
         return self.array_options.crc32c_codec
+
+    def writer_files(self, key: str, index: tuple[int, ...]) -> RankFiles | None:
+        """The data files of the rank that wrote chunk ``index`` of tensor or stored value ``key`` (None where
+        the checkpoint has no data files or its metadata cannot say)."""
+        if self.data_files is None:
+            return None
+        try:
+            entry = self.tensors.get(key)
+            rank = (self.objects[key].writer if entry is None
+                    else int(entry.writer_ranks(self.world_size, key)[entry.grid.flat_index(index)]))
+            return self.data_files.ranks[rank] if rank is not None else None
+        except (TsckptError, KeyError, ValueError, IndexError):
+            return None
 
     def to_dict(self) -> dict[str, Any]:
         return {

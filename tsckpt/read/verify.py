@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,6 @@ import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError, TsckptError
 from ..format import compressed, content_hashes, dtypes, shards, zarr_json
-from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
 from ..storage.chunk_source import ChunkSource
 from ..storage.fetchers import LocalFiles
@@ -35,84 +33,14 @@ from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..storage.kvio import read_json
 from ..progress import PROGRESS_BYTES, progress_bar, wanted
+from .file_checks import files_report
+from .verify_report import EntryReport, VerifyReport
 
 #: Bytes of chunk reads kept in flight at once.
 _IN_FLIGHT_BYTES = 256 << 20
 #: An array's ``zarr.json`` is a few hundred bytes; anything this large is not one tsckpt wrote.
 _MAX_NODE_BYTES = 1 << 20
 __all__ = ["EntryReport", "PROGRESS_BYTES", "VerifyReport", "verify"]
-
-
-@dataclass(frozen=True)
-class EntryReport:
-    """What was checked for one tensor or stored value, and what is wrong with it."""
-
-    key: str
-    path: str
-    nbytes: int
-    chunks: int
-    problems: tuple[str, ...] = ()
-    #: Chunks compared with the crc32c the save recorded (0 when it recorded none).
-    checksummed: int = 0
-    #: The file or object each problem is about, in the order of :attr:`problems` (None: no one file, as for a
-    #: ``zarr.json`` that disagrees with the metadata). Reports group damage by it.
-    problem_files: tuple[str | None, ...] = ()
-    #: The files or objects holding the entry's chunks (a plain layout's chunk files; a packed one's data files),
-    #: so that a damaged file can say how many entries it holds.
-    stored_in: tuple[str, ...] = ()
-    #: "tensor", "value" (a stored non-tensor value's blob) or "files" (:attr:`VerifyReport.files`).
-    kind: str = "tensor"
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def file_of(self, n: int) -> str | None:
-        """The file problem ``n`` is about, if one."""
-        return self.problem_files[n] if n < len(self.problem_files) else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "path": self.path, "nbytes": self.nbytes, "chunks": self.chunks,
-                "checksummed": self.checksummed, "problems": list(self.problems),
-                "problem_files": [self.file_of(n) for n in range(len(self.problems))],
-                "stored_in": list(self.stored_in), "kind": self.kind}
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """The result of :func:`verify` for a whole checkpoint."""
-
-    location: str
-    entries: tuple[EntryReport, ...] = field(default_factory=tuple)
-    #: The data files, chunk tables and index beside the arrays.
-    files: EntryReport | None = None
-
-    @property
-    def ok(self) -> bool:
-        return all(e.ok for e in self.entries) and (self.files is None or self.files.ok)
-
-    @property
-    def failed(self) -> tuple[EntryReport, ...]:
-        """What is damaged: arrays and values, then the files beside them."""
-        found = tuple(e for e in self.entries if not e.ok)
-        return found + ((self.files,) if self.files is not None and not self.files.ok else ())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
-    @property
-    def chunks(self) -> int:
-        return sum(e.chunks for e in self.entries)
-
-    @property
-    def checksummed(self) -> int:
-        """Tensor chunks whose data was compared with a recorded crc32c."""
-        return sum(e.checksummed for e in self.entries)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"location": self.location, "ok": self.ok, "entries": [e.to_dict() for e in self.entries],
-                "files": self.files.to_dict() if self.files is not None else None}
 
 
 @dataclass(frozen=True)
@@ -189,19 +117,11 @@ class _Checker:
         md = self.source.metadata
         if md.layout != "packed":
             return f"{target.path}/{key}"
-        files = md.data_files
-        if files is None:
-            return None
         try:
-            if target.entry is None:
-                rank = md.objects[target.key].writer
-            else:
-                index = tuple(int(p) for p in key[2:].split(".")) if key != "c" else ()
-                flat = target.entry.grid.flat_index(index)
-                rank = int(target.entry.writer_ranks(md.world_size, target.key)[flat])
-            record = files.ranks[rank] if rank is not None else None
-        except (TsckptError, ValueError, IndexError):
+            index = tuple(int(p) for p in key[2:].split(".")) if key != "c" else ()
+        except ValueError:
             return None
+        record = md.writer_files(target.key, index)
         if record is None:
             return None
         return record.table.path if record.table is not None else (record.files[-1].path if record.files else None)
@@ -378,70 +298,4 @@ def verify(
     with progress_bar(wanted(progress, total), total, "verify", transient=True) as advance:
         checker = _Checker(source, advance)
         entries = tuple(checker.run(t) for t in _targets(md))
-    return VerifyReport(store.url, entries, _files_report(source))
-
-
-def _files_report(source: ChunkSource) -> EntryReport | None:
-    """The files beside the arrays, checked whole: each data file's size, each rank's chunk
-    table and the packed layout's index (nodes and manifest, by their crc32c, and where it says each value is)."""
-    md = source.metadata
-    files = md.data_files
-    if files is None:
-        return None
-    problems: list[str] = []
-    about: list[str | None] = []
-
-    def found(problem: str, file: str | None) -> None:
-        problems.append(problem)
-        about.append(file)
-
-    kv = source.store.kvstore
-    local = source.store.location.driver == "file"
-    for f in files.files:
-        if local:  # the size itself, where one can be had: what a truncation changes
-            full = os.path.join(str(source.store.location.spec.get("path", "")), f.path)
-            if not os.path.exists(full):
-                found(f"{f.path} is missing", f.path)
-            elif os.path.getsize(full) != f.size:
-                found(f"{f.path} is {os.path.getsize(full)} bytes, not the {f.size} written (truncated or replaced)",
-                      f.path)
-            continue
-        try:
-            result = kv.read(f.path, byte_range=slice(f.size, f.size)).result() if f.size else kv.read(f.path).result()
-            missing = result.state != "value"
-        except ValueError as e:
-            # A read at the recorded end fails when the file or object is shorter.
-            found(f"{f.path} is shorter than the {f.size} bytes written: {e}", f.path)
-            continue
-        if missing:
-            found(f"{f.path} is missing", f.path)
-    for rank, record in enumerate(files.ranks):
-        if record.table is None:
-            continue
-        try:
-            source.tables.everything(rank)
-        except (ValueError, TsckptError) as e:
-            found(str(e), record.table.path)
-    index_file = files.index.path if files.index is not None else None
-    if files.index is not None:
-        try:
-            index = source.locator.everything()
-            Manifest.decode(kv.read(MANIFEST_KEY).result().value, MANIFEST_KEY)
-            # What TensorStore and zarr-python find through the index must be what tsckpt finds in the tables.
-            source.locator.prefetch(index)
-            odd = next((k for k, v in index.items() if v.inline is None and _located(source, k) not in (v, None)),
-                       None)
-            if odd is not None:
-                found(f"the index and the chunk tables disagree on where {odd} is stored", index_file)
-        except (ValueError, TsckptError) as e:
-            found(str(e), index_file)
-    return EntryReport("(data files)", "d/", sum(f.size for f in files.files), 0, tuple(problems),
-                       problem_files=tuple(about), kind="files")
-
-
-def _located(source: ChunkSource, key: str) -> Any:
-    """Where the chunk tables say ``key`` is; None where its table cannot be read (reported as the table's damage)."""
-    try:
-        return source.locator.locate(key)
-    except TsckptError:
-        return None
+    return VerifyReport(store.url, entries, files_report(source))

@@ -20,14 +20,11 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-import crc32c as _crc32c
-import numpy as np
 import tensorstore as ts
-from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..errors import ChecksumError, StorageError, TsckptError
-from ..format import compressed, dtypes, shards
 from ..format.metadata import TensorEntry
 from ..storage.chunk_source import ChunkSource
 from ..commit import protocol as commit
@@ -39,6 +36,8 @@ from ..format.metadata import CheckpointMetadata
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import problem
+from .byte_requests import as_slice, clipped
+from .chunk_checks import check_read
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -161,7 +160,7 @@ class TensorStoreZarrStore(Store):
         # opened is current, so TensorStore need not revalidate its cached
         # manifest and B+tree nodes on every read.
         kv = self._route(key)
-        return kv.read(key, byte_range=_as_slice(byte_range), staleness_bound=self._opened_at)
+        return kv.read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
 
     def _only_out_of_range(self, key: str, error: ValueError) -> None:
         """Let a range past the end through (zarr returns what exists; TensorStore refuses); raise the rest."""
@@ -224,56 +223,11 @@ class TensorStoreZarrStore(Store):
         found = self._array_of(key)
         if found is None:
             return
-        flat, entry, index = found
-        if entry is None:  # a value blob: one piece, read whole
-            if byte_range is None and not _intact(value):
-                raise self._damage(key, ChecksumError, "its blob does not match its stored crc32c (the data "
-                                                        "changed after it was written)")
-            return
+        _, entry, index = found
         options = self.metadata.array_options  # type: ignore[union-attr]
-        fmt = shards.value_format(entry, options)
-        data = np.frombuffer(value, dtype=np.uint8)
-        if options.compression is not None:
-            self._check_compressed(key, entry, fmt, index, data, byte_range)
-            return
-        start, end = _span(byte_range, fmt.nbytes)
-        if (start, end) == (0, fmt.nbytes):
-            try:
-                shards.check_stored_codec(fmt, index, data, "")
-            except ChecksumError as e:
-                raise self._damage(key, ChecksumError, str(e).removeprefix(": ")) from None
-        elif fmt.indexed and (start, end) == (fmt.nbytes - fmt.index_bytes, fmt.nbytes):
-            if not _intact(data):
-                raise self._damage(key, ChecksumError, "its shard index does not match its stored crc32c")
-        elif end <= fmt.pieces * fmt.piece_bytes and start % fmt.piece_bytes == 0 and data.size % fmt.piece_bytes == 0:
-            for at in range(0, data.size, fmt.piece_bytes):
-                if not _intact(data[at:at + fmt.piece_bytes]):
-                    raise self._damage(key, ChecksumError, f"the inner chunk at bytes [{start + at}, "
-                                       f"{start + at + fmt.piece_bytes}) does not match its stored crc32c (the data "
-                                       "changed after it was written)")
-
-    def _check_compressed(self, key: str, entry: TensorEntry, fmt: shards.ShardFormat, index: tuple[int, ...],
-                          data: np.ndarray, byte_range: ByteRequest | None) -> None:
-        """Compressed chunks: a whole one decoded and checked; its index, and then each inner chunk zarr reads by
-        the ranges the index gives, by the crc32c each ends with."""
-        options = self.metadata.array_options  # type: ignore[union-attr]
-        assert options.compression is not None
-        if byte_range is None:
-            try:
-                compressed.decode(fmt, options.compression, data, dtypes.from_zarr(entry.dtype).numpy, "")
-            except ChecksumError as e:
-                raise self._damage(key, ChecksumError, str(e).removeprefix(": ")) from None
-            return
-        if fmt.indexed and isinstance(byte_range, SuffixByteRequest) and byte_range.suffix == fmt.index_bytes:
-            if not _intact(data):
-                raise self._damage(key, ChecksumError, "its shard index does not match its stored crc32c")
-            pairs = np.frombuffer(data[:16 * fmt.pieces].tobytes(), dtype="<u8").reshape(-1, 2)
-            self._pieces[key] = {(int(o), int(o + n)) for o, n in pairs.tolist() if o != shards.MISSING}
-        elif isinstance(byte_range, RangeByteRequest) and (byte_range.start, byte_range.end) in self._pieces.get(key, ()):
-            if not _intact(data):
-                raise self._damage(key, ChecksumError, f"the inner chunk at bytes [{byte_range.start}, "
-                                   f"{byte_range.end}) does not match its stored crc32c (the data changed after it "
-                                   "was written)")
+        problem_text = check_read(key, value, byte_range, entry, index, options, self._pieces)
+        if problem_text is not None:
+            raise self._damage(key, ChecksumError, problem_text)
 
     def _stored_at(self, key: str) -> str:
         """Where ``key``'s value is, as the error names it: its file (and range), or why that cannot be said."""
@@ -287,16 +241,8 @@ class TensorStoreZarrStore(Store):
             return f"{found.file} (bytes [{found.offset}, {found.offset + found.length}))"
         # Its writer's chunk table, which ends its data file, cannot say: that data file.
         found_array = self._array_of(key)
-        files = self.metadata.data_files if self.metadata is not None else None
-        if found_array is None or files is None:
-            return "the packed index"
-        flat, entry, index = found_array
-        try:
-            rank = (self.metadata.objects[flat].writer if entry is None  # type: ignore[union-attr]
-                    else int(entry.writer_ranks(self.metadata.world_size, flat)[entry.grid.flat_index(index)])) # type: ignore[union-attr]
-            record = files.ranks[rank] if rank is not None else None
-        except (TsckptError, ValueError, IndexError):
-            record = None
+        record = (self.metadata.writer_files(found_array[0], found_array[2])
+                  if found_array is not None and self.metadata is not None else None)
         if record is None or not record.files:
             return "the packed index"
         return " or ".join(f.path for f in record.files)
@@ -383,45 +329,5 @@ class TensorStoreZarrStore(Store):
         """The value read, or None for a missing key; ``clip`` cuts a whole value to a range."""
         if result.state != "value":
             return None
-        value = result.value if clip is None else _clip(result.value, clip)
+        value = result.value if clip is None else clipped(result.value, clip)
         return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
-
-
-def _intact(data: bytes | np.ndarray) -> bool:
-    """Whether ``data`` ends with the crc32c (little-endian) of the bytes before it."""
-    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    return raw.size >= 4 and _crc32c.crc32c(raw[:-4]) == int.from_bytes(raw[-4:].tobytes(), "little")
-
-
-def _span(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:
-    """``[start, end)`` of a request into a value of ``size`` bytes."""
-    if byte_range is None:
-        return 0, size
-    if isinstance(byte_range, RangeByteRequest):
-        return byte_range.start, byte_range.end
-    if isinstance(byte_range, OffsetByteRequest):
-        return byte_range.offset, size
-    return size - byte_range.suffix, size
-
-
-def _as_slice(byte_range: ByteRequest | None) -> slice | None:
-    if byte_range is None:
-        return None
-    if isinstance(byte_range, RangeByteRequest):
-        return slice(byte_range.start, byte_range.end)
-    if isinstance(byte_range, OffsetByteRequest):
-        return slice(byte_range.offset, None)
-    if isinstance(byte_range, SuffixByteRequest):
-        return slice(-byte_range.suffix, None) if byte_range.suffix else slice(0, 0)
-    raise TypeError(f"unexpected byte range {byte_range!r}")
-
-
-def _clip(value: bytes, byte_range: ByteRequest | None) -> bytes:
-    """What zarr's own stores return for a range that runs past the end of ``value``."""
-    if isinstance(byte_range, RangeByteRequest):
-        return value[byte_range.start:byte_range.end]
-    if isinstance(byte_range, OffsetByteRequest):
-        return value[byte_range.offset:]
-    if isinstance(byte_range, SuffixByteRequest):
-        return value[max(len(value) - byte_range.suffix, 0):]
-    return value
