@@ -131,12 +131,6 @@ class ChunkTable:
         k = int(np.searchsorted(rows["chunk"], chunk))
         return rows[k] if k < len(rows) and int(rows["chunk"][k]) == chunk else None
 
-    def chunks_of(self, path: str) -> np.ndarray:
-        """Every row of array ``path``, by chunk."""
-        key = array_key(path)
-        a = self.records["array"]
-        return self.records[int(np.searchsorted(a, key)):int(np.searchsorted(a, key, side="right"))]
-
 
 class TableReader:
     """A chunk table as a reader looks keys up in it: its front (header and directory) first, then only the

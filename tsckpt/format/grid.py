@@ -191,11 +191,6 @@ class ChunkGrid:
     def nchunks(self) -> int:
         return math.prod(self.grid_shape)
 
-    @property
-    def read_unit(self) -> tuple[int, ...]:
-        """The smallest box a read fetches: the inner chunk when there is one."""
-        return self.inner_chunk_shape or self.chunk_shape
-
     def indices(self) -> Iterator[tuple[int, ...]]:
         """Every chunk's grid index, in row-major order (none for an empty tensor, ``()`` for a 0-d one)."""
         return itertools.product(*(range(g) for g in self.grid_shape))

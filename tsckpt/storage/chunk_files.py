@@ -29,6 +29,14 @@ _DEFER_SYNC = localfs.has_syncfs()
 INLINE_BYTES = 1 << 20
 
 
+class WriteFailed(Exception):
+    """A value that could not be written: its key and the operating system's or store's error."""
+
+    def __init__(self, key: str, cause: BaseException):
+        super().__init__(f"{key}: {cause}")
+        self.key, self.cause = key, cause
+
+
 #: Scratch buffers larger than this are not kept between uses.
 _KEEP_SCRATCH = 4 << 20
 _free_scratch: list[np.ndarray] = []
@@ -115,8 +123,6 @@ class ChunkFileWriter:
 
     def _write(self, path: str, value: Any, key: str,
                emit: Callable[[Any, Callable[[memoryview], None]], None] | None) -> None:
-        from .sinks import WriteFailed  # sinks builds on this module
-
         try:
             fd = self._create(path)
         except OSError as e:

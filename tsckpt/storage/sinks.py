@@ -43,6 +43,7 @@ from ..format import content_hashes
 from ..format.data_files import FileRef, RankFiles, Span
 from ..format.ocdbt import Ref
 from . import chunk_files, localfs
+from .chunk_files import WriteFailed
 
 #: A writer's scratch buffers: ``get(n)`` returns ``n`` reusable bytes.
 Scratch = Callable[[int], np.ndarray]
@@ -56,14 +57,6 @@ DEFAULT_PART_BYTES = 1 << 30
 #: A rank's values expected to fill one object of at least this size go into two halves instead, so that the
 #: first is on its way while the second is encoded: an upload cannot start before its object is whole.
 SPLIT_BYTES = 16 << 20
-
-
-class WriteFailed(Exception):
-    """A value that could not be written: its key and the operating system's or store's error."""
-
-    def __init__(self, key: str, cause: BaseException):
-        super().__init__(f"{key}: {cause}")
-        self.key, self.cause = key, cause
 
 
 class Value(ABC):
