@@ -96,6 +96,7 @@ from scale_world import World, as_sent, dcp_results, sent_plan, slices, tsckpt_r
 from tsckpt.commit import protocol as commit
 from tsckpt.dcp.contract import GlobalPlans, RankWrites
 from tsckpt.dcp.plan_cache import CACHE
+from tsckpt.dcp.planner import SavePlanner as TsckptSavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import MetadataError
 from tsckpt.storage.location import parse_location
@@ -229,6 +230,7 @@ def main() -> None:
     marked = [SavePlan([], storage_data=handed, usable=False)] * args.ranks
     # name, what tsckpt's prepare_global_plan gets, what FileSystemWriter's gets, what comes first (not timed)
     steps = [("plan", plans, plans, None),
+             ("plan: tsckpt's planner", world.compact(), plans, "placed"),
              ("plan, cached: DCP's planner", unusable, unusable, "recall"),
              ("plan, caching on: first save", first, dcp_planned, "forget"),
              ("plan, cached: tsckpt's planner", marked, unusable, None)]
@@ -242,6 +244,12 @@ def main() -> None:
                 warm.set_up_storage_writer(True, rank=0)
                 warm.prepare_global_plan(unusable)
                 del warm
+            if before == "placed":
+                # tsckpt's planner's global planning over its compact plans (DCP's, over full ones, is not timed)
+                planner = TsckptSavePlanner()
+                planner.set_up_planner({}, is_coordinator=True)
+                clocks["tsckpt"].time(phase, lambda p=planner, g=ts_in: p.create_global_plan(g))
+                del planner
             if before == "forget":
                 CACHE.clear()  # DCP's planner's entry is done with: its memory back
             writers = {"tsckpt": TensorStoreWriter(os.path.join(base, f"tsckpt{step}"), overwrite=True),

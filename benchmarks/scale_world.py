@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tsckpt.dcp.contract import PlannerNotes, RankSummary, RankWrites
+from tsckpt.dcp.replica_writes import Holdings
 from tsckpt.format.chunk_table import ChunkTable
 from tsckpt.format.data_files import FileRef, RankFiles, Span
 
@@ -70,6 +71,17 @@ class World:
                 "ranks": list(range(self.ranks))}
         record = {"kind": "dtensor", "mesh": mesh, "placements": [{"type": "shard", "dim": 0}]}
         return PlannerNotes({fqn: record for fqn in self.fqns})
+
+    def compact(self) -> list[SavePlan]:
+        """Every rank's local plan as tsckpt's planner sends it, wrapped by its writer: no item of a DTensor whose
+        placements give its layout; rank 0 (the lowest of the mesh) sends each tensor's record."""
+        notes = self.notes()
+        arrays = {fqn: {"shape": [self.rows, self.cols], "dtype": "bfloat16", "key_path": list(self.mappings[fqn])}
+                  for fqn in self.fqns}
+        first = SavePlan([], storage_data=PlannerNotes(notes.placements, arrays))
+        rest = SavePlan([], storage_data=PlannerNotes())
+        return [SavePlan([], storage_data=Holdings.of(first), planner_data={})] + [
+            SavePlan([], storage_data=Holdings.of(rest), planner_data={}) for _ in range(self.ranks - 1)]
 
     def _items(self, r: int) -> list[WriteItem]:
         offsets = torch.Size([self.start(r), 0])

@@ -12,7 +12,11 @@ DCP runs a save as four collectives around the storage writer's methods. With
 2. ``planner.create_local_plan()``, then ``writer.prepare_local_plan(plan)`` -- every rank;
    the plans are **gathered** to the coordinator. tsckpt's planner puts
    :class:`PlannerNotes` in ``storage_data``: the placement records of the
-   tensors this rank describes. DCP's own planner puts nothing there. The
+   tensors this rank describes; and it leaves out of the plan every DTensor
+   whose placements give its layout (:mod:`tsckpt.dcp.placed_writes`), whose
+   record (shape, dtype, key path) the lowest rank of its mesh sends instead,
+   so that what is gathered grows with tensors plus ranks. DCP's own planner
+   puts nothing there and lists every shard. The
    writer wraps it in the rank's :class:`~tsckpt.dcp.replica_writes.Holdings`,
    by which the coordinator finds replicas and spreads their writes.
 3. ``planner.create_global_plan(plans)``, then ``writer.prepare_global_plan(plans)`` -- the
@@ -23,14 +27,16 @@ DCP runs a save as four collectives around the storage writer's methods. With
    rank, that rank's plan with a :class:`RankPlan` as ``storage_data``: the
    whole :class:`WriteConfig`, the data location, and the layouts of the arrays
    *that rank* writes, pre-pickled (:class:`Prepickled`) once per distinct set
-   of arrays. With DCP's plan caching, ranks whose plans did not change come
+   of arrays, and one :class:`PlacedArrays` table shared by all ranks for the
+   DTensors no plan lists. With DCP's plan caching, ranks whose plans did not change come
    back unusable. Every save writes to a new location, so each rank must
    hear of it: with tsckpt's planner, the empty plans carry only this save's
    :class:`NewOrders`; with another planner, the coordinator sends the ranks
    their cached plans again, pre-pickled, as it recalls them (:mod:`tsckpt.dcp.plan_cache`).
 4. The plans are **scattered** (DCP pickles each rank's plan); every rank runs
    ``planner.finish_plan(plan)`` (tsckpt's applies :class:`NewOrders` to the
-   plan DCP cached), then ``writer.write_data(plan, planner)``. A rank
+   plan DCP cached, and adds the rank's writes of the DTensors it left out),
+   then ``writer.write_data(plan, planner)``. A rank
    writes only what its plan lists, only where its ``RankPlan`` says, and only
    as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
    sync options are not used. It returns :class:`RankWrites`: one
@@ -136,9 +142,14 @@ class PlannerNotes:
     """What tsckpt's planner adds to a rank's local plan, in ``storage_data`` (step 2).
 
     ``placements``: the placement record (mesh inline) of each tensor this rank describes.
+    ``arrays``: of those, each DTensor whose layout its placements give
+    (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}``.
+    No rank's plan lists such a tensor's items; the coordinator lays out its
+    array from this record alone.
     """
 
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    arrays: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @staticmethod
     def of(plan: SavePlan) -> PlannerNotes:
@@ -228,6 +239,22 @@ class ArrayTable:
 
 
 @dataclass(frozen=True)
+class PlacedArrays:
+    """The arrays of the DTensors laid out from their placements (step 3): one table, the same for every rank.
+
+    Each rank finds in it the arrays of the placed DTensors it holds and
+    writes what :func:`~tsckpt.dcp.placed_writes.own_boxes` gives it.
+    """
+
+    names: tuple[str, ...]
+    table: ArrayTable
+
+    def entries(self) -> dict[str, tuple[int, TensorEntry]]:
+        """Each array's key, with its coordinator number and layout."""
+        return self.table.entries(self.names, "the placed arrays")
+
+
+@dataclass(frozen=True)
 class SaveOrders:
     """What every rank of one save is told alike: how to write, where, and which save this is."""
 
@@ -263,13 +290,22 @@ class RankPlan:
     """What the coordinator tells one rank (step 3): the save's orders and the arrays this rank writes.
 
     ``orders`` is the same object in every rank's plan; ``arrays`` is shared by
-    ranks that write the same tensors. ``objects``: path of each non-tensor
-    value this rank writes.
+    ranks that write the same tensors; ``placed``, the same object in every
+    plan, holds the arrays of DTensors that no plan lists (:class:`PlacedArrays`).
+    ``objects``: path of each non-tensor value this rank writes.
     """
 
     orders: Prepickled[SaveOrders]
     arrays: Prepickled[ArrayTable]
     objects: Mapping[str, str] = field(default_factory=dict)
+    placed: Prepickled[PlacedArrays] | None = None
+
+    def entries(self, fqns: Sequence[str], where: str) -> dict[str, tuple[int, TensorEntry]]:
+        """Each tensor of the rank's plan (in plan order) with its coordinator number and array layout."""
+        placed = self.placed.value.entries() if self.placed is not None else {}
+        out = self.arrays.value.entries([f for f in fqns if f not in placed], where)
+        out.update((f, placed[f]) for f in fqns if f in placed)
+        return out
 
     @property
     def config(self) -> WriteConfig:

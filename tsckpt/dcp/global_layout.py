@@ -11,6 +11,7 @@ so the layouts are pickled once, whatever the world size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,8 @@ from ..format import dtypes
 from ..format.metadata import TensorEntry
 from ..format.names import KeyPath, zarr_path
 from ..format.plan import check_unique_paths, plan_tensor
-from .contract import ArrayTable, PlannerNotes, Prepickled, fqn_digest
+from .contract import ArrayTable, PlacedArrays, PlannerNotes, Prepickled, fqn_digest
+from .placed_writes import Placed, pieces
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class GlobalLayout:
     inner_chunk_bytes: int
     #: Whether sharded tensors are cut into bands (the layout's choice for the location).
     bands: bool
+    #: The arrays of DTensors laid out from their placements, the same for every rank (numbered after the others).
+    placed: Prepickled[PlacedArrays] | None = None
 
     @property
     def nchunks(self) -> list[int]:
@@ -61,8 +65,11 @@ class GlobalLayout:
              bands: bool = False) -> GlobalLayout:
         """Lay out every array from all ranks' full plans (one per rank, in rank order)."""
         placements: dict[str, Mapping[str, Any]] = {}
+        placed_records: dict[str, Mapping[str, Any]] = {}
         for p in plans:
-            placements.update(PlannerNotes.of(p).placements)  # only the ranks that describe tensors have any
+            notes = PlannerNotes.of(p)  # only the ranks that describe tensors have any
+            placements.update(notes.placements)
+            placed_records.update(notes.arrays)
         # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
         # 2000 tensors this loop is most of the coordinator's planning time.
         boxes: dict[str, list[Any]] = {}  # fqn -> [write data, flat offsets+sizes, item count, number, first rank]
@@ -100,11 +107,52 @@ class GlobalLayout:
             entries[fqn] = plan_tensor(fqn, key_paths[fqn], td.size, dtype,
                                        np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
                                        inner_chunk_bytes=inner_chunk_bytes, bands=bands)
+        placed = _placed_entries(placed_records, placements, entries, inner_chunk_bytes, bands, where)
+        key_paths.update((fqn, e.key_path) for fqn, e in placed.items())
+        tables = _rank_tables(entries, rank_ids)  # before the placed arrays: no rank's items name them
+        placed_table = None
+        if placed:
+            first = len(entries)
+            entries.update(placed)
+            placed_table = Prepickled(PlacedArrays(tuple(placed), _Columns(entries).table(
+                np.arange(first, len(entries), dtype=np.int32))))
         blobs = {fqn: zarr_path(key_paths[fqn]) for objs in rank_objects for fqn in objs}
         check_unique_paths([e.path for e in entries.values()] + list(blobs.values()), where)
         return cls(entries=entries, blobs=blobs, key_paths=key_paths, placements=placements,
-                   tables=_rank_tables(entries, rank_ids), objects=[{f: blobs[f] for f in o} for o in rank_objects],
-                   inner_chunk_bytes=inner_chunk_bytes, bands=bands)
+                   tables=tables, objects=[{f: blobs[f] for f in o} for o in rank_objects],
+                   inner_chunk_bytes=inner_chunk_bytes, bands=bands, placed=placed_table)
+
+
+def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mapping[str, Mapping[str, Any]],
+                    listed: Mapping[str, TensorEntry], inner_chunk_bytes: int, bands: bool,
+                    where: str) -> dict[str, TensorEntry]:
+    """The arrays of the DTensors no plan lists, each laid out from its placement alone.
+
+    A model's tensors share a few layouts: each distinct one is planned once
+    (its tiling checked once), the others copy it under their own path.
+    """
+    out: dict[str, TensorEntry] = {}
+    planned: dict[tuple[Placed, str], TensorEntry] = {}
+    for fqn, record in records.items():
+        if fqn in listed:
+            raise PlanError(f"saving {where}: tensor {fqn!r} is both in a rank's plan and laid out from its "
+                            f"placement (its ranks do not agree on its placements?)")
+        try:
+            dtype = dtypes.from_torch_name(record["dtype"])
+        except UnsupportedDtypeError as e:
+            raise UnsupportedDtypeError(f"tensor {fqn!r} in {where}: {e}") from None
+        placed = Placed.from_record(record["shape"], dtype.itemsize, placements.get(fqn, {}))
+        if placed is None:
+            raise PlanError(f"saving {where}: tensor {fqn!r} has no placement a layout follows from "
+                            f"({placements.get(fqn)!r})")
+        template = planned.get((placed, dtype.zarr))
+        if template is None:
+            template = planned[(placed, dtype.zarr)] = plan_tensor(
+                fqn, (fqn,), placed.shape, dtype.zarr, pieces(placed).boxes, inner_chunk_bytes=inner_chunk_bytes,
+                bands=bands)
+        key_path = tuple(record["key_path"])
+        out[fqn] = dataclasses.replace(template, key_path=key_path, path=zarr_path(key_path))
+    return out
 
 
 def _key_path(planner_data: Any, fqn: str) -> KeyPath:
@@ -114,18 +162,7 @@ def _key_path(planner_data: Any, fqn: str) -> KeyPath:
 
 def _rank_tables(entries: Mapping[str, TensorEntry], rank_ids: Sequence[Sequence[int]]) -> list[Prepickled[ArrayTable]]:
     """Each rank's table of the arrays it writes; ranks writing the same tensors in the same order share one."""
-    names = list(entries)
-    listed = list(entries.values())
-    maxnd = max((len(e.shape) for e in listed), default=0)
-    dims = np.zeros((len(listed), 3, maxnd), np.int64)
-    for i, e in enumerate(listed):
-        nd = len(e.shape)
-        dims[i, 0, :nd], dims[i, 1, :nd] = e.shape, e.chunk_shape
-        dims[i, 2, :nd] = e.inner_chunk_shape or 0
-    ndims = np.array([len(e.shape) for e in listed], np.uint8)
-    sharded = np.array([e.inner_chunk_shape is not None for e in listed], bool)
-    if not dims.size or dims.max() < 2**31:
-        dims = dims.astype(np.int32)  # half the bytes, for the shapes that occur
+    columns = _Columns(entries)
     shared: dict[bytes, Prepickled[ArrayTable]] = {}
     out = []
     for ids in rank_ids:
@@ -133,9 +170,32 @@ def _rank_tables(entries: Mapping[str, TensorEntry], rank_ids: Sequence[Sequence
         order = np.fromiter(unique, np.int32, len(unique))
         table = shared.get(order.tobytes())
         if table is None:
-            table = shared[order.tobytes()] = Prepickled(ArrayTable(
-                ids=order, ndims=ndims[order], dims=dims[order], sharded=sharded[order],
-                dtypes=tuple(listed[i].dtype for i in order), key_paths=tuple(listed[i].key_path for i in order),
-                digest=fqn_digest([names[i] for i in order])))
+            table = shared[order.tobytes()] = Prepickled(columns.table(order))
         out.append(table)
     return out
+
+
+class _Columns:
+    """Every array's layout in columns, computed once; :meth:`table` picks the rows of one rank's arrays."""
+
+    def __init__(self, entries: Mapping[str, TensorEntry]):
+        self.names = list(entries)
+        self.listed = listed = list(entries.values())
+        maxnd = max((len(e.shape) for e in listed), default=0)
+        dims = np.zeros((len(listed), 3, maxnd), np.int64)
+        for i, e in enumerate(listed):
+            nd = len(e.shape)
+            dims[i, 0, :nd], dims[i, 1, :nd] = e.shape, e.chunk_shape
+            dims[i, 2, :nd] = e.inner_chunk_shape or 0
+        self.ndims = np.array([len(e.shape) for e in listed], np.uint8)
+        self.sharded = np.array([e.inner_chunk_shape is not None for e in listed], bool)
+        if not dims.size or dims.max() < 2**31:
+            dims = dims.astype(np.int32)  # half the bytes, for the shapes that occur
+        self.dims = dims
+
+    def table(self, order: np.ndarray) -> ArrayTable:
+        """The table of arrays ``order`` (their numbers), in that order."""
+        return ArrayTable(ids=order, ndims=self.ndims[order], dims=self.dims[order], sharded=self.sharded[order],
+                          dtypes=tuple(self.listed[i].dtype for i in order),
+                          key_paths=tuple(self.listed[i].key_path for i in order),
+                          digest=fqn_digest([self.names[i] for i in order]))

@@ -32,14 +32,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..errors import LoadMismatchError, PlanError
-from ..format import values
+from ..format import dtypes, values
 from .contract import GlobalPlans, NewOrders, PlannerNotes
+from .placed_writes import Placed, own_boxes, shard_box
 from .torch_private import ShardedTensor, StridedShard, plan_caching_asked, set_element
 from .values import DecodedValue, EncodedValue
 
@@ -180,16 +182,44 @@ class SavePlanner(DefaultSavePlanner):
         return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def create_local_plan(self) -> SavePlan:
+        """Every rank: DCP's local plan, less the DTensors whose placements give their layout.
+
+        Their items stay on the rank (restored by :meth:`finish_plan`), so the
+        coordinator gathers no item per rank and tensor; the lowest rank of
+        each one's mesh sends its record instead (:class:`PlannerNotes`).
+        """
         plan = super().create_local_plan()
+        full = self.plan  # DCP keeps the rank's whole plan here, sent or not
+        self._held = HeldShards.of(self, full)
         if not plan.usable:  # unchanged since DCP cached it
             return plan
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        plan = dataclasses.replace(plan, storage_data=PlannerNotes(placement_records(self, rank)))
-        self.plan = plan
-        return plan
+        placements = placement_records(self, rank)
+        planner_data = full.planner_data
+        arrays = {fqn: self._held.record(self.state_dict[fqn], _key_path(planner_data, fqn)) for fqn in placements
+                  if self._held.placed(fqn) is not None}
+        sent = [item for item in full.items if self._held.placed(item.index.fqn) is None]
+        if isinstance(planner_data, Mapping):
+            planner_data = {item.index.fqn: planner_data[item.index.fqn] for item in sent
+                            if item.index.fqn in planner_data}
+        self.plan = dataclasses.replace(full, items=sent, storage_data=PlannerNotes(placements, arrays),
+                                        planner_data=planner_data)
+        return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Coordinator: DCP's global planning; the metadata then lists the tensors laid out from placements too."""
         plans, metadata = super().create_global_plan(all_plans)
+        placed = {}
+        for p in self.global_plan:  # every rank's full plan, even where DCP returns only those that changed
+            notes = PlannerNotes.found(p)
+            for fqn, record in (notes.arrays if notes is not None else {}).items():
+                shape = torch.Size(record["shape"])
+                placed[fqn] = TensorStorageMetadata(
+                    TensorProperties(dtype=getattr(torch, record["dtype"])), shape,
+                    [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+        if placed:
+            metadata = self.metadata = dataclasses.replace(
+                metadata, state_dict_metadata={**metadata.state_dict_metadata, **placed})
         if self.caches_plans:
             # DCP returns only the plans that changed; it keeps every rank's full plan as ``global_plan``.
             full = GlobalPlans(self.global_plan, self.cache_key)
@@ -197,6 +227,7 @@ class SavePlanner(DefaultSavePlanner):
         return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """Every rank: the coordinator's plan for it, plus its writes of the DTensors it kept back."""
         plan = super().finish_plan(new_plan)
         if not new_plan.usable and isinstance(new_plan.storage_data, NewOrders):
             # DCP's cache kept this rank's plan; the writer sent only this save's orders for it.
@@ -204,7 +235,11 @@ class SavePlanner(DefaultSavePlanner):
             if updated is None:
                 raise PlanError("the plan DCP cached on this rank carries no layout from tsckpt's writer; save once "
                                 "with a planner that does not cache")
-            self.plan = plan = updated
+            plan = updated
+        held = getattr(self, "_held", None)
+        if held is not None and held.items:
+            plan = dataclasses.replace(plan, items=list(plan.items) + held.own_writes())
+        self.plan = plan
         return plan
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
@@ -214,6 +249,67 @@ class SavePlanner(DefaultSavePlanner):
         if encoding == values.JSON:
             payload = json.dumps(payload, allow_nan=False).encode("utf-8")
         return EncodedValue(payload, encoding)
+
+
+def _key_path(planner_data: Any, fqn: str) -> list[Any]:
+    """Where ``fqn`` sits in the state dict, as DCP's flattening mapped it (``planner_data``)."""
+    found = planner_data.get(fqn) if isinstance(planner_data, Mapping) else None
+    return list(found) if found is not None else [fqn]
+
+
+class HeldShards:
+    """A rank's items of the DTensors whose layout their placements give: kept back from the gathered plan.
+
+    Made in ``create_local_plan``; in ``finish_plan`` each becomes what
+    :func:`~tsckpt.dcp.placed_writes.own_boxes` gives this rank: the whole
+    shard, pieces of it, or nothing (another replica writes it).
+    """
+
+    def __init__(self, state: Mapping[str, Any], items: list[WriteItem], placed: dict[str, Placed | None]):
+        self.state, self.items, self._placed = state, items, placed
+
+    @classmethod
+    def of(cls, planner: Any, plan: SavePlan) -> HeldShards:
+        state = planner.state_dict
+        placed: dict[str, Placed | None] = {}
+        meshes = MeshRecords()
+        for fqn, obj in state.items():
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is not None:
+                record = describe(obj, meshes)
+                assert record is not None
+                placed[fqn] = Placed.from_record(obj.shape, obj.dtype.itemsize, record)
+        items = [item for item in plan.items if placed.get(item.index.fqn) is not None]
+        return cls(state, items, placed)
+
+    def placed(self, fqn: str) -> Placed | None:
+        return self._placed.get(fqn)
+
+    @staticmethod
+    def record(obj: DTensor, key_path: list[Any]) -> dict[str, Any]:
+        """What the coordinator lays out ``obj``'s array from, beside its placement record."""
+        return {"shape": list(obj.shape), "dtype": dtypes.torch_name(obj.dtype), "key_path": key_path}
+
+    def own_writes(self) -> list[WriteItem]:
+        """This rank's items of the held DTensors: each shard whole, in pieces, or not at all."""
+        out = []
+        for item in self.items:
+            fqn = item.index.fqn
+            placed = self._placed[fqn]
+            assert placed is not None
+            coordinate = self.state[fqn].device_mesh.get_coordinate()
+            chunk = item.tensor_data.chunk
+            expected = shard_box(placed, coordinate)
+            if expected != (tuple(chunk.offsets), tuple(chunk.sizes)):
+                raise PlanError(f"tensor {fqn!r}: DCP plans this rank's shard at offsets={list(chunk.offsets)} "
+                                f"sizes={list(chunk.sizes)}, its placements give offsets={list(expected[0])} "
+                                f"sizes={list(expected[1])}")
+            for offsets, sizes in own_boxes(placed, fqn, coordinate).tolist():
+                if (tuple(offsets), tuple(sizes)) == expected:
+                    out.append(item)
+                    continue
+                box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                out.append(dataclasses.replace(item, tensor_data=dataclasses.replace(item.tensor_data, chunk=box)))
+        return out
 
 
 #: How many mismatched keys a load's error details; the others are counted.

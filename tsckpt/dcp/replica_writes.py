@@ -162,10 +162,10 @@ def _row_steps(plans: Sequence[SavePlan], counts: dict[str, int]) -> dict[str, i
             for edge in (lo, lo + size) if size else ():
                 if 0 < edge < n:
                     seen[0] = math.gcd(seen[0], edge)
-    return {fqn: _row_step(inner_gcd, rows, counts[fqn]) for fqn, (inner_gcd, rows) in found.items()}
+    return {fqn: row_step(inner_gcd, rows, counts[fqn]) for fqn, (inner_gcd, rows) in found.items()}
 
 
-def _row_step(inner_gcd: int, rows: int, m: int) -> int:
+def row_step(inner_gcd: int, rows: int, m: int) -> int:
     """Rows per piece when items of up to ``rows`` rows are cut into about ``m`` pieces (the last may be shorter).
 
     With no region boundary inside dim 0 (``inner_gcd`` 0), ``ceil(rows / m)``:

@@ -284,7 +284,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if kept is not None and CACHE.ranks_keep_their_plans(plans):
             # Every rank still holds the plan it was sent with this layout: this save's orders are all it needs.
             return [SavePlan([], storage_data=NewOrders(orders), usable=False)] * len(plans)
-        rank_plans = [RankPlan(orders, table, objects) for table, objects in zip(layout.tables, layout.objects)]
+        rank_plans = [RankPlan(orders, table, objects, layout.placed)
+                      for table, objects in zip(layout.tables, layout.objects)]
         if key is None:
             return [dataclasses.replace(p, storage_data=rp) for p, rp in zip(sent, rank_plans)]
         return CACHE.send(key, full, sent, layout, rank_plans)
@@ -332,7 +333,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         config = orders.config
         store = self.data_store(orders.location, config)
         tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
-        arrays = rank_plan.arrays.value.entries(list(dict.fromkeys(tensors)), where)
+        arrays = rank_plan.entries(list(dict.fromkeys(tensors)), where)
         base = orders.base
         writer = RankWriter(store, self.rank, orders.save_id, "", options=config.array_options,
                             checksums=config.checksums, window=self.per_thread_copy_ahead, sync=config.sync_files,

@@ -74,11 +74,16 @@ def torch_name(dtype: torch.dtype) -> str:
 
 def from_torch(dtype: torch.dtype) -> DType:
     """Look up a torch dtype; raises for dtypes Zarr cannot hold (complex32, quantized...)."""
+    return from_torch_name(torch_name(dtype))
+
+
+def from_torch_name(name: str) -> DType:
+    """Look up a torch dtype by :func:`torch_name`, e.g. ``"bfloat16"``."""
     try:
-        return BY_TORCH_NAME[torch_name(dtype)]
-    except KeyError:
+        return BY_TORCH_NAME[name]
+    except (KeyError, TypeError):
         raise UnsupportedDtypeError(
-            f"torch dtype {dtype} cannot be stored; supported: "
+            f"torch dtype torch.{name} cannot be stored; supported: "
             f"{sorted(BY_TORCH_NAME)}"
         ) from None
 
