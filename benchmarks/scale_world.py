@@ -83,7 +83,7 @@ class World:
         return [SavePlan([], storage_data=Holdings.of(first), planner_data={})] + [
             SavePlan([], storage_data=Holdings.of(rest), planner_data={}) for _ in range(self.ranks - 1)]
 
-    def _items(self, r: int) -> list[WriteItem]:
+    def items(self, r: int) -> list[WriteItem]:
         offsets = torch.Size([self.start(r), 0])
         td = TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([self.nrows(r), self.cols])),
                              properties=self.props, size=self.size)
@@ -96,11 +96,11 @@ class World:
         ``shared``: a rank's items share their ``TensorWriteData``; else no two items share an object.
         """
         full = [r for r in range(self.ranks) if self.nrows(r) > 0]
-        plans = [SavePlan(self._items(r) if shared else as_sent(self._items(r)), planner_data=self.mappings)
+        plans = [SavePlan(self.items(r) if shared else as_sent(self.items(r)), planner_data=self.mappings)
                  for r in full]
         empty = self.ranks - len(full)
         if empty:
-            shared = self._items(len(full))  # equal on every empty rank: the same objects serve them all
+            shared = self.items(len(full))  # equal on every empty rank: the same objects serve them all
             plans += dedup_save_plans([SavePlan(shared, planner_data=self.mappings)] * empty)
         if with_notes:
             plans[0] = SavePlan(plans[0].items, storage_data=self.notes(), planner_data=self.mappings)
@@ -153,13 +153,13 @@ def sent_plan(plan: SavePlan, gathered: SavePlan, items: list[WriteItem]) -> Sav
 
 
 def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str, tables: str | None = None) -> RankWrites:
-    """What rank ``r``'s ``TensorStoreWriter.write_data`` returns: a result per item and one columnar summary
+    """What rank ``r``'s ``TensorStoreWriter.write_data`` returns: one columnar summary
     (each chunk where the packed layout stores it: back to back in the rank's data file). With ``tables`` (the
     save's staging directory), the rank's chunk table is written there at the end of its data file, as the
     rank writes it (the chunks before it are a hole: never read)."""
     numbers = {fqn: i for i, fqn in enumerate(layout.entries)}
     found_for: dict[tuple[Any, ...], list[int]] = {}
-    tensor, chunk, length, results = [], [], [], []
+    tensor, chunk, length = [], [], []
     for item in items:
         entry = layout.entries[item.index.fqn]
         c = item.tensor_data.chunk
@@ -171,7 +171,6 @@ def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str, ta
         chunk += found
         tensor += [number] * len(found)
         length += [math.prod(entry.chunk_shape) * 2] * len(found)
-        results.append(WriteResult(index=item.index, size_in_bytes=math.prod(c.sizes) * 2, storage_data=None))
     sizes = np.asarray(length, np.int64)
     offsets = np.zeros(len(sizes), np.int64)
     np.cumsum(sizes[:-1], out=offsets[1:])
@@ -190,7 +189,7 @@ def tsckpt_results(items: list[WriteItem], r: int, layout: Any, save_id: str, ta
     summary = RankSummary(r, save_id, np.asarray(tensor, np.int32), np.asarray(chunk, np.int64),
                           np.zeros(len(sizes), np.int32), offsets, sizes, np.zeros(len(sizes), bool), (path,),
                           RankFiles((FileRef(path, end + len(table)),), Span(path, end, len(table))))
-    return RankWrites(results, summary)
+    return RankWrites([], summary)  # no WriteResult per item, as the writer returns
 
 
 def dcp_results(items: list[WriteItem], r: int) -> list[WriteResult]:

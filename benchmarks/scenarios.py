@@ -93,6 +93,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "script without a GPU)", "bench_cuda.py", "json", _cuda),
     Scenario("scale", "what a save costs the coordinator at thousands of ranks, phase by phase, against DCP's "
              "writer", "bench_scale.py", "json", _scale),
+    Scenario("scale-planner", "tsckpt.save's coordinator at 10,000 ranks with tsckpt's planner, phase by phase, "
+             "and one rank's load planned", "scale_planner.py"),
     Scenario("incremental", "incremental saves against full saves: bytes newly allocated, save and load time",
              "bench_incremental.py"),
     Scenario("replica-writes", "bytes each rank writes when every rank holds the whole state (DDP), against DCP",

@@ -18,7 +18,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def _every_ranks_plan(world: World) -> list[SavePlan]:
-    return [SavePlan(as_sent(world._items(r)), planner_data=world.mappings) for r in range(world.ranks)]
+    return [SavePlan(as_sent(world.items(r)), planner_data=world.mappings) for r in range(world.ranks)]
 
 
 def test_gathered_plans_are_what_dcps_dedup_makes_of_every_ranks_plan():

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import tsckpt
 from dist import run_ranks
 from tsckpt.dcp.contract import PlannerNotes
-from tsckpt.dcp.placed_writes import Placed, own_boxes, pieces, shard_box
+from tsckpt.dcp.placed_writes import Held, Placed, own_boxes, pieces, shard_box
 from tsckpt.dcp.planner import SavePlanner
 
 
@@ -51,21 +51,30 @@ def test_each_shard_is_what_torch_chunk_gives_and_the_written_boxes_tile_the_ten
             first = np.unravel_index(int(ref.flatten()[0]), shape) if shape else ()
             assert offsets == tuple(int(x) for x in first)
     cover = np.zeros(shape, np.int64)
+    ranks = tuple(range(int(np.prod(mesh))))
     for coordinate in itertools.product(*[range(n) for n in mesh]):
-        for o, s in own_boxes(placed, "w", coordinate).tolist():
+        for o, s in own_boxes([Held("w", placed, coordinate, ranks)])["w"].tolist():
             cover[tuple(slice(a, a + n) for a, n in zip(o, s))] += 1
             assert all(a >= x and a + n <= x + m for a, n, x, m in zip(o, s, *shard_box(placed, coordinate)))
     assert (cover == 1).all()
 
 
-def test_a_large_replicated_shard_is_cut_into_row_pieces_for_its_replicas_and_small_ones_spread_by_key():
-    big = Placed((1024, 1024), 4, (2, 2), (-1, 1))  # 2 MiB shards, two replicas each
+def _bytes_by_rank(tensors: dict[str, Placed], mesh: tuple[int, ...]) -> list[int]:
+    ranks = tuple(range(int(np.prod(mesh))))
+    out = []
+    for coordinate in itertools.product(*[range(n) for n in mesh]):
+        mine = own_boxes([Held(k, p, coordinate, ranks) for k, p in tensors.items()])
+        out.append(sum(int(b[1].prod()) * tensors[k].itemsize for k, boxes in mine.items() for b in boxes))
+    return out
+
+
+def test_replicated_shards_are_cut_into_row_pieces_and_balanced_over_their_replicas():
+    big = Placed((1024, 1024), 4, (2, 2), (-1, 1))  # 2 MiB shards, two replicas each: two 1 MiB pieces
     assert len(pieces(big).boxes) == 4
-    writers = {tuple(np.sort(pieces(big).writers(k))) for k in ("a", "b")}
-    assert writers == {(0, 1, 2, 3)}  # every rank writes a piece
-    small = Placed((8, 8), 4, (4,), (-1,))
-    chosen = {int(pieces(small).writers(f"k{i}")[0]) for i in range(40)}
-    assert chosen == {0, 1, 2, 3}
+    assert _bytes_by_rank({"w": big}, (2, 2)) == [1 << 20] * 4
+    small = {f"k{i}": Placed((8, 8 + i), 4, (4,), (-1,)) for i in range(40)}  # whole tensors, largest first
+    loads = _bytes_by_rank(small, (4,))
+    assert sum(loads) == sum(8 * (8 + i) * 4 for i in range(40)) and max(loads) - min(loads) <= 8 * 47 * 4
 
 
 def _full(name: str, shape) -> torch.Tensor:
@@ -84,15 +93,20 @@ def _state() -> dict:
     return {"model": model | {"bias": torch.arange(4.0)}, "epoch": 3}
 
 
-def _save(rank: int, world: int, path: str) -> tuple[int, list[str]]:
-    state = _state()
-    planner = SavePlanner()
+def _sent(rank: int, state: dict, **options) -> tuple[list[str], list[str]]:
+    """The keys of the items this rank's local plan sends, and of the records it sends."""
+    planner = SavePlanner(**options)
     planner.set_up_planner(dict(state), is_coordinator=rank == 0)
     sent = planner.create_local_plan()
+    return sorted(item.index.fqn for item in sent.items), sorted(PlannerNotes.of(sent).arrays)
+
+
+def _save(rank: int, world: int, path: str) -> tuple:
+    state = _state()
+    plain = _sent(rank, state)
+    alike = _sent(rank, state, values_group=dist.group.WORLD)
     tsckpt.save(state, path)
-    dtensor_items = sum(item.index.fqn in ("model.a", "model.e") for item in sent.items)
-    assert all(item.index.fqn in ("model.a", "model.e", "model.bias", "epoch") for item in sent.items)
-    return dtensor_items, sorted(PlannerNotes.of(sent).arrays)
+    return plain, alike
 
 
 def _load(rank: int, world: int, path: str) -> bool:
@@ -110,11 +124,30 @@ def _load(rank: int, world: int, path: str) -> bool:
 def test_ranks_of_a_2x2_mesh_send_no_dtensor_item_and_the_checkpoint_loads_whole_and_into_3_ranks(tmp_path):
     path = str(tmp_path / "ck")
     sent = run_ranks(4, _save, path)
-    assert [n for n, _ in sent] == [2, 2, 2, 2]
-    nested = {"a", "e"}  # one dimension split over both mesh dimensions: listed in the plans instead
-    assert sent[0][1] == sorted(f"model.{k}" for k in PLACED if k not in nested)
-    assert all(not names for _, names in sent[1:])
+    nested = ["model.a", "model.e"]  # one dimension split over both mesh dimensions: listed in the plans instead
+    placed = sorted(f"model.{k}" for k in PLACED if f"model.{k}" not in nested)
+    # DCP lists plain values on every rank; the lowest rank of the mesh sends the placed DTensors' records
+    assert [items for (items, _), _ in sent] == [sorted(nested + ["epoch", "model.bias"])] * 4
+    assert [records for (_, records), _ in sent] == [placed, [], [], []]
+    # with every rank's plain values alike, only the first rank sends them: a tensor as a record
+    assert [items for _, (items, _) in sent] == [sorted(nested + ["epoch"])] + [nested] * 3
+    assert [records for _, (_, records) in sent] == [sorted(placed + ["model.bias"]), [], [], []]
     ck = tsckpt.open(path)
     for k, (shape, _) in PLACED.items():
         assert np.array_equal(np.asarray(ck[f"model.{k}"][...]), _full(k, shape).numpy())
     assert run_ranks(3, _load, path) == [True] * 3
+
+
+def _save_unlike(rank: int, world: int, path: str) -> list[str]:
+    state = {"bias": torch.arange(4.0), "epoch": 3} | ({"only_here": torch.ones(2)} if rank == 1 else {})
+    items, _ = _sent(rank, state, values_group=dist.group.WORLD)
+    tsckpt.save(state, path)
+    return items
+
+
+def test_when_one_rank_holds_other_plain_values_every_rank_lists_its_own_as_dcp_does(tmp_path):
+    path = str(tmp_path / "ck")
+    assert run_ranks(2, _save_unlike, path) == [["bias", "epoch"], ["bias", "epoch", "only_here"]]
+    state = tsckpt.open(path).to_state_dict()
+    assert torch.equal(state["bias"], torch.arange(4.0)) and torch.equal(state["only_here"], torch.ones(2))
+    assert state["epoch"] == 3

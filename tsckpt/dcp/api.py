@@ -52,7 +52,8 @@ def save(
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
     try:
         with collector.held_off(), _single_process_quiet():
-            return dcp.save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+            planner = SavePlanner(values_group=process_group or (dist.group.WORLD if dist.is_initialized() else None))
+            return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
     except (CheckpointException, KeyboardInterrupt) as e:
         raise _plain(e, f"save to {_shown(path)}", _SaveInterrupts(writer, path, process_group)) from None
 

@@ -39,8 +39,8 @@ DCP runs a save as four collectives around the storage writer's methods. With
    then ``writer.write_data(plan, planner)``. A rank
    writes only what its plan lists, only where its ``RankPlan`` says, and only
    as its ``WriteConfig`` says: its own writer's codec, checksum, layout and
-   sync options are not used. It returns :class:`RankWrites`: one
-   ``WriteResult`` per item, as DCP expects, and a columnar :class:`RankSummary`
+   sync options are not used. It returns :class:`RankWrites`: no
+   ``WriteResult`` (DCP only hands them to ``finish``), and a columnar :class:`RankSummary`
    (each outer chunk's tensor number, chunk index and, packed, where it is
    stored; each value's encoding; the rank's data files and digest table).
 5. The results are **gathered**; ``writer.finish(metadata, results)`` runs on the coordinator:
@@ -143,7 +143,8 @@ class PlannerNotes:
 
     ``placements``: the placement record (mesh inline) of each tensor this rank describes.
     ``arrays``: of those, each DTensor whose layout its placements give
-    (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}``.
+    (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}``,
+    and ``"world"`` (the world size) for a plain tensor every rank holds.
     No rank's plan lists such a tensor's items; the coordinator lays out its
     array from this record alone.
     """
@@ -335,7 +336,8 @@ class NewOrders:
 
 
 class RankWrites(list):
-    """One rank's answer to ``write_data``: DCP's ``WriteResult`` list, with the rank's summary beside it."""
+    """One rank's answer to ``write_data``: a ``WriteResult`` list (empty: DCP only hands it to ``finish``),
+    with the rank's summary beside it."""
 
     def __init__(self, results: Sequence[WriteResult], summary: RankSummary):
         super().__init__(results)

@@ -141,7 +141,10 @@ def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mappin
             dtype = dtypes.from_torch_name(record["dtype"])
         except UnsupportedDtypeError as e:
             raise UnsupportedDtypeError(f"tensor {fqn!r} in {where}: {e}") from None
-        placed = Placed.from_record(record["shape"], dtype.itemsize, placements.get(fqn, {}))
+        if "world" in record:  # a plain tensor every rank holds: replicated over the world
+            placed = Placed(tuple(record["shape"]), dtype.itemsize, (int(record["world"]),), (-1,))
+        else:
+            placed = Placed.from_record(record["shape"], dtype.itemsize, placements.get(fqn, {}))
         if placed is None:
             raise PlanError(f"saving {where}: tensor {fqn!r} has no placement a layout follows from "
                             f"({placements.get(fqn)!r})")

@@ -10,12 +10,12 @@ the coordinator lays out its array from :func:`boxes`, and each rank finds
 its own writes with :func:`own_boxes`. What the coordinator gathers and
 scatters then grows with tensors plus ranks, not with their product.
 
-Replicas share the writing: a shard of at least two :data:`MIN_PIECE_BYTES`
-is cut into row pieces given to its replicas in turn, and a smaller one goes
-whole to one replica; the turn starts at a replica chosen by a hash of the
-key, so that many small tensors spread over the replicas. The chunk grid is
-then aligned to the pieces (:func:`~tsckpt.format.grid.aligned_chunk_shape`),
-so no two ranks ever write one chunk.
+Replicas share the writing: a shard of at least two ``MIN_PIECE_BYTES`` is
+cut into row pieces, and the pieces of every tensor a replica group holds are
+balanced over its members (:func:`own_boxes`). The chunk grid is aligned to
+the pieces (:func:`~tsckpt.format.grid.aligned_chunk_shape`), so no two ranks
+ever write one chunk; the coordinator needs the pieces, never who writes them
+(the ranks' write results say).
 
 Pure functions of shapes, placements and keys; nothing here moves bytes.
 """
@@ -23,8 +23,8 @@ Pure functions of shapes, placements and keys; nothing here moves bytes.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,26 +71,17 @@ class Placed:
 
 @dataclass(frozen=True)
 class Pieces:
-    """Every box a placed tensor is written as, with the mesh coordinate (row-major index) that writes it.
+    """Every box a placed tensor is written as, and whose shard each belongs to.
 
     ``boxes``: int64 ``[n, 2, ndim]`` (offsets, sizes), no empty box;
-    ``shard_writer``: the row-major mesh index of the first replica holding
-    each box's shard; ``turn``: each box's position among its shard's pieces;
+    ``shard``: the row-major mesh index of the first replica holding each
+    box's shard (every replicating mesh dimension at 0);
     ``replica_offsets[j]``: what replica ``j``'s coordinate adds to that index.
     """
 
     boxes: np.ndarray
-    shard_writer: np.ndarray
-    turn: np.ndarray
+    shard: np.ndarray
     replica_offsets: np.ndarray
-
-    def writers(self, key: str) -> np.ndarray:
-        """The row-major mesh index writing each box, for the tensor saved under ``key``."""
-        g = len(self.replica_offsets)
-        if g == 1:
-            return self.shard_writer
-        start = zlib.crc32(key.encode("utf-8", "surrogatepass")) % g
-        return self.shard_writer + self.replica_offsets[(start + self.turn) % g]
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,8 +113,7 @@ def pieces(placed: Placed) -> Pieces:
     offsets, sizes, shard_writer = offsets[keep], sizes[keep], shard_writer[keep]
     step = _piece_rows(placed, offsets, sizes, len(replica_offsets))
     if step is None:
-        boxes = np.stack([offsets, sizes], axis=1)
-        return Pieces(boxes, shard_writer, np.zeros(len(boxes), np.int64), replica_offsets)
+        return Pieces(np.stack([offsets, sizes], axis=1), shard_writer, replica_offsets)
     counts = -(-sizes[:, 0] // step)
     owner = np.repeat(np.arange(len(sizes)), counts)
     turn = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -131,7 +121,7 @@ def pieces(placed: Placed) -> Pieces:
     hi = sizes[owner].copy()
     lo[:, 0] += turn * step
     hi[:, 0] = np.minimum(step, sizes[owner, 0] - turn * step)
-    return Pieces(np.stack([lo, hi], axis=1), shard_writer[owner], turn, replica_offsets)
+    return Pieces(np.stack([lo, hi], axis=1), shard_writer[owner], replica_offsets)
 
 
 def _piece_rows(placed: Placed, offsets: np.ndarray, sizes: np.ndarray, replicas: int) -> int | None:
@@ -155,11 +145,55 @@ def _piece_rows(placed: Placed, offsets: np.ndarray, sizes: np.ndarray, replicas
     return row_step(inner, rows, m)
 
 
-def own_boxes(placed: Placed, key: str, coordinate: Sequence[int]) -> np.ndarray:
-    """The boxes the mesh coordinate ``coordinate`` writes of the tensor saved under ``key``: int64 ``[n, 2, ndim]``."""
-    index = sum(c * math.prod(placed.mesh_shape[i + 1:]) for i, c in enumerate(coordinate))
-    found = pieces(placed)
-    return found.boxes[found.writers(key) == index]
+@dataclass(frozen=True)
+class Held:
+    """A placed tensor as one rank holds it: its key, layout, the rank's mesh coordinate and the mesh's ranks."""
+
+    key: str
+    placed: Placed
+    coordinate: tuple[int, ...]
+    ranks: tuple[int, ...]  # row-major, as the mesh lists them
+
+
+def own_boxes(held: Sequence[Held]) -> dict[str, np.ndarray]:
+    """The boxes this rank writes of each tensor it holds: int64 ``[n, 2, ndim]`` per key.
+
+    A shard without replicas is written whole by its holder. The pieces of
+    replicated shards are balanced over their replicas, per replica group
+    (the same ranks holding the same shard): largest first (ties by key and
+    position), each to the least loaded replica (ties: the first). Every
+    member of a group holds the same tensors with that group, so each
+    computes the same assignment from what it holds alone.
+    """
+    groups: dict[tuple[int, ...], list[tuple[str, np.ndarray, int]]] = {}
+    me: dict[tuple[int, ...], int] = {}
+    out: dict[str, np.ndarray] = {}
+    for h in held:
+        found = pieces(h.placed)
+        mesh = h.placed.mesh_shape
+        index = sum(c * math.prod(mesh[i + 1:]) for i, c in enumerate(h.coordinate))
+        base = index - sum(c * math.prod(mesh[i + 1:]) for i, c in enumerate(h.coordinate)
+                           if h.placed.placements[i] == -1)
+        mine = found.boxes[found.shard == base]
+        if len(found.replica_offsets) == 1:
+            out[h.key] = mine
+            continue
+        members = tuple(h.ranks[base + int(o)] for o in found.replica_offsets)
+        groups.setdefault(members, []).append((h.key, mine, h.placed.itemsize))
+        me[members] = members.index(h.ranks[index])
+    for members, tensors in groups.items():
+        units = sorted((-int(box[1].prod()) * itemsize, key, t)
+                       for key, boxes, itemsize in tensors for t, box in enumerate(boxes))
+        loads = [(0, j) for j in range(len(members))]
+        given: dict[str, list[int]] = {key: [] for key, _, _ in tensors}
+        for neg, key, t in units:
+            load, j = heapq.heappop(loads)
+            if j == me[members]:
+                given[key].append(t)
+            heapq.heappush(loads, (load - neg, j))
+        for key, boxes, _ in tensors:
+            out[key] = boxes[sorted(given[key])]
+    return out
 
 
 def shard_box(placed: Placed, coordinate: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -24,6 +24,7 @@ safe restoration of non-tensor values and refuses narrowing dtype casts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -41,7 +42,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ..errors import LoadMismatchError, PlanError
 from ..format import dtypes, values
 from .contract import GlobalPlans, NewOrders, PlannerNotes
-from .placed_writes import Placed, own_boxes, shard_box
+from .placed_writes import Held, Placed, own_boxes, shard_box
 from .torch_private import ShardedTensor, StridedShard, plan_caching_asked, set_element
 from .values import DecodedValue, EncodedValue
 
@@ -138,7 +139,7 @@ def describes(obj: Any, rank: int, meshes: MeshRecords | None = None) -> bool:
     return True
 
 
-def placement_records(planner: Any, rank: int) -> dict[str, dict[str, Any]]:
+def placement_records(planner: Any, rank: int, plain: bool = True) -> dict[str, dict[str, Any]]:
     """The placement records of the tensors ``rank`` describes, read from a planner's state dict.
 
     For DCP's own planner, whose plans carry no placements: it keeps the
@@ -147,6 +148,8 @@ def placement_records(planner: Any, rank: int) -> dict[str, dict[str, Any]]:
     step 4). One rank describes each tensor (:func:`describes`), so what the
     coordinator gathers does not grow with ranks x tensors. A planner without
     a state dict yields none, and those tensors are saved without a placement.
+    ``plain``: whether this rank describes plain tensors too (every rank does,
+    unless one is known to hold the same values as all others).
     """
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
@@ -154,7 +157,7 @@ def placement_records(planner: Any, rank: int) -> dict[str, dict[str, Any]]:
     meshes = MeshRecords()
     out = {}
     for fqn, obj in state.items():  # not only what this rank writes: replicas are written by one rank
-        if describes(obj, rank, meshes):
+        if (plain or isinstance(obj, (DTensor, ShardedTensor))) and describes(obj, rank, meshes):
             record = describe(obj, meshes)
             if record is not None:
                 out[fqn] = record
@@ -164,15 +167,30 @@ def placement_records(planner: Any, rank: int) -> dict[str, dict[str, Any]]:
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planning plus placement records and JSON-readable values.
 
-    Takes ``DefaultSavePlanner``'s arguments. With ``enable_plan_caching=True``,
+    Takes ``DefaultSavePlanner``'s arguments. Its plans leave out every
+    DTensor placed by ``Shard``/``Replicate`` alone (each rank finds its own
+    writes from the placements, :mod:`tsckpt.dcp.placed_writes`), so what the
+    coordinator gathers grows with tensors plus ranks, not with their product.
+
+    ``values_group``: the save's process group (``tsckpt.save`` passes it).
+    Every rank then sends the others a 16-byte digest of its plain values
+    (one ``all_gather`` in ``create_local_plan``); when all agree, plain
+    tensors are written like DTensors replicated over the group and other
+    values by its first rank, and no other rank lists them. Leave it out
+    when a rank's plain values may differ, or where a collective may not run
+    (``dcp.async_save`` plans in a background thread).
+
+    With ``enable_plan_caching=True``,
     its global planning (on the coordinator) hands the writer every rank's full
     plan beside the ones DCP returns (:class:`~tsckpt.dcp.contract.GlobalPlans`),
     and each rank's ``finish_plan`` takes this save's orders into the plan DCP
     kept for it (:class:`~tsckpt.dcp.contract.NewOrders`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, values_group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: The save's process group, when plain values may be checked to be alike on every rank (one all_gather).
+        self.values_group = values_group
         #: Whether DCP's plan cache is on for this planner (DCP keeps its own flag private).
         self.caches_plans = plan_caching_asked(*args, **kwargs)
 
@@ -190,21 +208,45 @@ class SavePlanner(DefaultSavePlanner):
         """
         plan = super().create_local_plan()
         full = self.plan  # DCP keeps the rank's whole plan here, sent or not
-        self._held = HeldShards.of(self, full)
+        world = self._values_world()  # a collective when asked for: before any early return
+        self._held = HeldShards.of(self.state_dict, full, world)
         if not plan.usable:  # unchanged since DCP cached it
             return plan
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        placements = placement_records(self, rank)
+        first = world is None or world[0] == 0  # the rank that sends what every rank holds alike
+        placements = placement_records(self, rank, plain=first)
         planner_data = full.planner_data
-        arrays = {fqn: self._held.record(self.state_dict[fqn], _key_path(planner_data, fqn)) for fqn in placements
-                  if self._held.placed(fqn) is not None}
-        sent = [item for item in full.items if self._held.placed(item.index.fqn) is None]
+        arrays = {fqn: self._held.record(fqn, self.state_dict[fqn], _key_path(planner_data, fqn))
+                  for fqn in placements if self._held.held(fqn)}
+        sent = [item for item in full.items if not self._held.held(item.index.fqn)
+                and (first or item.type != WriteItemType.BYTE_IO)]
         if isinstance(planner_data, Mapping):
             planner_data = {item.index.fqn: planner_data[item.index.fqn] for item in sent
                             if item.index.fqn in planner_data}
         self.plan = dataclasses.replace(full, items=sent, storage_data=PlannerNotes(placements, arrays),
                                         planner_data=planner_data)
         return self.plan
+
+    def _values_world(self) -> tuple[int, int] | None:
+        """(this rank, world size) of ``values_group`` if every rank there holds the same plain values, else None.
+
+        One ``all_gather`` of a 16-byte digest of the keys, kinds, shapes and
+        dtypes of the state dict's values that are not DTensors or ShardedTensors.
+        """
+        group = self.values_group
+        if group is None or not (dist.is_available() and dist.is_initialized()):
+            return None
+        size = dist.get_world_size(group)
+        if size < 2:
+            return None
+        signature = sorted((fqn, type(obj).__name__, tuple(obj.shape) if isinstance(obj, torch.Tensor) else (),
+                            str(obj.dtype) if isinstance(obj, torch.Tensor) else "")
+                           for fqn, obj in self.state_dict.items()
+                           if not isinstance(obj, (DTensor, ShardedTensor)))
+        digest = hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
+        digests: list[Any] = [None] * size
+        dist.all_gather_object(digests, digest, group=group)
+        return (dist.get_rank(group), size) if all(d == digest for d in digests) else None
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Coordinator: DCP's global planning; the metadata then lists the tensors laid out from placements too."""
@@ -258,52 +300,60 @@ def _key_path(planner_data: Any, fqn: str) -> list[Any]:
 
 
 class HeldShards:
-    """A rank's items of the DTensors whose layout their placements give: kept back from the gathered plan.
+    """A rank's items of the tensors whose layout their placements give: kept back from the gathered plan.
 
-    Made in ``create_local_plan``; in ``finish_plan`` each becomes what
+    DTensors placed by ``Shard``/``Replicate`` only; with ``world`` (this
+    rank's number and the save's world size, when every rank is known to hold
+    the same plain values) also plain tensors, as replicated over the world.
+    Made in ``create_local_plan``; in ``finish_plan`` each item becomes what
     :func:`~tsckpt.dcp.placed_writes.own_boxes` gives this rank: the whole
     shard, pieces of it, or nothing (another replica writes it).
     """
 
-    def __init__(self, state: Mapping[str, Any], items: list[WriteItem], placed: dict[str, Placed | None]):
-        self.state, self.items, self._placed = state, items, placed
+    def __init__(self, items: list[WriteItem], held: dict[str, Held]):
+        self.items, self._held = items, held
 
     @classmethod
-    def of(cls, planner: Any, plan: SavePlan) -> HeldShards:
-        state = planner.state_dict
-        placed: dict[str, Placed | None] = {}
+    def of(cls, state: Mapping[str, Any], plan: SavePlan, world: tuple[int, int] | None = None) -> HeldShards:
+        held: dict[str, Held] = {}
         meshes = MeshRecords()
         for fqn, obj in state.items():
-            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is not None:
+            if isinstance(obj, DTensor):
+                coordinate = obj.device_mesh.get_coordinate()
                 record = describe(obj, meshes)
-                assert record is not None
-                placed[fqn] = Placed.from_record(obj.shape, obj.dtype.itemsize, record)
-        items = [item for item in plan.items if placed.get(item.index.fqn) is not None]
-        return cls(state, items, placed)
+                placed = Placed.from_record(obj.shape, obj.dtype.itemsize, record) if coordinate is not None else None
+                if placed is not None:
+                    held[fqn] = Held(fqn, placed, tuple(coordinate), tuple(meshes.record(obj.device_mesh)["ranks"]))
+            elif world is not None and isinstance(obj, torch.Tensor) and not isinstance(obj, ShardedTensor):
+                rank, size = world
+                held[fqn] = Held(fqn, Placed(tuple(obj.shape), obj.dtype.itemsize, (size,), (-1,)), (rank,),
+                                 tuple(range(size)))
+        return cls([item for item in plan.items if item.index.fqn in held], held)
 
-    def placed(self, fqn: str) -> Placed | None:
-        return self._placed.get(fqn)
+    def held(self, fqn: str) -> bool:
+        return fqn in self._held
 
-    @staticmethod
-    def record(obj: DTensor, key_path: list[Any]) -> dict[str, Any]:
+    def record(self, fqn: str, obj: torch.Tensor, key_path: list[Any]) -> dict[str, Any]:
         """What the coordinator lays out ``obj``'s array from, beside its placement record."""
-        return {"shape": list(obj.shape), "dtype": dtypes.torch_name(obj.dtype), "key_path": key_path}
+        out = {"shape": list(obj.shape), "dtype": dtypes.torch_name(obj.dtype), "key_path": key_path}
+        if not isinstance(obj, DTensor):
+            out["world"] = self._held[fqn].placed.mesh_shape[0]
+        return out
 
     def own_writes(self) -> list[WriteItem]:
-        """This rank's items of the held DTensors: each shard whole, in pieces, or not at all."""
+        """This rank's items of the held tensors: each shard whole, in pieces, or not at all."""
+        boxes = own_boxes([self._held[item.index.fqn] for item in self.items])
         out = []
         for item in self.items:
             fqn = item.index.fqn
-            placed = self._placed[fqn]
-            assert placed is not None
-            coordinate = self.state[fqn].device_mesh.get_coordinate()
+            held = self._held[fqn]
             chunk = item.tensor_data.chunk
-            expected = shard_box(placed, coordinate)
+            expected = shard_box(held.placed, held.coordinate)
             if expected != (tuple(chunk.offsets), tuple(chunk.sizes)):
                 raise PlanError(f"tensor {fqn!r}: DCP plans this rank's shard at offsets={list(chunk.offsets)} "
                                 f"sizes={list(chunk.sizes)}, its placements give offsets={list(expected[0])} "
                                 f"sizes={list(expected[1])}")
-            for offsets, sizes in own_boxes(placed, fqn, coordinate).tolist():
+            for offsets, sizes in boxes[fqn].tolist():
                 if (tuple(offsets), tuple(sizes)) == expected:
                     out.append(item)
                     continue

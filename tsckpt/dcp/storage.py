@@ -344,13 +344,11 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if not isinstance(planner, TsckptSavePlanner):
             # DCP's own planner puts no placements in the plans: this rank describes its share here.
             summary.placements.update(placement_records(planner, self.rank))
-        results = []
         for item in plan.items:
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 self._write_object(writer, fqn, rank_plan.objects[fqn], data, summary)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data.getbuffer()), storage_data=None))
                 continue
             entry = arrays[fqn][1]
             if dtypes.from_torch(data.dtype).zarr != entry.dtype:
@@ -360,15 +358,15 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             if tuple(chunk.sizes) != tuple(data.shape):  # a piece of a replicated tensor (replica_writes)
                 data = piece_of(data, item, where)
             with CTRL_C.step():
-                nbytes = writer.write(fqn, chunk.offsets, data)
-            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+                writer.write(fqn, chunk.offsets, data)
         with CTRL_C.step():
             stored = writer.finish()
         for fqn, chunks in writer.written.items():
             summary.add(arrays[fqn][0], chunks)
         for fqn, ref in writer.blobs.items():
             summary.place_object(fqn, ref)
-        return RankWrites(results, summary.done(stored))
+        # No WriteResult per item: DCP only hands the gathered results to ``finish``, which reads the summary.
+        return RankWrites([], summary.done(stored))
 
     @staticmethod
     def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:

@@ -8,6 +8,8 @@ the same way.
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +52,16 @@ class RankSummary:
     #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
     failure: Mapping[str, Any] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Gathered from every rank: its columns travel delta-coded and compressed (a regular layout's
+        # offsets, lengths and numbers are runs), so the coordinator receives bytes, not rows.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _COLUMNS}
+        present = [name for name in _COLUMNS if getattr(self, name) is not None]
+        parts = [np.diff(getattr(self, name).astype(np.int64), prepend=0) if name in _DELTAS
+                 else getattr(self, name).astype(np.int64) for name in present]
+        packed = zlib.compress(np.concatenate(parts).tobytes() if parts else b"", 1)
+        return (_unpacked, (fields, present, len(self.tensor), packed))
+
     def to_dict(self) -> dict[str, Any]:
         def column(a: np.ndarray | None) -> list[Any] | None:
             return None if a is None else a.tolist()
@@ -72,6 +84,24 @@ class RankSummary:
                    column("reused", bool), tuple(d.get("files") or ()),
                    None if stored is None else RankFiles.from_dict(stored, "rank summary"),
                    dict(d["objects"]), dict(d.get("placements") or {}), d.get("failure"))
+
+
+#: The columns of a :class:`RankSummary`, with their dtypes; those in ``_DELTAS`` travel as differences.
+_COLUMNS = {"tensor": np.int32, "chunk": np.int64, "file": np.int32, "offset": np.int64, "length": np.int64,
+            "reused": bool}
+_DELTAS = frozenset({"tensor", "chunk", "offset"})
+
+
+def _unpacked(fields: dict[str, Any], present: list[str], n: int, packed: bytes) -> RankSummary:
+    flat = np.frombuffer(zlib.decompress(packed), np.int64).reshape(len(present), n) if present else None
+    columns = {}
+    for i, name in enumerate(present):
+        values = np.cumsum(flat[i]) if name in _DELTAS else flat[i]
+        columns[name] = values.astype(_COLUMNS[name])
+    if "tensor" not in columns:
+        columns["tensor"] = np.zeros(0, np.int32)
+        columns["chunk"] = np.zeros(0, np.int64)
+    return RankSummary(**fields, **columns)
 
 
 class SummaryBuilder:

@@ -12,6 +12,8 @@ functions of bytes; no I/O.
 
 from __future__ import annotations
 
+import functools
+
 import struct
 from collections.abc import Sequence
 
@@ -162,6 +164,12 @@ def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
 
 def encode_file_table(paths: Sequence[str]) -> bytes:
     """A data file table of ``paths`` (sorted, distinct; base paths empty)."""
+    return _file_table(tuple(paths))
+
+
+@functools.lru_cache(maxsize=64)
+def _file_table(paths: tuple[str, ...]) -> bytes:
+    # Cached: the leaves of a large index mostly refer to the same data files, every rank's.
     raw = [p.encode() for p in paths]
     if raw != sorted(set(raw)):
         raise ValueError("data file paths must be sorted and distinct")
@@ -189,8 +197,7 @@ def decode_file_table(r: Reader) -> list[str]:
 
 
 def _common(a: bytes, b: bytes) -> int:
+    """The length of the common prefix of ``a`` and ``b``: where their big-endian XOR's highest bit lies."""
     n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k
+    differ = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    return n - (differ.bit_length() + 7) // 8
