@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
-from .ocdbt_records import (OcdbtFormatError, Reader, decode_file_table, encode_file_table,  # noqa: F401
-                            envelope, open_envelope, varint, varints)
+from .ocdbt_records import (OcdbtFormatError, Reader, VarintColumn, decode_file_table,  # noqa: F401
+                            encode_file_table, envelope, open_envelope, prefix_lengths, varint, varints)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -112,18 +112,35 @@ def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stat
     number[used[order]] = np.arange(len(order))
     prefix = entries.prefixes[lo:hi].copy()
     prefix[0] = 0
-    lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=n)
-    inline = [entries.inline[lo + k] for k in np.flatnonzero(~indirect).tolist()] if not indirect.all() else []
-    value_lengths = entries.length[lo:hi].copy()
+    columns = entries.columns()
+    all_indirect = bool(indirect.all())
+    inline = [entries.inline[lo + k] for k in np.flatnonzero(~indirect).tolist()] if not all_indirect else []
     if inline:
+        value_lengths = entries.length[lo:hi].copy()
         value_lengths[~indirect] = [len(v) for v in inline]
+        encoded_lengths = varints(value_lengths)
+    else:
+        encoded_lengths = columns.length.cut(lo, hi)
+    # The key columns of a leaf are the whole index's from its second key on: its first key is stored whole.
     body = b"".join((
-        b"\x00", encode_file_table(sorted(paths)), varint(n), varints(prefix[1:]), varints(lengths - prefix),
-        b"".join(k[p:] for k, p in zip(keys, prefix.tolist())), varints(value_lengths),
-        indirect.astype(np.uint8).tobytes(), varints(number[files[indirect]]), varints(entries.offset[lo:hi][indirect]),
+        b"\x00", encode_file_table(sorted(paths)), varint(n), columns.prefix.cut(lo + 1, hi),
+        varint(len(keys[0])), columns.suffix.cut(lo + 1, hi),
+        b"".join(k[p:] for k, p in zip(keys, prefix.tolist())), encoded_lengths,
+        indirect.astype(np.uint8).tobytes(), varints(number[files[indirect]]),
+        columns.offset.cut(lo, hi) if all_indirect else varints(entries.offset[lo:hi][indirect]),
         b"".join(inline)))  # type: ignore[arg-type]
     node = envelope(BTREE_MAGIC, body)
     return node, Stats(n, len(node), int(entries.length[lo:hi][indirect].sum()))
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """An index's key prefix lengths, key suffix lengths, value lengths and offsets, as LEB128."""
+
+    prefix: VarintColumn
+    suffix: VarintColumn
+    length: VarintColumn
+    offset: VarintColumn
 
 
 @dataclass
@@ -140,9 +157,18 @@ class Entries:
 
     def __post_init__(self) -> None:
         self.prefixes = prefix_lengths(self.keys)
+        self._columns: _Columns | None = None
         bad = next((k for k in range(1, len(self.keys)) if self.keys[k - 1] >= self.keys[k]), None)
         if bad is not None:
             raise ValueError(f"keys out of order or repeated: {self.keys[bad - 1]!r} before {self.keys[bad]!r}")
+
+    def columns(self) -> _Columns:
+        """The columns every leaf cuts its own from, encoded once for the whole index."""
+        if self._columns is None:
+            lengths = np.fromiter((len(k) for k in self.keys), dtype=np.int64, count=len(self.keys))
+            self._columns = _Columns(VarintColumn(self.prefixes), VarintColumn(lengths - self.prefixes),
+                                     VarintColumn(self.length), VarintColumn(self.offset))
+        return self._columns
 
     @classmethod
     def of(cls, keys: Sequence[bytes], values: Sequence[bytes | Ref]) -> Entries:
@@ -152,22 +178,6 @@ class Entries:
                    np.asarray([number[v.path] if isinstance(v, Ref) else -1 for v in values], dtype=np.int64),
                    np.asarray([v.offset if isinstance(v, Ref) else 0 for v in values], dtype=np.int64),
                    np.asarray([v.length if isinstance(v, Ref) else 0 for v in values], dtype=np.int64), files)
-
-
-def prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> np.ndarray:
-    """For each key, the length of its common prefix with the key before it (0 for the first); vectorised."""
-    n = len(keys)
-    out = np.zeros(n, dtype=np.int64)
-    for start in range(1, n, block):
-        part = keys[start - 1:start + block]
-        width = max(len(k) for k in part) or 1
-        rows = np.array(part, dtype=f"S{width}").view(np.uint8).reshape(len(part), width)
-        differ = rows[1:] != rows[:-1]
-        first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-        shorter = np.minimum(np.fromiter((len(k) for k in part[:-1]), np.int64, len(part) - 1),
-                             np.fromiter((len(k) for k in part[1:]), np.int64, len(part) - 1))
-        out[start:start + len(part) - 1] = np.minimum(first, shorter)
-    return out
 
 
 def encode_interior(height: int, keys: Sequence[bytes], children: Sequence[Ref],

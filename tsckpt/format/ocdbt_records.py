@@ -44,25 +44,56 @@ def varint(n: int) -> bytes:
 
 def varints(values: np.ndarray | Sequence[int]) -> bytes:
     """A column of unsigned integers as LEB128, one after the other (vectorised: columns hold millions)."""
+    return bytes(varint_column(values)[0])
+
+
+class VarintColumn:
+    """A column encoded once as LEB128, to be cut into the byte runs of consecutive values: ``[lo, hi)``."""
+
+    def __init__(self, values: np.ndarray | Sequence[int]):
+        self.data, self.starts = varint_column(values)
+
+    def cut(self, lo: int, hi: int) -> bytes:
+        return self.data[self.starts[lo]:self.starts[hi]].tobytes()
+
+
+def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """LEB128 bytes of a column (uint8), and where each value's bytes begin (``len + 1`` offsets)."""
     v = np.asarray(values, dtype=np.uint64).reshape(-1)
     if not v.size:
-        return b""
+        return np.zeros(0, np.uint8), np.zeros(1, np.int64)
     nbytes = np.ones(v.size, dtype=np.int64)
     rest = v >> np.uint64(7)
     while rest.any():
         nbytes += rest != 0
         rest >>= np.uint64(7)
-    starts = np.zeros(v.size, dtype=np.int64)
-    np.cumsum(nbytes[:-1], out=starts[1:])
-    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
+    starts = np.zeros(v.size + 1, dtype=np.int64)
+    np.cumsum(nbytes, out=starts[1:])
+    out = np.empty(int(starts[-1]), dtype=np.uint8)
     rest = v.copy()
     for k in range(int(nbytes.max())):
         live = nbytes > k
         byte = (rest[live] & np.uint64(0x7F)).astype(np.uint8)
         more = nbytes[live] > k + 1
-        out[starts[live] + k] = byte | (more.astype(np.uint8) << 7)
+        out[starts[:-1][live] + k] = byte | (more.astype(np.uint8) << 7)
         rest[live] >>= np.uint64(7)
-    return out.tobytes()
+    return out, starts
+
+
+def prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> np.ndarray:
+    """For each key, the length of its common prefix with the key before it (0 for the first); vectorised."""
+    n = len(keys)
+    out = np.zeros(n, dtype=np.int64)
+    for start in range(1, n, block):
+        part = keys[start - 1:start + block]
+        width = max(len(k) for k in part) or 1
+        rows = np.array(part, dtype=f"S{width}").view(np.uint8).reshape(len(part), width)
+        differ = rows[1:] != rows[:-1]
+        first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+        shorter = np.minimum(np.fromiter((len(k) for k in part[:-1]), np.int64, len(part) - 1),
+                             np.fromiter((len(k) for k in part[1:]), np.int64, len(part) - 1))
+        out[start:start + len(part) - 1] = np.minimum(first, shorter)
+    return out
 
 
 class Reader:
@@ -173,7 +204,7 @@ def _file_table(paths: tuple[str, ...]) -> bytes:
     raw = [p.encode() for p in paths]
     if raw != sorted(set(raw)):
         raise ValueError("data file paths must be sorted and distinct")
-    prefixes = [0] + [_common(a, b) for a, b in zip(raw, raw[1:])]
+    prefixes = prefix_lengths(raw).tolist()
     return (varint(len(raw)) + varints(prefixes[1:]) + varints([len(p) - n for p, n in zip(raw, prefixes)])
             + varints([0] * len(raw)) + b"".join(p[n:] for p, n in zip(raw, prefixes)))
 
@@ -194,10 +225,3 @@ def decode_file_table(r: Reader) -> list[str]:
         out.append(path.decode("utf-8", "surrogateescape"))
         prev = path
     return out
-
-
-def _common(a: bytes, b: bytes) -> int:
-    """The length of the common prefix of ``a`` and ``b``: where their big-endian XOR's highest bit lies."""
-    n = min(len(a), len(b))
-    differ = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
-    return n - (differ.bit_length() + 7) // 8
