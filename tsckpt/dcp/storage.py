@@ -416,11 +416,12 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         names = list(layout.entries)
         written = MergedChunks.merge(summaries, layout.nchunks, names, where)
         meshes: list = []
+        seen: dict[int, int] = {}  # the placement records stay alive here, so their ids do too
         tensors, reused = {}, {}
         for number, (fqn, planned) in enumerate(layout.entries.items()):
             reused[fqn] = written.of(number).reused
             tensors[fqn] = dataclasses.replace(
-                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}"))
+                planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}", seen))
         tensors = written.writers(tensors)
         stored = None
         if self.config.layout == PACKED:

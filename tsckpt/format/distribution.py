@@ -131,13 +131,25 @@ def placement_from_dict(d: Any, what: str) -> Placement | None:
     return PLACEMENTS[kind].from_dict(d, what)
 
 
-def intern_placement(record: Mapping[str, Any] | None, meshes: list[Mesh], what: str) -> Placement | None:
-    """A planner's placement record (mesh inline) as a Placement with a mesh index."""
+def intern_placement(record: Mapping[str, Any] | None, meshes: list[Mesh], what: str,
+                     seen: dict[int, int] | None = None) -> Placement | None:
+    """A planner's placement record (mesh inline) as a Placement with a mesh index.
+
+    ``seen``: mesh record (by identity) -> index, kept by the caller across
+    records: a planner shares one mesh record among all the tensors on it, and
+    a mesh lists every rank, so it is parsed and compared once, not per tensor.
+    """
     if record is None:
         return None
     if record.get("kind") == DTensorPlacement.kind:
-        mesh = Mesh.from_dict(record.get("mesh"), what)
-        if mesh not in meshes:
-            meshes.append(mesh)
-        return DTensorPlacement(mesh=meshes.index(mesh), placements=tuple(record.get("placements", ())))
+        raw = record.get("mesh")
+        index = seen.get(id(raw)) if seen is not None else None
+        if index is None:
+            mesh = Mesh.from_dict(raw, what)
+            if mesh not in meshes:
+                meshes.append(mesh)
+            index = meshes.index(mesh)
+            if seen is not None:
+                seen[id(raw)] = index
+        return DTensorPlacement(mesh=index, placements=tuple(record.get("placements", ())))
     return placement_from_dict(record, what)

@@ -33,7 +33,8 @@ import numpy as np
 
 # OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
 from .ocdbt_records import (OcdbtFormatError, Reader, VarintColumn, decode_file_table,  # noqa: F401
-                            encode_file_table, envelope, open_envelope, prefix_lengths, varint, varints)
+                            encode_file_table, envelope, file_table, open_envelope, prefix_lengths, varint,
+                            varints)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -106,13 +107,12 @@ def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stat
     indirect = files >= 0
     # Not np.unique: its first call imports numpy.ma, 10-20 ms of a job's first commit.
     used = np.flatnonzero(np.bincount(files[indirect], minlength=len(entries.files)))
-    paths = [entries.files[i] for i in used.tolist()]
-    order = sorted(range(len(paths)), key=lambda k: paths[k])
+    columns = entries.columns()
+    table, listed = columns.files.table(used)
     number = np.zeros(len(entries.files), dtype=np.int64)
-    number[used[order]] = np.arange(len(order))
+    number[listed] = np.arange(len(listed))
     prefix = entries.prefixes[lo:hi].copy()
     prefix[0] = 0
-    columns = entries.columns()
     all_indirect = bool(indirect.all())
     inline = [entries.inline[lo + k] for k in np.flatnonzero(~indirect).tolist()] if not all_indirect else []
     if inline:
@@ -123,7 +123,7 @@ def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stat
         encoded_lengths = columns.length.cut(lo, hi)
     # The key columns of a leaf are the whole index's from its second key on: its first key is stored whole.
     body = b"".join((
-        b"\x00", encode_file_table(sorted(paths)), varint(n), columns.prefix.cut(lo + 1, hi),
+        b"\x00", table, varint(n), columns.prefix.cut(lo + 1, hi),
         varint(len(keys[0])), columns.suffix.cut(lo + 1, hi),
         b"".join(k[p:] for k, p in zip(keys, prefix.tolist())), encoded_lengths,
         indirect.astype(np.uint8).tobytes(), varints(number[files[indirect]]),
@@ -133,14 +133,39 @@ def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stat
     return node, Stats(n, len(node), int(entries.length[lo:hi][indirect].sum()))
 
 
+class _FileTables:
+    """The data file tables of an index's leaves, each a subset of its files: the files sorted once.
+
+    In sorted strings the common prefix of two is the least of the common
+    prefixes of the neighbours between them, so a leaf's table takes its
+    prefix lengths from the whole sorted list's.
+    """
+
+    def __init__(self, files: Sequence[str]):
+        self.order = np.asarray(sorted(range(len(files)), key=files.__getitem__), dtype=np.int64)
+        self.position = np.empty(len(files), np.int64)
+        self.position[self.order] = np.arange(len(files))
+        self.raw = [files[i].encode() for i in self.order.tolist()]
+        self.common = prefix_lengths(self.raw)
+
+    def table(self, used: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """The table of files ``used`` (their numbers), and those numbers in the table's order."""
+        at = np.sort(self.position[used])
+        prefixes = [0]
+        if len(at) > 1:
+            prefixes += np.minimum.reduceat(self.common[:at[-1] + 1], at[:-1] + 1).tolist()
+        return file_table([self.raw[k] for k in at.tolist()], prefixes), self.order[at]
+
+
 @dataclass(frozen=True)
 class _Columns:
-    """An index's key prefix lengths, key suffix lengths, value lengths and offsets, as LEB128."""
+    """An index's key prefix lengths, key suffix lengths, value lengths and offsets, as LEB128, and its files."""
 
     prefix: VarintColumn
     suffix: VarintColumn
     length: VarintColumn
     offset: VarintColumn
+    files: _FileTables
 
 
 @dataclass
@@ -167,7 +192,7 @@ class Entries:
         if self._columns is None:
             lengths = np.fromiter((len(k) for k in self.keys), dtype=np.int64, count=len(self.keys))
             self._columns = _Columns(VarintColumn(self.prefixes), VarintColumn(lengths - self.prefixes),
-                                     VarintColumn(self.length), VarintColumn(self.offset))
+                                     VarintColumn(self.length), VarintColumn(self.offset), _FileTables(self.files))
         return self._columns
 
     @classmethod

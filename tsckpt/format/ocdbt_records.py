@@ -200,11 +200,15 @@ def encode_file_table(paths: Sequence[str]) -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def _file_table(paths: tuple[str, ...]) -> bytes:
-    # Cached: the leaves of a large index mostly refer to the same data files, every rank's.
+    # Cached: the leaves of a small index mostly refer to the same data files, every rank's.
     raw = [p.encode() for p in paths]
     if raw != sorted(set(raw)):
         raise ValueError("data file paths must be sorted and distinct")
-    prefixes = prefix_lengths(raw).tolist()
+    return file_table(raw, prefix_lengths(raw).tolist())
+
+
+def file_table(raw: Sequence[bytes], prefixes: Sequence[int]) -> bytes:
+    """A data file table of sorted, distinct encoded paths, given each one's common prefix with the one before."""
     return (varint(len(raw)) + varints(prefixes[1:]) + varints([len(p) - n for p, n in zip(raw, prefixes)])
             + varints([0] * len(raw)) + b"".join(p[n:] for p, n in zip(raw, prefixes)))
 

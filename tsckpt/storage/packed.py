@@ -129,7 +129,8 @@ class StoredValues:
 def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Entries:
     """Node documents (inline) and data-file values in one sorted :class:`~tsckpt.format.ocdbt.Entries`."""
     keys = [k.encode() for k in docs] + values.keys
-    order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+    # Sorted in C: fixed-width bytes compare as the keys do (no key holds a NUL: names escape it).
+    order = np.array(keys, dtype=f"S{max(map(len, keys), default=1)}").argsort(kind="stable").astype(np.int64)
     n = len(docs)
     inline: list[bytes | None] = [*docs.values(), *([None] * len(values.keys))]
     file = np.concatenate([np.full(n, -1, np.int64), values.file])
