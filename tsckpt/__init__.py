@@ -49,7 +49,7 @@ _LAZY = {
     "TensorStoreWriter": "dcp.storage",
     "TensorStoreReader": "dcp.reader",
     "SavePlanner": "dcp.planner",
-    "LoadPlanner": "dcp.planner",
+    "LoadPlanner": "dcp.load_planner",
     "save": "dcp.api",
     "load": "dcp.api",
     "async_save": "dcp.api",

@@ -20,7 +20,8 @@ from ..steps import run_directory_error
 from ..storage.kvio import storage_error
 from ..storage.location import LocationLike, parse_location
 from . import collector, failure
-from .planner import LoadPlanner, SavePlanner
+from .load_planner import LoadPlanner
+from .planner import SavePlanner
 from .reader import TensorStoreReader
 from .staging import Stager
 from .storage import TensorStoreWriter
