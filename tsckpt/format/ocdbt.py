@@ -33,8 +33,8 @@ import numpy as np
 
 # OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
 from .ocdbt_records import (OcdbtFormatError, Reader, VarintColumn, decode_file_table,  # noqa: F401
-                            encode_file_table, envelope, file_table, open_envelope, prefix_lengths, varint,
-                            varints)
+                            encode_file_table, envelope, file_table, open_envelope, prefix_lengths,
+                            sorted_prefix_lengths, varint, varints)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -181,9 +181,8 @@ class Entries:
     files: list[str]
 
     def __post_init__(self) -> None:
-        self.prefixes = prefix_lengths(self.keys)
+        self.prefixes, bad = sorted_prefix_lengths(self.keys)
         self._columns: _Columns | None = None
-        bad = next((k for k in range(1, len(self.keys)) if self.keys[k - 1] >= self.keys[k]), None)
         if bad is not None:
             raise ValueError(f"keys out of order or repeated: {self.keys[bad - 1]!r} before {self.keys[bad]!r}")
 

@@ -62,6 +62,8 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
     v = np.asarray(values, dtype=np.uint64).reshape(-1)
     if not v.size:
         return np.zeros(0, np.uint8), np.zeros(1, np.int64)
+    if v.max() < 0x80:  # one byte each: most of a node's small columns
+        return v.astype(np.uint8), np.arange(v.size + 1, dtype=np.int64)
     nbytes = np.ones(v.size, dtype=np.int64)
     rest = v >> np.uint64(7)
     while rest.any():
@@ -82,18 +84,31 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
 
 def prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> np.ndarray:
     """For each key, the length of its common prefix with the key before it (0 for the first); vectorised."""
+    return sorted_prefix_lengths(keys, block)[0]
+
+
+def sorted_prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> tuple[np.ndarray, int | None]:
+    """:func:`prefix_lengths`, and the first key not greater than the one before it (None if none).
+
+    Keys hold no NUL byte (tsckpt's names escape it): as fixed-width rows, a
+    key that is a prefix of the next differs from it at a NUL of padding.
+    """
     n = len(keys)
     out = np.zeros(n, dtype=np.int64)
     for start in range(1, n, block):
         part = keys[start - 1:start + block]
-        width = max(len(k) for k in part) or 1
+        lengths = np.fromiter((len(k) for k in part), np.int64, len(part))
+        width = int(lengths.max()) or 1
         rows = np.array(part, dtype=f"S{width}").view(np.uint8).reshape(len(part), width)
         differ = rows[1:] != rows[:-1]
-        first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-        shorter = np.minimum(np.fromiter((len(k) for k in part[:-1]), np.int64, len(part) - 1),
-                             np.fromiter((len(k) for k in part[1:]), np.int64, len(part) - 1))
-        out[start:start + len(part) - 1] = np.minimum(first, shorter)
-    return out
+        found = differ.any(axis=1)
+        first = np.where(found, differ.argmax(axis=1), width)
+        out[start:start + len(part) - 1] = np.minimum(first, np.minimum(lengths[:-1], lengths[1:]))
+        at = np.minimum(first, width - 1)[:, None]
+        greater = found & (np.take_along_axis(rows[1:], at, 1)[:, 0] > np.take_along_axis(rows[:-1], at, 1)[:, 0])
+        if not greater.all():
+            return out, start + int(np.argmin(greater))
+    return out, None
 
 
 class Reader:
