@@ -70,8 +70,11 @@ class GlobalLayout:
             notes = PlannerNotes.of(p)  # only the ranks that describe tensors have any
             placements.update(notes.placements)
             placed_records.update(notes.arrays)
-        # One pass over every rank's items, flat lists per tensor: at 1000 ranks x
-        # 2000 tensors this loop is most of the coordinator's planning time.
+        # The arrays laid out from placements come first (numbered first): in an FSDP job they are most
+        # tensors, and the root document lists tensors, and interns their meshes, in this order.
+        placed = _placed_entries(placed_records, placements, inner_chunk_bytes, bands, where)
+        # One pass over every rank's items, flat lists per tensor: with DCP's planner, at 1000 ranks x
+        # 2000 tensors, this loop is most of the coordinator's planning time.
         boxes: dict[str, list[Any]] = {}  # fqn -> [write data, flat offsets+sizes, item count, number, first rank]
         first_holder: dict[str, int] = {}  # non-tensor value -> the first rank writing it
         rank_ids: list[list[int]] = []
@@ -88,7 +91,10 @@ class GlobalLayout:
                     continue
                 found = boxes.get(fqn)
                 if found is None:
-                    boxes[fqn] = found = [td, [], 0, len(boxes), r]
+                    if fqn in placed:
+                        raise PlanError(f"saving {where}: tensor {fqn!r} is both in rank {r}'s plan and laid out "
+                                        f"from its placement (its ranks do not agree on its placements?)")
+                    boxes[fqn] = found = [td, [], 0, len(placed) + len(boxes), r]
                 found[1].extend((*td.chunk.offsets, *td.chunk.sizes))
                 found[2] += 1
                 ids.append(found[3])
@@ -98,7 +104,8 @@ class GlobalLayout:
         # looked up per key, not merged over every rank's map.
         first_holder.update((fqn, found[4]) for fqn, found in boxes.items())
         key_paths = {fqn: _key_path(plans[r].planner_data, fqn) for fqn, r in first_holder.items()}
-        entries: dict[str, TensorEntry] = {}
+        key_paths.update((fqn, e.key_path) for fqn, e in placed.items())
+        entries: dict[str, TensorEntry] = dict(placed)
         for fqn, (td, flat, count, _, _) in boxes.items():
             try:
                 dtype = dtypes.from_torch(td.properties.dtype).zarr
@@ -107,15 +114,12 @@ class GlobalLayout:
             entries[fqn] = plan_tensor(fqn, key_paths[fqn], td.size, dtype,
                                        np.array(flat, dtype=np.int64).reshape(count, 2, len(td.size)),
                                        inner_chunk_bytes=inner_chunk_bytes, bands=bands)
-        placed = _placed_entries(placed_records, placements, entries, inner_chunk_bytes, bands, where)
-        key_paths.update((fqn, e.key_path) for fqn, e in placed.items())
-        tables = _rank_tables(entries, rank_ids)  # before the placed arrays: no rank's items name them
+        columns = _Columns(entries)
+        tables = _rank_tables(columns, rank_ids)
         placed_table = None
         if placed:
-            first = len(entries)
-            entries.update(placed)
-            placed_table = Prepickled(PlacedArrays(tuple(placed), _Columns(entries).table(
-                np.arange(first, len(entries), dtype=np.int32))))
+            placed_table = Prepickled(PlacedArrays(tuple(placed), columns.table(np.arange(len(placed),
+                                                                                          dtype=np.int32))))
         blobs = {fqn: zarr_path(key_paths[fqn]) for objs in rank_objects for fqn in objs}
         check_unique_paths([e.path for e in entries.values()] + list(blobs.values()), where)
         return cls(entries=entries, blobs=blobs, key_paths=key_paths, placements=placements,
@@ -124,8 +128,7 @@ class GlobalLayout:
 
 
 def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mapping[str, Mapping[str, Any]],
-                    listed: Mapping[str, TensorEntry], inner_chunk_bytes: int, bands: bool,
-                    where: str) -> dict[str, TensorEntry]:
+                    inner_chunk_bytes: int, bands: bool, where: str) -> dict[str, TensorEntry]:
     """The arrays of the DTensors no plan lists, each laid out from its placement alone.
 
     A model's tensors share a few layouts: each distinct one is planned once
@@ -134,9 +137,6 @@ def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mappin
     out: dict[str, TensorEntry] = {}
     planned: dict[tuple[Placed, str], TensorEntry] = {}
     for fqn, record in records.items():
-        if fqn in listed:
-            raise PlanError(f"saving {where}: tensor {fqn!r} is both in a rank's plan and laid out from its "
-                            f"placement (its ranks do not agree on its placements?)")
         try:
             dtype = dtypes.from_torch_name(record["dtype"])
         except UnsupportedDtypeError as e:
@@ -163,9 +163,8 @@ def _key_path(planner_data: Any, fqn: str) -> KeyPath:
     return tuple(found) if found is not None else (fqn,)
 
 
-def _rank_tables(entries: Mapping[str, TensorEntry], rank_ids: Sequence[Sequence[int]]) -> list[Prepickled[ArrayTable]]:
+def _rank_tables(columns: _Columns, rank_ids: Sequence[Sequence[int]]) -> list[Prepickled[ArrayTable]]:
     """Each rank's table of the arrays it writes; ranks writing the same tensors in the same order share one."""
-    columns = _Columns(entries)
     shared: dict[bytes, Prepickled[ArrayTable]] = {}
     out = []
     for ids in rank_ids:
