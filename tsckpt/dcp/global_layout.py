@@ -103,7 +103,7 @@ class GlobalLayout:
         # A key's path in the state dict, as the first rank writing it maps it (DCP's planner_data):
         # looked up per key, not merged over every rank's map.
         first_holder.update((fqn, found[4]) for fqn, found in boxes.items())
-        key_paths = {fqn: _key_path(plans[r].planner_data, fqn) for fqn, r in first_holder.items()}
+        key_paths = {fqn: key_path_of(plans[r].planner_data, fqn) for fqn, r in first_holder.items()}
         key_paths.update((fqn, e.key_path) for fqn, e in placed.items())
         entries: dict[str, TensorEntry] = dict(placed)
         for fqn, (td, flat, count, _, _) in boxes.items():
@@ -158,7 +158,8 @@ def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mappin
     return out
 
 
-def _key_path(planner_data: Any, fqn: str) -> KeyPath:
+def key_path_of(planner_data: Any, fqn: str) -> KeyPath:
+    """Where ``fqn`` sits in the state dict, as DCP's flattening mapped it (a plan's ``planner_data``)."""
     found = planner_data.get(fqn) if isinstance(planner_data, Mapping) else None
     return tuple(found) if found is not None else (fqn,)
 

@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ..errors import PlanError
 from ..format import dtypes, values
 from .contract import GlobalPlans, NewOrders, PlannerNotes
+from .global_layout import key_path_of
 from .placed_writes import Held, Placed, own_boxes, shard_box
 from .torch_private import ShardedTensor, StridedShard, plan_caching_asked
 from .values import EncodedValue
@@ -196,7 +197,7 @@ class SavePlanner(DefaultSavePlanner):
         first = world is None or world[0] == 0  # the rank that sends what every rank holds alike
         placements = placement_records(self, rank, plain=first)
         planner_data = full.planner_data
-        arrays = {fqn: self._held.record(fqn, self.state_dict[fqn], _key_path(planner_data, fqn))
+        arrays = {fqn: self._held.record(fqn, self.state_dict[fqn], list(key_path_of(planner_data, fqn)))
                   for fqn in placements if self._held.held(fqn)}
         sent = [item for item in full.items if not self._held.held(item.index.fqn)
                 and (first or item.type != WriteItemType.BYTE_IO)]
@@ -271,12 +272,6 @@ class SavePlanner(DefaultSavePlanner):
         if encoding == values.JSON:
             payload = json.dumps(payload, allow_nan=False).encode("utf-8")
         return EncodedValue(payload, encoding)
-
-
-def _key_path(planner_data: Any, fqn: str) -> list[Any]:
-    """Where ``fqn`` sits in the state dict, as DCP's flattening mapped it (``planner_data``)."""
-    found = planner_data.get(fqn) if isinstance(planner_data, Mapping) else None
-    return list(found) if found is not None else [fqn]
 
 
 class HeldShards:

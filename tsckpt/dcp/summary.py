@@ -98,9 +98,6 @@ def _unpacked(fields: dict[str, Any], present: list[str], n: int, packed: bytes)
     for i, name in enumerate(present):
         values = np.cumsum(flat[i]) if name in _DELTAS else flat[i]
         columns[name] = values.astype(_COLUMNS[name])
-    if "tensor" not in columns:
-        columns["tensor"] = np.zeros(0, np.int32)
-        columns["chunk"] = np.zeros(0, np.int64)
     return RankSummary(**fields, **columns)
 
 

@@ -12,7 +12,6 @@ functions of bytes; no I/O.
 
 from __future__ import annotations
 
-import functools
 
 import struct
 from collections.abc import Sequence
@@ -210,12 +209,6 @@ def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
 
 def encode_file_table(paths: Sequence[str]) -> bytes:
     """A data file table of ``paths`` (sorted, distinct; base paths empty)."""
-    return _file_table(tuple(paths))
-
-
-@functools.lru_cache(maxsize=64)
-def _file_table(paths: tuple[str, ...]) -> bytes:
-    # Cached: the leaves of a small index mostly refer to the same data files, every rank's.
     raw = [p.encode() for p in paths]
     if raw != sorted(set(raw)):
         raise ValueError("data file paths must be sorted and distinct")
