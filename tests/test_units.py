@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tsckpt import errors
-from tsckpt.format import values, writers
+from tsckpt.format import object_values, writers
 from tsckpt.format import inner_chunks
 from tsckpt.format.grid import ChunkGrid, aligned_chunk_shape, check_tiling
 from tsckpt.format.names import escape_name, parent_groups, zarr_path
@@ -150,7 +150,7 @@ def test_escaping_is_injective_and_paths_nest():
     {1: "x", 2: [3]}, {"$x": 1}, float("inf"), [float("nan")], {(1, 2): "tuple key"},
 ])
 def test_json_values_round_trip_exactly(value):
-    back = values.from_json(values.to_json(value))
+    back = object_values.from_json(object_values.to_json(value))
     if value == value and not (isinstance(value, list) and value and value[0] != value[0]):
         assert back == value and type(back) is type(value)
     else:
@@ -158,9 +158,9 @@ def test_json_values_round_trip_exactly(value):
 
 
 def test_non_json_values_are_refused_by_the_json_encoding():
-    assert values.encode(object())[0] == values.TORCH
-    assert values.encode({"a": {1, 2}})[0] == values.TORCH
-    assert values.encode({"a": (1, 2)}) == (values.JSON, {"a": {"$tuple": [1, 2]}})
+    assert object_values.encode(object())[0] == object_values.TORCH
+    assert object_values.encode({"a": {1, 2}})[0] == object_values.TORCH
+    assert object_values.encode({"a": (1, 2)}) == (object_values.JSON, {"a": {"$tuple": [1, 2]}})
 
 
 def entry(**kw):

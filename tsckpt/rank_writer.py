@@ -24,7 +24,7 @@ moves bytes and remembers what it wrote:
   the host memory a rank holds while its sink writes; they are written as
   they come. Sources that stay in host memory anyway are written at
   :meth:`RankWriter.finish`, into a data file in the order of
-  :mod:`tsckpt.format.placement` (the bands of all tensors band by band).
+  :mod:`tsckpt.format.band_order` (the bands of all tensors band by band).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 
 from .dcp.copy_window import CopyWindow
 from .errors import StorageError
-from .format import content_hashes, dtypes, placement, shards, zarr_json
+from .format import band_order, content_hashes, dtypes, shards, zarr_json
 from .format.compressed import CompressedChunk
 from .format.data_files import RankFiles
 from .format.chunk_table import ChunkTable
@@ -178,7 +178,7 @@ class RankWriter:
             if against is not None and against.get(flat) == digest:
                 self._check_then_take(fqn, index, position, part)
             elif defer:
-                self._deferred.append((placement.sort_key(entry.grid, index, seq), fqn, index, position, value, hold))
+                self._deferred.append((band_order.sort_key(entry.grid, index, seq), fqn, index, position, value, hold))
             else:
                 futures.append(self._put(fqn, index, position, value, hold, background=copied))
         if windowed:
@@ -228,7 +228,7 @@ class RankWriter:
         self._put(fqn, index, position, self._value(fqn, part), part)
 
     def _put_deferred(self) -> None:
-        """Put the deferred values, in the order of :func:`~tsckpt.format.placement.sort_key`."""
+        """Put the deferred values, in the order of :func:`~tsckpt.format.band_order.sort_key`."""
         deferred, self._deferred = self._deferred, []
         deferred.sort(key=lambda d: d[0])
         self._sink.expect(sum(d[4].nbytes for d in deferred))

@@ -37,7 +37,7 @@ from ..errors import (
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..storage.kvio import encode_json, list_keys, read_json
-from ..format import checksums, dtypes, values, zarr_json
+from ..format import checksums, dtypes, object_values, zarr_json
 from ..format import ocdbt
 from ..format.data_files import DataFiles, RankFiles, Span
 from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
@@ -61,7 +61,7 @@ def tensor_attributes(key: str, entry: TensorEntry) -> dict[str, Any]:
 
 
 def blob_attributes(key: str) -> dict[str, Any]:
-    return {ATTRIBUTE: {"kind": "object", "key": key, "encoding": values.TORCH}}
+    return {ATTRIBUTE: {"kind": "object", "key": key, "encoding": object_values.TORCH}}
 
 
 def commit_checkpoint(

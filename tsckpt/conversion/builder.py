@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import OptionError, PlanError, UnsupportedDtypeError
-from ..format import content_hashes, dtypes, values
+from ..format import content_hashes, dtypes, object_values
 from ..commit import protocol as commit
 from ..format.metadata import ArrayOptions, CheckpointMetadata, ObjectEntry, ReplicatedPlacement, TensorEntry
 from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
@@ -190,13 +190,13 @@ class CheckpointBuilder:
         """Store a non-tensor value: inline JSON when it is plain data, else a torch.save blob."""
         key_path = as_key_path(key)
         fqn, path = self._claim(key_path)
-        encoding, payload = values.encode(value)
-        if encoding == values.JSON:
-            entry = ObjectEntry(key_path, values.JSON, value=payload)
+        encoding, payload = object_values.encode(value)
+        if encoding == object_values.JSON:
+            entry = ObjectEntry(key_path, object_values.JSON, value=payload)
         else:
             self._writer.write_blob(fqn, path, payload)
             self._blob_sizes[fqn] = len(payload)
-            entry = ObjectEntry(key_path, values.TORCH, path=path, writer=0)
+            entry = ObjectEntry(key_path, object_values.TORCH, path=path, writer=0)
         self._objects[fqn] = entry
         return entry
 
@@ -212,7 +212,7 @@ class CheckpointBuilder:
         for number, fqn in enumerate(names):
             summary.add(number, self._writer.written.get(fqn) or WrittenChunks())
         for fqn in self._blob_sizes:
-            summary.add_object(fqn, values.TORCH, None, self._blob_sizes[fqn])
+            summary.add_object(fqn, object_values.TORCH, None, self._blob_sizes[fqn])
             summary.place_object(fqn, self._writer.blobs.get(fqn))
         done = summary.done(stored)
         written = MergedChunks.merge([done], [e.grid.nchunks for e in self._tensors.values()], names, self.url)

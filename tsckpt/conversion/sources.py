@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
 from ..commit import protocol as commit
-from ..format import dtypes, values
+from ..format import dtypes, object_values
 from ..storage.box_reader import BoxReader
 from ..storage.chunk_source import ChunkSource
 from ..storage.store import read_error
@@ -143,9 +143,9 @@ class TsckptSource(Source):
         return os.path.isfile(os.path.join(path, commit.ROOT))
 
     def _object(self, key: str, entry: Any) -> Any:
-        if entry.encoding == values.JSON:
-            return values.from_json(entry.value)
-        return values.load_torch_value(self._source.read_blob(key, entry.path), key=key, where=self._store.url,
+        if entry.encoding == object_values.JSON:
+            return object_values.from_json(entry.value)
+        return object_values.load_torch_value(self._source.read_blob(key, entry.path), key=key, where=self._store.url,
                                        allow_pickle=self.trust_pickle, opt_in="trust_pickle=True (--trust-pickle)")
 
     def read(self, key: str) -> torch.Tensor:

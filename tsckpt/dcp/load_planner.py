@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ..errors import LoadMismatchError
 from .torch_private import set_element
-from .values import DecodedValue
+from .byte_io_values import DecodedValue
 
 
 def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:

@@ -38,12 +38,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..errors import PlanError
-from ..format import dtypes, values
+from ..format import dtypes, object_values
 from .contract import GlobalPlans, NewOrders, PlannerNotes
 from .global_layout import key_path_of
 from .placed_writes import Held, Placed, own_boxes, shard_box
 from .torch_private import ShardedTensor, StridedShard, plan_caching_asked
-from .values import EncodedValue
+from .byte_io_values import EncodedValue
 
 
 def _placement_record(p: Any) -> dict[str, Any]:
@@ -268,8 +268,8 @@ class SavePlanner(DefaultSavePlanner):
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type != WriteItemType.BYTE_IO:
             return object
-        encoding, payload = values.encode(object)
-        if encoding == values.JSON:
+        encoding, payload = object_values.encode(object)
+        if encoding == object_values.JSON:
             payload = json.dumps(payload, allow_nan=False).encode("utf-8")
         return EncodedValue(payload, encoding)
 

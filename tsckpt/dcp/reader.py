@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import OptionError, TsckptError
-from ..format import dtypes, values
+from ..format import dtypes, object_values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader
 from ..storage.planned_box import PlannedBox, by_arrival
@@ -44,7 +44,7 @@ from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahe
 from .replica_reads import RankNote, ReplicaShare, schedule
 from .replica_transfers import ReplicaTransfers
 from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
-from .values import DecodedValue
+from .byte_io_values import DecodedValue
 from .io import TensorStoreIO, done
 
 
@@ -254,7 +254,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         for item in items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                if self.metadata.objects[fqn].encoding != values.JSON:
+                if self.metadata.objects[fqn].encoding != object_values.JSON:
                     return False
                 continue
             nbytes += readers[fqn].held_bytes(item.lengths, out=False)
@@ -336,8 +336,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
     def _read_object(self, fqn: str) -> Any:
         assert self.metadata is not None
         entry = self.metadata.objects[fqn]
-        if entry.encoding == values.JSON:
-            return values.from_json(entry.value)
+        if entry.encoding == object_values.JSON:
+            return object_values.from_json(entry.value)
         assert entry.path is not None
-        return values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
+        return object_values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)

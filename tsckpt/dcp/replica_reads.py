@@ -17,7 +17,7 @@ rows 0-49 each read their own. So is a box smaller than :data:`MIN_SHARED_BYTES`
 than its bytes fetched by each of them, beside the ranges they fetch anyway. A shared box of a sharded tensor is cut into
 stripes at its chunks: member ``k`` of ``m`` fetches the chunks that start in
 the k-th m-th of the dimension, for every such box. The stripes run along a
-dimension the tensor is stored by (:func:`tsckpt.format.placement.stripe_dims`),
+dimension the tensor is stored by (:func:`tsckpt.format.band_order.stripe_dims`),
 so each member reads one run of each file it needs instead of pieces of all of
 them: along the rows where they give every member a stripe (a row-sharded save
 read by as many replicas: each member fetches whole files, and its stripes are

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from ..format import dtypes, placement
+from ..format import band_order, dtypes
 from ..format.grid import ChunkGrid
 from ..storage.box_reader import BoxReader
 from ..storage.byte_reads import RangeBatch
@@ -223,7 +223,7 @@ def guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any
 def stripes_along(grid: ChunkGrid) -> tuple[tuple[int, int, int], ...]:
     """Where replicas may cut a tensor's shared regions, best first: the dimension, its outer chunk and its
     extent."""
-    return tuple((d, grid.chunk_shape[d], grid.shape[d]) for d in placement.stripe_dims(grid))
+    return tuple((d, grid.chunk_shape[d], grid.shape[d]) for d in band_order.stripe_dims(grid))
 
 
 def readable_in_place(dest: torch.Tensor, stored: np.dtype) -> bool:

@@ -29,7 +29,7 @@ from ..commit import protocol as commit
 from ..commit.publication import begin_save
 from ..commit.target import SaveTarget
 from ..errors import OptionError, PlanError
-from ..format import content_hashes, dtypes, values
+from ..format import content_hashes, dtypes, object_values
 from ..format.data_files import RankFiles
 from ..format.metadata import ArrayOptions, ObjectEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
@@ -50,7 +50,7 @@ from .planner import SavePlanner as TsckptSavePlanner
 from .planner import placement_records
 from .replica_writes import Holdings, piece_of, spread
 from .staging import Stager
-from .values import encode_bytes
+from .byte_io_values import encode_bytes
 
 
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
@@ -371,7 +371,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     @staticmethod
     def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:
         encoding, payload = encode_bytes(data)
-        if encoding == values.JSON:
+        if encoding == object_values.JSON:
             summary.add_object(fqn, encoding, payload, 0)
             return
         with CTRL_C.step():  # not the pickling above: that may run for long, and starts no write
@@ -404,10 +404,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             for fqn, record in summary.placements.items():
                 placements.setdefault(fqn, record)
             for fqn, info in summary.objects.items():
-                if info["encoding"] == values.JSON:
-                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.JSON, value=info["value"])
+                if info["encoding"] == object_values.JSON:
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), object_values.JSON, value=info["value"])
                 else:
-                    objs[fqn] = ObjectEntry(layout.key_path(fqn), values.TORCH, path=layout.blobs[fqn],
+                    objs[fqn] = ObjectEntry(layout.key_path(fqn), object_values.TORCH, path=layout.blobs[fqn],
                                             writer=summary.rank)
                     blob_sizes[fqn] = info["nbytes"]
                     if "ref" in info:

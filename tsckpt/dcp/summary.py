@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import values
+from ..format import object_values
 from ..format.data_files import RankFiles
 from ..format.ocdbt import Ref
 from ..rank_writer import WrittenChunks as SavedChunks
@@ -133,7 +133,7 @@ class SummaryBuilder:
             self.length.append(length)
 
     def add_object(self, fqn: str, encoding: str, payload: Any, nbytes: int) -> None:
-        self.objects[fqn] = {"encoding": values.JSON, "value": payload} if encoding == values.JSON \
+        self.objects[fqn] = {"encoding": object_values.JSON, "value": payload} if encoding == object_values.JSON \
             else {"encoding": encoding, "nbytes": nbytes}
 
     def place_object(self, fqn: str, ref: Ref | None) -> None:

@@ -27,7 +27,7 @@ dimension no region boundary cuts, the outer chunk is free. In a sharded tensor
 (some dimension cut) saved with ``bands`` (packed saves to object stores), it is
 the inner chunk, where that makes outer chunks of at least 4 KiB: each outer chunk is then a band of
 one rank's region, one inner chunk wide, and a rank stores the bands of all its
-tensors band by band (:mod:`tsckpt.format.placement`), so a load that takes a
+tensors band by band (:mod:`tsckpt.format.band_order`), so a load that takes a
 column block of a row-sharded save reads one byte range per file. Otherwise
 (no bands, or a tensor written whole by one rank) it is the dimension rounded up to a
 multiple of the inner chunk (Zarr stores the overhang as the edge chunk's
@@ -134,7 +134,7 @@ def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_byt
     (:func:`~tsckpt.format.grid.aligned_chunk_shape`). ``min_bytes`` is the
     smallest inner chunk worth a read of its own (0 disables inner chunks);
     ``max_bytes``, if given, the largest. ``bands``: cut a sharded tensor's
-    outer chunks into bands one inner chunk wide (:mod:`~tsckpt.format.placement`).
+    outer chunks into bands one inner chunk wide (:mod:`~tsckpt.format.band_order`).
     """
     return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes, bands)
 
@@ -163,7 +163,7 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
             break
         pick[d] = smaller[-1]
     # A sharded tensor's outer chunks are bands of a rank's region, one inner chunk wide along every dimension
-    # no region cuts: the rank can store the bands of all its tensors band by band (format/placement.py).
+    # no region cuts: the rank can store the bands of all its tensors band by band (format/band_order.py).
     # Not below MIN_BAND_BYTES: a value costs its writer and readers work of its own.
     banded = tuple(c if c < max(n, 1) else u for n, c, u in zip(shape, chunk, pick))
     cut = bands and any(c < max(n, 1) for n, c in zip(shape, chunk)) and math.prod(banded) * itemsize >= MIN_BAND_BYTES

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MetadataError, TsckptError, UnsupportedVersionError
-from . import content_hashes, dtypes, values, writers, zarr_json
+from . import content_hashes, dtypes, object_values, writers, zarr_json
 from .data_files import DataFiles, RankFiles
 from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
@@ -209,7 +209,7 @@ class ObjectEntry:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key_path": list(self.key_path), "encoding": self.encoding}
-        if self.encoding == values.JSON:
+        if self.encoding == object_values.JSON:
             out["value"] = self.value
         else:
             out["path"] = self.path
@@ -221,17 +221,17 @@ class ObjectEntry:
     def from_dict(cls, d: Mapping[str, Any], what: str) -> ObjectEntry:
         key_path = _key_path(get_field(d, "key_path", what, list), what)
         encoding = get_field(d, "encoding", what, str)
-        if encoding == values.JSON:
+        if encoding == object_values.JSON:
             if "value" not in d:
                 raise MetadataError(f"{what}: missing field 'value'")
             try:
-                values.from_json(d["value"])
+                object_values.from_json(d["value"])
             except MetadataError as e:
                 raise MetadataError(f"{what}: value is not valid tagged JSON: {e}") from None
             except RecursionError:
                 raise MetadataError(f"{what}: value is nested too deeply") from None
             return cls(key_path, encoding, value=d["value"])
-        if encoding == values.TORCH:
+        if encoding == object_values.TORCH:
             path = check_relative_path(get_field(d, "path", what, str), what=what)
             if path != zarr_path(key_path):
                 raise MetadataError(f"{what}: path {path!r} does not match key path {list(key_path)}")
@@ -239,7 +239,7 @@ class ObjectEntry:
             if writer < 0:
                 raise MetadataError(f"{what}: writer {writer} is not a rank")
             return cls(key_path, encoding, path=path, writer=writer)
-        raise MetadataError(f"{what}: unknown encoding {encoding!r}; expected one of {list(values.ENCODINGS)}")
+        raise MetadataError(f"{what}: unknown encoding {encoding!r}; expected one of {list(object_values.ENCODINGS)}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import IncompleteCheckpointError, NotACheckpointError, OptionError, TsckptError
-from ..format import dtypes, values
+from ..format import dtypes, object_values
 from ..commit import protocol as commit
 from ..storage.box_reader import BoxReader
 from ..storage.planned_box import PendingBox
@@ -335,10 +335,10 @@ class Checkpoint(Mapping[str, Any]):
         return len(self.store.kvstore.list().result()), None
 
     def _decode(self, key: str, entry: ObjectEntry) -> Any:
-        if entry.encoding == values.JSON:
-            return values.from_json(entry.value)
+        if entry.encoding == object_values.JSON:
+            return object_values.from_json(entry.value)
         assert entry.path is not None
-        return values.load_torch_value(self.source.read_blob(key, entry.path), key=key, where=self.url,
+        return object_values.load_torch_value(self.source.read_blob(key, entry.path), key=key, where=self.url,
                                        allow_pickle=self.allow_pickle)
 
 

@@ -72,7 +72,7 @@ class KvLayout(ABC):
 
     def bands(self, location: Location) -> bool:
         """Whether saves to ``location`` cut sharded tensors into bands stored band by band across tensors
-        (:mod:`tsckpt.format.placement`)."""
+        (:mod:`tsckpt.format.band_order`)."""
         return False
 
     @abstractmethod

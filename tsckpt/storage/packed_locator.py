@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import MetadataError, TsckptError
-from ..format import chunk_table, ocdbt, values
+from ..format import chunk_table, object_values, ocdbt
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from .kvio import storage_error
 from .locator import Located, Locator, ReadSpans
@@ -56,7 +56,7 @@ class PackedLocator(Locator):
         self._allowed = frozenset(f.path for f in self.files.files)
         self._arrays: dict[str, TensorEntry | int] = {e.path: e for e in metadata.tensors.values()}
         self._arrays |= {o.path: o.writer for o in metadata.objects.values()
-                         if o.encoding == values.TORCH and o.path is not None and o.writer is not None}
+                         if o.encoding == object_values.TORCH and o.path is not None and o.writer is not None}
 
     def bind(self, read: ReadSpans, whole_up_to: int, tables: RankTables | None = None) -> None:
         self._read, self._whole_up_to = read, whole_up_to

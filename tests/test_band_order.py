@@ -1,5 +1,5 @@
 """Where a rank's values go in its data file: on object stores the bands of all its tensors band by band, so
-that a column block of a row-sharded save is one byte range per file (tsckpt/format/placement.py); on a local
+that a column block of a row-sharded save is one byte range per file (tsckpt/format/band_order.py); on a local
 disk each tensor's values in one piece, in the order of the save."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import tsckpt
 from dist import run_ranks
-from tsckpt.format import placement, zarr_json
+from tsckpt.format import band_order, zarr_json
 from tsckpt.format.grid import ChunkGrid
 
 WORLD = 2
@@ -92,11 +92,11 @@ def test_on_a_local_disk_each_tensor_lies_in_one_piece_in_the_order_of_the_save(
 
 def test_sort_key_puts_scalars_then_values_spanning_every_column_first_then_bands_by_fraction():
     wide, narrow = ChunkGrid((8, 400), (4, 100)), ChunkGrid((8, 40), (4, 20))
-    keys = sorted([(placement.sort_key(wide, (r, c), 0), ("wide", r, c)) for r in range(2) for c in range(4)]
-                  + [(placement.sort_key(narrow, (r, c), 1), ("narrow", r, c)) for r in range(2) for c in range(2)]
-                  + [(placement.sort_key(ChunkGrid((8,), (4,)), (r,), 2), ("bias", r)) for r in range(2)]
-                  + [(placement.sort_key(ChunkGrid((8, 24), (4, 24)), (r, 0), 3), ("unbanded", r)) for r in range(2)]
-                  + [(placement.sort_key(ChunkGrid((), ()), (), 4), ("step",))])
+    keys = sorted([(band_order.sort_key(wide, (r, c), 0), ("wide", r, c)) for r in range(2) for c in range(4)]
+                  + [(band_order.sort_key(narrow, (r, c), 1), ("narrow", r, c)) for r in range(2) for c in range(2)]
+                  + [(band_order.sort_key(ChunkGrid((8,), (4,)), (r,), 2), ("bias", r)) for r in range(2)]
+                  + [(band_order.sort_key(ChunkGrid((8, 24), (4, 24)), (r, 0), 3), ("unbanded", r)) for r in range(2)]
+                  + [(band_order.sort_key(ChunkGrid((), ()), (), 4), ("step",))])
     order = [what for _, what in keys][1:]
     # Scalars first; then chunks spanning every column, which hold a piece of each column block: together,
     # ahead of the bands.
@@ -111,8 +111,8 @@ def test_sort_key_puts_scalars_then_values_spanning_every_column_first_then_band
 
 
 def test_replicas_cut_rows_first_then_bands_and_never_a_tensor_stored_as_one_value():
-    assert placement.stripe_dims(ChunkGrid((8, 400), (2, 100))) == (0, 1)  # row-sharded, in bands
-    assert placement.stripe_dims(ChunkGrid((8, 400), (2, 400))) == (0,)  # row-sharded, no bands
-    assert placement.stripe_dims(ChunkGrid((8, 400), (8, 100))) == (1,)  # column-sharded
-    assert placement.stripe_dims(ChunkGrid((1000,), (250,))) == (0,)
-    assert placement.stripe_dims(ChunkGrid((8, 400), (8, 400))) == ()
+    assert band_order.stripe_dims(ChunkGrid((8, 400), (2, 100))) == (0, 1)  # row-sharded, in bands
+    assert band_order.stripe_dims(ChunkGrid((8, 400), (2, 400))) == (0,)  # row-sharded, no bands
+    assert band_order.stripe_dims(ChunkGrid((8, 400), (8, 100))) == (1,)  # column-sharded
+    assert band_order.stripe_dims(ChunkGrid((1000,), (250,))) == (0,)
+    assert band_order.stripe_dims(ChunkGrid((8, 400), (8, 400))) == ()

@@ -1,4 +1,5 @@
-"""Non-tensor values between a rank's planner and its storage layer, in both directions.
+"""Non-tensor values as DCP passes them (``BYTE_IO`` items, ``io.BytesIO``) between a rank's planner and its
+storage layer, in both directions.
 
 * :class:`EncodedValue`: a value tsckpt's save planner serialized, tagged with
   the encoding the writer records (DCP's default planner passes a plain
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..format import values
+from ..format import object_values
 
 
 class EncodedValue(io.BytesIO):
@@ -38,12 +39,12 @@ def encode_bytes(data: io.BytesIO) -> tuple[str, Any]:
     """
     raw = data.getvalue()
     if isinstance(data, EncodedValue):
-        return data.encoding, json.loads(raw) if data.encoding == values.JSON else raw
+        return data.encoding, json.loads(raw) if data.encoding == object_values.JSON else raw
     try:
         value = torch.load(io.BytesIO(raw), weights_only=True)
-        return values.JSON, values.to_json(value)
+        return object_values.JSON, object_values.to_json(value)
     except Exception:  # not loadable without unpickling code, or not plain data
-        return values.TORCH, raw
+        return object_values.TORCH, raw
 
 
 class DecodedValue(io.BytesIO):
