@@ -4,12 +4,15 @@ Which credentials an ``s3://`` location takes is :mod:`tsckpt.storage.credential
 
 One context per rank (:func:`make_context`), a child of one process-wide
 context so that a ``memory://`` checkpoint written by one writer is read by a
-later reader. Torch-free.
+later reader; a location opened with it is an :class:`OpenedLocation` (what a
+layout writes and reads through; :class:`~tsckpt.storage.store.Store` adds
+the layout). Torch-free.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import threading
 from typing import Any
@@ -119,3 +122,22 @@ def open_kvstore(location: Location, context: ts.Context) -> ts.KvStore:
         return ts.KvStore.open(dict(location.spec), context=context).result()
     except ValueError as e:
         raise storage_error(e, f"cannot open checkpoint location {location.url}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedLocation:
+    """A checkpoint location opened in this process: its context and root kvstore, and how this rank uses them."""
+
+    location: Location
+    context: ts.Context
+    kvstore: ts.KvStore
+    #: Whether what is written here is made durable before the commit (False: nothing is fsynced,
+    #: ``sync_files=False``).
+    sync: bool = dataclasses.field(default=True, kw_only=True)
+    #: Concurrent file operations of this rank (``io_concurrency``, DCP's ``thread_count``): TensorStore's,
+    #: and the threads of the writers and readers of its local files.
+    io_concurrency: int = dataclasses.field(default=DEFAULT_IO_CONCURRENCY, kw_only=True)
+
+    @property
+    def url(self) -> str:
+        return self.location.url

@@ -28,7 +28,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import tensorstore as ts
@@ -38,14 +38,12 @@ from ..format import ocdbt
 from ..format.data_files import Span
 from ..format.metadata import CheckpointMetadata
 from . import key_sinks, packed, sinks
+from .context import OpenedLocation
 from .kvio import storage_error
 from .localfs import unsynced_nodes
 from .locator import Located, Locator
 from .packed_locator import PackedLocator
 from .location import Location
-
-if TYPE_CHECKING:
-    from .store import Store
 
 PLAIN = "plain"
 PACKED = "packed"
@@ -67,7 +65,7 @@ class KvLayout(ABC):
         return parent
 
     @abstractmethod
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
+    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         """Where rank ``rank`` stores its values in save ``save_id`` (``hashed``: taking their content hashes)."""
 
     def bands(self, location: Location) -> bool:
@@ -84,7 +82,7 @@ class KvLayout(ABC):
         return ()
 
     @abstractmethod
-    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+    def write_nodes(self, store: OpenedLocation, save_id: str, docs: Mapping[str, bytes],
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         """Coordinator: store every array's and group's ``zarr.json`` (``docs``, by key) and, for layouts that
@@ -95,10 +93,10 @@ class KvLayout(ABC):
         another save could also write is written; keys of this save's own may be on their way meanwhile."""
 
     @abstractmethod
-    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+    def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
         """Readers: how to find the keys of the committed checkpoint at ``store``."""
 
-    def hierarchy(self, store: Store) -> ts.KvStore:
+    def hierarchy(self, store: OpenedLocation) -> ts.KvStore:
         """A kvstore holding every key of a committed checkpoint but the root document, by full key."""
         return store.kvstore
 
@@ -163,7 +161,7 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
+    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         root = _local_root(store.location)
         if root is not None:
             return key_sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed, threads=store.io_concurrency)
@@ -172,7 +170,7 @@ class PlainLayout(KvLayout):
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (*(f"{p}/" for p in paths), f"d/{save_id}")
 
-    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+    def write_nodes(self, store: OpenedLocation, save_id: str, docs: Mapping[str, bytes],
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         fence()  # every document here is a key another save writes too
@@ -186,7 +184,7 @@ class PlainLayout(KvLayout):
             raise storage_error(e, f"writing the array documents of {store.url} failed") from None
         return None, flush
 
-    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+    def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
         return _KeysAsFiles(store.kvstore)
 
 
@@ -202,7 +200,7 @@ class PackedLayout(KvLayout):
     def context(self, parent: ts.Context) -> ts.Context:
         return packed.reader_context(parent)
 
-    def sink(self, store: Store, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
+    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         root = _local_root(store.location)
         if root is not None:
             return sinks.RankFile(root, save_id, rank, sync=sync, hashed=hashed)
@@ -220,21 +218,21 @@ class PackedLayout(KvLayout):
     def prefixes_before_planning(self, save_id: str) -> tuple[str, ...]:
         return self.rank_prefixes([], save_id)
 
-    def write_nodes(self, store: Store, save_id: str, docs: Mapping[str, bytes],
+    def write_nodes(self, store: OpenedLocation, save_id: str, docs: Mapping[str, bytes],
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         assert values is not None, "a packed checkpoint indexes its values"
         entries = packed.merged_entries(docs, values)
         return packed.write_index(store.kvstore, save_id, entries, store.url, fence), None
 
-    def locator(self, store: Store, metadata: CheckpointMetadata) -> Locator:
+    def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
         return PackedLocator(store, metadata)
 
-    def hierarchy(self, store: Store) -> ts.KvStore:
+    def hierarchy(self, store: OpenedLocation) -> ts.KvStore:
         return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
 
 
-def _open(spec: dict[str, Any], store: Store) -> ts.KvStore:
+def _open(spec: dict[str, Any], store: OpenedLocation) -> ts.KvStore:
     try:
         return ts.KvStore.open(spec, context=store.context).result()
     except ValueError as e:

@@ -13,20 +13,17 @@ root node, and ``verify`` reads all of it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import MetadataError, TsckptError
 from ..format import chunk_table, object_values, ocdbt
 from ..format.metadata import CheckpointMetadata, TensorEntry
+from .context import OpenedLocation
 from .kvio import storage_error
 from .locator import Located, Locator, ReadSpans
 from .packed import BTreeIndex
 from .rank_tables import RankTables
-
-if TYPE_CHECKING:
-    from .store import Store
 
 
 def _chunk_index(name: str) -> tuple[int, ...] | None:
@@ -41,7 +38,7 @@ def _chunk_index(name: str) -> tuple[int, ...] | None:
 class PackedLocator(Locator):
     """A packed checkpoint's values, found through its ranks' chunk tables (its documents through its index)."""
 
-    def __init__(self, store: Store, metadata: CheckpointMetadata):
+    def __init__(self, store: OpenedLocation, metadata: CheckpointMetadata):
         assert metadata.data_files is not None
         self.kvstore = store.kvstore
         self.metadata = metadata

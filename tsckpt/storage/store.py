@@ -27,8 +27,8 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import StorageError, TsckptError
-from .context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
-from .location import Location, LocationLike, parse_location
+from .context import DEFAULT_IO_CONCURRENCY, OpenedLocation, make_context, open_kvstore
+from .location import LocationLike, parse_location
 from ..format import zarr_json
 from .layouts import PACKED, KvLayout, get_layout, layout_for
 from .kvio import problem, storage_error
@@ -107,23 +107,14 @@ def then(first: ts.Future, step: Callable[[Any], Any]) -> ts.Future:
 
 
 @dataclasses.dataclass(frozen=True)
-class Store:
+class Store(OpenedLocation):
     """A checkpoint location opened in this process: one context, its root kvstore, its layout.
 
     Make one with :meth:`open`; after reading the metadata, :meth:`for_checkpoint`
     switches to the layout the checkpoint was written with.
     """
 
-    location: Location
-    context: ts.Context
-    kvstore: ts.KvStore
     layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PACKED))
-    #: Whether what is written here is made durable before the commit (False: nothing is fsynced,
-    #: ``sync_files=False``).
-    sync: bool = True
-    #: Concurrent file operations of this rank (``io_concurrency``, DCP's ``thread_count``): TensorStore's,
-    #: and the threads of the writers and readers of its local files.
-    io_concurrency: int = DEFAULT_IO_CONCURRENCY
 
     @classmethod
     def open(cls, location: LocationLike, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
@@ -132,10 +123,6 @@ class Store:
         kv_layout = get_layout(layout)
         context = kv_layout.context(make_context(io_concurrency, loc, sync=sync))
         return cls(loc, context, open_kvstore(loc, context), kv_layout, sync=sync, io_concurrency=io_concurrency)
-
-    @property
-    def url(self) -> str:
-        return self.location.url
 
     def for_checkpoint(self, metadata: CheckpointMetadata) -> Store:
         layout = layout_for(metadata)
