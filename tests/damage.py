@@ -60,13 +60,7 @@ def _rewrite(path: str | os.PathLike, values: dict[str, bytes | ocdbt.Ref]) -> N
     root = _root(path)
     md = root["attributes"]["tsckpt"]
     keys = sorted(values)
-    files = sorted({v.path for v in values.values() if isinstance(v, ocdbt.Ref)})
-    number = {p: i for i, p in enumerate(files)}
-    refs = [values[k] for k in keys]
-    entries = ocdbt.Entries([k.encode() for k in keys], [None if isinstance(v, ocdbt.Ref) else v for v in refs],
-                            np.asarray([number[v.path] if isinstance(v, ocdbt.Ref) else -1 for v in refs], np.int64),
-                            np.asarray([v.offset if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64),
-                            np.asarray([v.length if isinstance(v, ocdbt.Ref) else 0 for v in refs], np.int64), files)
+    entries = ocdbt.Entries.of([k.encode() for k in keys], [values[k] for k in keys])
     tree = ocdbt_tree.build_tree(entries, path=md["data_files"]["index"][0], max_node_bytes=packed.NODE_BYTES)
     with open(os.path.join(path, md["data_files"]["index"][0]), "wb") as f:
         f.write(tree.nodes)

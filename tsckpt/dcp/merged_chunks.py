@@ -10,8 +10,6 @@ grid order.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -121,26 +119,16 @@ class MergedChunks:
 def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
                   blobs: Mapping[str, tuple[str, Sequence[int]]]) -> StoredValues:
     """Where every chunk of ``tensors`` (in the coordinator's order, as merged) and every value blob
-    (``blobs``: array path -> (data file, [offset, length])) is stored, keyed by Zarr key."""
-    keys: list[bytes] = []
-    for entry in tensors.values():
-        prefix = f"{entry.path}/".encode()
-        keys += [prefix + k for k in chunk_keys(entry.grid.grid_shape)]
+    (``blobs``: array path -> (data file, [offset, length])) is stored."""
     files = list(written.files)
     numbers = {p: i for i, p in enumerate(files)}
     blob_file = [numbers.setdefault(f, len(numbers)) for f, _ in blobs.values()]
-    files = list(numbers)
-    keys += [f"{path}/{zarr_json.chunk_key((0,))}".encode() for path in blobs]
-    return StoredValues(keys, np.concatenate([written.file, np.asarray(blob_file, np.int64)]),
+    return StoredValues([(entry.path, entry.grid.grid_shape) for entry in tensors.values()],
+                        [f"{path}/{zarr_json.chunk_key((0,))}" for path in blobs],
+                        np.concatenate([written.file, np.asarray(blob_file, np.int64)]),
                         np.concatenate([written.offset, np.asarray([r[0] for _, r in blobs.values()], np.int64)]),
                         np.concatenate([written.length, np.asarray([r[1] for _, r in blobs.values()], np.int64)]),
-                        files)
-
-
-@functools.lru_cache(maxsize=64)
-def chunk_keys(grid: tuple[int, ...]) -> list[bytes]:
-    """Every chunk key of a grid (``c.i.j``; ``c`` for a 0-d array), in row-major (flat index) order."""
-    return [zarr_json.chunk_key(index).encode() for index in itertools.product(*map(range, grid))]
+                        list(numbers))
 
 
 def once_each(ranks: Sequence[RankFiles]) -> list[RankFiles]:

@@ -11,7 +11,8 @@ TensorStore), so a writer that knows where every value is can write it in one
 pass. Pure functions of bytes; no I/O. The varints, envelope and data file
 tables that manifests and nodes are made of are
 :mod:`tsckpt.format.ocdbt_records`; where a whole tree is cut into nodes is
-:mod:`tsckpt.format.ocdbt_tree`.
+:mod:`tsckpt.format.ocdbt_tree`, its leaves encoded by
+:mod:`tsckpt.format.ocdbt_leaves` from keys in columns (:mod:`tsckpt.format.ocdbt_keys`).
 
 What is written, of what the format allows: manifest kind ``single`` with one
 version (generation 1) and no version tree nodes; nodes uncompressed; B+tree
@@ -32,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 # OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
-from .ocdbt_records import (OcdbtFormatError, Reader, VarintColumn, decode_file_table,  # noqa: F401
-                            encode_file_table, envelope, file_table, open_envelope, prefix_lengths,
-                            sorted_prefix_lengths, varint, varints)
+from .ocdbt_keys import SortedKeys
+from .ocdbt_records import (OcdbtFormatError, Reader, decode_file_table, encode_file_table,  # noqa: F401
+                            envelope, open_envelope, prefix_lengths, varint, varints)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -98,107 +99,34 @@ class Stats:
                      self.num_indirect_value_bytes + other.num_indirect_value_bytes)
 
 
-def encode_leaf_columns(entries: Entries, lo: int, hi: int) -> tuple[bytes, Stats]:
-    """The leaf node of ``entries[lo:hi]``."""
-    n = hi - lo
-    if not 0 < n <= MAX_NODE_ARITY:
-        raise ValueError(f"a leaf holds 1 to {MAX_NODE_ARITY} entries; got {n}")
-    keys, files = entries.keys[lo:hi], entries.file[lo:hi]
-    indirect = files >= 0
-    # Not np.unique: its first call imports numpy.ma, 10-20 ms of a job's first commit.
-    used = np.flatnonzero(np.bincount(files[indirect], minlength=len(entries.files)))
-    columns = entries.columns()
-    table, listed = columns.files.table(used)
-    number = np.zeros(len(entries.files), dtype=np.int64)
-    number[listed] = np.arange(len(listed))
-    prefix = entries.prefixes[lo:hi].copy()
-    prefix[0] = 0
-    all_indirect = bool(indirect.all())
-    inline = [entries.inline[lo + k] for k in np.flatnonzero(~indirect).tolist()] if not all_indirect else []
-    if inline:
-        value_lengths = entries.length[lo:hi].copy()
-        value_lengths[~indirect] = [len(v) for v in inline]
-        encoded_lengths = varints(value_lengths)
-    else:
-        encoded_lengths = columns.length.cut(lo, hi)
-    # The key columns of a leaf are the whole index's from its second key on: its first key is stored whole.
-    body = b"".join((
-        b"\x00", table, varint(n), columns.prefix.cut(lo + 1, hi),
-        varint(len(keys[0])), columns.suffix.cut(lo + 1, hi),
-        b"".join(k[p:] for k, p in zip(keys, prefix.tolist())), encoded_lengths,
-        indirect.astype(np.uint8).tobytes(), varints(number[files[indirect]]),
-        columns.offset.cut(lo, hi) if all_indirect else varints(entries.offset[lo:hi][indirect]),
-        b"".join(inline)))  # type: ignore[arg-type]
-    node = envelope(BTREE_MAGIC, body)
-    return node, Stats(n, len(node), int(entries.length[lo:hi][indirect].sum()))
-
-
-class _FileTables:
-    """The data file tables of an index's leaves, each a subset of its files: the files sorted once.
-
-    In sorted strings the common prefix of two is the least of the common
-    prefixes of the neighbours between them, so a leaf's table takes its
-    prefix lengths from the whole sorted list's.
-    """
-
-    def __init__(self, files: Sequence[str]):
-        self.order = np.asarray(sorted(range(len(files)), key=files.__getitem__), dtype=np.int64)
-        self.position = np.empty(len(files), np.int64)
-        self.position[self.order] = np.arange(len(files))
-        self.raw = [files[i].encode() for i in self.order.tolist()]
-        self.common = prefix_lengths(self.raw)
-
-    def table(self, used: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """The table of files ``used`` (their numbers), and those numbers in the table's order."""
-        at = np.sort(self.position[used])
-        prefixes = [0]
-        if len(at) > 1:
-            prefixes += np.minimum.reduceat(self.common[:at[-1] + 1], at[:-1] + 1).tolist()
-        return file_table([self.raw[k] for k in at.tolist()], prefixes), self.order[at]
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """An index's key prefix lengths, key suffix lengths, value lengths and offsets, as LEB128, and its files."""
-
-    prefix: VarintColumn
-    suffix: VarintColumn
-    length: VarintColumn
-    offset: VarintColumn
-    files: _FileTables
-
-
 @dataclass
 class Entries:
-    """Sorted keys and their values, in columns: each value inline (``inline[k]``, ``file[k]`` -1) or
+    """Sorted keys and their values, in columns: value ``k`` inline (``inline[k]``, ``file[k]`` -1) or
     ``length[k]`` bytes at ``offset[k]`` of data file ``files[file[k]]``."""
 
-    keys: list[bytes]
-    inline: list[bytes | None]
+    keys: SortedKeys
+    inline: dict[int, bytes]
     file: np.ndarray  # int64
     offset: np.ndarray  # int64
     length: np.ndarray  # int64
     files: list[str]
 
     def __post_init__(self) -> None:
-        self.prefixes, bad = sorted_prefix_lengths(self.keys)
-        self._columns: _Columns | None = None
-        if bad is not None:
-            raise ValueError(f"keys out of order or repeated: {self.keys[bad - 1]!r} before {self.keys[bad]!r}")
+        n = len(self.keys)
+        if not len(self.file) == len(self.offset) == len(self.length) == n:
+            raise ValueError(f"{n} keys but {len(self.file)} values")
+        if sorted(self.inline) != np.flatnonzero(self.file < 0).tolist():
+            raise ValueError("inline values must be exactly those stored in no data file")
 
-    def columns(self) -> _Columns:
-        """The columns every leaf cuts its own from, encoded once for the whole index."""
-        if self._columns is None:
-            lengths = np.fromiter((len(k) for k in self.keys), dtype=np.int64, count=len(self.keys))
-            self._columns = _Columns(VarintColumn(self.prefixes), VarintColumn(lengths - self.prefixes),
-                                     VarintColumn(self.length), VarintColumn(self.offset), _FileTables(self.files))
-        return self._columns
+    def __len__(self) -> int:
+        return len(self.keys)
 
     @classmethod
     def of(cls, keys: Sequence[bytes], values: Sequence[bytes | Ref]) -> Entries:
+        """Entries of sorted, distinct ``keys``, given their values one by one."""
         files = sorted({v.path for v in values if isinstance(v, Ref)})
         number = {p: i for i, p in enumerate(files)}
-        return cls(list(keys), [None if isinstance(v, Ref) else v for v in values],
+        return cls(SortedKeys.of(keys), {k: v for k, v in enumerate(values) if not isinstance(v, Ref)},
                    np.asarray([number[v.path] if isinstance(v, Ref) else -1 for v in values], dtype=np.int64),
                    np.asarray([v.offset if isinstance(v, Ref) else 0 for v in values], dtype=np.int64),
                    np.asarray([v.length if isinstance(v, Ref) else 0 for v in values], dtype=np.int64), files)
@@ -236,7 +164,7 @@ class Node:
 
 
 def decode_node(data: bytes | memoryview, where: str) -> Node:
-    """A node as :func:`encode_leaf_columns` or :func:`encode_interior` writes it (any OCDBT node, uncompressed)."""
+    """A node as :func:`~tsckpt.format.ocdbt_leaves.encode_leaves` or :func:`encode_interior` writes it (any OCDBT node, uncompressed)."""
     r = open_envelope(data, BTREE_MAGIC, where)
     height = r.byte()
     files = decode_file_table(r)

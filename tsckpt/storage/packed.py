@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
+import itertools
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError
-from ..format import ocdbt, ocdbt_tree
+from ..format import ocdbt, ocdbt_keys, ocdbt_tree, zarr_json
 from ..format.data_files import Span
 from .kvio import kv_name, storage_error
 from .locator import ReadSpans
@@ -116,29 +118,56 @@ def is_packed(kv: ts.KvStore) -> bool:
 
 @dataclass
 class StoredValues:
-    """Where every chunk and blob value of a packed save is, in columns, in any order: value ``k`` is
-    ``length[k]`` bytes at ``offset[k]`` of data file ``files[file[k]]``, under Zarr key ``keys[k]``."""
+    """Where every chunk and blob value of a packed save is, in columns: first every chunk of each array of
+    ``arrays`` (its path and chunk grid) in row-major grid order, array after array, then the value of each key
+    of ``blobs``. Value ``k`` is ``length[k]`` bytes at ``offset[k]`` of data file ``files[file[k]]``."""
 
-    keys: list[bytes]
+    arrays: list[tuple[str, tuple[int, ...]]]
+    blobs: list[str]
     file: np.ndarray  # int64
     offset: np.ndarray  # int64
     length: np.ndarray  # int64
     files: list[str]
 
 
-def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Entries:
-    """Node documents (inline) and data-file values in one sorted :class:`~tsckpt.format.ocdbt.Entries`."""
-    keys = [k.encode() for k in docs] + values.keys
-    # Sorted in C: fixed-width bytes compare as the keys do (no key holds a NUL: names escape it).
-    order = np.array(keys, dtype=f"S{max(map(len, keys), default=1)}").argsort(kind="stable").astype(np.int64)
-    n = len(docs)
-    inline: list[bytes | None] = [*docs.values(), *([None] * len(values.keys))]
-    file = np.concatenate([np.full(n, -1, np.int64), values.file])
-    offset = np.concatenate([np.zeros(n, np.int64), values.offset])
-    length = np.concatenate([np.zeros(n, np.int64), values.length])
-    return ocdbt.Entries([keys[k] for k in order.tolist()], [inline[k] for k in order.tolist()], file[order],
-                         offset[order], length[order], list(values.files))
+@functools.lru_cache(maxsize=64)
+def grid_tails(grid: tuple[int, ...]) -> tuple[ocdbt_keys.Tails, np.ndarray]:
+    """The chunk keys of a grid (``c/i/j``, as the array's ``zarr.json`` names them) in sorted order, and the
+    row-major index of each: every array of that grid shares them."""
+    return ocdbt_keys.sorted_tails([zarr_json.chunk_key(index).encode()
+                                    for index in itertools.product(*map(range, grid))])
 
+
+def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Entries:
+    """Node documents (inline) and data-file values in one sorted :class:`~tsckpt.format.ocdbt.Entries`.
+
+    Each array's chunk keys are one run (its path, then its grid's keys in
+    sorted order), which no other key falls inside: so runs sorted by their
+    first key are the keys sorted, without a key of its own per chunk.
+    """
+    runs: list[tuple[ocdbt_keys.KeyRun, np.ndarray | bytes]] = []
+    at = 0
+    for path, grid in values.arrays:
+        tails, order = grid_tails(grid)
+        if len(tails):  # an empty array has no chunk
+            runs.append((ocdbt_keys.KeyRun(f"{path}/".encode(), tails), at + order))
+        at += len(tails)
+    runs += [(ocdbt_keys.KeyRun(key.encode()), np.asarray([at + k], np.int64)) for k, key in enumerate(values.blobs)]
+    runs += [(ocdbt_keys.KeyRun(key.encode()), doc) for key, doc in docs.items()]
+    runs.sort(key=lambda r: r[0].first())
+    keys = ocdbt_keys.SortedKeys([r for r, _ in runs])
+    inline = {int(keys.run_starts[i]): v for i, (_, v) in enumerate(runs) if isinstance(v, bytes)}
+    index = np.concatenate([v if not isinstance(v, bytes) else np.asarray([-1], np.int64) for _, v in runs]
+                           or [np.zeros(0, np.int64)])
+    stored = index >= 0
+
+    def column(of: np.ndarray, missing: int) -> np.ndarray:
+        out = np.full(len(index), missing, np.int64)
+        out[stored] = of[index[stored]]
+        return out
+
+    return ocdbt.Entries(keys, inline, column(values.file, -1), column(values.offset, 0), column(values.length, 0),
+                         list(values.files))
 
 
 def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str,
@@ -152,21 +181,21 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
     ``fence`` runs while the node file, named by the save, is on its way; the
     manifest, at a name every save writes, waits for it.
     """
-    if not entries.keys:  # a save of no arrays has nothing to index
+    if not len(entries):  # a save of no arrays has nothing to index
         fence()
         return None
     path = index_file(save_id)
     # Values too large for a leaf (a zarr.json with a long placement) go first into the node file.
-    large = [k for k, v in enumerate(entries.inline) if v is not None and len(v) > MAX_INLINE_VALUE_BYTES]
-    head = b"".join(entries.inline[k] or b"" for k in large)
+    large = sorted(k for k, v in entries.inline.items() if len(v) > MAX_INLINE_VALUE_BYTES)
+    head = b"".join(entries.inline[k] for k in large)
     if large:
         if path not in entries.files:
             entries.files.append(path)
         at = 0
         for k in large:
-            size = len(entries.inline[k] or b"")
+            size = len(entries.inline.pop(k))
             entries.file[k], entries.offset[k], entries.length[k] = entries.files.index(path), at, size
-            entries.inline[k], at = None, at + size
+            at += size
     tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, start=len(head))
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
                               max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)

@@ -1,0 +1,56 @@
+"""Leaves encoded from whole-index columns decode to exactly the entries they were built from."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tsckpt.format import ocdbt, ocdbt_keys, ocdbt_tree
+
+
+def _walk(tree: ocdbt_tree.Tree, ref: ocdbt.Ref, out: list) -> None:
+    node = ocdbt.decode_node(tree.nodes[ref.offset:ref.offset + ref.length], "test")
+    if node.height:
+        for child in node.values:
+            _walk(tree, child, out)
+    else:
+        out += zip(node.keys, node.values)
+
+
+@pytest.mark.parametrize("node_bytes", [100, 2000, 1 << 20])
+def test_a_tree_of_many_files_and_inline_values_reads_back_entry_for_entry(node_bytes):
+    rng = random.Random(node_bytes)
+    files = [f"d/save-{r}" for r in range(300)]
+    keys = sorted({f"m{rng.randrange(50)}/c/{rng.randrange(1000)}/{rng.randrange(3)}".encode() for _ in range(3000)}
+                  | {f"m{k}/zarr.json".encode() for k in range(50)})
+    values = [rng.randbytes(rng.randrange(0, 40)) if k.endswith(b"zarr.json") or rng.random() < 0.02
+              else ocdbt.Ref(rng.choice(files), rng.randrange(1 << 40), rng.randrange(1, 1 << 20)) for k in keys]
+    tree = ocdbt_tree.build_tree(ocdbt.Entries.of(keys, values), path="d/index", max_node_bytes=node_bytes)
+    found: list = []
+    _walk(tree, tree.root, found)
+    assert found == list(zip(keys, values))
+    assert tree.stats.num_keys == len(keys)
+    assert tree.stats.num_indirect_value_bytes == sum(v.length for v in values if isinstance(v, ocdbt.Ref))
+    assert tree.height >= 2 if node_bytes < 1 << 20 else tree.height == 0
+
+
+def test_runs_of_one_grid_make_the_same_columns_as_their_keys_one_by_one():
+    tails, order = ocdbt_keys.sorted_tails([f"c/{i}/{j}".encode() for i in range(12) for j in range(3)])
+    assert [tails.tails[k] for k in range(len(tails))] == sorted(tails.tails)
+    assert sorted(order.tolist()) == list(range(36))
+    runs = [ocdbt_keys.KeyRun(b"a/", tails), ocdbt_keys.KeyRun(b"a/zarr.json"), ocdbt_keys.KeyRun(b"b/", tails)]
+    whole = [b"a/" + t for t in tails.tails] + [b"a/zarr.json"] + [b"b/" + t for t in tails.tails]
+    by_run, one_by_one = ocdbt_keys.SortedKeys(runs), ocdbt_keys.SortedKeys.of(whole)
+    for name in ("prefix", "length", "rest", "starts"):
+        np.testing.assert_array_equal(getattr(by_run, name), getattr(one_by_one, name))
+    assert [by_run.key(k) for k in range(len(whole))] == whole
+
+
+def test_runs_out_of_order_are_refused():
+    tails, _ = ocdbt_keys.sorted_tails([b"c/0", b"c/1"])
+    with pytest.raises(ValueError, match="out of order"):
+        ocdbt_keys.SortedKeys([ocdbt_keys.KeyRun(b"b/", tails), ocdbt_keys.KeyRun(b"a/", tails)])
+    with pytest.raises(ValueError, match="out of order"):
+        ocdbt_keys.SortedKeys([ocdbt_keys.KeyRun(b"a/", tails), ocdbt_keys.KeyRun(b"a/c/0")])
