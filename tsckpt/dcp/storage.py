@@ -5,7 +5,8 @@ the plans from tsckpt's planner. What the coordinator and the ranks tell each
 other, and in which order, is :mod:`tsckpt.dcp.contract`; the arrays are laid
 out by :mod:`tsckpt.dcp.global_layout` (chunk grids from
 :mod:`tsckpt.format.plan`), array specs come from :mod:`tsckpt.storage.store`,
-and the commit from :func:`tsckpt.commit.protocol.commit_checkpoint`. The
+each rank's items are written by :mod:`tsckpt.dcp.item_writes`, and the
+commit comes from :func:`tsckpt.commit.protocol.commit_checkpoint`. The
 constructor takes ``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`).
 See ``docs/format.md`` for what ends up on disk.
 """
@@ -20,16 +21,16 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..base_chunks import BaseChoice, BaseChunks, choose_base, reuse_outcome
+from ..base_chunks import BaseChoice, choose_base, reuse_outcome
 from ..commit import protocol as commit
 from ..commit.publication import begin_save
 from ..commit.target import SaveTarget
-from ..errors import OptionError, PlanError
-from ..format import content_hashes, dtypes, object_values
+from ..errors import OptionError
+from ..format import content_hashes, object_values
 from ..format.data_files import RankFiles
 from ..format.metadata import ArrayOptions, ObjectEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
@@ -38,19 +39,17 @@ from ..storage.layouts import PACKED, get_layout
 from ..storage.location import Location, LocationLike
 from ..storage.store import Store
 from . import compat, logs
-from .contract import (NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder,
-                       WriteConfig)
+from .contract import NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
 from .failure import CTRL_C, RankFailure, commit_or_clean_up, failed_summary
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .global_layout import GlobalLayout
 from .merged_chunks import MergedChunks, once_each, stored_values
 from .io import TensorStoreIO, done
+from .item_writes import write_items
 from .plan_cache import CACHE
 from .planner import SavePlanner as TsckptSavePlanner
-from .planner import placement_records
-from .replica_writes import Holdings, piece_of, spread
+from .replica_writes import Holdings, spread
 from .staging import Stager
-from .byte_io_values import encode_bytes
 
 
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
@@ -309,7 +308,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         self._orders_save_id = save_id
         with CTRL_C.watched():
             try:
-                return done(self._write(plan, planner, writers))
+                return done(write_items(plan, planner, writers, rank=self.rank, where=str(self.checkpoint_id),
+                                        data_store=self.data_store, window=self.per_thread_copy_ahead))
             except Exception as e:
                 failure = RankFailure.of(self.rank, e)
             except KeyboardInterrupt:
@@ -322,61 +322,6 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
             for writer in writers:
                 writer.abandon()
         return done(RankWrites([], failed_summary(self.rank, save_id, failure)))
-
-    def _write(self, plan: SavePlan, planner: SavePlanner, writers: list[RankWriter]) -> RankWrites:
-        where = str(self.checkpoint_id)
-        rank_plan = plan.storage_data
-        if not isinstance(rank_plan, RankPlan):
-            raise PlanError(f"saving {where}: rank {self.rank}'s plan carries no layout from the coordinator "
-                            f"(was the global plan made by another storage writer?)")
-        orders = rank_plan.orders.value
-        config = orders.config
-        store = self.data_store(orders.location, config)
-        tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
-        arrays = rank_plan.entries(list(dict.fromkeys(tensors)), where)
-        base = orders.base
-        writer = RankWriter(store, self.rank, orders.save_id, "", options=config.array_options,
-                            checksums=config.checksums, window=self.per_thread_copy_ahead, sync=config.sync_files,
-                            base=BaseChunks(base, store) if base is not None and base.mode else None)
-        writers.append(writer)
-        writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})
-        summary = SummaryBuilder(self.rank, orders.save_id)
-        if not isinstance(planner, TsckptSavePlanner):
-            # DCP's own planner puts no placements in the plans: this rank describes its share here.
-            summary.placements.update(placement_records(planner, self.rank))
-        for item in plan.items:
-            fqn = item.index.fqn
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                self._write_object(writer, fqn, rank_plan.objects[fqn], data, summary)
-                continue
-            entry = arrays[fqn][1]
-            if dtypes.from_torch(data.dtype).zarr != entry.dtype:
-                raise PlanError(f"saving {where}: tensor {fqn!r} is {data.dtype} on rank {self.rank}, but its "
-                                f"array was laid out as {entry.dtype}")
-            chunk = item.tensor_data.chunk
-            if tuple(chunk.sizes) != tuple(data.shape):  # a piece of a replicated tensor (replica_writes)
-                data = piece_of(data, item, where)
-            with CTRL_C.step():
-                writer.write(fqn, chunk.offsets, data)
-        with CTRL_C.step():
-            stored = writer.finish()
-        for fqn, chunks in writer.written.items():
-            summary.add(arrays[fqn][0], chunks)
-        for fqn, ref in writer.blobs.items():
-            summary.place_object(fqn, ref)
-        # No WriteResult per item: DCP only hands the gathered results to ``finish``, which reads the summary.
-        return RankWrites([], summary.done(stored))
-
-    @staticmethod
-    def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:
-        encoding, payload = encode_bytes(data)
-        if encoding == object_values.JSON:
-            summary.add_object(fqn, encoding, payload, 0)
-            return
-        with CTRL_C.step():  # not the pickling above: that may run for long, and starts no write
-            writer.write_blob(fqn, path, payload)
-        summary.add_object(fqn, encoding, None, len(payload))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after every rank wrote or failed: commit (contract, step 5), or remove what was staged.
