@@ -53,14 +53,24 @@ class RankSummary:
     failure: Mapping[str, Any] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Gathered from every rank: its columns travel delta-coded and compressed (a regular layout's
-        # offsets, lengths and numbers are runs), so the coordinator receives bytes, not rows.
+        # Gathered from every rank, and unpacked on the coordinator one rank at a time: its columns travel
+        # delta-coded (a regular layout's offsets, lengths and numbers are runs), a column of one value as that
+        # value, the others in the narrowest integers that hold them, compressed: the coordinator receives
+        # and decompresses bytes, not rows.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _COLUMNS}
-        present = [name for name in _COLUMNS if getattr(self, name) is not None]
-        parts = [np.diff(getattr(self, name).astype(np.int64), prepend=0) if name in _DELTAS
-                 else getattr(self, name).astype(np.int64) for name in present]
-        packed = zlib.compress(np.concatenate(parts).tobytes() if parts else b"", 1)
-        return (_unpacked, (fields, present, len(self.tensor), packed))
+        layout, parts = [], []
+        for name in _COLUMNS:
+            column = getattr(self, name)
+            if column is None:
+                continue
+            values = np.diff(column.astype(np.int64), prepend=0) if name in _DELTAS else column.astype(np.int64)
+            if len(values) and (values == values[0]).all():
+                layout.append((name, None, int(values[0])))
+                continue
+            narrow = _narrowest(values)
+            layout.append((name, narrow.str, 0))
+            parts.append(values.astype(narrow).tobytes())
+        return (_unpacked, (fields, layout, len(self.tensor), zlib.compress(b"".join(parts), 1)))
 
     def to_dict(self) -> dict[str, Any]:
         def column(a: np.ndarray | None) -> list[Any] | None:
@@ -92,11 +102,25 @@ _COLUMNS = {"tensor": np.int32, "chunk": np.int64, "file": np.int32, "offset": n
 _DELTAS = frozenset({"tensor", "chunk", "offset"})
 
 
-def _unpacked(fields: dict[str, Any], present: list[str], n: int, packed: bytes) -> RankSummary:
-    flat = np.frombuffer(zlib.decompress(packed), np.int64).reshape(len(present), n) if present else None
-    columns = {}
-    for i, name in enumerate(present):
-        values = np.cumsum(flat[i]) if name in _DELTAS else flat[i]
+def _narrowest(values: np.ndarray) -> np.dtype:
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if not len(values) or (values.min() >= info.min and values.max() <= info.max):
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+def _unpacked(fields: dict[str, Any], layout: list[tuple[str, str | None, int]], n: int,
+              packed: bytes) -> RankSummary:
+    raw, at, columns = zlib.decompress(packed), 0, {}
+    for name, dtype, constant in layout:
+        if dtype is None:
+            values = np.full(n, constant, np.int64)
+        else:
+            values = np.frombuffer(raw, np.dtype(dtype), n, at)
+            at += values.nbytes
+        if name in _DELTAS:
+            values = np.cumsum(values, dtype=np.int64)
         columns[name] = values.astype(_COLUMNS[name])
     return RankSummary(**fields, **columns)
 
