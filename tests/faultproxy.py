@@ -20,14 +20,17 @@ requests (``rate``, drawn from a seeded generator) meets one of these faults:
     a 403 ``AccessDenied`` answer, as for missing or wrong credentials (only when asked for).
 
 ``hold(match)`` holds every request for which ``match(method, path)`` is true
-(after its body has arrived, before it is forwarded) until ``release()``:
-writes kept on their way while the test does something else. ``holding`` is
-set once the first one is held.
+(after its body has arrived, before it is forwarded) until ``release()`` or
+the proxy stops, however long that takes: writes kept on their way while the
+test does something else. ``holding`` is set once the first one is held.
 
 ``counts`` says how many requests came and how many met each fault;
-``get_bytes``, how many bytes of GET answers it forwarded; ``wait_idle()``
-returns once every request that came has been dealt with (a held write
-forwarded, its answer sent or its client gone). The
+``get_bytes``, how many bytes of GET answers it forwarded; ``dealt``, the
+method and path of each request dealt with (a held write forwarded, its
+answer sent or its client gone). ``wait_dealt(match, n)`` returns once every
+request that came has been dealt with, ``n`` of them requests that ``match``:
+so a test can wait for a write a client started even before the proxy has
+read it. The
 proxy runs in threads of the test process; spawned ranks reach it over
 loopback like any S3 endpoint. It never talks to anything but 127.0.0.1.
 
@@ -83,6 +86,8 @@ class FaultProxy:
         self.holding = threading.Event()
         self._active = 0
         self._settled = threading.Condition(self._lock)
+        #: ``(method, path)`` of each request dealt with, in the order they were.
+        self.dealt: list[tuple[str, str]] = []
 
     @property
     def endpoint(self) -> str:
@@ -96,7 +101,7 @@ class FaultProxy:
                             self.rate if rate is None else rate, self.kinds if kinds is None else kinds)
 
     def hold(self, match: Any) -> None:
-        """Hold each request for which ``match(method, path)`` is true until :meth:`release` (60 s at most)."""
+        """Hold each request for which ``match(method, path)`` is true until :meth:`release` or :meth:`stop`."""
         with self._lock:
             self._hold = match
             self._gate.clear()
@@ -111,20 +116,25 @@ class FaultProxy:
             match = self._hold if not self._gate.is_set() else None
         if match is not None and match(method, path):
             self.holding.set()
-            self._gate.wait(timeout=60)
+            # No time limit: a held write let go after a while would land whenever that is, not when the
+            # test means it to. A test that fails before its release() lets go in stop().
+            self._gate.wait()
 
-    def wait_idle(self, timeout: float = 60) -> bool:
-        """Wait until no request is being dealt with; False if some still is after ``timeout`` seconds."""
+    def wait_dealt(self, match: Any, count: int, timeout: float = 600) -> bool:
+        """Wait until ``count`` requests for which ``match(method, path)`` is true have been dealt with, and no
+        request is being dealt with; False if not after ``timeout`` seconds (a guard against a hang)."""
         with self._settled:
-            return self._settled.wait_for(lambda: self._active == 0, timeout)
+            return self._settled.wait_for(
+                lambda: self._active == 0 and sum(1 for m, p in self.dealt if match(m, p)) >= count, timeout)
 
     def _begin(self) -> None:
         with self._settled:
             self._active += 1
 
-    def _end(self) -> None:
+    def _end(self, method: str, path: str) -> None:
         with self._settled:
             self._active -= 1
+            self.dealt.append((method, path))
             self._settled.notify_all()
 
     @property
@@ -160,6 +170,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self.release()  # a held request ends with the proxy rather than keep its thread waiting
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -211,7 +222,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._answer(proxy)
         finally:
-            proxy._end()
+            proxy._end(self.command, self.path)
 
     def _answer(self, proxy: FaultProxy) -> None:
         fault = proxy.draw()

@@ -10,10 +10,15 @@ five on a busy machine). The rank must wait for every write it started before
 it reports the failure or the interrupt, so the clean-up that follows deletes
 everything, and the message that says the data was removed is true.
 
-The held writes are let go on an event, not after a while: once the rank waits
-for one of them, or once the clean-up is over (it deleted the save's claim:
-then nothing waited for them). The location is
-listed once the proxy has dealt with every request it got.
+Nothing here waits for a while: each step waits for an event, or for the
+rank's process to end (then the step's outcome says why). The interrupt is
+sent once the proxy holds a write; the held writes are let go once the rank
+waits for one of them, or once the clean-up is over (it deleted the save's
+claim: then nothing waited for them), or once the rank has ended. The rank
+counts the writes it started, and the location is listed once the proxy has
+dealt with that many, however late they came: one that lands after the
+clean-up is listed. The only time limit, ``HANG``, stops a hung run; no step
+of a run that works comes near it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import signal
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 import pytest
 import tensorstore as ts
@@ -34,6 +39,8 @@ from faultproxy import FaultProxy
 from tsckpt.commit.states import CLAIM
 
 BUCKET = "tsckpt-failed-writes"
+#: Seconds after which a hung rank is killed: a guard against a hang, never what a step waits for.
+HANG = 600
 
 
 class Unpicklable:
@@ -47,46 +54,61 @@ def _in_sinks(frame) -> bool:
 
 
 class _Watch:
-    """The rank's profiler: presses Ctrl-C the instant its first write has started (``interrupt``), and says
-    (by creating ``waiting``) when the rank waits for one of its writes."""
+    """The rank's profiler: presses Ctrl-C the instant its first write has started (``interrupt`` "write") or
+    its first wait for a write begins ("wait"), says (by creating ``waiting``) when the rank waits for one of
+    its writes, and counts the writes it started."""
 
-    def __init__(self, interrupt: bool, waiting: str):
+    def __init__(self, interrupt: str | None, waiting: str):
         self.interrupt, self.waiting = interrupt, waiting
+        self.started = 0
 
     def __call__(self, frame, event, arg) -> None:
-        if event == "c_return" and self.interrupt and arg is ts.KvStore.write and _in_sinks(frame):
-            self.interrupt = False
-            signal.raise_signal(signal.SIGINT)  # its handler runs here, before the caller records the write
+        if event == "c_return" and arg is ts.KvStore.write and _in_sinks(frame):
+            self.started += 1
+            if self.interrupt == "write":
+                self.interrupt = None
+                signal.raise_signal(signal.SIGINT)  # its handler runs here, before the caller records the write
         elif event == "c_call" and arg is ts.Future.result and _in_sinks(frame):
+            if self.interrupt == "wait":
+                self.interrupt = None
+                signal.raise_signal(signal.SIGINT)  # its handler runs here, before the wait begins
             with open(self.waiting, "a"):
                 pass
 
 
 def _save(rank: int, world_size: int, location: dict, layout: str, failure: str, api: str,
-          files: dict[str, str]) -> tuple[str, str]:
+          files: dict[str, str]) -> tuple[str, str, int]:
+    """What the save raised (its type's name and message, or "ok"), and how many writes the rank started."""
     import torch.distributed.checkpoint as dcp
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     state = {f"w{i}": torch.full((64, 256), float(i)) for i in range(4)}
-    if failure == "error":
+    if failure.startswith("error"):
         state["z"] = Unpicklable()  # last: the tensors' writes are on their way when it is saved
     with open(files["pid"], "w") as f:
         f.write(str(os.getpid()))
-    sys.setprofile(_Watch(failure == "ctrl-c-at-a-write-start", files["waiting"]))
+    watch = _Watch({"ctrl-c-at-a-write-start": "write", "error-then-ctrl-c": "wait"}.get(failure), files["waiting"])
+    sys.setprofile(watch)
     try:
         if api == "dcp":
             dcp.save(state, storage_writer=tsckpt.TensorStoreWriter(location, layout=layout))
         else:
             tsckpt.save(state, location, layout=layout)
     except BaseException as e:  # noqa: BLE001 - a KeyboardInterrupt is one of the outcomes tested
-        return type(e).__name__, str(e)
+        return type(e).__name__, str(e), watch.started
     finally:
         sys.setprofile(None)
-    return "ok", ""
+    return "ok", "", watch.started
 
 
 CASES = [
     ("plain", "error", "tsckpt"),
+    # Ctrl-C the instant the failed rank begins to wait for its writes: the first Ctrl-C, which must not cut
+    # that wait short. It does: tsckpt/dcp/storage.py's write_data waits for its writers (abandon) outside
+    # any CtrlC step, so the interrupt leaves the writes on their way, and the clean-up after it only waits
+    # for the listing to be quiet a moment (failure._settle_keys) before it says "removed".
+    pytest.param("plain", "error-then-ctrl-c", "tsckpt", marks=pytest.mark.xfail(
+        strict=True, reason="write_data's wait after a failure is cut by the first Ctrl-C")),
     ("plain", "ctrl-c", "tsckpt"),
     ("plain", "ctrl-c-at-a-write-start", "tsckpt"),
     ("plain", "ctrl-c-at-a-write-start", "dcp"),
@@ -96,6 +118,36 @@ CASES = [
     ("packed", "ctrl-c-at-a-write-start", "tsckpt"),
     ("packed", "ctrl-c-at-a-write-start", "dcp"),
 ]
+
+
+def _data(method: str, path: str) -> bool:
+    """A rank's data write: every write but the claim's."""
+    return method == "PUT" and not path.endswith(CLAIM)
+
+
+class _Rank(threading.Thread):
+    """``run_ranks`` of one rank, in a thread of the test: its outcome, or why there is none."""
+
+    def __init__(self, *args):
+        super().__init__(daemon=True)
+        self.args, self.outcome, self.error = args, None, None
+
+    def run(self) -> None:
+        try:
+            [self.outcome] = run_ranks(1, _save, *self.args, timeout=HANG)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def wait_for(self, condition: Callable[[], bool]) -> bool:
+        """Wait until ``condition()`` or the rank's process has ended; whether ``condition()`` holds."""
+        while not condition():
+            if not self.is_alive():
+                return condition()
+            self.join(0.05)
+        return True
+
+    def said(self) -> str:
+        return f"the rank ended with {self.outcome!r}" if self.error is None else f"the rank failed: {self.error}"
 
 
 @pytest.mark.parametrize(("layout", "failure", "api"), CASES)
@@ -108,28 +160,25 @@ def test_nothing_lands_after_a_failed_saves_clean_up(s3, tmp_path, layout, failu
     def held(method: str, path: str) -> bool:
         if method == "DELETE" and path.endswith(CLAIM):
             cleaned.set()  # the clean-up is over: whatever is still held was waited for by nothing
-        return method == "PUT" and not path.endswith(CLAIM)
+        return _data(method, path)
 
     with FaultProxy(s3.endpoint) as proxy:
         proxy.hold(held)
-        results: list = []
-        runner = threading.Thread(target=lambda: results.extend(run_ranks(
-            1, _save, {**location, "endpoint": proxy.endpoint}, layout, failure, api, files, timeout=120)))
-        runner.start()
+        rank = _Rank({**location, "endpoint": proxy.endpoint}, layout, failure, api, files)
+        rank.start()
         try:
-            assert proxy.holding.wait(60), "the save never wrote"
+            assert rank.wait_for(proxy.holding.is_set), f"the save never wrote: {rank.said()}"
             if failure == "ctrl-c":
                 with open(files["pid"]) as f:
                     os.kill(int(f.read()), signal.SIGINT)  # Ctrl-C with the rank's writes on their way
-            deadline = time.monotonic() + 60
-            while not (cleaned.is_set() or os.path.exists(files["waiting"])):
-                assert time.monotonic() < deadline, "the rank neither waited for its writes nor cleaned up"
-                cleaned.wait(0.05)
+            rank.wait_for(lambda: cleaned.is_set() or os.path.exists(files["waiting"]))
         finally:
             proxy.release()
-            runner.join(150)
-        assert proxy.wait_idle(), "the proxy is still forwarding"
-    [(kind, message)] = results
+            rank.join(HANG + 60)
+        assert rank.outcome is not None, rank.said()
+        kind, message, started = rank.outcome
+        # Every write the rank started, also one it never waited for, has reached the store or failed.
+        assert proxy.wait_dealt(_data, started), "the proxy is still forwarding"
     url = f"s3://{BUCKET}/{prefix}"
     if failure == "error":
         assert kind == "SaveFailedError", message
