@@ -54,3 +54,31 @@ def test_runs_out_of_order_are_refused():
         ocdbt_keys.SortedKeys([ocdbt_keys.KeyRun(b"b/", tails), ocdbt_keys.KeyRun(b"a/", tails)])
     with pytest.raises(ValueError, match="out of order"):
         ocdbt_keys.SortedKeys([ocdbt_keys.KeyRun(b"a/", tails), ocdbt_keys.KeyRun(b"a/c/0")])
+
+
+@pytest.mark.parametrize("node_bytes", [300, 4000, 1 << 20])
+def test_arrays_sharing_a_template_read_back_with_their_own_keys_and_offsets(node_bytes):
+    rng = np.random.default_rng(node_bytes)
+    grid = [f"c/{i}/{j}".encode() for i in range(40) for j in range(3)]
+    tails, order = ocdbt_keys.sorted_tails(grid)
+    files = [f"d/save-{r}" for r in range(40)]
+    writers = np.repeat(np.arange(40), 3)[order]  # rank i wrote row i, in the run's (sorted) key order
+    runs, values = [], []
+    for name, shuffled in (("a", False), ("b", False), ("bb", True), ("c", False)):
+        file = rng.permutation(writers) if shuffled else writers
+        runs.append(ocdbt_keys.KeyRun(f"{name}/".encode(), tails))
+        values += [ocdbt.Ref(files[f], int(o), 6) for f, o in zip(file, rng.integers(0, 1 << 33, len(grid)))]
+        runs.append(ocdbt_keys.KeyRun(f"{name}/zarr.json".encode()))
+        values.append(b'{"node_type": "array"}')
+    keys = ocdbt_keys.SortedKeys(runs)
+    whole = [keys.key(k) for k in range(len(keys))]
+    inline = {k: v for k, v in enumerate(values) if not isinstance(v, ocdbt.Ref)}
+    number = {p: i for i, p in enumerate(files)}
+    entries = ocdbt.Entries(keys, inline, np.asarray([number[v.path] if isinstance(v, ocdbt.Ref) else -1 for v in values]),
+                            np.asarray([v.offset if isinstance(v, ocdbt.Ref) else 0 for v in values]),
+                            np.asarray([v.length if isinstance(v, ocdbt.Ref) else 0 for v in values]), files)
+    tree = ocdbt_tree.build_tree(entries, path="d/index", max_node_bytes=node_bytes)
+    found: list = []
+    _walk(tree, tree.root, found)
+    assert found == list(zip(whole, values))
+    assert tree.stats.num_keys == len(whole)

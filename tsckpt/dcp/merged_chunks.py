@@ -44,14 +44,16 @@ def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: S
     starts = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
     total = int(starts[-1])
-    tensor = tensor.astype(np.int64)
     if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(sizes)):
         raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
-    if len(index) and ((index < 0).any() or (index >= starts[tensor + 1] - starts[tensor]).any()):
+    if len(index) and ((index < 0).any() or (index >= np.asarray(sizes, np.int64)[tensor]).any()):
         raise PlanError(f"saving {where}: a rank reported a {unit} outside its tensor's grid")
     flat = starts[tensor] + index
-    counts = np.bincount(flat, minlength=total) if total else np.zeros(0, np.int64)
-    if (counts != 1).any():
+    # As many rows as positions, every position reached: then each exactly once.
+    seen = np.zeros(total, bool)
+    seen[flat] = True
+    if len(flat) != total or not seen.all():
+        counts = np.bincount(flat, minlength=total)
         bad = int(np.flatnonzero(counts != 1)[0])
         t = int(np.searchsorted(starts, bad, side="right") - 1)
         what = f"was never {done}" if counts[bad] == 0 else f"was {done} by {int(counts[bad])} ranks"
@@ -86,23 +88,27 @@ class MergedChunks:
         chunk = np.concatenate([s.chunk for s in summaries] or [np.zeros(0, np.int64)])
         starts, flat = _place(tensor, chunk, nchunks, names, "chunk", "written", where)
         total = int(starts[-1])
+        rows = [len(s.tensor) for s in summaries]
         writer = np.empty(total, np.int64)
-        writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64),
-                                 [len(s.tensor) for s in summaries])
+        writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64), rows)
         files: dict[str, int] = {}
         reused = np.zeros(total, bool)
         file = np.full(total, -1, np.int64)
         offset = np.zeros(total, np.int64)
         length = np.zeros(total, np.int64)
-        for s, part in zip(summaries, np.split(flat, np.cumsum([len(s.tensor) for s in summaries])[:-1])):
-            if s.reused is not None and len(s.reused) == len(part):
-                reused[part] = s.reused
-            if s.file is None or s.offset is None or s.length is None or len(s.file) != len(part):
+        numbers = []
+        for s, n in zip(summaries, rows):
+            if s.file is None or s.offset is None or s.length is None or len(s.file) != n:
                 raise PlanError(f"saving {where}: rank {s.rank} did not say where its chunks are stored")
             # The ranks' own numbers of the files they name, as numbers in the merged list.
             mapping = np.asarray([files.setdefault(p, len(files)) for p in s.files] + [-1], np.int64)
-            file[part] = mapping[s.file.astype(np.int64)]  # -1 indexes the trailing -1
-            offset[part], length[part] = s.offset, s.length
+            numbers.append(mapping[s.file])  # -1 indexes the trailing -1
+        if summaries:
+            file[flat] = np.concatenate(numbers)
+            offset[flat] = np.concatenate([s.offset for s in summaries])
+            length[flat] = np.concatenate([s.length for s in summaries])
+            reused[flat] = np.concatenate([s.reused if s.reused is not None and len(s.reused) == n
+                                           else np.zeros(n, bool) for s, n in zip(summaries, rows)])
         return cls(starts, writer, reused, file, offset, length, tuple(files))
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:

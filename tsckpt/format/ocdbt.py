@@ -121,6 +121,16 @@ class Entries:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def pick(self, runs: Sequence[int]) -> Entries:
+        """The entries of the key runs numbered ``runs`` (in order)."""
+        starts = self.keys.run_starts
+        index = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in runs] or [np.zeros(0, np.int64)])
+        new = np.full(len(self), -1, np.int64)
+        new[index] = np.arange(len(index))
+        inline = {int(new[k]): v for k, v in self.inline.items() if new[k] >= 0}
+        return Entries(SortedKeys([self.keys.runs[r] for r in runs]), inline, self.file[index], self.offset[index],
+                       self.length[index], self.files)
+
     @classmethod
     def of(cls, keys: Sequence[bytes], values: Sequence[bytes | Ref]) -> Entries:
         """Entries of sorted, distinct ``keys``, given their values one by one."""

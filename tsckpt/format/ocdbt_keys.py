@@ -11,6 +11,7 @@ index's (:class:`SortedKeys`). Pure functions of bytes; no I/O.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,9 +38,12 @@ class Tails:
             raise ValueError(f"key tails out of order or repeated: {self.tails[bad - 1]!r} before "
                              f"{self.tails[bad]!r}")
         self.length = np.fromiter(map(len, self.tails), np.int64, len(self.tails))
-        #: The bytes of every tail after its common prefix with the one before, from the second tail on.
+        #: The bytes of every tail after its common prefix with the one before, from the second tail on:
+        #: tail ``k``'s at ``rest[rest_starts[k]:rest_starts[k + 1]]`` (none for the first).
         self.rest = np.frombuffer(b"".join(t[p:] for t, p in zip(self.tails[1:], self.prefix[1:].tolist())),
                                   np.uint8)
+        self.rest_starts = np.zeros(len(self.tails) + 1, np.int64)
+        np.cumsum((self.length - self.prefix)[1:], out=self.rest_starts[2:])
 
     def __len__(self) -> int:
         return len(self.tails)
@@ -68,8 +72,9 @@ class SortedKeys:
 
     ``prefix[k]``: key ``k``'s common prefix with key ``k - 1`` (0 for the
     first); ``length[k]``: its length; ``rest[starts[k]:starts[k + 1]]``: its
-    bytes after that prefix. Raises ``ValueError`` if the runs are not in
-    order (each run's first key after the run before's last).
+    bytes after that prefix (computed when first asked for: leaves of a whole
+    run are cut from its :class:`Tails` instead). Raises ``ValueError`` if the
+    runs are not in order (each run's first key after the run before's last).
     """
 
     def __init__(self, runs: Sequence[KeyRun]):
@@ -77,23 +82,46 @@ class SortedKeys:
         sizes = np.fromiter((len(r.tails) for r in self.runs), np.int64, len(self.runs))
         self.run_starts = np.zeros(len(self.runs) + 1, np.int64)
         np.cumsum(sizes, out=self.run_starts[1:])
-        prefixes, lengths, rests = [], [], []
+        #: Each run's first key's common prefix with the key before it.
+        self.run_prefix = np.zeros(len(self.runs), np.int64)
         before = None
-        for r in self.runs:
+        for i, r in enumerate(self.runs):
             first = r.first()
-            if before is not None and not before < first:
-                raise ValueError(f"keys out of order or repeated: {before!r} before {first!r}")
-            p = _common(before, first) if before is not None else 0
+            if before is not None:
+                if not before < first:
+                    raise ValueError(f"keys out of order or repeated: {before!r} before {first!r}")
+                self.run_prefix[i] = _common(before, first)
+            before = r.last()
+
+    @functools.cached_property
+    def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        prefixes, lengths, rests = [], [], []
+        for r, p in zip(self.runs, self.run_prefix.tolist()):
             head = len(r.head)
             prefixes += [np.asarray([p], np.int64), r.tails.prefix[1:] + head]
             lengths.append(r.tails.length + head)
-            rests += [np.frombuffer(first[p:], np.uint8), r.tails.rest]
-            before = r.last()
-        self.prefix = np.concatenate(prefixes) if prefixes else np.zeros(0, np.int64)
-        self.length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        self.rest = np.concatenate(rests) if rests else np.zeros(0, np.uint8)
-        self.starts = np.zeros(len(self.length) + 1, np.int64)
-        np.cumsum(self.length - self.prefix, out=self.starts[1:])
+            rests += [np.frombuffer(r.first()[p:], np.uint8), r.tails.rest]
+        prefix = np.concatenate(prefixes) if prefixes else np.zeros(0, np.int64)
+        length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        starts = np.zeros(len(length) + 1, np.int64)
+        np.cumsum(length - prefix, out=starts[1:])
+        return prefix, length, np.concatenate(rests) if rests else np.zeros(0, np.uint8), starts
+
+    @property
+    def prefix(self) -> np.ndarray:
+        return self._columns[0]
+
+    @property
+    def length(self) -> np.ndarray:
+        return self._columns[1]
+
+    @property
+    def rest(self) -> np.ndarray:
+        return self._columns[2]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self._columns[3]
 
     @classmethod
     def of(cls, keys: Sequence[bytes]) -> SortedKeys:

@@ -13,14 +13,119 @@ bytes; no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from .ocdbt import BTREE_MAGIC, MAX_NODE_ARITY, Entries
+from .ocdbt_keys import KeyRun, Tails
 from .ocdbt_records import VarintColumn, envelope, prefix_lengths, varint
 
 #: What a node costs beyond its entries, in the size estimate that cuts nodes.
 NODE_OVERHEAD = 64
+#: What an entry costs beyond its key and inline value, in the same estimate.
+ENTRY_OVERHEAD = 24
+
+
+class Leaf(NamedTuple):
+    """An encoded leaf: its first key, its bytes, its number of keys and the bytes its values hold in data files."""
+
+    first: bytes
+    node: bytes
+    keys: int
+    held: int
+
+
+def leaves(entries: Entries, limit: int) -> Iterator[Leaf]:
+    """Every leaf of ``entries`` in key order, each estimated under ``limit`` bytes.
+
+    A run of many keys whose values are all in data files (an array's
+    chunks) is cut on its own, from a template that every such run of the
+    same tails, head length, data files and value lengths shares (at scale,
+    every array of one shape and placement): only the first keys and the
+    offsets differ from one to the next. The keys between such runs (array
+    documents, single values) are cut together, key by key.
+    """
+    keys = entries.keys
+    paths = _Paths(entries.files)
+    runs = range(len(keys.runs))
+    lo, hi = keys.run_starts[:-1], keys.run_starts[1:]
+    stored = np.zeros(len(keys) + 1, np.int64)  # values in data files before each key
+    np.cumsum(entries.file >= 0, out=stored[1:])
+    whole = (hi - lo > 1) & (stored[hi] - stored[lo] == hi - lo)
+    # The runs between whole ones, all together: their leaves come from one pass, each cut within its stretch.
+    loose = [r for r in runs if not whole[r]]
+    part = entries.pick(loose)
+    sizes = part.keys.length + ENTRY_OVERHEAD
+    for k, v in part.inline.items():
+        sizes[k] += len(v)
+    stretch = np.flatnonzero(np.diff(np.asarray(loose, np.int64), prepend=-2) != 1)  # where each stretch begins
+    stretch_keys = np.append(part.keys.run_starts[stretch], len(part.keys))
+    bounds = [0]
+    counts = []
+    for a, b in zip(stretch_keys[:-1].tolist(), stretch_keys[1:].tolist()):
+        cuts = cut(sizes[a:b], limit)[1:] + a
+        bounds += cuts.tolist()
+        counts.append(len(cuts))
+    loose_leaves = encode_leaves(part, np.asarray(bounds, np.int64), paths)
+    templates: dict[tuple[int, ...], list[_RunLeaves]] = {}
+    nstretch = 0
+    for r in runs:
+        if not whole[r]:
+            if r == 0 or whole[r - 1]:
+                for _ in range(counts[nstretch]):
+                    yield next(loose_leaves)
+                nstretch += 1
+            continue
+        run = keys.runs[r]
+        a, b = int(lo[r]), int(hi[r])
+        file, length = entries.file[a:b], entries.length[a:b]
+        key = (id(run.tails), len(run.head), hash(file.tobytes()), hash(length.tobytes()))
+        found = next((t for t in templates.get(key, []) if t.fits(file, length)), None)
+        if found is None:
+            found = _RunLeaves(run, file, length, paths, limit)
+            templates.setdefault(key, []).append(found)
+        yield from found.leaves(run, entries.offset[a:b])
+
+
+class _RunLeaves:
+    """The leaves of one run of keys (``head`` + each of ``tails``) whose values are all in data files, but for
+    what differs between runs that share them: the head, and where each value is in its file."""
+
+    def __init__(self, run: KeyRun, file: np.ndarray, length: np.ndarray, paths: _Paths, limit: int):
+        tails: Tails = run.tails
+        head = len(run.head)
+        self.file, self.length = file, length
+        self.bounds = cut(tails.length + (head + ENTRY_OVERHEAD), limit)
+        nleaves = len(self.bounds) - 1
+        leaf = np.repeat(np.arange(nleaves, dtype=np.int64), np.diff(self.bounds))
+        tables = _FileTables(paths, file, leaf, nleaves)
+        prefix = VarintColumn(tails.prefix + head)
+        suffix = VarintColumn(tails.length - tails.prefix)
+        value_length, number = VarintColumn(length), VarintColumn(tables.number)
+        held = np.zeros(len(length) + 1, np.int64)
+        np.cumsum(length, out=held[1:])
+        #: Each leaf's bytes before its first key, its first key's tail, and its bytes after that up to the offsets.
+        self.before, self.tails, self.after, self.held = [], [], [], []
+        for i in range(nleaves):
+            lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
+            self.before.append(b"".join((b"\x00", tables.table(i), varint(hi - lo), prefix.cut(lo + 1, hi),
+                                         varint(head + int(tails.length[lo])), suffix.cut(lo + 1, hi))))
+            self.tails.append(tails.tails[lo])
+            self.after.append(b"".join((tails.rest[tails.rest_starts[lo + 1]:tails.rest_starts[hi]].tobytes(),
+                                        value_length.cut(lo, hi), b"\x01" * (hi - lo), number.cut(lo, hi))))
+            self.held.append(int(held[hi] - held[lo]))
+
+    def fits(self, file: np.ndarray, length: np.ndarray) -> bool:
+        return np.array_equal(self.file, file) and np.array_equal(self.length, length)
+
+    def leaves(self, run: KeyRun, offset: np.ndarray) -> Iterator[Leaf]:
+        offsets = VarintColumn(offset)
+        for i, (before, tail, after, held) in enumerate(zip(self.before, self.tails, self.after, self.held)):
+            lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
+            first = run.head + tail
+            yield Leaf(first, envelope(BTREE_MAGIC, b"".join((before, first, after, offsets.cut(lo, hi)))), hi - lo,
+                       held)
 
 
 def cut(sizes: np.ndarray, limit: int, least: int = 1) -> np.ndarray:
@@ -46,58 +151,68 @@ def _gather(buf: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
 
 
 class _RangeMin:
-    """Minimum of ``values[a:b]`` for many ranges at once (a sparse table: O(1) per range)."""
+    """Minimum of ``values[a:b]`` for many ranges at once (a sparse table: O(1) per range).
+
+    Row ``k`` of the table holds the minimum of each run of ``2**k`` values
+    (where the run fits); a range is two runs of the largest such length that
+    fits inside it, overlapping.
+    """
 
     def __init__(self, values: np.ndarray):
-        self.levels = [values]
+        levels = [values.astype(np.int32)]
         width = 1
         while 2 * width <= len(values):
-            prev = self.levels[-1]
-            self.levels.append(np.minimum(prev[:len(prev) - width], prev[width:]))
+            below = levels[-1].copy()
+            np.minimum(below[:len(values) - width], levels[-1][width:], out=below[:len(values) - width])
+            levels.append(below)
             width *= 2
+        self.table = np.stack(levels)
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(a), np.int64)
-        if not len(a):
-            return out
-        level = np.floor(np.log2(np.maximum(b - a, 1))).astype(np.int64)
-        for k in np.unique(level).tolist():
-            at = np.flatnonzero(level == k)
-            table = self.levels[k]
-            out[at] = np.minimum(table[a[at]], table[b[at] - (1 << k)])
-        return out
+        """Each ``min(values[a[i]:b[i]])`` (ranges with ``b[i] <= a[i]`` give a value of no meaning)."""
+        level = np.log2(np.maximum(b - a, 1)).astype(np.int64)
+        return np.minimum(self.table[level, a], self.table[level, b - (1 << level)])
+
+
+class _Paths:
+    """A tree's data file paths sorted once, for every leaf's table: each path's bytes and its common prefix with
+    the path before it."""
+
+    def __init__(self, files: Sequence[str]):
+        order = sorted(range(len(files)), key=files.__getitem__)
+        self.position = np.empty(len(files), np.int64)
+        self.position[np.asarray(order, np.int64)] = np.arange(len(files))
+        raw = [files[k].encode() for k in order]
+        self.starts = np.zeros(len(raw) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)), out=self.starts[1:])
+        self.bytes = np.frombuffer(b"".join(raw), np.uint8)
+        # Two sorted paths share the least of the common prefixes of the neighbours between them.
+        self.common = _RangeMin(np.append(prefix_lengths(raw), 0))
 
 
 class _FileTables:
     """The data file table of every leaf, as columns over all leaves (leaf ``i``'s rows ``rows[i]:rows[i + 1]``).
 
-    ``number``: for each indirect value, its file's position in its leaf's table.
+    ``number``: for each value, its file's position in its leaf's table.
     """
 
-    def __init__(self, files: Sequence[str], file: np.ndarray, leaf: np.ndarray, nleaves: int):
-        order = sorted(range(len(files)), key=files.__getitem__)
-        position = np.empty(len(files), np.int64)
-        position[np.asarray(order, np.int64)] = np.arange(len(files))
-        raw = [files[k].encode() for k in order]
-        path_starts = np.zeros(len(raw) + 1, np.int64)
-        np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)), out=path_starts[1:])
-        paths = np.frombuffer(b"".join(raw), np.uint8)
-        width = max(1, len(files))
-        pair = leaf * width + position[file]
+    def __init__(self, paths: _Paths, file: np.ndarray, leaf: np.ndarray, nleaves: int):
+        width = max(1, len(paths.position))
+        pair = leaf * width + paths.position[file]
+        if nleaves * width < 1 << 31:  # narrower keys sort and search faster
+            pair = pair.astype(np.int32)
         used = np.sort(pair)
         if len(used):
             used = used[np.concatenate(([True], used[1:] != used[:-1]))]
         self.rows = np.searchsorted(used // width, np.arange(nleaves + 1)).astype(np.int64)
         self.number = np.searchsorted(used, pair) - self.rows[leaf]
-        at = used % width
-        # Two sorted paths share the least of the common prefixes of the neighbours between them.
-        common = np.append(prefix_lengths(raw), 0)
+        at = (used % width).astype(np.int64)
         prefix = np.zeros(len(at), np.int64)
-        prefix[1:] = _RangeMin(common)(at[:-1] + 1, at[1:] + 1)
+        prefix[1:] = paths.common(at[:-1] + 1, at[1:] + 1)
         prefix[self.rows[:-1][self.rows[:-1] < len(at)]] = 0  # each leaf's first path is whole
         self.prefix = VarintColumn(prefix)
-        self.suffix_length = VarintColumn(path_starts[at + 1] - path_starts[at] - prefix)
-        self.suffixes, self.suffix_starts = _gather(paths, path_starts[at] + prefix, path_starts[at + 1])
+        self.suffix_length = VarintColumn(paths.starts[at + 1] - paths.starts[at] - prefix)
+        self.suffixes, self.suffix_starts = _gather(paths.bytes, paths.starts[at] + prefix, paths.starts[at + 1])
 
     def table(self, i: int) -> bytes:
         a, b = int(self.rows[i]), int(self.rows[i + 1])
@@ -105,16 +220,14 @@ class _FileTables:
                          bytes(b - a), self.suffixes[self.suffix_starts[a]:self.suffix_starts[b]].tobytes()))
 
 
-def encode_leaves(entries: Entries, bounds: np.ndarray) -> Iterator[tuple[bytes, bytes, int, int]]:
-    """Each leaf ``[bounds[i], bounds[i + 1])`` of ``entries``: its first key, its node, its number of keys and
-    the bytes its values hold in data files."""
+def encode_leaves(entries: Entries, bounds: np.ndarray, paths: _Paths | None = None) -> Iterator[Leaf]:
+    """Each leaf ``[bounds[i], bounds[i + 1])`` of ``entries``, key by key from columns of them all."""
     keys, inline, file, offset, length = entries.keys, entries.inline, entries.file, entries.offset, entries.length
-    files = entries.files
     n, nleaves = len(file), len(bounds) - 1
     leaf = np.repeat(np.arange(nleaves, dtype=np.int64), np.diff(bounds))
     indirect = file >= 0
     where = np.flatnonzero(indirect)
-    tables = _FileTables(files, file[where], leaf[where], nleaves)
+    tables = _FileTables(paths or _Paths(entries.files), file[where], leaf[where], nleaves)
     before = np.zeros(n + 1, np.int64)  # indirect values before each entry
     np.cumsum(indirect, out=before[1:])
     lengths = length.copy()
@@ -138,4 +251,4 @@ def encode_leaves(entries: Entries, bounds: np.ndarray) -> Iterator[tuple[bytes,
             b"\x00", tables.table(i), varint(hi - lo), prefix.cut(lo + 1, hi), varint(len(first)),
             suffix.cut(lo + 1, hi), first, keys.rest[keys.starts[lo + 1]:keys.starts[hi]].tobytes(),
             value_length.cut(lo, hi), kinds[lo:hi].tobytes(), number.cut(a, b), offsets.cut(a, b), values))
-        yield first, envelope(BTREE_MAGIC, body), hi - lo, int(held[hi] - held[lo])
+        yield Leaf(first, envelope(BTREE_MAGIC, body), hi - lo, int(held[hi] - held[lo]))

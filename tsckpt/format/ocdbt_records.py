@@ -63,22 +63,24 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
         return np.zeros(0, np.uint8), np.zeros(1, np.int64)
     if v.max() < 0x80:  # one byte each: most of a node's small columns
         return v.astype(np.uint8), np.arange(v.size + 1, dtype=np.int64)
-    nbytes = np.ones(v.size, dtype=np.int64)
-    rest = v >> np.uint64(7)
-    while rest.any():
-        nbytes += rest != 0
-        rest >>= np.uint64(7)
+    top = int(v.max())
+    w = v.astype(np.uint32) if top < 1 << 32 else v  # narrower words: fewer bytes to shift
+    nbytes = np.ones(v.size, dtype=np.uint8)
+    width = 1
+    while width < 10 and top >> (7 * width):
+        nbytes += w >= (1 << (7 * width))
+        width += 1
     starts = np.zeros(v.size + 1, dtype=np.int64)
     np.cumsum(nbytes, out=starts[1:])
-    out = np.empty(int(starts[-1]), dtype=np.uint8)
-    rest = v.copy()
-    for k in range(int(nbytes.max())):
-        live = nbytes > k
-        byte = (rest[live] & np.uint64(0x7F)).astype(np.uint8)
-        more = nbytes[live] > k + 1
-        out[starts[:-1][live] + k] = byte | (more.astype(np.uint8) << 7)
-        rest[live] >>= np.uint64(7)
-    return out, starts
+    # Byte k of every value in one pass each, then the bytes each value needs, value by value: a few passes
+    # over the column instead of a masked gather and scatter per byte.
+    rows = np.empty((width, v.size), dtype=np.uint8)
+    for k in range(width):
+        byte = (w >> (7 * k)).astype(np.uint8)
+        byte &= 0x7F
+        byte |= (nbytes > k + 1).view(np.uint8) << 7
+        rows[k] = byte
+    return rows.T[(np.arange(width, dtype=np.uint8)[:, None] < nbytes).T], starts
 
 
 def prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> np.ndarray:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .ocdbt import Entries, Ref, Stats, encode_interior
-from .ocdbt_leaves import cut, encode_leaves
+from .ocdbt_leaves import cut, leaves
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,13 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
     """
     if not len(entries):
         raise ValueError("an OCDBT tree of no keys has no root node")
-    sizes = entries.keys.length + 24
-    for k, v in entries.inline.items():
-        sizes[k] += len(v)
     out: list[bytes] = []
     at = start
     level: list[tuple[bytes, Ref, Stats]] = []
-    for first, node, keys, held in encode_leaves(entries, cut(sizes, max_node_bytes)):
-        level.append((first, Ref(path, at, len(node)), Stats(keys, len(node), held)))
-        out.append(node)
-        at += len(node)
+    for leaf in leaves(entries, max_node_bytes):
+        level.append((leaf.first, Ref(path, at, len(leaf.node)), Stats(leaf.keys, len(leaf.node), leaf.held)))
+        out.append(leaf.node)
+        at += len(leaf.node)
     height = 0
     while len(level) > 1:
         height += 1

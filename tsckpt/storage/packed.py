@@ -157,13 +157,13 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
     runs.sort(key=lambda r: r[0].first())
     keys = ocdbt_keys.SortedKeys([r for r, _ in runs])
     inline = {int(keys.run_starts[i]): v for i, (_, v) in enumerate(runs) if isinstance(v, bytes)}
-    index = np.concatenate([v if not isinstance(v, bytes) else np.asarray([-1], np.int64) for _, v in runs]
+    index = np.concatenate([v if not isinstance(v, bytes) else np.zeros(1, np.int64) for _, v in runs]
                            or [np.zeros(0, np.int64)])
-    stored = index >= 0
+    docs_at = np.fromiter(inline, np.int64, len(inline))
 
     def column(of: np.ndarray, missing: int) -> np.ndarray:
-        out = np.full(len(index), missing, np.int64)
-        out[stored] = of[index[stored]]
+        out = of[index] if len(of) else np.zeros(len(index), np.int64)
+        out[docs_at] = missing
         return out
 
     return ocdbt.Entries(keys, inline, column(values.file, -1), column(values.offset, 0), column(values.length, 0),
