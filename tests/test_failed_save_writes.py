@@ -104,11 +104,10 @@ def _save(rank: int, world_size: int, location: dict, layout: str, failure: str,
 CASES = [
     ("plain", "error", "tsckpt"),
     # Ctrl-C the instant the failed rank begins to wait for its writes: the first Ctrl-C, which must not cut
-    # that wait short. It does: tsckpt/dcp/storage.py's write_data waits for its writers (abandon) outside
-    # any CtrlC step, so the interrupt leaves the writes on their way, and the clean-up after it only waits
-    # for the listing to be quiet a moment (failure._settle_keys) before it says "removed".
-    pytest.param("plain", "error-then-ctrl-c", "tsckpt", marks=pytest.mark.xfail(
-        strict=True, reason="write_data's wait after a failure is cut by the first Ctrl-C")),
+    # that wait short. Cut short, it leaves the writes on their way, and the clean-up after it only waits for
+    # the listing to be quiet a moment (failure._settle_keys) before it says "removed".
+    ("plain", "error-then-ctrl-c", "tsckpt"),
+    ("plain", "error-then-ctrl-c", "dcp"),
     ("plain", "ctrl-c", "tsckpt"),
     ("plain", "ctrl-c-at-a-write-start", "tsckpt"),
     ("plain", "ctrl-c-at-a-write-start", "dcp"),

@@ -30,7 +30,11 @@ Python raises ``KeyboardInterrupt`` at whatever instruction comes next, even
 between a call that started a write and the one that records it: nothing
 would wait for that write, and it would land after the clean-up (a chunk
 object left on S3 after "what it had staged was removed"). So while a rank
-starts writes, Ctrl-C is held until the step ends (:class:`CtrlC`).
+starts writes, Ctrl-C is held until the step ends (:class:`CtrlC`). So is a
+first Ctrl-C while a failed rank waits for the writes it started: once they
+have ended it is reported as the interrupt. Cutting that wait short would
+leave the clean-up only a quiet moment of the location's listing to wait for
+(:func:`_settle_keys`), and a write held up longer lands after it.
 
 Where Ctrl-C stops a save outside ``write_data`` (a second Ctrl-C, or one in
 DCP's own collectives), ``tsckpt.save`` calls :func:`interrupted` on every
@@ -291,15 +295,19 @@ class CtrlC:
     (only where that is a Python handler, as the interpreter's default is);
     Ctrl-C during a :meth:`step` is held until the step ends, and then handed
     to the program's handler, which raises ``KeyboardInterrupt`` there. Outside
-    steps, and for a second Ctrl-C, the program's handler runs at once. Each
-    step is short (starting one item's writes; the commit), so Ctrl-C waits a
-    moment at most.
+    steps, and for a second Ctrl-C (also in a later step of the same watch),
+    the program's handler runs at once. Each step is short (starting one item's
+    writes; the commit), so Ctrl-C waits a moment at most, but for a failed
+    rank's wait for the writes it started, which lasts as long as they do and
+    which a second Ctrl-C stops.
     """
 
     def __init__(self) -> None:
         self._previous: Any = None
         self._depth = 0
         self._held: tuple[int, Any] | None = None
+        #: A Ctrl-C came while watched: the next one is a second Ctrl-C, not held even in a later step.
+        self._pressed = False
 
     @contextlib.contextmanager
     def watched(self) -> Iterator[None]:
@@ -315,7 +323,7 @@ class CtrlC:
         try:
             yield
         finally:
-            self._previous, self._held = None, None
+            self._previous, self._held, self._pressed = None, None, False
             signal.signal(signal.SIGINT, previous)
 
     @contextlib.contextmanager
@@ -330,7 +338,8 @@ class CtrlC:
                 self._previous(*held)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._depth and self._held is None:
+        first, self._pressed = not self._pressed, True
+        if self._depth and first:
             self._held = (signum, frame)
             return
         self._held = None

@@ -298,7 +298,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         rank started has ended before it returns: none lands after the clean-up
         has removed the save's data. Ctrl-C is held while a write is started
         and recorded (:class:`~tsckpt.dcp.failure.CtrlC`), so none is started
-        unrecorded.
+        unrecorded, and while a failed rank waits for its writes, so that a
+        first Ctrl-C does not cut the wait short.
         """
         writers: list[RankWriter] = []
         if self.is_coordinator and not isinstance(planner, TsckptSavePlanner):
@@ -318,9 +319,19 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 for writer in writers:
                     writer.abandon()
                 raise
-            # A second Ctrl-C stops this wait: raised as it is, it reaches tsckpt.save (failure.interrupted).
-            for writer in writers:
-                writer.abandon()
+            # The first Ctrl-C waits with the rest of this step: cut short, the wait would leave writes on their
+            # way to land after the clean-up. A second one stops it (CtrlC holds no second Ctrl-C): raised as it
+            # is, it reaches tsckpt.save, whose clean-up waits for the writes to land (failure.interrupted).
+            waited = False
+            try:
+                with CTRL_C.step():
+                    for writer in writers:
+                        writer.abandon()
+                    waited = True
+            except KeyboardInterrupt:
+                if not waited:
+                    raise
+                failure = RankFailure.ctrl_c(self.rank)
         return done(RankWrites([], failed_summary(self.rank, save_id, failure)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
