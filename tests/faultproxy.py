@@ -34,6 +34,11 @@ read it. The
 proxy runs in threads of the test process; spawned ranks reach it over
 loopback like any S3 endpoint. It never talks to anything but 127.0.0.1.
 
+A :class:`Client` runs the client (``run_ranks`` of the rank that writes
+through the proxy) in a thread of the test, so that the test waits for an
+event of the proxy's, such as ``holding``, or for the client's end, whichever
+comes first, rather than for a number of seconds a busy machine may exceed.
+
     with FaultProxy(s3.endpoint, rate=0.2) as proxy:
         tsckpt.save(sd, {"url": "s3://bucket/run", "endpoint": proxy.endpoint})
         print(proxy.counts)
@@ -50,6 +55,7 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -181,6 +187,34 @@ class FaultProxy:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class Client(threading.Thread):
+    """``call()`` in a thread of the test: its ``result``, or the ``error`` it raised."""
+
+    def __init__(self, call: Callable[[], Any]):
+        super().__init__(daemon=True)
+        self.call, self.result, self.error = call, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.call()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def wait_for(self, condition: Callable[[], bool]) -> bool:
+        """Wait until ``condition()`` or the call has ended; whether ``condition()`` holds."""
+        while not condition():
+            if not self.is_alive():
+                return condition()
+            self.join(0.05)
+        return True
+
+    def said(self) -> str:
+        """What the call ended with, for a failing test's message."""
+        if self.is_alive():
+            return "it has not ended"
+        return f"it ended with {self.result!r}" if self.error is None else f"it failed: {self.error}"
 
 
 def _reset(sock: socket.socket) -> None:

@@ -13,23 +13,28 @@ and nothing of the save that lost is left behind.
   save takes the location over; the first one fails at its commit and removes
   its own data files.
 * Packed layout, the first save already committing: the second is refused.
+
+No step waits for a number of seconds: the second save starts once the proxy
+holds a write of the first (a first save whose rank ended without writing
+fails the test at once), and the first save's outcome is read once its rank
+has ended. ``HANG`` only stops a hung run.
 """
 
 from __future__ import annotations
-
-import threading
 
 import tensorstore as ts
 import torch
 
 import tsckpt
 from dist import run_ranks
-from faultproxy import FaultProxy
+from faultproxy import Client, FaultProxy
 from tsckpt.commit.states import CLAIM
 from tsckpt.storage import packed
 from tsckpt.storage.location import parse_location
 
 BUCKET = "tsckpt-concurrent"
+#: Seconds after which a hung rank is killed: a guard against a hang, never what a step waits for.
+HANG = 600
 
 
 def _state(seed: int) -> dict:
@@ -63,12 +68,11 @@ def _race(s3, name: str, layout: str, held) -> tuple[str, str, dict]:
     location = s3.location(BUCKET, name)
     with FaultProxy(s3.endpoint) as proxy:
         proxy.hold(held)
-        first: list[str] = []
-        runner = threading.Thread(target=lambda: first.extend(run_ranks(
-            1, _save_on_a_rank, {**location, "endpoint": proxy.endpoint}, layout, 1, timeout=120)))
-        runner.start()
+        rank = Client(lambda: run_ranks(1, _save_on_a_rank, {**location, "endpoint": proxy.endpoint}, layout, 1,
+                                        timeout=HANG)[0])
+        rank.start()
         try:
-            assert proxy.holding.wait(60), "the first save never wrote"
+            assert rank.wait_for(proxy.holding.is_set), f"the first save never wrote; its rank: {rank.said()}"
             try:
                 tsckpt.save(_state(2), location, overwrite=True, layout=layout)
                 second = "committed"
@@ -76,8 +80,9 @@ def _race(s3, name: str, layout: str, held) -> tuple[str, str, dict]:
                 second = f"{type(e).__name__}: {e}"
         finally:
             proxy.release()
-            runner.join(150)
-    return first[0], second, location
+            rank.join(HANG + 60)
+    assert rank.result is not None, f"the first save's rank: {rank.said()}"
+    return rank.result, second, location
 
 
 def _committed_state(location: dict) -> dict:

@@ -27,7 +27,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 import pytest
 import tensorstore as ts
@@ -35,7 +34,7 @@ import torch
 
 import tsckpt
 from dist import run_ranks
-from faultproxy import FaultProxy
+from faultproxy import Client, FaultProxy
 from tsckpt.commit.states import CLAIM
 
 BUCKET = "tsckpt-failed-writes"
@@ -124,31 +123,6 @@ def _data(method: str, path: str) -> bool:
     return method == "PUT" and not path.endswith(CLAIM)
 
 
-class _Rank(threading.Thread):
-    """``run_ranks`` of one rank, in a thread of the test: its outcome, or why there is none."""
-
-    def __init__(self, *args):
-        super().__init__(daemon=True)
-        self.args, self.outcome, self.error = args, None, None
-
-    def run(self) -> None:
-        try:
-            [self.outcome] = run_ranks(1, _save, *self.args, timeout=HANG)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def wait_for(self, condition: Callable[[], bool]) -> bool:
-        """Wait until ``condition()`` or the rank's process has ended; whether ``condition()`` holds."""
-        while not condition():
-            if not self.is_alive():
-                return condition()
-            self.join(0.05)
-        return True
-
-    def said(self) -> str:
-        return f"the rank ended with {self.outcome!r}" if self.error is None else f"the rank failed: {self.error}"
-
-
 @pytest.mark.parametrize(("layout", "failure", "api"), CASES)
 def test_nothing_lands_after_a_failed_saves_clean_up(s3, tmp_path, layout, failure, api):
     prefix = f"{layout}-{failure}-{api}"
@@ -163,10 +137,11 @@ def test_nothing_lands_after_a_failed_saves_clean_up(s3, tmp_path, layout, failu
 
     with FaultProxy(s3.endpoint) as proxy:
         proxy.hold(held)
-        rank = _Rank({**location, "endpoint": proxy.endpoint}, layout, failure, api, files)
+        rank = Client(lambda: run_ranks(1, _save, {**location, "endpoint": proxy.endpoint}, layout, failure, api,
+                                        files, timeout=HANG)[0])
         rank.start()
         try:
-            assert rank.wait_for(proxy.holding.is_set), f"the save never wrote: {rank.said()}"
+            assert rank.wait_for(proxy.holding.is_set), f"the save never wrote; the rank: {rank.said()}"
             if failure == "ctrl-c":
                 with open(files["pid"]) as f:
                     os.kill(int(f.read()), signal.SIGINT)  # Ctrl-C with the rank's writes on their way
@@ -174,8 +149,8 @@ def test_nothing_lands_after_a_failed_saves_clean_up(s3, tmp_path, layout, failu
         finally:
             proxy.release()
             rank.join(HANG + 60)
-        assert rank.outcome is not None, rank.said()
-        kind, message, started = rank.outcome
+        assert rank.result is not None, f"the rank: {rank.said()}"
+        kind, message, started = rank.result
         # Every write the rank started, also one it never waited for, has reached the store or failed.
         assert proxy.wait_dealt(_data, started), "the proxy is still forwarding"
     url = f"s3://{BUCKET}/{prefix}"
