@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from tsckpt.base_chunks import BaseChoice
 from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
+from tsckpt.dcp.summary import columns_of
 from tsckpt.dcp.merged_chunks import MergedChunks
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import PlanError
@@ -107,6 +108,21 @@ def test_written_chunks_are_placed_per_tensor_in_grid_order():
     assert [merged.files[f] for f in b.file.tolist()] == ["d/s1-1", "d/s1-1", "d/s1-0"]
     assert b.reused.tolist() == [False, False, True]
     assert merged.of(0).writer.tolist() == [1]
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_gathered_summaries_decode_together_to_what_each_rank_held(gathered):
+    wide = _summary(2, list(range(300)), [5] * 300, [k * 100_000 for k in range(300)])
+    summaries = [_summary(1, [1, 0, 1], [1, 0, 0], [11, 20, 10]), _summary(0, [], []), wide, _summary(0, [1], [2], [12])]
+    if gathered:
+        summaries = [pickle.loads(pickle.dumps(s)) for s in summaries]
+        assert all(s.packed is not None and s.tensor is None for s in summaries)
+        assert [s.decoded().to_dict() for s in summaries] == [s.to_dict() for s in summaries]
+    columns = columns_of(summaries)
+    assert columns["rows"].tolist() == [3, 0, 300, 1]
+    assert columns["tensor"].tolist() == [1, 0, 1, *range(300), 1]
+    assert columns["offset"].tolist() == [11, 20, 10, *(k * 100_000 for k in range(300)), 12]
+    assert columns["reused"].tolist() == [0, 0, 0, *[0] * 300, 1]
 
 
 @pytest.mark.parametrize("summaries, message", [

@@ -20,7 +20,7 @@ from ..format import writers, zarr_json
 from ..format.data_files import RankFiles
 from ..format.metadata import TensorEntry
 from ..storage.packed import StoredValues
-from .summary import RankSummary
+from .summary import RankSummary, columns_of
 
 
 @dataclass(frozen=True)
@@ -84,31 +84,30 @@ class MergedChunks:
     def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
               where: str) -> MergedChunks:
         """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
-        tensor = np.concatenate([s.tensor for s in summaries] or [np.zeros(0, np.int32)])
-        chunk = np.concatenate([s.chunk for s in summaries] or [np.zeros(0, np.int64)])
-        starts, flat = _place(tensor, chunk, nchunks, names, "chunk", "written", where)
+        columns = columns_of(summaries)
+        rows = columns["rows"]
+        for name in ("file", "offset", "length"):
+            if columns[name] is None:
+                rank = next(s.rank for s in summaries if not s.has(name))
+                raise PlanError(f"saving {where}: rank {rank} did not say where its chunks are stored")
+        starts, flat = _place(columns["tensor"], columns["chunk"], nchunks, names, "chunk", "written", where)
         total = int(starts[-1])
-        rows = [len(s.tensor) for s in summaries]
         writer = np.empty(total, np.int64)
         writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64), rows)
+        # Each rank numbers the files it names; their numbers in the merged list, -1 kept, one table per rank.
         files: dict[str, int] = {}
+        tables = [np.asarray([-1] + [files.setdefault(p, len(files)) for p in s.files], np.int64) for s in summaries]
+        base = np.cumsum([len(t) for t in tables]) - [len(t) for t in tables] + 1
+        numbers = np.concatenate(tables or [np.zeros(0, np.int64)])
         reused = np.zeros(total, bool)
-        file = np.full(total, -1, np.int64)
-        offset = np.zeros(total, np.int64)
-        length = np.zeros(total, np.int64)
-        numbers = []
-        for s, n in zip(summaries, rows):
-            if s.file is None or s.offset is None or s.length is None or len(s.file) != n:
-                raise PlanError(f"saving {where}: rank {s.rank} did not say where its chunks are stored")
-            # The ranks' own numbers of the files they name, as numbers in the merged list.
-            mapping = np.asarray([files.setdefault(p, len(files)) for p in s.files] + [-1], np.int64)
-            numbers.append(mapping[s.file])  # -1 indexes the trailing -1
-        if summaries:
-            file[flat] = np.concatenate(numbers)
-            offset[flat] = np.concatenate([s.offset for s in summaries])
-            length[flat] = np.concatenate([s.length for s in summaries])
-            reused[flat] = np.concatenate([s.reused if s.reused is not None and len(s.reused) == n
-                                           else np.zeros(n, bool) for s, n in zip(summaries, rows)])
+        file = np.empty(total, np.int64)
+        offset = np.empty(total, np.int64)
+        length = np.empty(total, np.int64)
+        file[flat] = numbers[columns["file"] + np.repeat(base, rows)]
+        offset[flat] = columns["offset"]
+        length[flat] = columns["length"]
+        if columns["reused"] is not None:
+            reused[flat] = columns["reused"].astype(bool)
         return cls(starts, writer, reused, file, offset, length, tuple(files))
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:

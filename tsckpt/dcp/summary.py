@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,8 @@ class RankSummary:
 
     rank: int
     save_id: str  # from the orders the rank wrote with
-    tensor: np.ndarray  # int32
-    chunk: np.ndarray  # int64, flat index in the tensor's chunk grid
+    tensor: np.ndarray | None  # int32; None while packed
+    chunk: np.ndarray | None  # int64, flat index in the tensor's chunk grid; None while packed
     file: np.ndarray | None = None  # int32, into files; -1 for chunks that are keys of their own
     offset: np.ndarray | None = None  # int64
     length: np.ndarray | None = None  # int64
@@ -51,13 +51,33 @@ class RankSummary:
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
     failure: Mapping[str, Any] | None = None
+    #: The columns as they were gathered (the columns above are then None): decoded with every other rank's at
+    #: once by :func:`columns_of`, not one rank at a time as they arrive.
+    packed: PackedColumns | None = None
+
+    def has(self, name: str) -> bool:
+        """Whether this rank sent column ``name``."""
+        if self.packed is not None:
+            return any(n == name for n, _, _ in self.packed.layout)
+        return getattr(self, name) is not None
+
+    def decoded(self) -> RankSummary:
+        """This summary with its columns decoded."""
+        if self.packed is None:
+            return self
+        columns = columns_of([self])
+        return dataclasses.replace(self, packed=None, **{name: None if columns[name] is None else
+                                                         columns[name].astype(dtype)
+                                                         for name, dtype in _COLUMNS.items()})
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Gathered from every rank, and unpacked on the coordinator one rank at a time: its columns travel
-        # delta-coded (a regular layout's offsets, lengths and numbers are runs), a column of one value as that
-        # value, the others in the narrowest integers that hold them, compressed: the coordinator receives
-        # and decompresses bytes, not rows.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _COLUMNS}
+        # Gathered from every rank: its columns travel delta-coded (a regular layout's offsets, lengths and
+        # numbers are runs), a column of one value as that value, the others in the narrowest integers that hold
+        # them, compressed; the coordinator keeps the bytes until it decodes every rank's at once.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in _COLUMNS and f.name != "packed"}
+        if self.packed is not None:
+            return (_unpacked, (fields, self.packed))
         layout, parts = [], []
         for name in _COLUMNS:
             column = getattr(self, name)
@@ -70,9 +90,12 @@ class RankSummary:
             narrow = _narrowest(values)
             layout.append((name, narrow.str, 0))
             parts.append(values.astype(narrow).tobytes())
-        return (_unpacked, (fields, layout, len(self.tensor), zlib.compress(b"".join(parts), 1)))
+        return (_unpacked, (fields, PackedColumns(tuple(layout), len(self.tensor), zlib.compress(b"".join(parts), 1))))
 
     def to_dict(self) -> dict[str, Any]:
+        if self.packed is not None:
+            return self.decoded().to_dict()
+
         def column(a: np.ndarray | None) -> list[Any] | None:
             return None if a is None else a.tolist()
 
@@ -110,19 +133,61 @@ def _narrowest(values: np.ndarray) -> np.dtype:
     return np.dtype(np.int64)
 
 
-def _unpacked(fields: dict[str, Any], layout: list[tuple[str, str | None, int]], n: int,
-              packed: bytes) -> RankSummary:
-    raw, at, columns = zlib.decompress(packed), 0, {}
-    for name, dtype, constant in layout:
-        if dtype is None:
-            values = np.full(n, constant, np.int64)
-        else:
-            values = np.frombuffer(raw, np.dtype(dtype), n, at)
-            at += values.nbytes
+def _unpacked(fields: dict[str, Any], packed: PackedColumns) -> RankSummary:
+    return RankSummary(**fields, tensor=None, chunk=None, packed=packed)
+
+
+@dataclass(frozen=True)
+class PackedColumns:
+    """A gathered summary's columns as they travelled: per column its name and either its dtype (its values in
+    ``data``, in layout order) or None and the one value all its rows hold; ``rows`` rows; zlib."""
+
+    layout: tuple[tuple[str, str | None, int], ...]
+    rows: int
+    data: bytes
+
+
+def columns_of(summaries: Sequence[RankSummary]) -> dict[str, np.ndarray | None]:
+    """Every summary's columns, one after the other, as int64 (None for a column some summary lacks), and
+    ``"rows"``: each summary's number of rows. Decoded all at once: a few passes over every rank's rows instead
+    of a few per rank."""
+    rows = np.asarray([s.packed.rows if s.packed is not None else len(s.tensor) for s in summaries], np.int64)
+    pieces: dict[str, list[np.ndarray]] = {name: [] for name in _COLUMNS}
+    lacking: set[str] = set()
+    for s, n in zip(summaries, rows.tolist()):
+        if s.packed is None:
+            for name in _COLUMNS:
+                column = getattr(s, name)
+                if column is None:
+                    lacking.add(name)
+                    continue
+                column = column.astype(np.int64)
+                pieces[name].append(np.diff(column, prepend=0) if name in _DELTAS else column)
+            continue
+        raw, at, sent = zlib.decompress(s.packed.data), 0, set()
+        for name, dtype, constant in s.packed.layout:
+            sent.add(name)
+            if dtype is None:
+                pieces[name].append(np.full(n, constant, np.int64))
+            else:
+                values = np.frombuffer(raw, np.dtype(dtype), n, at)
+                at += values.nbytes
+                pieces[name].append(values)
+        lacking |= set(_COLUMNS) - sent
+    out: dict[str, np.ndarray | None] = {"rows": rows}
+    starts = np.cumsum(rows) - rows
+    for name in _COLUMNS:
+        if name in lacking:
+            out[name] = None
+            continue
+        values = np.concatenate(pieces[name], dtype=np.int64) if pieces[name] else np.zeros(0, np.int64)
         if name in _DELTAS:
-            values = np.cumsum(values, dtype=np.int64)
-        columns[name] = values.astype(_COLUMNS[name])
-    return RankSummary(**fields, **columns)
+            # One running sum over every rank's deltas, less what the ranks before each had summed to.
+            np.cumsum(values, out=values)
+            before = np.where(starts > 0, values[np.maximum(starts - 1, 0)] if len(values) else 0, 0)
+            values -= np.repeat(before, rows)
+        out[name] = values
+    return out
 
 
 class SummaryBuilder:
