@@ -4,10 +4,13 @@ For each workload (``--workloads``; see ``workloads.py``) of ``--size-gb`` per
 dtype, row-sharded over ``--world`` gloo CPU ranks, every contender
 (``contenders.py``: DCP's default writer and reader, tsckpt through
 ``dcp.save``/``dcp.load`` with DCP's default planners, ``tsckpt.save`` /
-``tsckpt.load``, each tsckpt path once per ``--layouts`` entry, raw disk)
+``tsckpt.load``, each tsckpt path once per ``--layouts`` entry, raw disk; with
+``--unsynced``, the default, also ``tsckpt.save`` with ``sync_files=False`` and
+torch-checkpointing, which do not fsync, the one compared with the other)
 
 * saves, then loads back into the same topology (checksums compared);
-* loads column-sharded into the same rank count and into ``--reshard-world`` ranks;
+* loads column-sharded into the same rank count and into ``--reshard-world`` ranks
+  (not torch-checkpointing: it reshards only on CUDA ranks);
 * on the tuned workload also: ``async_save``, and opening and slicing without a process group.
 
 Then (``fetched.py``) the bytes each rank fetches from the local disk vs the
@@ -102,7 +105,7 @@ def run_workload(args: argparse.Namespace, name: str, dtype: str, root: str, lay
     extras = "extras" in args.phases and name == "tuned"
     cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.reps, "root": root, "layouts": layouts,
            "dcp_threads": args.dcp_threads, "settle": args.settle, "raw": True, "extras": extras,
-           "variants": args.variants, "paths": args.paths}
+           "variants": args.variants, "paths": args.paths, "unsynced": args.unsynced, "peers": args.peers}
     print(f"[{name} {dtype}] {w.describe()}: {wl.total_bytes(w, itemsize) / 1e9:.3f} GB, "
           f"{args.world} ranks, {args.reps} reps", flush=True)
     saved = harness.run_ranks(args.world, dcp_ranks.save_phase, cfg)[0]
@@ -143,7 +146,7 @@ def run_many(args: argparse.Namespace, ranks: int, root: str, layouts: list[str]
     w = wl.Small.for_size(args.many_gb * 1e9, itemsize)
     cfg = {"workload": wl.to_dict(w), "dtype": dtype, "reps": args.many_reps, "root": root, "layouts": layouts,
            "dcp_threads": args.dcp_threads[:1], "settle": args.settle, "raw": False, "extras": False,
-           "paths": args.paths}
+           "paths": args.paths, "unsynced": args.unsynced, "peers": args.peers}
     print(f"[many] {ranks} ranks, {w.describe()}, {args.many_reps} reps", flush=True)
     saved = harness.run_ranks(ranks, dcp_ranks.save_phase, cfg)[0]
     return {"ranks": ranks, "describe": w.describe(), "bytes": wl.total_bytes(w, itemsize), "cpus": os.cpu_count(),
@@ -178,6 +181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tsckpt call paths: dcp (dcp.save/dcp.load with DCP's default planners), api (tsckpt.save)")
     ap.add_argument("--variants", nargs="*", type=_option, default=[],
                     help="extra tsckpt.save contenders, one writer option each (e.g. compression='zstd')")
+    ap.add_argument("--unsynced", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the contenders that do not fsync: tsckpt.save with sync_files=False, compared with "
+                         f"{', '.join(cont.OPTIONAL)} (each skipped with a note when its package is missing)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait (after sync) before each save")
     ap.add_argument("--phases", type=_names, default=list(PHASES), help=f"comma-separated subset of {PHASES}")
     ap.add_argument("--fetch-gb", type=float, default=0.25, help="state dict size for bytes fetched on local disk")
@@ -199,13 +205,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.size_gb, args.fetch_gb, args.many_gb = 0.01, 0.01, 0.002
         args.reps, args.settle, args.many_ranks = 1, 0.0, args.many_ranks[:1]
     args.many_reps = args.many_reps or args.reps
+    args.peers = list(cont.OPTIONAL) if args.unsynced else []
     if args.dcp_threads[0] != 1:
         ap.error("--dcp-threads must start with 1, DCP's default, which every ratio is taken against")
     return args
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    return harness.environment("python -m benchmarks local", sys.argv[1:]) | {
+    modules = ("torch", "tensorstore", *args.peers)
+    return harness.environment("python -m benchmarks local", sys.argv[1:], modules) | {
         "args": vars(args), "reps": args.reps, "complete": False}
 
 
@@ -231,8 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: the installed tsckpt does not accept layout={lay!r}; skipping it", flush=True)
     if not layouts:
         raise SystemExit("no layout left to measure")
+    missing = cont.missing_peers(args.peers)
+    for name, why in missing.items():
+        print(f"note: {why}; skipping {name}", flush=True)
+    args.peers = [p for p in args.peers if p not in missing]
     results: dict[str, Any] = {"env": environment(args), "layouts": {"run": layouts, "skipped": skipped},
-                               "runs": [], "many": []}
+                               "peers": {"run": args.peers, "skipped": missing}, "runs": [], "many": []}
     base = tempfile.mkdtemp(prefix="tsckpt-bench-", dir=args.dir)
     try:
         if "timed" in args.phases:

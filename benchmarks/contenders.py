@@ -8,6 +8,11 @@ A contender's name says what a user calls:
 * ``tsckpt-dcp/<layout>``: ``dcp.save(sd, storage_writer=TensorStoreWriter(p))``
   and ``dcp.load(sd, storage_reader=TensorStoreReader(p))`` with DCP's default planners;
 * ``tsckpt/<layout>``: ``tsckpt.save`` / ``tsckpt.load`` (tsckpt's planners);
+* ``tsckpt/<layout>[sync_files=False]``: ``tsckpt.save`` without any fsync, compared
+  with torch-checkpointing, which does not sync either;
+* ``torch-checkpointing``: meta-pytorch's file-per-rank ``CheckpointManager``, its
+  synchronous saver, buffered writes (``use_direct_io=False``); it takes part in
+  saves and same-topology loads only: its resharding metadata is all-gathered on CUDA;
 * ``raw``: each rank's bytes to one file with fsync, read back with ``numpy.fromfile``.
 """
 
@@ -34,6 +39,8 @@ class Contender:
     async_save: Callable[[dict[str, Any], str], Any] | None = None
     #: A contender that only loads another's checkpoint: that contender's name (its location).
     loads_from: str | None = None
+    #: False for a contender that cannot load into another sharding on CPU ranks.
+    reshards: bool = True
 
 
 def layout_options(layout: str) -> dict[str, Any] | None:
@@ -170,6 +177,65 @@ def _raw_load(sd: dict[str, Any], path: str) -> None:
 RAW = Contender("raw", _raw_save, _raw_load)
 
 
+TORCH_CHECKPOINTING = "torch-checkpointing"
+#: The writer option of the tsckpt contender compared with torch-checkpointing: neither syncs.
+UNSYNCED = {"sync_files": False}
+
+
+def torch_checkpointing() -> Contender:
+    """torch-checkpointing's ``CheckpointManager`` with its synchronous saver, one file per item and rank.
+
+    ``use_direct_io=False``: its O_DIRECT default fails on ext4 with unaligned
+    writes. No resharder is declared, so a load reads each rank's own files back
+    into the same shards; declaring one makes its metadata all-gather allocate on
+    CUDA, which CPU ranks do not have.
+    """
+    # One manager for every save and load of the phase, made at the first, as a
+    # training job keeps one: its set-up is billed to a job's first save only.
+    made: list[Any] = []
+
+    def manager() -> Any:
+        if not made:
+            from torch_checkpointing import CheckpointManager
+            from torch_checkpointing.config import SyncCheckpointSaverConfig
+            from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+            storage = LocalFileSystemStorageConfig(use_direct_io=False)
+            made.append(CheckpointManager(CheckpointManager.Config(save=SyncCheckpointSaverConfig(),
+                                                                   storage_config=storage)))
+        return made[0]
+
+    def save(sd: dict[str, Any], path: str) -> None:
+        manager().save(path, sd)
+
+    def load(sd: dict[str, Any], path: str) -> None:
+        manager().load(path, into=sd)
+
+    return Contender(TORCH_CHECKPOINTING, save, load, reshards=False)
+
+
+#: Optional peers: contender name -> (module it needs, package that provides it).
+OPTIONAL = {TORCH_CHECKPOINTING: ("torch_checkpointing", "torch-checkpointing==0.1.1")}
+
+
+def missing_peers(names: Sequence[str]) -> dict[str, str]:
+    """Of ``names``, the optional peers whose package is not installed: name -> why it is skipped."""
+    import importlib.util
+
+    return {n: f"{OPTIONAL[n][1]} is not installed (pip install {OPTIONAL[n][1]!r}, or the bench extra)"
+            for n in names if importlib.util.find_spec(OPTIONAL[n][0]) is None}
+
+
+def unsynced_contenders(layout: str, peers: Sequence[str]) -> list[Contender]:
+    """``tsckpt.save`` with :data:`UNSYNCED`, then the peers in ``peers`` that do not sync either.
+
+    Its ``async_save`` is left out: the async figures are times until durable.
+    """
+    ours = dataclasses.replace(tsckpt_api(layout, **UNSYNCED), async_save=None)
+    make = {TORCH_CHECKPOINTING: torch_checkpointing}
+    return [ours, *(make[p]() for p in peers)]
+
+
 PATHS = ("dcp", "api")
 
 
@@ -183,7 +249,14 @@ def tsckpt_contenders(layouts: list[str], variants: list[dict[str, Any]] = (),
 
 
 def contenders(cfg: dict[str, Any], *, raw: bool, s3: bool = False) -> list[Contender]:
-    """Everyone taking part in a phase described by ``cfg`` (``dcp_threads``, ``layouts``)."""
+    """Everyone taking part in a phase described by ``cfg`` (``dcp_threads``, ``layouts``; with ``unsynced``,
+    the contenders that do not sync, and the optional peers named in ``peers``)."""
     out = [RAW] if raw else []
     out += [dcp_contender(t, s3) for t in cfg["dcp_threads"]]
-    return out + tsckpt_contenders(cfg["layouts"], cfg.get("variants", []), cfg.get("paths", PATHS))
+    out += tsckpt_contenders(cfg["layouts"], cfg.get("variants", []), cfg.get("paths", PATHS))
+    if cfg.get("unsynced"):
+        out += unsynced_contenders(cfg["layouts"][0], cfg.get("peers", []))
+    named: dict[str, Contender] = {}
+    for c in out:  # --variants sync_files=False names the unsynced contender again: the later one stays
+        named[c.name] = c
+    return list(named.values())

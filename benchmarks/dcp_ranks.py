@@ -170,8 +170,8 @@ def first_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
 
 
 def reshard_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """Load each contender's last row-sharded checkpoint column-sharded into ``world`` ranks."""
-    everyone = cont.contenders(cfg, raw=False)
+    """Load each contender's last row-sharded checkpoint column-sharded into ``world`` ranks (those that reshard)."""
+    everyone = [c for c in cont.contenders(cfg, raw=False) if c.reshards]
     dest = _state(cfg, mesh(world), column=True, fill=False)
     times: dict[str, dict[str, list[float]]] = {}
     for rep in range(cfg["reps"]):

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from contenders import TORCH_CHECKPOINTING as TC  # noqa: E402
 from harness import table  # noqa: E402
 from ranges import Figure  # noqa: E402
 
@@ -24,6 +25,9 @@ DOCS_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs
 BLOCK_BEGIN = "<!-- bench_dcp:begin -->"
 BLOCK_END = "<!-- bench_dcp:end -->"
 DCP = "dcp-t1"  # DCP's default FileSystemWriter/FileSystemReader (thread_count=1)
+#: Ratios pair contenders that promise the same after a power loss: those that fsync with DCP's default,
+#: those that do not (tsckpt with sync_files=False) with torch-checkpointing.
+PEERS = (DCP, TC)
 
 # (key in samples, label; {world}/{fewer} are filled in)
 FIGURES = [
@@ -44,6 +48,16 @@ EXTRAS = [
 TARGETS = [("save", 1.0), ("load", 1.0), ("reshard_same", 1.5), ("first_save", 1.0)]
 RAW_TARGET = 0.6  # a save's speed as a fraction of a raw fsync'd write of the same bytes
 FETCH_TARGET = 1.3
+
+
+def synced(name: str) -> bool:
+    """Whether contender ``name`` makes its checkpoint durable before its save returns."""
+    return name != TC and "sync_files=False" not in name
+
+
+def peer_of(name: str) -> str:
+    """The peer a contender's ratios are taken against: the one that syncs as much as it does."""
+    return DCP if synced(name) else TC
 
 
 def median(xs: list[float] | None) -> float | None:
@@ -86,7 +100,7 @@ def label(name: str) -> str:
         return f"tsckpt via dcp.save/load, {name.split('/')[1]}"
     if name.startswith("tsckpt/"):
         return f"tsckpt.save/load, {name.split('/')[1]}"
-    return {"raw": "raw disk"}.get(name, name)
+    return {"raw": "raw disk", TC: "torch-checkpointing, sync saver"}.get(name, name)
 
 
 def tsckpt_names(samples: dict[str, Any]) -> list[str]:
@@ -95,7 +109,12 @@ def tsckpt_names(samples: dict[str, Any]) -> list[str]:
 
 def _columns(samples: dict[str, Any]) -> list[str]:
     others = [n for n in samples if n.startswith("dcp-t") and n != DCP]
-    return [*tsckpt_names(samples), DCP, *others, *(["raw"] if "raw" in samples else [])]
+    return [*tsckpt_names(samples), DCP, *others, *(n for n in (TC, "raw") if n in samples)]
+
+
+def _versus(name: str) -> str:
+    """A ratio column's heading: the tsckpt contender, and its peer where that is not DCP's default."""
+    return label(name) if synced(name) or name in PEERS else f"{label(name)} over {label(TC)}"
 
 
 def run_tables(run: dict[str, Any]) -> list[str]:
@@ -113,18 +132,37 @@ def run_tables(run: dict[str, Any]) -> list[str]:
     rows.append(["files in the checkpoint", *(run["files"].get(c, "-") for c in cols)])
     lines = table(["median seconds (min-max)", *map(label, cols)], rows).splitlines()
     ours = tsckpt_names(s)
-    lines += ["", "Speed-up of tsckpt over DCP's default (DCP time / tsckpt time; above 1 means tsckpt is faster; "
-                  "ratio of medians, range of the per-repetition ratios):", ""]
-    ratios = [[text.format(**fill), *(_ratio_cell(speedup(s, key, n)) for n in ours)] for key, text in FIGURES + EXTRAS]
-    lines += table(["figure", *map(label, ours)], [r for r in ratios if any(c != "-" for c in r[1:])]).splitlines()
+    lines += ["", "Speed-up of tsckpt over its peer (peer time / tsckpt time; above 1 means tsckpt is faster; "
+                  "ratio of medians, range of the per-repetition ratios): DCP's default for tsckpt's durable saves, "
+                  "torch-checkpointing for tsckpt with sync_files=False (neither syncs):", ""]
+    ratios = [[text.format(**fill), *(_ratio_cell(speedup(s, key, n, peer_of(n))) for n in ours)]
+              for key, text in FIGURES + EXTRAS]
+    lines += table(["figure", *map(_versus, ours)], [r for r in ratios if any(c != "-" for c in r[1:])]).splitlines()
+    if TC in s:
+        lines += ["", NO_RESHARD]
     return lines
 
 
+#: Why torch-checkpointing has no column-sharded loads: a limit of what it supports, not a failure.
+NO_RESHARD = ("torch-checkpointing takes part in saves and same-topology loads only: its resharding load "
+              "all-gathers its metadata in CUDA tensors, which these CPU ranks do not have.")
+
+
 def verdicts(samples: dict[str, Any]) -> list[str]:
-    """One line per tsckpt contender: each target's median speed-up over DCP's default, met or missed."""
+    """One line per tsckpt contender: each target's median speed-up over DCP's default, met or missed.
+
+    The targets are set against DCP's default, which syncs: tsckpt with
+    ``sync_files=False`` gets its save and load speed-ups over torch-checkpointing, with no target.
+    """
     out = []
     for name in tsckpt_names(samples):
         parts = []
+        if not synced(name):
+            for figure in ("save", "load"):
+                if (r := speedup(samples, figure, name, TC)) is not None:
+                    parts.append(f"{figure} {r[0]:.2f}x")
+            out.append(f"- {_versus(name)} (no target): " + ("; ".join(parts) or f"{label(TC)} not measured"))
+            continue
         for figure, minimum in TARGETS:
             r = speedup(samples, figure, name)
             if r is not None:
@@ -176,7 +214,7 @@ def fetched_tables(f: dict[str, Any]) -> list[str]:
 
 
 def many_tables(many: list[dict[str, Any]]) -> list[str]:
-    """More ranks than cores: save and load medians, files, and speed-ups over DCP's default."""
+    """More ranks than cores: save and load medians, files, and speed-ups over each contender's peer."""
     if not many:
         return []
     first = many[0]
@@ -185,12 +223,18 @@ def many_tables(many: list[dict[str, Any]]) -> list[str]:
     rows = []
     for m in many:
         s = m["samples"]
-        for name in [DCP, *tsckpt_names(s)]:
-            ratios = ["-" if name == DCP else _ratio_cell(speedup(s, fig, name)) for fig in ("save", "load")]
-            rows.append([m["ranks"], label(name), _seconds(s[name].get("save")), _seconds(s[name].get("load")),
+        for name in _peers_first(s):
+            ratios = ["-" if name in PEERS else _ratio_cell(speedup(s, fig, name, peer_of(name)))
+                      for fig in ("save", "load")]
+            rows.append([m["ranks"], _versus(name), _seconds(s[name].get("save")), _seconds(s[name].get("load")),
                          m["files"].get(name, "-"), *ratios])
     return lines + table(["ranks", "contender", "save", "load", "files", "save speed-up", "load speed-up"],
                          rows).splitlines()
+
+
+def _peers_first(samples: dict[str, Any]) -> list[str]:
+    """The peers measured (DCP's default, torch-checkpointing), then the tsckpt contenders."""
+    return [*(p for p in PEERS if p in samples), *tsckpt_names(samples)]
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -208,9 +252,14 @@ def markdown(results: dict[str, Any]) -> str:
              + ("dropped (`/proc/sys/vm/drop_caches`)." if _evicts(results) == {"drop_caches"}
                 else "emptied of the checkpoint's files with posix_fadvise(DONTNEED).")
              + " Ratios are speed-ups of tsckpt over DCP's default `FileSystemWriter`/`FileSystemReader` "
-               "(DCP time / tsckpt time): above 1, tsckpt is faster."]
+               "(DCP time / tsckpt time): above 1, tsckpt is faster."
+             + (" tsckpt with `sync_files=False` is compared with torch-checkpointing instead: neither fsyncs, so "
+                "a power loss can lose or tear their checkpoints, while DCP's default and tsckpt's default are "
+                "durable when their saves return." if _unsynced(results) else "")]
     if lay.get("skipped"):
         lines += ["", f"Layouts not measured (the installed tsckpt does not accept them): {', '.join(lay['skipped'])}."]
+    for name, why in results.get("peers", {}).get("skipped", {}).items():
+        lines += ["", f"{label(name)} not measured: {why}."]
     for run in results.get("runs", []):
         lines += ["", f"**{run['workload']}, {run['dtype']}**: {run['bytes'] / 1e9:.3f} GB ({run['describe']}), "
                       f"{run['world']} gloo ranks.", ""]
@@ -223,16 +272,23 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _unsynced(results: dict[str, Any]) -> bool:
+    runs = results.get("runs", []) + results.get("many", [])
+    return any(not synced(n) for run in runs for n in run["samples"])
+
+
 def _evicts(results: dict[str, Any]) -> set[str]:
     return {run["evict"] for run in results.get("runs", []) + results.get("many", []) if run.get("evict")}
 
 
 def records(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The results as ``plots.py`` records: speed-ups over DCP's default per workload, bytes per rank per load.
+    """The results as ``plots.py`` records: speed-ups over each contender's peer per workload, bytes per rank
+    per load.
 
     Timed runs give one panel per workload (seconds and the speed-up over
-    DCP's default); the bytes-fetched phase one panel (MB a rank fetched and
-    what it needed). bench_dcp measures no CPU.
+    DCP's default, or over torch-checkpointing for tsckpt with ``sync_files=False``);
+    the bytes-fetched phase one panel (MB a rank fetched and what it needed).
+    bench_dcp measures no CPU.
     """
     out: list[dict[str, Any]] = []
     for run in results.get("runs", []):
@@ -240,14 +296,14 @@ def records(results: dict[str, Any]) -> list[dict[str, Any]]:
         panel = f"{run['workload']} {run['dtype']} {run['bytes'] / 1e9:.2f} GB, local disk"
         fill = {"world": run["world"], "fewer": run["reshard_world"]}
         for key, short in SHORT.items():
-            for name in [DCP, *tsckpt_names(s)]:
+            for name in _peers_first(s):
                 times = s.get(name, {}).get(key)
                 if not times:
                     continue
-                ratio = None if name == DCP else speedup(s, key, name)
+                ratio = None if name in PEERS else speedup(s, key, name, peer_of(name))
                 out.append({"panel": panel, "phase": short.format(**fill), "contender": label(name),
-                            "peer": name == DCP, "seconds": median(times),
-                            "speedup": {label(DCP): ratio[0]} if ratio else {}})
+                            "peer": name in PEERS, "seconds": median(times),
+                            "speedup": {label(peer_of(name)): ratio[0]} if ratio else {}})
     fetched = results.get("fetched") or {}
     if disk := fetched.get("disk"):
         panel = f"bytes fetched, local disk, {disk['bytes'] / 1e6:.0f} MB state"
@@ -263,7 +319,9 @@ def records(results: dict[str, Any]) -> list[dict[str, Any]]:
 def figures(results: dict[str, Any]) -> list[Figure]:
     """The run's medians as rows of ``ranges.py``: one per workload (or rank count), phase and contender.
 
-    DCP's writers (``dcp-t<N>``) are the peers; raw disk is shown as a reference.
+    DCP's writers (``dcp-t<N>``) are the peers; raw disk is shown as a reference. The contenders
+    that do not sync are a store of their own, ``local disk, no fsync``, whose peer is
+    torch-checkpointing: a best peer that skips the fsync would bill tsckpt's durable saves for it.
     """
     out = []
     for run in results.get("runs", []):
@@ -272,16 +330,20 @@ def figures(results: dict[str, Any]) -> list[Figure]:
         for key, text in FIGURES + EXTRAS:
             for name in _columns(run["samples"]):
                 if times := run["samples"].get(name, {}).get(key):
-                    out.append(Figure("local disk", state, text.format(**fill), label(name), name.startswith("dcp-t"),
-                                      {"seconds": statistics.median(times)}))
+                    out.append(_figure(name, state, text.format(**fill), times))
     for many in results.get("many", []):
         state = f"{many['describe']}, {many['ranks']} ranks"
         for key in ("save", "load"):
-            for name in [DCP, *tsckpt_names(many["samples"])]:
+            for name in _peers_first(many["samples"]):
                 if times := many["samples"].get(name, {}).get(key):
-                    out.append(Figure("local disk", state, key, label(name), name == DCP,
-                                      {"seconds": statistics.median(times)}))
+                    out.append(_figure(name, state, key, times))
     return out
+
+
+def _figure(name: str, state: str, phase: str, times: list[float]) -> Figure:
+    store = "local disk" if synced(name) else "local disk, no fsync"
+    return Figure(store, state, phase, label(name), name.startswith("dcp-t") or name == TC,
+                  {"seconds": statistics.median(times)})
 
 
 #: Axis labels of the figures, by key in the samples.

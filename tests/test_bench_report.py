@@ -62,6 +62,34 @@ def test_layout_check_accepts_plain_and_refuses_unknown():
     assert contenders.supported_layouts(["plain", "no-such-layout"]) == (["plain"], ["no-such-layout"])
 
 
+def test_the_unsynced_pair_joins_when_asked_and_torch_checkpointing_does_not_reshard():
+    cfg = {"dcp_threads": [1], "layouts": ["packed"], "variants": [{"sync_files": False}]}
+    alone = [c.name for c in contenders.contenders(cfg, raw=True)]
+    assert alone == ["raw", "dcp-t1", "tsckpt-dcp/packed", "tsckpt/packed", "tsckpt/packed[sync_files=False]"]
+    # No package is needed to list it: torch_checkpointing is imported at the first save or load.
+    everyone = contenders.contenders(cfg | {"unsynced": True, "peers": [contenders.TORCH_CHECKPOINTING]}, raw=False)
+    assert [c.name for c in everyone] == [*alone[1:], "torch-checkpointing"]
+    by_name = {c.name: c for c in everyone}
+    assert not by_name["torch-checkpointing"].reshards and by_name["tsckpt/packed"].reshards
+    assert by_name["tsckpt/packed[sync_files=False]"].async_save is None  # the async figures are until durable
+
+
+def test_bench_dcp_asks_for_the_unsynced_pair_unless_told_not_to():
+    assert bench_dcp.parse_args([]).peers == ["torch-checkpointing"]
+    assert bench_dcp.parse_args(["--no-unsynced"]).peers == []
+
+
+def test_a_peer_whose_package_is_missing_is_skipped_with_a_note(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(contenders.OPTIONAL, contenders.TORCH_CHECKPOINTING,
+                        ("no_such_module_anywhere", "torch-checkpointing==0.1.1"))
+    bench_dcp.main(["--phases", "", "--layouts", "packed", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "note: torch-checkpointing==0.1.1 is not installed (pip install 'torch-checkpointing==0.1.1', or the " \
+           "bench extra); skipping torch-checkpointing" in out
+    assert "torch-checkpointing, sync saver not measured: torch-checkpointing==0.1.1 is not installed" in out
+    assert "not measured" in (tmp_path / "results.md").read_text()
+
+
 def test_quick_mode_is_small_and_dcp_default_comes_first():
     args = bench_dcp.parse_args(["--quick", "--layouts", "plain,packed"])
     assert args.reps == 1 and args.size_gb < 0.05 and args.layouts == ["plain", "packed"]
@@ -120,6 +148,49 @@ def test_markdown_reports_ratios_verdicts_bytes_and_ranks():
     assert "| **1.10** | **1.20** | 1.05 |" in text and "| **1.00** (2.01 copies) | **1.01** |" in text
     assert "| 16 | tsckpt.save/load, plain | 2.000 s | 4.000 s | 3000 | **2.00x** | **0.50x** |" in text
     assert "drop_caches" in text
+
+
+def _unsynced_results() -> dict:
+    results = _results()
+    samples = results["runs"][0]["samples"]
+    samples["tsckpt/plain[sync_files=False]"] = {"save": [0.5, 0.5, 0.5], "load": [1.0, 1.0, 1.0],
+                                                "reshard_fewer": [0.5, 0.5, 0.5]}
+    samples["torch-checkpointing"] = {"save": [1.0, 1.0, 1.0], "load": [0.5, 0.5, 0.5]}
+    many = results["many"][0]
+    many["samples"] |= {"tsckpt/plain[sync_files=False]": {"save": [1.0], "load": [3.0]},
+                        "torch-checkpointing": {"save": [3.0], "load": [1.5]}}
+    many["files"]["torch-checkpointing"] = 48
+    return results
+
+
+def test_tsckpt_without_fsync_is_compared_with_torch_checkpointing_and_the_durable_with_dcp():
+    text = dcp_report.markdown(_unsynced_results())
+    assert "a power loss can lose or tear their checkpoints" in text
+    assert "| tsckpt.save/load, plain[sync_files=False] over torch-checkpointing, sync saver |" in text
+    # durable tsckpt over DCP's default as before; sync_files=False over torch-checkpointing
+    assert "| save, 4 ranks, row-sharded | **2.00x** (1.00-4.00) | **1.00x** (1.00-2.00) | **2.00x** |" in text
+    assert "| load, same 4 ranks | **1.20x** (1.10-1.30) | **0.60x** (0.55-0.65) | **0.50x** |" in text
+    # no reshard of torch-checkpointing to compare with: a note, not a failure
+    assert "| load column-sharded, 4 -> 2 ranks | **3.00x** (2.00-4.00) | - | - |" in text
+    assert dcp_report.NO_RESHARD in text
+    assert ("- tsckpt.save/load, plain[sync_files=False] over torch-checkpointing, sync saver (no target): "
+            "save 2.00x; load 0.50x") in text
+    assert "| 16 | torch-checkpointing, sync saver | 3.000 s | 1.500 s | 48 | - | - |" in text
+    assert ("| 16 | tsckpt.save/load, plain[sync_files=False] over torch-checkpointing, sync saver | 1.000 s | "
+            "3.000 s | - | **3.00x** | **0.50x** |") in text
+
+
+def test_contenders_without_fsync_have_a_store_and_a_peer_of_their_own():
+    results = _unsynced_results()
+    by_row = {(f.store, f.phase, f.contender): f for f in dcp_report.figures(results)}
+    tc, ours = "torch-checkpointing, sync saver", "tsckpt.save/load, plain[sync_files=False]"
+    assert by_row["local disk, no fsync", "save, 4 ranks, row-sharded", tc].peer
+    assert not by_row["local disk, no fsync", "save, 4 ranks, row-sharded", ours].peer
+    assert not any(f.contender in (tc, ours) for f in by_row.values() if f.store == "local disk")
+    plotted = {(r["contender"], r["phase"]): r for r in dcp_report.records(results)}
+    assert plotted[ours, "save"]["speedup"] == {tc: pytest.approx(2.0)} and plotted[tc, "save"]["peer"]
+    assert plotted["tsckpt.save/load, plain", "save"]["speedup"] == {
+        "DCP FileSystemWriter/Reader (default)": pytest.approx(2.0)}
 
 
 def test_markdown_labels_a_partial_run():

@@ -70,7 +70,9 @@ def test_a_cpu_figure_is_a_share_of_the_best_peers():
 
 def test_summarize_reads_a_local_run_written_before(tmp_path):
     samples = {"dcp-t1": {"save": [2.0, 2.2, 1.8], "load": [1.0]},
-               "tsckpt-dcp/packed": {"save": [1.0, 1.1, 0.9], "load": [0.5]}}
+               "tsckpt-dcp/packed": {"save": [1.0, 1.1, 0.9], "load": [0.5]},
+               "tsckpt/packed[sync_files=False]": {"save": [0.5], "load": [0.5]},
+               "torch-checkpointing": {"save": [0.4], "load": [0.25]}}
     run = {"workload": "untuned", "dtype": "bf16", "bytes": 10**9, "world": 4, "reshard_world": 2,
            "samples": samples}
     env = {"date": "2026-01-01 00:00 UTC", "machine": "2 CPUs", "load_before": "0.5", "load_after": "1.5"}
@@ -88,6 +90,10 @@ def test_summarize_reads_a_local_run_written_before(tmp_path):
     assert "run 2: 2026-01-01 00:00 UTC, load average 0.5 before, 1.5 after" in done.stdout
     assert ("| untuned bf16, 1.00 GB | save, 4 ranks, row-sharded | tsckpt via dcp.save/load, packed | 1.00-2.00 "
             "| **2.00x** |") in done.stdout
+    # Neither syncs: a table of their own, so the durable saves are never measured against a peer that skips fsync.
+    assert "**local disk, no fsync**, 2 runs" in done.stdout
+    assert ("| untuned bf16, 1.00 GB | load, same 4 ranks | tsckpt.save/load, packed[sync_files=False] | 0.500-1.00 "
+            "| **0.50x** |") in done.stdout
 
 
 @pytest.mark.parametrize("name", ["local", "peers", "open"])
