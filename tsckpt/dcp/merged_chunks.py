@@ -64,15 +64,19 @@ def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: S
 
 @dataclass(frozen=True)
 class MergedChunks:
-    """Every chunk of every tensor as the ranks reported it (step 5), flat over tensors in coordinator order.
+    """Every chunk of every tensor as the ranks reported it (step 5): their rows one rank after the other, and
+    where each chunk of each tensor is among them.
 
-    Tensor ``t`` owns positions ``starts[t]:starts[t+1]``; ``writer`` is the
-    rank that wrote each chunk, ``reused`` whether it was taken from an
-    incremental base, ``file``/``offset``/``length`` where it is stored
-    (``file`` indexes ``files``; -1 in the plain layout).
+    Tensor ``t`` owns coordinator positions ``starts[t]:starts[t+1]`` (its
+    chunks in row-major order); ``row[p]`` is the row of position ``p``. Per
+    row: ``writer``, the rank that wrote it; ``reused``, whether it was taken
+    from an incremental base; ``file``/``offset``/``length``, where it is
+    stored (``file`` indexes ``files``; -1 in the plain layout). Rows stay in
+    the ranks' order: reordering every column costs more than looking rows up.
     """
 
     starts: np.ndarray
+    row: np.ndarray
     writer: np.ndarray
     reused: np.ndarray
     file: np.ndarray
@@ -84,31 +88,23 @@ class MergedChunks:
     def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
               where: str) -> MergedChunks:
         """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
-        columns = columns_of(summaries)
+        # Each rank numbers the files it names; their numbers in the merged list, one table per rank.
+        files: dict[str, int] = {}
+        tables = [np.asarray([files.setdefault(p, len(files)) for p in s.files], np.int64) for s in summaries]
+        columns = columns_of(summaries, tables)
         rows = columns["rows"]
         for name in ("file", "offset", "length"):
             if columns[name] is None:
                 rank = next(s.rank for s in summaries if not s.has(name))
                 raise PlanError(f"saving {where}: rank {rank} did not say where its chunks are stored")
         starts, flat = _place(columns["tensor"], columns["chunk"], nchunks, names, "chunk", "written", where)
-        total = int(starts[-1])
-        writer = np.empty(total, np.int64)
-        writer[flat] = np.repeat(np.asarray([s.rank for s in summaries], np.int64), rows)
-        # Each rank numbers the files it names; their numbers in the merged list, -1 kept, one table per rank.
-        files: dict[str, int] = {}
-        tables = [np.asarray([-1] + [files.setdefault(p, len(files)) for p in s.files], np.int64) for s in summaries]
-        base = np.cumsum([len(t) for t in tables]) - [len(t) for t in tables] + 1
-        numbers = np.concatenate(tables or [np.zeros(0, np.int64)])
-        reused = np.zeros(total, bool)
-        file = np.empty(total, np.int64)
-        offset = np.empty(total, np.int64)
-        length = np.empty(total, np.int64)
-        file[flat] = numbers[columns["file"] + np.repeat(base, rows)]
-        offset[flat] = columns["offset"]
-        length[flat] = columns["length"]
-        if columns["reused"] is not None:
-            reused[flat] = columns["reused"].astype(bool)
-        return cls(starts, writer, reused, file, offset, length, tuple(files))
+        row = np.empty(int(starts[-1]), np.int64)
+        row[flat] = np.arange(len(flat))
+        writer = np.repeat(np.asarray([s.rank for s in summaries], np.int64), rows)
+        reused = columns["reused"].astype(bool) if columns["reused"] is not None else np.zeros(len(flat), bool)
+        file, offset, length = columns["file"], columns["offset"], columns["length"]
+        assert file is not None and offset is not None and length is not None
+        return cls(starts, row, writer, reused, file, offset, length, tuple(files))
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
         """``tensors`` (in the order merged) with the rank that wrote each chunk recorded (``writers``)."""
@@ -117,8 +113,8 @@ class MergedChunks:
 
     def of(self, t: int) -> TensorChunks:
         """Tensor ``t``'s chunks, one row each in row-major grid order."""
-        a, b = int(self.starts[t]), int(self.starts[t + 1])
-        return TensorChunks(self.writer[a:b], self.reused[a:b], self.file[a:b], self.offset[a:b], self.length[a:b])
+        at = self.row[int(self.starts[t]):int(self.starts[t + 1])]
+        return TensorChunks(self.writer[at], self.reused[at], self.file[at], self.offset[at], self.length[at])
 
 
 def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
@@ -133,7 +129,7 @@ def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
                         np.concatenate([written.file, np.asarray(blob_file, np.int64)]),
                         np.concatenate([written.offset, np.asarray([r[0] for _, r in blobs.values()], np.int64)]),
                         np.concatenate([written.length, np.asarray([r[1] for _, r in blobs.values()], np.int64)]),
-                        list(numbers))
+                        list(numbers), np.concatenate([written.row, len(written.row) + np.arange(len(blobs))]))
 
 
 def once_each(ranks: Sequence[RankFiles]) -> list[RankFiles]:

@@ -147,45 +147,58 @@ class PackedColumns:
     data: bytes
 
 
-def columns_of(summaries: Sequence[RankSummary]) -> dict[str, np.ndarray | None]:
+def columns_of(summaries: Sequence[RankSummary],
+               file_numbers: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray | None]:
     """Every summary's columns, one after the other, as int64 (None for a column some summary lacks), and
     ``"rows"``: each summary's number of rows. Decoded all at once: a few passes over every rank's rows instead
-    of a few per rank."""
+    of a few per rank. ``file_numbers``: for each summary, the number each of its files gets (its ``file``
+    column is given in those; -1 stays -1)."""
     rows = np.asarray([s.packed.rows if s.packed is not None else len(s.tensor) for s in summaries], np.int64)
-    pieces: dict[str, list[np.ndarray]] = {name: [] for name in _COLUMNS}
-    lacking: set[str] = set()
-    for s, n in zip(summaries, rows.tolist()):
+    # A column that holds one value on a rank (most do, in a regular layout) costs that rank no array.
+    constants = {name: np.zeros(len(summaries), np.int64) for name in _COLUMNS}
+    arrays: dict[str, list[tuple[int, np.ndarray]]] = {name: [] for name in _COLUMNS}
+    sent = dict.fromkeys(_COLUMNS, 0)
+    for i, s in enumerate(summaries):
         if s.packed is None:
-            for name in _COLUMNS:
-                column = getattr(s, name)
-                if column is None:
-                    lacking.add(name)
-                    continue
-                column = column.astype(np.int64)
-                pieces[name].append(np.diff(column, prepend=0) if name in _DELTAS else column)
-            continue
-        raw, at, sent = zlib.decompress(s.packed.data), 0, set()
-        for name, dtype, constant in s.packed.layout:
-            sent.add(name)
-            if dtype is None:
-                pieces[name].append(np.full(n, constant, np.int64))
+            found = [(name, None, getattr(s, name)) for name in _COLUMNS if getattr(s, name) is not None]
+            found = [(name, c.dtype.str, np.diff(c.astype(np.int64), prepend=0) if name in _DELTAS else c)
+                     for name, _, c in found]
+            raw = b""
+        else:
+            found, raw = s.packed.layout, zlib.decompress(s.packed.data)
+        at = 0
+        for name, dtype, constant in found:
+            sent[name] += 1
+            if isinstance(constant, np.ndarray):
+                values = constant
+            elif dtype is None:
+                if name == "file" and file_numbers is not None and constant >= 0:
+                    constant = int(file_numbers[i][constant])
+                constants[name][i] = constant
+                continue
             else:
-                values = np.frombuffer(raw, np.dtype(dtype), n, at)
+                values = np.frombuffer(raw, np.dtype(dtype), int(rows[i]), at)
                 at += values.nbytes
-                pieces[name].append(values)
-        lacking |= set(_COLUMNS) - sent
+            if name == "file" and file_numbers is not None:
+                values = np.append(file_numbers[i], -1)[values]  # -1 indexes the appended -1
+            arrays[name].append((i, values))
     out: dict[str, np.ndarray | None] = {"rows": rows}
     starts = np.cumsum(rows) - rows
+    nonempty = np.flatnonzero(rows)
     for name in _COLUMNS:
-        if name in lacking:
+        if sent[name] < len(summaries):
             out[name] = None
             continue
-        values = np.concatenate(pieces[name], dtype=np.int64) if pieces[name] else np.zeros(0, np.int64)
+        values = np.repeat(constants[name], rows)
+        for i, part in arrays[name]:
+            values[starts[i]:starts[i] + rows[i]] = part
         if name in _DELTAS:
-            # One running sum over every rank's deltas, less what the ranks before each had summed to.
+            # One running sum over every rank's deltas, each rank's first less what the rank before summed to.
+            sums = constants[name] * rows
+            for i, part in arrays[name]:
+                sums[i] = int(part.sum())
+            values[starts[nonempty[1:]]] -= sums[nonempty[:-1]]
             np.cumsum(values, out=values)
-            before = np.where(starts > 0, values[np.maximum(starts - 1, 0)] if len(values) else 0, 0)
-            values -= np.repeat(before, rows)
         out[name] = values
     return out
 

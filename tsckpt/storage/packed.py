@@ -118,9 +118,10 @@ def is_packed(kv: ts.KvStore) -> bool:
 
 @dataclass
 class StoredValues:
-    """Where every chunk and blob value of a packed save is, in columns: first every chunk of each array of
-    ``arrays`` (its path and chunk grid) in row-major grid order, array after array, then the value of each key
-    of ``blobs``. Value ``k`` is ``length[k]`` bytes at ``offset[k]`` of data file ``files[file[k]]``."""
+    """Where every chunk and blob value of a packed save is, in columns: value ``k`` is ``length[k]`` bytes at
+    ``offset[k]`` of data file ``files[file[k]]``, in any order; ``position`` says which value is each chunk of
+    each array of ``arrays`` (its path and chunk grid) in row-major grid order, array after array, then the
+    value of each key of ``blobs`` (None: the columns are in that order)."""
 
     arrays: list[tuple[str, tuple[int, ...]]]
     blobs: list[str]
@@ -128,6 +129,7 @@ class StoredValues:
     offset: np.ndarray  # int64
     length: np.ndarray  # int64
     files: list[str]
+    position: np.ndarray | None = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,6 +162,8 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
     index = np.concatenate([v if not isinstance(v, bytes) else np.zeros(1, np.int64) for _, v in runs]
                            or [np.zeros(0, np.int64)])
     docs_at = np.fromiter(inline, np.int64, len(inline))
+    if values.position is not None:
+        index = values.position[index] if len(values.position) else index
 
     def column(of: np.ndarray, missing: int) -> np.ndarray:
         out = of[index] if len(of) else np.zeros(len(index), np.int64)
