@@ -108,12 +108,16 @@ class MergedChunks:
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
         """``tensors`` (in the order merged) with the rank that wrote each chunk recorded (``writers``)."""
-        return {fqn: dataclasses.replace(entry, writers=writers.encode(self.of(t).writer))
+        return {fqn: dataclasses.replace(entry, writers=writers.encode(self.writer[self.rows_of(t)]))
                 for t, (fqn, entry) in enumerate(tensors.items())}
+
+    def rows_of(self, t: int) -> np.ndarray:
+        """Tensor ``t``'s rows, in row-major grid order of its chunks."""
+        return self.row[int(self.starts[t]):int(self.starts[t + 1])]
 
     def of(self, t: int) -> TensorChunks:
         """Tensor ``t``'s chunks, one row each in row-major grid order."""
-        at = self.row[int(self.starts[t]):int(self.starts[t + 1])]
+        at = self.rows_of(t)
         return TensorChunks(self.writer[at], self.reused[at], self.file[at], self.offset[at], self.length[at])
 
 

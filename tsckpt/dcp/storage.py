@@ -375,7 +375,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         seen: dict[int, int] = {}  # the placement records stay alive here, so their ids do too
         tensors, reused = {}, {}
         for number, (fqn, planned) in enumerate(layout.entries.items()):
-            reused[fqn] = written.of(number).reused
+            reused[fqn] = written.reused[written.rows_of(number)]
             tensors[fqn] = dataclasses.replace(
                 planned, placement=intern_placement(placements.get(fqn), meshes, f"tensor {fqn!r}", seen))
         tensors = written.writers(tensors)

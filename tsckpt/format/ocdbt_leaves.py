@@ -69,6 +69,7 @@ def leaves(entries: Entries, limit: int) -> Iterator[Leaf]:
         counts.append(len(cuts))
     loose_leaves = encode_leaves(part, np.asarray(bounds, np.int64), paths)
     templates: dict[tuple[int, ...], list[_RunLeaves]] = {}
+    offsets = VarintColumn(entries.offset) if whole.any() else None  # one pass for every run
     nstretch = 0
     for r in runs:
         if not whole[r]:
@@ -85,7 +86,8 @@ def leaves(entries: Entries, limit: int) -> Iterator[Leaf]:
         if found is None:
             found = _RunLeaves(run, file, length, paths, limit)
             templates.setdefault(key, []).append(found)
-        yield from found.leaves(run, entries.offset[a:b])
+        assert offsets is not None
+        yield from found.leaves(run, offsets, a)
 
 
 class _RunLeaves:
@@ -119,10 +121,10 @@ class _RunLeaves:
     def fits(self, file: np.ndarray, length: np.ndarray) -> bool:
         return np.array_equal(self.file, file) and np.array_equal(self.length, length)
 
-    def leaves(self, run: KeyRun, offset: np.ndarray) -> Iterator[Leaf]:
-        offsets = VarintColumn(offset)
+    def leaves(self, run: KeyRun, offsets: VarintColumn, at: int) -> Iterator[Leaf]:
+        """The leaves of ``run``, whose values' offsets are ``offsets`` from entry ``at`` on."""
         for i, (before, tail, after, held) in enumerate(zip(self.before, self.tails, self.after, self.held)):
-            lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
+            lo, hi = at + int(self.bounds[i]), at + int(self.bounds[i + 1])
             first = run.head + tail
             yield Leaf(first, envelope(BTREE_MAGIC, b"".join((before, first, after, offsets.cut(lo, hi)))), hi - lo,
                        held)
