@@ -20,7 +20,7 @@ from ..format import writers, zarr_json
 from ..format.data_files import RankFiles
 from ..format.metadata import TensorEntry
 from ..storage.packed import StoredValues
-from .summary import RankSummary, columns_of
+from .summary import RankSummary, columns_of, expand
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class MergedChunks:
         starts, flat = _place(columns["tensor"], columns["chunk"], nchunks, names, "chunk", "written", where)
         row = np.empty(int(starts[-1]), np.int64)
         row[flat] = np.arange(len(flat))
-        writer = np.repeat(np.asarray([s.rank for s in summaries], np.int64), rows)
+        writer = expand(np.asarray([s.rank for s in summaries], np.int64), rows)
         reused = columns["reused"].astype(bool) if columns["reused"] is not None else np.zeros(len(flat), bool)
         file, offset, length = columns["file"], columns["offset"], columns["length"]
         assert file is not None and offset is not None and length is not None

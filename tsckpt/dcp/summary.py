@@ -147,6 +147,14 @@ class PackedColumns:
     data: bytes
 
 
+def expand(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Each of ``values`` repeated its number of ``rows``; when every rank has as many rows, several times
+    faster than a repeat by counts (the common case: every rank holds a shard of every tensor)."""
+    if len(rows) and (rows == rows[0]).all():
+        return np.repeat(values, int(rows[0]))
+    return np.repeat(values, rows)
+
+
 def columns_of(summaries: Sequence[RankSummary],
                file_numbers: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray | None]:
     """Every summary's columns, one after the other, as int64 (None for a column some summary lacks), and
@@ -189,7 +197,7 @@ def columns_of(summaries: Sequence[RankSummary],
         if sent[name] < len(summaries):
             out[name] = None
             continue
-        values = np.repeat(constants[name], rows)
+        values = expand(constants[name], rows)
         for i, part in arrays[name]:
             values[starts[i]:starts[i] + rows[i]] = part
         if name in _DELTAS:
