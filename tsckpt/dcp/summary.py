@@ -76,8 +76,9 @@ class RankSummary:
         # them, compressed; the coordinator keeps the bytes until it decodes every rank's at once.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in _COLUMNS and f.name != "packed"}
-        if self.packed is not None:
-            return (_unpacked, (fields, self.packed))
+        return (_unpacked, (fields, self.packed or self._pack()))
+
+    def _pack(self) -> PackedColumns:
         layout, parts = [], []
         for name in _COLUMNS:
             column = getattr(self, name)
@@ -90,7 +91,7 @@ class RankSummary:
             narrow = _narrowest(values)
             layout.append((name, narrow.str, 0))
             parts.append(values.astype(narrow).tobytes())
-        return (_unpacked, (fields, PackedColumns(tuple(layout), len(self.tensor), zlib.compress(b"".join(parts), 1))))
+        return PackedColumns(tuple(layout), len(self.tensor), zlib.compress(b"".join(parts), 1))
 
     def to_dict(self) -> dict[str, Any]:
         if self.packed is not None:
@@ -167,26 +168,18 @@ def columns_of(summaries: Sequence[RankSummary],
     arrays: dict[str, list[tuple[int, np.ndarray]]] = {name: [] for name in _COLUMNS}
     sent = dict.fromkeys(_COLUMNS, 0)
     for i, s in enumerate(summaries):
-        if s.packed is None:
-            found = [(name, None, getattr(s, name)) for name in _COLUMNS if getattr(s, name) is not None]
-            found = [(name, c.dtype.str, np.diff(c.astype(np.int64), prepend=0) if name in _DELTAS else c)
-                     for name, _, c in found]
-            raw = b""
-        else:
-            found, raw = s.packed.layout, zlib.decompress(s.packed.data)
-        at = 0
-        for name, dtype, constant in found:
+        # A summary made in this process decodes as one that travelled: one path for both.
+        packed = s.packed or s._pack()
+        raw, at = zlib.decompress(packed.data), 0
+        for name, dtype, constant in packed.layout:
             sent[name] += 1
-            if isinstance(constant, np.ndarray):
-                values = constant
-            elif dtype is None:
+            if dtype is None:
                 if name == "file" and file_numbers is not None and constant >= 0:
                     constant = int(file_numbers[i][constant])
                 constants[name][i] = constant
                 continue
-            else:
-                values = np.frombuffer(raw, np.dtype(dtype), int(rows[i]), at)
-                at += values.nbytes
+            values = np.frombuffer(raw, np.dtype(dtype), int(rows[i]), at)
+            at += values.nbytes
             if name == "file" and file_numbers is not None:
                 values = np.append(file_numbers[i], -1)[values]  # -1 indexes the appended -1
             arrays[name].append((i, values))
