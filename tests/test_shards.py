@@ -27,6 +27,18 @@ INNERS = [(1, 4), (1, 8), (3, 2)]
 CHUNKS = [CHUNK, (3, 8)]
 
 
+def _encode_region(fmt, shape, offsets, data):
+    """Every outer chunk of a region written at ``offsets``, encoded: its grid index, its stored bytes, the flat
+    indices of its inner chunks in the array's grid of inner chunks, and their crc32c values."""
+    inner_grid = ChunkGrid(tuple(shape), fmt.inner).grid_shape
+    for index, view in ChunkGrid(tuple(shape), fmt.chunk).chunks_within(offsets, data.shape):
+        part = data[(*view, ...)]
+        encoded, crcs = shard_encoding.encode(fmt, part)
+        local = fmt.every if tuple(part.shape) == fmt.chunk else np.argwhere(fmt.present(part.shape))
+        at = local + np.asarray(index, dtype=np.int64) * np.asarray(fmt.grid, dtype=np.int64)
+        yield index, encoded, np.atleast_1d(np.ravel_multi_index(tuple(at.T), inner_grid)), crcs
+
+
 def _data(dtype):
     rng = np.random.default_rng(0)
     return rng.standard_normal(SHAPE) > 0 if dtype is bool else rng.standard_normal(SHAPE).astype(dtype)
@@ -37,12 +49,12 @@ def _save(path, data, inner, crc32c_codec, chunk=CHUNK):
     dtype = "bool" if data.dtype == bool else data.dtype.name
     entry = TensorEntry(("w",), "w", SHAPE, dtype, chunk, inner, None)
     options = ArrayOptions(crc32c_codec=crc32c_codec)
-    fmt = shards.shard_format(entry, options)
+    fmt = shards.value_format(entry, options)
     kv = ts.KvStore.open({"driver": "file", "path": f"{path}/w/"}).result()
-    kv.write("zarr.json", json.dumps(zarr_json.tensor_metadata(entry, options)).encode()).result()
+    kv.write("zarr.json", json.dumps(entry.zarr_json(options)).encode()).result()
     found = {}
     for row in range(0, SHAPE[0], chunk[0]):
-        for index, encoded, pieces, crcs in shard_encoding.encode_region(fmt, SHAPE, (row, 0), data[row:row + chunk[0]]):
+        for index, encoded, pieces, crcs in _encode_region(fmt, SHAPE, (row, 0), data[row:row + chunk[0]]):
             assert len(encoded) == fmt.nbytes
             kv.write(zarr_json.chunk_key(index), encoded.tobytes()).result()
             found.update(zip(pieces.tolist(), crcs))
@@ -80,7 +92,7 @@ def test_every_box_reads_back_checked_and_damage_anywhere_in_its_pieces_is_refus
         got = reader.read(lo, [b - a for a, b in zip(lo, hi)])
         np.testing.assert_array_equal(got, data[lo[0]:hi[0], lo[1]:hi[1]])
     # Flip one byte of the value at (4, 9); every box touching its inner chunk is refused, others are not.
-    fmt = shards.shard_format(entry, options)
+    fmt = shards.value_format(entry, options)
     local = (4 - 3, 9)
     piece = fmt.positions[np.ravel_multi_index([x // u for x, u in zip(local, inner)], fmt.grid)]
     offset = int(piece) * fmt.piece_bytes + int(np.ravel_multi_index([x % u for x, u in zip(local, inner)], inner)) * 4
@@ -109,7 +121,7 @@ def test_storage_order_puts_uncut_dimensions_first_then_the_dimension_with_most_
     assert shards.ShardFormat((12565, 128), (359, 32), 2).order == (1, 0)  # 35 x 4
     # The columns of a row-sharded array's chunk come first, however many inner chunks each holds.
     row_sharded = TensorEntry(("w",), "w", (50257, 384), "float32", (12565, 384), (1795, 16), None)
-    assert shards.uncut(row_sharded) == (1,) and shards.shard_format(row_sharded, ArrayOptions()).order == (1, 0)
+    assert shards.uncut(row_sharded) == (1,) and shards.value_format(row_sharded, ArrayOptions()).order == (1, 0)
     assert shards.uncut(TensorEntry(("w",), "w", (70, 384), "float32", (70, 384), (7, 16), None)) == ()  # whole
     assert shards.ShardFormat((8, 6, 4), (2, 3, 1), 4, first=(1, 2)).order == (1, 2, 0)
     fmt = shards.ShardFormat((8, 6), (2, 3), 4)  # 4 x 2: column-major
@@ -122,7 +134,7 @@ def test_a_chunk_of_whole_rows_is_checked_in_one_pass_and_any_damaged_byte_fails
     # chunk be copied in one go, and a no sends it to the full check, which names the damage.
     fmt = shards.ShardFormat((6, 5), (2, 5), 4, crc32c_codec=True)
     data = np.arange(30, dtype=np.float32).reshape(6, 5)
-    [(_, encoded, _, _)] = list(shard_encoding.encode_region(fmt, (6, 5), (0, 0), data))
+    [(_, encoded, _, _)] = list(_encode_region(fmt, (6, 5), (0, 0), data))
     assert fmt.rows == (3, 2, 5) and fmt.intact(encoded)
     raw = 2 * 5 * 4
     values = encoded[:fmt.pieces * fmt.piece_bytes].reshape(fmt.pieces, fmt.piece_bytes)[:, :raw].view(np.float32)

@@ -100,7 +100,7 @@ def commit_checkpoint(
     docs: dict[str, dict[str, Any]] = {}
     for fqn, entry in tensors.items():
         entry.validate(f"tensor {fqn!r}")
-        docs[entry.path] = zarr_json.tensor_metadata(entry, options, tensor_attributes(fqn, entry))
+        docs[entry.path] = entry.zarr_json(options, tensor_attributes(fqn, entry))
     for fqn, size in blob_sizes.items():
         path = objects[fqn].path
         assert path is not None

@@ -1,9 +1,5 @@
-"""Data types: the one table that maps torch dtypes to Zarr v3 and numpy.
-
-Zarr names follow TensorStore's zarr3 driver (``bfloat16``, ``float8_e4m3fn``...);
-numpy dtypes for the types numpy lacks come from ml_dtypes. Torch is imported
-lazily so that reading a checkpoint into numpy does not require torch.
-"""
+"""Data types: the one table mapping torch dtypes to Zarr v3 names (TensorStore's: ``bfloat16``,
+``float8_e4m3fn``...) and numpy (ml_dtypes for the types numpy lacks). Torch is imported lazily."""
 
 from __future__ import annotations
 
@@ -62,9 +58,7 @@ def from_zarr(name: str) -> DType:
     try:
         return BY_ZARR[name]
     except (KeyError, TypeError):
-        raise UnsupportedDtypeError(
-            f"unknown data type {name!r}; expected one of {sorted(BY_ZARR)}"
-        ) from None
+        raise UnsupportedDtypeError(f"unknown data type {name!r}; expected one of {sorted(BY_ZARR)}") from None
 
 
 def torch_name(dtype: torch.dtype) -> str:
@@ -82,10 +76,7 @@ def from_torch_name(name: str) -> DType:
     try:
         return BY_TORCH_NAME[name]
     except (KeyError, TypeError):
-        raise UnsupportedDtypeError(
-            f"torch dtype torch.{name} cannot be stored; supported: "
-            f"{sorted(BY_TORCH_NAME)}"
-        ) from None
+        raise UnsupportedDtypeError(f"torch dtype torch.{name} cannot be stored; supported: {sorted(BY_TORCH_NAME)}") from None
 
 
 def to_torch_dtype(dt: DType) -> torch.dtype:

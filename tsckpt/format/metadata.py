@@ -1,13 +1,6 @@
-"""The checkpoint's metadata document: frozen dataclasses that round-trip JSON.
-
-The document lives in the root group's ``zarr.json`` under
-``attributes["tsckpt"]``; writing it is the commit of a save. ``from_dict``
-validates everything a hostile or broken file could get wrong, so code past it
-can trust shapes, dtypes, paths and regions. Torch-free on purpose: inspecting a
-checkpoint needs only numpy. Its placements and data files, concepts of their
-own, are modules of their own: :mod:`~tsckpt.format.distribution` and
-:mod:`~tsckpt.format.data_files`.
-"""
+"""The checkpoint's metadata document (``attributes["tsckpt"]`` of the root ``zarr.json``): frozen dataclasses
+that round-trip JSON. ``from_dict`` validates everything a hostile or broken file could get wrong, so code
+past it can trust shapes, dtypes, paths and regions. Torch-free."""
 
 from __future__ import annotations
 
@@ -125,6 +118,14 @@ class TensorEntry:
     @functools.cached_property
     def grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
+
+    def zarr_json(self, options: ArrayOptions, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The ``zarr.json`` of this tensor's array. Dimensions are named ``<array name>_<i>``: xarray needs
+        names, and names unique to each array keep the tensors of one group from sharing a dimension."""
+        leaf = self.path.rsplit("/", 1)[-1]
+        return zarr_json.array_metadata(self.shape, self.dtype, self.chunk_shape, self.inner_chunk_shape, attributes,
+                                        checksums=options.crc32c_codec, compression=options.compression,
+                                        dimension_names=[f"{leaf}_{i}" for i in range(len(self.shape))])
 
     def writer_ranks(self, world_size: int, what: str) -> np.ndarray:
         """The rank that saved each outer chunk, by flat index (decoded anew: it may be long)."""

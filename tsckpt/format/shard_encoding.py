@@ -1,39 +1,25 @@
 """Encoding outer chunks in the :class:`~tsckpt.format.shards.ShardFormat` layout, whole or streamed in parts.
 
-A stored outer chunk is its inner chunks in storage order, then the index.
-Its inner chunks split into *units*: the inner chunks that share their
-indices along the slowest few stored dimensions, chosen so a unit is about
-:data:`UNIT_BYTES`. A unit is one contiguous run of the stored bytes, and
-the box of the chunk it comes from, so encoding it needs nothing but that box.
+A stored outer chunk is its inner chunks in storage order, then the index. Its inner chunks split into
+*units*, those sharing their indices along the slowest few stored dimensions, about :data:`UNIT_BYTES`
+each: one contiguous run of stored bytes from one box of the chunk. :func:`encode_to` streams a chunk
+unit by unit through one reused buffer (a writer keeps a few cache-sized buffers, not a copy of every
+chunk); :func:`encode` fills one buffer, for TensorStore writes that may keep it.
 
-:func:`encode_to` streams a chunk unit by unit through one small buffer
-(``scratch``), so a writer that writes files itself keeps a few cache-sized
-buffers instead of a fresh copy of every chunk. On a 2-core VM, encoding a
-32 MB bf16 chunk of 80-byte inner rows took 57 ms into memory the process had
-never touched, 9.3 ms into memory freed before and 6.5 ms streamed
-(``python benchmarks/bench_encode.py --chunks 32 --reps 5``); and a rank's
-fresh copies cost a 4-rank save of 1 GB about 0.3 GB of extra memory per rank.
-:func:`encode` fills one buffer, for writes through TensorStore, which may
-keep referencing it.
-
-Both return the crc32c of every inner chunk that holds any element inside the
-array, in row-major order of the chunk's inner grid, over those elements
-only, as the checksum tables define them. Pure functions; no I/O but the
-``write`` callback.
-"""
+Both return the crc32c of every inner chunk holding any element inside the array, in row-major order of
+the chunk's inner grid, over those elements only. Pure functions; no I/O but the ``write`` callback."""
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c as _crc32c
 import numpy as np
 
 from . import checksums
-from .grid import ChunkGrid
 from .shards import ShardFormat, tile_views
 
 #: About how many stored bytes :func:`encode_to` encodes at a time: a few fit a core's share of cache.
@@ -169,36 +155,3 @@ class EncodedChunk:
 
     def emit(self, write: Callable[[memoryview], None], scratch: Callable[[int], np.ndarray]) -> None:
         encode_to(self.fmt, self.data, write, scratch)
-
-
-def encode_region(fmt: ShardFormat, shape: Sequence[int], offsets: Sequence[int], data: np.ndarray) -> Iterator[
-        tuple[tuple[int, ...], np.ndarray, np.ndarray, list[int]]]:
-    """Every outer chunk of a region written at ``offsets``, encoded.
-
-    Yields the chunk's grid index, its stored bytes, the flat indices of its
-    inner chunks in the array's grid of inner chunks (the checksum grid) and
-    their crc32c values. Regions are aligned to outer chunks.
-    """
-    for index, part in region_chunks(fmt, shape, offsets, data):
-        encoded, crcs = encode(fmt, part)
-        yield index, encoded, pieces_of(fmt, shape, index, part.shape), crcs
-
-
-def region_chunks(fmt: ShardFormat, shape: Sequence[int], offsets: Sequence[int],
-                  data: np.ndarray) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
-    """Every outer chunk of a region written at ``offsets``: its grid index and its part of ``data``."""
-    for index, view in ChunkGrid(tuple(shape), fmt.chunk).chunks_within(offsets, data.shape):
-        yield index, data[(*view, ...)]  # an array even for a 0-d tensor's one chunk
-
-
-def pieces_of(fmt: ShardFormat, shape: Sequence[int], index: Sequence[int], extent: Sequence[int]) -> np.ndarray:
-    """Flat indices, in the array's grid of inner chunks, of the inner chunks of outer chunk ``index`` that hold
-    any of it (``extent``: the chunk's part inside the array), in the order :func:`encode` gives their crc32c."""
-    local = fmt.every if tuple(extent) == fmt.chunk else np.argwhere(fmt.present(extent))
-    at = local + np.asarray(index, dtype=np.int64) * np.asarray(fmt.grid, dtype=np.int64)
-    return np.atleast_1d(np.ravel_multi_index(tuple(at.T), _inner_grid(tuple(shape), fmt.inner)))
-
-
-@functools.lru_cache(maxsize=1024)
-def _inner_grid(shape: tuple[int, ...], inner: tuple[int, ...]) -> tuple[int, ...]:
-    return ChunkGrid(shape, inner).grid_shape

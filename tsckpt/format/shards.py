@@ -1,23 +1,12 @@
-"""Zarr's ``sharding_indexed`` chunk layout for raw inner chunks: encoding an outer chunk, reading its index.
+"""Zarr's ``sharding_indexed`` layout for raw inner chunks: the stored bytes of an outer chunk and its index.
 
-With the default codecs (raw little-endian inner chunks, optionally each
-followed by its ``crc32c``) a shard is the inner chunks' bytes one after the
-other, then an index of one ``(offset, nbytes)`` pair of little-endian
-``uint64`` per inner chunk in row-major order of the shard's inner grid (both
-``2**64 - 1`` for an inner chunk that is not stored), then, with the crc32c
-codec, the index's own crc32c. tsckpt stores every inner chunk, in the
-row-major order of the inner grid with its dimensions sorted by how many inner
-chunks they hold (:attr:`ShardFormat.order`), so all outer chunks of an array
-have one size, and what a load split along one dimension needs of an outer
-chunk is a few contiguous byte ranges.
-
-tsckpt encodes chunks itself (:mod:`tsckpt.format.shard_encoding`) instead of
-through TensorStore's sharding codec: that costs one transposing copy of the
-chunk, where TensorStore pays several microseconds per inner chunk (about 17
-to write, 7 to read, on a 2-core machine), and leaves every inner chunk
-contiguous in memory, so its checksum needs no copy of its own. Pure
-functions; nothing here does I/O.
-"""
+A shard is its inner chunks' bytes (each followed by its crc32c with the codec), then one little-endian
+``uint64`` pair ``(offset, nbytes)`` per inner chunk in row-major order of the inner grid (both
+:data:`MISSING` for one not stored), then the index's crc32c with the codec. tsckpt stores every inner
+chunk, in the order :attr:`ShardFormat.order` gives, so all outer chunks of an array have one size and
+a load split along one dimension reads a few byte ranges of each. tsckpt encodes chunks itself
+(:mod:`tsckpt.format.shard_encoding`): one transposing copy, where TensorStore's codec pays
+microseconds per inner chunk. Pure functions; no I/O."""
 
 from __future__ import annotations
 
@@ -43,11 +32,7 @@ _RESIDUE = 0x48674BC7
 @dataclass(frozen=True)
 class ShardFormat:
     """How one array's outer chunks are laid out: outer and inner chunk shapes, item size, crc32c codec.
-
-    ``indexed=False`` describes an array without inner chunks (no sharding
-    codec, :func:`value_format`): its one piece is the whole chunk, followed
-    by no index, so the same encoding, reads and checks serve it.
-    """
+    ``indexed=False``: no sharding codec; the one piece is the whole chunk, followed by no index."""
 
     chunk: tuple[int, ...]
     inner: tuple[int, ...]
@@ -66,17 +51,10 @@ class ShardFormat:
     @functools.cached_property
     def order(self) -> tuple[int, ...]:
         """The dimensions of the inner grid in storage order, slowest first: :attr:`first`, then the others,
-        each group by how many inner chunks its dimensions hold, fewest first.
-
-        A box that takes part of one dimension and all of the others (what a
-        load split along one dimension reads) is as many byte ranges as the
-        dimensions stored slower hold inner chunks. A load into another
-        topology reads part of every chunk along a dimension the save did not
-        cut (a column block of a row-sharded save), but along a dimension the
-        save cut mostly whole chunks, and parts only where its ranks' rows end
-        inside a saved chunk. So the uncut dimensions go first: such a block
-        of a chunk is one byte range.
-        """
+        each group by how many inner chunks its dimensions hold, fewest first. A load split along one
+        dimension reads as many byte ranges of a chunk as the dimensions stored slower hold inner chunks;
+        one into another topology reads part of every chunk along the dimensions the save did not cut,
+        so those go first."""
         return tuple(sorted(range(len(self.grid)), key=lambda d: (d not in self.first, self.grid[d], d)))
 
     @functools.cached_property
@@ -151,9 +129,8 @@ class ShardFormat:
         return (self.pieces, *self.inner)
 
     def intact(self, data: np.ndarray) -> bool:
-        """Whether a whole stored outer chunk ``data`` (with the crc32c codec) carries the index tsckpt writes
-        and every inner chunk its crc32c: a yes or no, in one checksum call per inner chunk, for the path that
-        reads a chunk whole. A no is for the full check to name."""
+        """Whether a whole stored outer chunk ``data`` (with the crc32c codec) carries tsckpt's index and every
+        inner chunk its crc32c: a fast yes or no; a no is for :func:`check_stored_codec` to name."""
         if not self.crc32c_codec or data[self.nbytes - self.index_bytes:].tobytes() != self.index_blob:
             return False
         # The crc32c of bytes followed by their own crc32c (little-endian) is a constant, whatever the bytes.
@@ -183,11 +160,8 @@ class ShardFormat:
         return np.concatenate([raw, np.frombuffer(checksums.crc32c(raw).to_bytes(4, "little"), dtype=np.uint8)])
 
     def parse_index(self, tail: bytes | memoryview, where: str) -> np.ndarray:
-        """The ``(pieces, 2)`` array of ``(offset, nbytes)`` from a shard's last :attr:`index_bytes` bytes.
-
-        Raises ``ValueError`` naming ``where`` when the index's crc32c (with
-        the codec) fails or an entry does not describe one raw inner chunk.
-        """
+        """The ``(pieces, 2)`` array of ``(offset, nbytes)`` from a shard's last :attr:`index_bytes` bytes; a
+        ``ValueError`` naming ``where`` when its crc32c fails or an entry does not describe one raw inner chunk."""
         raw = np.frombuffer(tail, dtype=np.uint8)
         if raw.size != self.index_bytes:
             raise ValueError(f"{where}: the shard index is {raw.size} bytes, expected {self.index_bytes}")
@@ -204,11 +178,15 @@ class ShardFormat:
 
 
 def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.ndarray, what: str) -> None:
-    """Check a whole outer chunk as stored: exactly :attr:`ShardFormat.nbytes`
-    long, ending in tsckpt's index, every inner chunk matching the crc32c stored after it. Raises
-    :class:`ChecksumError` naming ``what`` otherwise."""
+    """Check a whole outer chunk as stored: exactly :attr:`ShardFormat.nbytes` long, ending in tsckpt's index,
+    every inner chunk matching the crc32c stored after it; else :class:`ChecksumError` naming ``what``."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
-    check_layout(fmt, index, raw.size, raw[max(raw.size - fmt.index_bytes, 0):], what)
+    if raw.size != fmt.nbytes:
+        raise ChecksumError(f"{what}: chunk {list(index)} is {raw.size} bytes, not the {fmt.nbytes} written "
+                            "(it was truncated or replaced)")
+    if not np.array_equal(raw[raw.size - fmt.index_bytes:], fmt.index):
+        raise ChecksumError(f"{what}: the shard index of chunk {list(index)} is not the one tsckpt wrote "
+                            "(it was damaged)")
     if not fmt.crc32c_codec:
         return
     size = math.prod(fmt.inner) * fmt.itemsize
@@ -219,35 +197,13 @@ def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.
                             "(the data changed after it was written)")
 
 
-def check_layout(fmt: ShardFormat, index: Sequence[int], size: int, tail: np.ndarray, what: str) -> None:
-    """Check a stored outer chunk's size (``size`` bytes) and its last bytes (``tail``): tsckpt's index."""
-    if size != fmt.nbytes:
-        raise ChecksumError(f"{what}: chunk {list(index)} is {size} bytes, not the {fmt.nbytes} written "
-                            "(it was truncated or replaced)")
-    if not np.array_equal(tail, fmt.index):
-        raise ChecksumError(f"{what}: the shard index of chunk {list(index)} is not the one tsckpt wrote "
-                            "(it was damaged)")
-
-
 def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
-    """How every outer chunk of ``entry`` is laid out: with inner chunks (the
-    sharding codec, indexed), or as one piece; each piece followed by its crc32c when the codecs have one."""
+    """How every outer chunk of ``entry`` is laid out: with inner chunks (the sharding codec, indexed), or as
+    one piece; each piece followed by its crc32c when the codecs have one."""
     inner = entry.inner_chunk_shape
+    # Cached per layout, so arrays laid out alike share one format's tables (positions, index).
     return _format(entry.chunk_shape, inner if inner is not None else entry.chunk_shape,
                    dtypes.from_zarr(entry.dtype).itemsize, options.crc32c_codec, inner is not None, uncut(entry))
-
-
-def shard_format(entry: TensorEntry, options: ArrayOptions | None) -> ShardFormat | None:
-    """How tsckpt encodes ``entry``'s outer chunks itself, or None where TensorStore's codecs do it.
-
-    Arrays with inner chunks and uncompressed data (the default) are encoded
-    here; compressed ones and arrays without inner chunks go through
-    TensorStore's array driver.
-    """
-    if entry.inner_chunk_shape is None or options is None or options.compression is not None:
-        return None
-    return _format(entry.chunk_shape, entry.inner_chunk_shape, dtypes.from_zarr(entry.dtype).itemsize,
-                   options.crc32c_codec, True, uncut(entry))
 
 
 def uncut(entry: TensorEntry) -> tuple[int, ...]:
@@ -257,22 +213,15 @@ def uncut(entry: TensorEntry) -> tuple[int, ...]:
     return whole if len(whole) < len(entry.shape) else ()
 
 
-@functools.lru_cache(maxsize=1024)
-def _format(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int, crc32c_codec: bool,
-            indexed: bool, first: tuple[int, ...] = ()) -> ShardFormat:
-    """One :class:`ShardFormat` per layout, so arrays laid out alike share its cached tables (positions, index)."""
-    return ShardFormat(chunk, inner, itemsize, crc32c_codec, indexed, first)
+_format = functools.lru_cache(maxsize=1024)(ShardFormat)
 
 
 def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],
                inner: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Views of ``full`` (a box of whole inner chunks) and ``body`` (its inner chunks, shaped ``(*grid, *inner)``)
-    of one shape, so that copying either into the other tiles or untiles the box.
-
-    Where both last axes are contiguous, a row of an inner chunk is one numpy
-    element of that many bytes, so the copy moves whole rows: several times
-    faster than an element-wise transposing copy when rows are short.
-    """
+    of one shape, so that copying either into the other tiles or untiles the box. Where both last axes are
+    contiguous, a row of an inner chunk is one numpy element, so the copy moves whole rows (several times
+    faster when rows are short)."""
     ndim = len(grid)
     if not ndim:  # a 0-d array: one element, one inner chunk
         return full, body.reshape(())

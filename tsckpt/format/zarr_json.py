@@ -1,19 +1,12 @@
-"""The Zarr v3 array metadata (``zarr.json``) tsckpt writes for each entry.
-
-One function builds it, used both for writing chunks before any ``zarr.json``
-exists (TensorStore's ``assume_metadata``) and for the ``zarr.json`` the
-coordinator writes at commit, so the two can never disagree.
-"""
+"""The Zarr v3 documents (``zarr.json``) tsckpt writes: one builder for the chunks written before any
+``zarr.json`` exists (TensorStore's ``assume_metadata``) and for the documents written at commit."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import dtypes
-
-if TYPE_CHECKING:
-    from .metadata import ArrayOptions, TensorEntry
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 # "." keeps every chunk file directly in its array's directory ("c.0.1"),
@@ -87,20 +80,6 @@ def array_metadata(
     if attributes is not None:
         doc["attributes"] = attributes
     return doc
-
-
-def tensor_metadata(entry: TensorEntry, options: ArrayOptions,
-                    attributes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``zarr.json`` of a tensor's array, from its metadata entry and the checkpoint's codec options.
-
-    Its dimensions are named ``<array name>_<i>``: xarray needs names, and
-    names unique to each array keep tensors of one group from claiming the
-    same dimension with different sizes.
-    """
-    leaf = entry.path.rsplit("/", 1)[-1]
-    return array_metadata(entry.shape, entry.dtype, entry.chunk_shape, entry.inner_chunk_shape, attributes,
-                          checksums=options.crc32c_codec, compression=options.compression,
-                          dimension_names=[f"{leaf}_{i}" for i in range(len(entry.shape))])
 
 
 def blob_metadata(nbytes: int, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
