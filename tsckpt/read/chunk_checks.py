@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 import numpy as np
-from zarr.abc.store import ByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 
 from ..errors import ChecksumError
 from ..format import compressed, dtypes, shards
 from ..format.metadata import ArrayOptions, TensorEntry
-from .byte_requests import span
 
 _CHANGED = "does not match its stored crc32c (the data changed after it was written)"
 
@@ -31,7 +30,7 @@ def check_read(key: str, value: bytes, byte_range: ByteRequest | None, entry: Te
     data = np.frombuffer(value, dtype=np.uint8)
     if options.compression is not None:
         return _check_compressed(key, entry, options, fmt, data, byte_range, pieces)
-    start, end = span(byte_range, fmt.nbytes)
+    start, end, _ = (as_slice(byte_range) or slice(None)).indices(fmt.nbytes)
     if (start, end) == (0, fmt.nbytes):
         try:
             shards.check_stored_codec(fmt, index, data, "")
@@ -74,3 +73,16 @@ def intact(data: bytes | np.ndarray) -> bool:
     """Whether ``data`` ends with the crc32c (little-endian) of the bytes before it."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     return raw.size >= 4 and _crc32c.crc32c(raw[:-4]) == int.from_bytes(raw[-4:].tobytes(), "little")
+
+
+def as_slice(byte_range: ByteRequest | None) -> slice | None:
+    """zarr-python's byte request as the slice TensorStore reads (None: the whole value)."""
+    if byte_range is None:
+        return None
+    if isinstance(byte_range, RangeByteRequest):
+        return slice(byte_range.start, byte_range.end)
+    if isinstance(byte_range, OffsetByteRequest):
+        return slice(byte_range.offset, None)
+    if isinstance(byte_range, SuffixByteRequest):
+        return slice(-byte_range.suffix, None) if byte_range.suffix else slice(0, 0)
+    raise TypeError(f"unexpected byte range {byte_range!r}")

@@ -1,27 +1,18 @@
 """``tsckpt://``: checkpoints by URL for zarr-python, xarray and dask, whatever the layout.
 
-zarr-python hands a URL with a scheme to fsspec (``FsspecStore.from_url``),
-and fsspec finds ``tsckpt`` through the ``fsspec.specs`` entry point this
-package declares, so these work with tsckpt installed and never imported::
+fsspec finds ``tsckpt`` through the ``fsspec.specs`` entry point this package declares, so with tsckpt
+installed (never imported) these work::
 
     zarr.open_group("tsckpt://ckpt/step_1000", mode="r")
     xr.open_zarr("tsckpt://ckpt/step_1000/model", consolidated=False)
     dask.array.from_zarr("tsckpt://ckpt/step_1000", component="model/layers.0.attn.wq.weight")
     zarr.open_group("tsckpt://s3://bucket/run/step_1000", mode="r")
 
-What follows ``tsckpt://`` is a checkpoint location as :func:`tsckpt.open`
-takes one (a path, relative to the working directory or not, or an
-``s3://``, ``gs://`` or ``file://`` URL), optionally followed by a group or
-array inside it. The filesystem serves the checkpoint's Zarr keys, documents
-and chunks, and nothing else (no ``manifest.ocdbt``, no data files), read
-through :func:`tsckpt.zarr_store`: plain or packed, every chunk reaches
-zarr-python with its crc32c, which zarr's codec checks, and a slice reads
-the byte ranges of the inner chunks it overlaps, never whole files.
-
-Loading this module imports tsckpt, which registers the bfloat16 and float8
-data types with zarr-python before zarr parses the first array document: the
-URL alone is enough for them on every zarr release tsckpt supports.
-"""
+After ``tsckpt://`` comes a checkpoint location as :func:`tsckpt.open` takes one, optionally followed by
+a group or array inside it. The filesystem serves the checkpoint's Zarr keys and nothing else, read
+through :func:`tsckpt.zarr_store`: every chunk reaches zarr with its crc32c, and a slice reads only the
+byte ranges it needs. Loading this module imports tsckpt, which registers the bfloat16 and float8 data
+types with zarr-python."""
 
 from __future__ import annotations
 
@@ -204,9 +195,9 @@ class TsckptFileSystem(AsyncFileSystem):
         if is_data_file(key):
             raise FileNotFoundError(path)  # a plain checkpoint's digest tables: tsckpt's, not Zarr's
         if key == ROOT:
-            return _cut(await self._root(root, found), start, end)
+            return (await self._root(root, found))[start:end]
         if (start is not None and end is not None and start < 0) or (end is not None and end < 0):
-            return _cut(await self._value(found.store, path, key, None), start, end)
+            return (await self._value(found.store, path, key, None))[start:end]
         return await self._value(found.store, path, key, _request(start, end))
 
     @staticmethod
@@ -293,26 +284,15 @@ class TsckptFileSystem(AsyncFileSystem):
     def _read_only(self, path: Any) -> str:
         return f"{PROTOCOL}:// is read-only: cannot change {path}"
 
-    async def _pipe_file(self, path: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    async def _refuse(self, path: Any, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(self._read_only(path))
+
+    _pipe_file = _rm_file = _rm = _mkdir = _makedirs = _refuse
 
     async def _put_file(self, lpath: str, rpath: str, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(self._read_only(rpath))
 
-    async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
-        raise PermissionError(self._read_only(path2))
-
-    async def _rm_file(self, path: str, **kwargs: Any) -> None:
-        raise PermissionError(self._read_only(path))
-
-    async def _rm(self, path: Any, *args: Any, **kwargs: Any) -> None:
-        raise PermissionError(self._read_only(path))
-
-    async def _mkdir(self, path: str, *args: Any, **kwargs: Any) -> None:
-        raise PermissionError(self._read_only(path))
-
-    async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
-        raise PermissionError(self._read_only(path))
+    _cp_file = _put_file
 
 
 def _request(start: int | None, end: int | None) -> ByteRequest | None:
@@ -321,10 +301,6 @@ def _request(start: int | None, end: int | None) -> ByteRequest | None:
     if start < 0:
         return SuffixByteRequest(-start)
     return OffsetByteRequest(start) if end is None else RangeByteRequest(start, end)
-
-
-def _cut(value: bytes, start: int | None, end: int | None) -> bytes:
-    return value[slice(start, end)]
 
 
 def _file(name: str, size: int | None) -> dict[str, Any]:

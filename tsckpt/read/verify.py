@@ -61,7 +61,7 @@ def _disagreements(want: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]
 def _expected_doc(target: _Target, doc: Mapping[str, Any], options: ArrayOptions) -> dict[str, Any] | None:
     """The document tsckpt wrote for ``target`` (for a blob, of the length ``doc`` declares)."""
     if target.entry is not None:
-        return zarr_json.tensor_metadata(target.entry, options)
+        return target.entry.zarr_json(options)
     shape = doc.get("shape")
     if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
             and not isinstance(shape[0], bool) and 0 <= shape[0] < 2**63):

@@ -1,16 +1,10 @@
 """A read-only zarr-python ``Store`` over a tsckpt checkpoint, served by TensorStore's kvstore.
 
-``zarr.open_group(tsckpt.zarr_store(path))`` reads any committed checkpoint,
-plain or packed, local or on an object store: TensorStore does the I/O, so
-every location tsckpt writes to (``s3://``, ``gs://``, ``memory://``, a kvstore
-spec) is readable by zarr-python, dask and xarray without fsspec.
-
-In a packed checkpoint every key but the root ``zarr.json`` lives in the
-OCDBT database (:mod:`tsckpt.storage.packed`); the root document is a plain
-file beside it. The store routes each key accordingly, so zarr-python sees one
-ordinary Zarr v3 hierarchy either way. Chunks carry Zarr's crc32c codec
-(unless saved with ``checksums=False``), which zarr-python checks itself.
-"""
+``zarr.open_group(tsckpt.zarr_store(path))`` reads any committed checkpoint, plain or packed, on any
+location tsckpt writes to, with zarr-python, dask and xarray, without fsspec. In a packed checkpoint
+every key but the root ``zarr.json`` lives in the OCDBT database; the store routes each key, so zarr sees
+one ordinary Zarr v3 hierarchy. What it reads is checked against the chunks' crc32c here, so damage
+raises an error naming the tensor, chunk and file."""
 
 from __future__ import annotations
 
@@ -25,19 +19,17 @@ from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..errors import ChecksumError, StorageError, TsckptError
-from ..format.metadata import TensorEntry
-from ..storage.chunk_source import ChunkSource
 from ..commit import protocol as commit
-from ..storage import kvio, packed
-from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
-from ..storage.store import Store as SpecStore
 from ..commit.states import ROOT
-from ..format.metadata import CheckpointMetadata
+from ..format.metadata import CheckpointMetadata, TensorEntry
+from ..storage import kvio, packed
+from ..storage.chunk_source import ChunkSource
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
-from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import problem
-from .byte_requests import as_slice, clipped
-from .chunk_checks import check_read
+from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
+from ..storage.location import Location, LocationLike, parse_location
+from ..storage.store import Store as SpecStore
+from .chunk_checks import as_slice, check_read
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -199,11 +191,7 @@ class TensorStoreZarrStore(Store):
         """The value read, its crc32c checked here where it covers whole checksummed pieces, so that damage
         raises an error naming the tensor, chunk and file, not zarr's codec error naming none."""
         if result.state == "value" and self.metadata is not None and self.metadata.codec_checksums:
-            value = result.value if not clip else bytes(result.value)
-            if clip:
-                self._check(key, value, None)
-            else:
-                self._check(key, value, byte_range)
+            self._check(key, result.value, None if clip else byte_range)
         return self._buffer(prototype, result, byte_range if clip else None)
 
     def _array_of(self, key: str) -> tuple[str, TensorEntry | None, tuple[int, ...]] | None:
@@ -306,8 +294,7 @@ class TensorStoreZarrStore(Store):
     async def set(self, key: str, value: Buffer) -> None:
         raise self._read_only_error(key)
 
-    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        raise self._read_only_error(key)
+    set_if_not_exists = set
 
     async def delete(self, key: str) -> None:
         raise self._read_only_error(key)
@@ -329,5 +316,5 @@ class TensorStoreZarrStore(Store):
         """The value read, or None for a missing key; ``clip`` cuts a whole value to a range."""
         if result.state != "value":
             return None
-        value = result.value if clip is None else clipped(result.value, clip)
+        value = result.value if clip is None else result.value[as_slice(clip)]
         return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
