@@ -1,9 +1,4 @@
-"""The crc32c that guards what tsckpt stores: the root document, every inner chunk and every value blob.
-
-Chunks carry theirs through Zarr's ``crc32c`` codec, each after the bytes it
-covers, so every Zarr reader checks them too; a save computes it in one pass
-of a hardware crc32c (several GB/s per core) over data it writes anyway.
-"""
+"""The crc32c guarding what tsckpt stores: the root document, every inner chunk and every value blob."""
 
 from __future__ import annotations
 

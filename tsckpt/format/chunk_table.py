@@ -1,38 +1,10 @@
 """A rank's chunk table: where every value one rank saved is stored, and its content hash, beside its data.
 
-A loading rank finds the chunks it reads here, in the tables of the ranks
-that wrote them (each tensor's ``writers``, in the root document), so what it
-reads grows with the chunks it reads, not with the checkpoint's ranks x
-tensors. The table is sorted by key and cut into blocks, each with its
-first key and crc32c in a directory at the front: a reader of a few keys
-reads the directory and their blocks, a reader of most keys the whole table.
-Each rank writes its table once, after its values: at the end of its data
-(packed layout) or as a file of its own (plain layout, where it holds only
-content hashes: a chunk there is a key of its own). The root document
-records where (:class:`~tsckpt.format.data_files.RankFiles`).
-
-A value's key is ``(array, chunk)``: ``array`` the first 8 bytes of the
-XXH3-64 of its array's path (UTF-8, seed 0, as an unsigned integer), so that
-a rank needs no global numbering of arrays; ``chunk`` the flat index of the
-outer chunk in its array's grid (row-major; 0 for a value blob). A save
-refuses two arrays whose paths hash alike (:func:`array_key`).
-
-Encoding, all integers little-endian::
-
-    magic      8 bytes  b"TSCKCTBL"
-    version    u32      1
-    header     u32      length of the JSON header that follows
-    JSON       {"files": [path, ...], "digests": "xxh3_128_stored" | null, "count": n, "block": b}
-    directory  ceil(n / b) x (u64 array, u64 chunk, u32 crc32c): each block's first key and the crc32c
-               of its records
-    crc32c     u32      of every byte before it
-    records    n x record, sorted by (array, chunk), no key twice; block k is records [k*b, (k+1)*b)
-               record: u64 array, u64 chunk; then, where "files" is not empty, u32 file (an index
-               into "files"), u64 offset, u64 length; then, where "digests" is not null, 16 bytes
-               (the XXH3-128 of the stored value, canonical big-endian form)
-
-Pure functions of bytes; no I/O.
-"""
+A loading rank finds a chunk in the table of the rank that wrote it (the tensor's ``writers``), so what
+it reads grows with the chunks it reads, not with ranks x tensors. The table is sorted by key
+``(array, chunk)`` (:func:`array_key` of the array's path, the outer chunk's flat index) and cut into
+blocks whose first keys and crc32c form a directory at the front: a reader of a few keys reads the
+directory and their blocks. Encoding: ``docs/format.md``, section 8. Pure functions of bytes; no I/O."""
 
 from __future__ import annotations
 

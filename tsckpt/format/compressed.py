@@ -1,16 +1,9 @@
 """Outer chunks with a compressor (``compression="zstd"`` or ``"blosc"``): encoded and decoded here.
 
-The codec chain is the one :mod:`tsckpt.format.zarr_json` declares: each
-inner chunk (or the whole chunk, without inner chunks) is its little-endian
-bytes, compressed, then followed by its crc32c when the chain has the codec;
-with inner chunks, the sharding index follows them, ``(offset, nbytes)`` per
-inner chunk in row-major order of the chunk's inner grid, then its crc32c.
-Compressed inner chunks differ in size, so unlike
-:mod:`tsckpt.format.shard_encoding` a reader needs the index to find one, and
-tsckpt reads such chunks whole. Compression uses numcodecs, as zarr-python
-does, so what is written here is what Zarr's ``zstd`` and ``blosc`` codecs
-produce and read. Pure functions; no I/O.
-"""
+The codec chain is the one :mod:`tsckpt.format.zarr_json` declares: each inner chunk (or the whole chunk)
+is its little-endian bytes, compressed, then its crc32c with the codec; with inner chunks the sharding
+index follows (``(offset, nbytes)`` per inner chunk, row-major, then its crc32c). Compressed inner chunks
+differ in size, so such chunks are read whole. numcodecs compresses, as in zarr-python. Pure functions."""
 
 from __future__ import annotations
 

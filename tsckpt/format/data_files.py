@@ -1,13 +1,6 @@
-"""Data files: where a checkpoint's bytes are beyond its Zarr keys, as the metadata document records them.
-
-The document (``docs/format.md``, section 1) lists every file
-each rank wrote besides chunk keys (the packed layout's data files, each rank's
-digest table) and the packed layout's index, so that a reader finds them from
-the root document alone, and on object stores refuses an object replaced
-since it was written. Parsed with :mod:`tsckpt.format.fields`, like the rest
-of the document; :mod:`tsckpt.format.metadata` checks them against the
-document's version, ranks and layout.
-"""
+"""Data files: where a checkpoint's bytes are beyond its Zarr keys, as the metadata document records them
+(``docs/format.md``, section 1): the files each rank wrote besides chunk keys and the packed layout's
+index, found from the root document alone; on object stores a replaced object is refused."""
 
 from __future__ import annotations
 

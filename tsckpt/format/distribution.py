@@ -1,8 +1,5 @@
 """Placements: how a tensor was distributed when saved (DTensor mesh and placements, ShardedTensor shards).
-
-Informative for loading (loads reshard from the global array whatever the saved
-placements were); part of the metadata document (``docs/format.md``, section 3).
-"""
+Informative: loads reshard from the global array (``docs/format.md``, section 3)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Field parsers for the metadata document: each checks one JSON value and names it in its error.
-
-Shared by :mod:`tsckpt.format.metadata`, :mod:`tsckpt.format.distribution` and
-:mod:`tsckpt.format.data_files`, so a hostile document meets the same checks
-wherever a field appears.
-"""
+"""Field parsers for the metadata document: each checks one JSON value and names it in its error."""
 
 from __future__ import annotations
 

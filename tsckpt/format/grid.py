@@ -1,21 +1,9 @@
-"""Chunk grids: from the regions ranks write to a Zarr grid they can write alone.
+"""Chunk grids: from the regions ranks write to a regular Zarr grid each rank can write alone.
 
-Pure functions of shapes and boxes; nothing here touches storage or torch.
-
-Outer chunks ("shards" in Zarr's sharding codec) are aligned to every region
-boundary, so each outer chunk lies inside exactly one rank's region and no two
-ranks ever write the same file. Zarr grids are regular, so along each dimension
-the chunk size is the gcd of the interior boundaries: for torch.chunk-style
-splits (FSDP2, Shard(d)) that is the shard size itself, ceil(n / k); irregular
-splits (nested Shard(0)+Shard(0), hand-made ShardedTensor specs) get a finer grid
-and a rank writes several chunks.
-
-Inner chunks (:mod:`tsckpt.format.inner_chunks`) subdivide outer chunks so
-that reading a slice, e.g. a column block while the checkpoint was saved
-row-sharded, reads only what it needs instead of whole shards.
-:class:`ChunkGrid` is the one place that walks a grid's chunks (verification,
-slicing, plotting).
-"""
+Outer chunks ("shards" in Zarr's sharding codec) are aligned to every region boundary, so each lies inside
+one rank's region and no two ranks write the same file: along each dimension the chunk size is the gcd
+of the interior boundaries (the shard size itself for ``torch.chunk``-style splits; a finer grid for
+irregular ones). :class:`ChunkGrid` is the one place that walks a grid's chunks. Pure functions."""
 
 from __future__ import annotations
 

@@ -1,40 +1,16 @@
 """Inner chunks chosen so that loads into other topologies fetch little more than they need.
 
-An inner chunk (Zarr's ``sharding_indexed`` codec) is the smallest piece a read
-fetches, and the piece each checksum covers (``checksums.py``): a load fetches
-every inner chunk its box touches, whole. Cut too coarse, a rank that needs a
-quarter of a shard's columns fetches the whole shard; cut too fine, every save
-and load pays TensorStore's cost per inner chunk (a few microseconds each) on
-pieces that hold few bytes.
+An inner chunk (Zarr's ``sharding_indexed`` codec) is the smallest piece a read fetches and the piece
+each crc32c covers. Along each dimension the size is the largest for which no rank of a
+``torch.chunk``-style split into ``k`` in :data:`SPLITS` fetches more than :data:`TARGET_RATIO` times the
+extent it needs; if that is below the floor (the writer's ``min_bytes``, lowered for small outer chunks
+to a sixteenth of the chunk but never below :data:`MIN_PIECE_BYTES`, and at most :data:`MAX_PER_TENSOR`
+inner chunks per tensor), the sizes above the floor with the least worst ratio win.
 
-So the size along each dimension is chosen by what a later load would fetch:
-for every split of that dimension into ``k`` ranks the way ``torch.chunk`` (and
-DTensor's ``Shard``) cuts it, ``k`` in :data:`SPLITS`, no rank may fetch more
-than :data:`TARGET_RATIO` times the extent it needs, counted along that
-dimension alone (a load that splits one dimension reads every other one whole,
-so per-dimension ratios are the ratios of bytes). Among the sizes that meet it,
-the largest (fewest inner chunks) wins. When that makes an inner chunk smaller
-than the floor, the sizes whose worst ratio is least among those above the
-floor win instead. The floor is the writer's (``min_bytes``, 16 KiB by
-default), lowered for small outer chunks to a sixteenth of the chunk (never
-below 512 bytes), so a small shard is still cut into a few pieces; and no
-tensor is cut into more than 1024 inner chunks (or its number of outer chunks,
-if larger), so its checksum table in the root document stays small.
-
-Along a dimension the saved regions cut (a rank boundary inside it), the outer
-chunk is fixed by those boundaries and inner chunks must divide it. Along a
-dimension no region boundary cuts, the outer chunk is free. In a sharded tensor
-(some dimension cut) saved with ``bands`` (packed saves to object stores), it is
-the inner chunk, where that makes outer chunks of at least 4 KiB: each outer chunk is then a band of
-one rank's region, one inner chunk wide, and a rank stores the bands of all its
-tensors band by band (:mod:`tsckpt.format.band_order`), so a load that takes a
-column block of a row-sharded save reads one byte range per file. Otherwise
-(no bands, or a tensor written whole by one rank) it is the dimension rounded up to a
-multiple of the inner chunk (Zarr stores the overhang as the edge chunk's
-padding): one outer chunk, cut into inner chunks, so a dimension of prime
-length is still cut.
-Pure functions of shapes; nothing here touches storage.
-"""
+Along a dimension the saved regions cut, inner chunks divide the outer chunk those boundaries fix. Along
+an uncut one the outer chunk is free: with ``bands`` (packed saves to object stores) a sharded tensor's
+outer chunk is one inner chunk wide there (a band, :mod:`tsckpt.format.band_order`) if that is at least
+:data:`MIN_BAND_BYTES`; otherwise it is the dimension rounded up to whole inner chunks. Pure functions."""
 
 from __future__ import annotations
 
@@ -46,21 +22,16 @@ import numpy as np
 
 #: The rank counts a later load is planned for, along any one dimension.
 SPLITS = (2, 3, 4, 8)
-#: The most a rank may fetch along a dimension, relative to what it needs. Kept
-#: below the 1.3 documented for loads, which also read shard indexes.
+#: The most a rank may fetch along a dimension, relative to what it needs (below the 1.3 documented for loads).
 TARGET_RATIO = 1.2
-#: An outer chunk smaller than this many times the writer's floor is cut into up to this many
-#: pieces of at least MIN_PIECE_BYTES instead: a column of a small shard is read without the rest.
+#: An outer chunk smaller than this many times the writer's floor is cut into up to this many pieces of at
+#: least MIN_PIECE_BYTES instead.
 SMALL_PIECES = 16
 MIN_PIECE_BYTES = 512
-#: The smallest band (an outer chunk one inner chunk wide, see below) a sharded tensor is cut into; smaller
-#: regions stay one outer chunk of inner chunks. A page: below it a value's index and digest entries are
-#: no longer small beside it. Not larger: a region left whole is fetched whole by a column-resharded load
-#: from an object store, whose gap merging reads the columns it does not need (64 KiB fetched 1.73x the
-#: bytes needed on the 0.3 GB benchmark state, where bands of any size fetched 1.01x).
+#: The smallest band a sharded tensor is cut into (a page: below it a value's index and digest entries are no
+#: longer small beside it); smaller regions stay one outer chunk of inner chunks.
 MIN_BAND_BYTES = 4 << 10
-#: The most inner chunks a tensor is cut into (unless it has more outer chunks): its checksum
-#: table in the root document, which every rank reads, stays within about 5.5 KB.
+#: The most inner chunks a tensor is cut into (unless it has more outer chunks).
 MAX_PER_TENSOR = 1024
 #: Candidate sizes along a free dimension: the length divided by 1..this, and powers of two.
 _MAX_PIECES = 256
@@ -100,11 +71,8 @@ def _candidates(n: int, chunk: int) -> list[int]:
 
 
 def _coarsest_fit(cands: list[list[int]], ratios: list[np.ndarray], fine: list[int], min_elems: int) -> list[int]:
-    """Sizes of at least ``min_elems`` elements in all whose worst ratio is least (then: fewest inner chunks).
-
-    Every combination is tried for one or two dimensions (vectorized); more
-    dimensions are coarsened one step at a time where the ratio grows least.
-    """
+    """Sizes of at least ``min_elems`` elements in all whose worst ratio is least (then: fewest inner chunks):
+    every combination for up to two dimensions, else coarsened a step at a time where the ratio grows least."""
     if len(cands) <= 2:
         grids = np.meshgrid(*[np.asarray(c, dtype=np.int64) for c in cands], indexing="ij")
         each = np.meshgrid(*ratios, indexing="ij")
@@ -130,11 +98,9 @@ def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_byt
            max_bytes: int | None = None, bands: bool = False) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """The outer chunk shape (free dimensions rounded up) and the inner chunk shape, or None for no inner chunks.
 
-    ``chunk`` is the outer chunk aligned to the saved regions
-    (:func:`~tsckpt.format.grid.aligned_chunk_shape`). ``min_bytes`` is the
-    smallest inner chunk worth a read of its own (0 disables inner chunks);
-    ``max_bytes``, if given, the largest. ``bands``: cut a sharded tensor's
-    outer chunks into bands one inner chunk wide (:mod:`~tsckpt.format.band_order`).
+    ``chunk``: the outer chunk aligned to the saved regions (:func:`~tsckpt.format.grid.aligned_chunk_shape`);
+    ``min_bytes``: the smallest inner chunk worth a read of its own (0: no inner chunks); ``max_bytes``: the
+    largest; ``bands``: cut a sharded tensor's outer chunks into bands one inner chunk wide.
     """
     return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes, bands)
 
@@ -149,8 +115,7 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
     ratios = [np.array([over_read(n, u) for u in cs]) for n, cs in zip(shape, cands)]
     # Finest that is fine enough: the largest size whose ratio meets the target, per dimension.
     pick = [max(u for u, r in zip(cs, rs) if r <= TARGET_RATIO) for cs, rs in zip(cands, ratios)]
-    # The floor: the writer's, lowered for outer chunks too small to hold SMALL_PIECES of it (small
-    # shards are read in part too, and their few pieces cost little), and at most MAX_PER_TENSOR pieces.
+    # The floor: lowered for outer chunks too small to hold SMALL_PIECES of it; at most MAX_PER_TENSOR pieces.
     chunk_bytes = math.prod(chunk) * itemsize
     floor = min(min_bytes, max(MIN_PIECE_BYTES, chunk_bytes // SMALL_PIECES))
     min_elems = max(-(-floor // itemsize), -(-math.prod(shape) // MAX_PER_TENSOR))
@@ -162,9 +127,7 @@ def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_b
         if not smaller:
             break
         pick[d] = smaller[-1]
-    # A sharded tensor's outer chunks are bands of a rank's region, one inner chunk wide along every dimension
-    # no region cuts: the rank can store the bands of all its tensors band by band (format/band_order.py).
-    # Not below MIN_BAND_BYTES: a value costs its writer and readers work of its own.
+    # Bands: one inner chunk wide along every dimension no region cuts, and not below MIN_BAND_BYTES.
     banded = tuple(c if c < max(n, 1) else u for n, c, u in zip(shape, chunk, pick))
     cut = bands and any(c < max(n, 1) for n, c in zip(shape, chunk)) and math.prod(banded) * itemsize >= MIN_BAND_BYTES
     outer = banded if cut else tuple(c if c < max(n, 1) else -(-n // u) * u for n, c, u in zip(shape, chunk, pick))

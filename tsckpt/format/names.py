@@ -1,16 +1,9 @@
 """Where each state-dict entry lives inside the checkpoint's Zarr hierarchy.
 
-A state dict ``{"model": {"layers.0.w": t}}`` is flattened by DCP to the key
-``"model.layers.0.w"`` with the path ``("model", "layers.0.w")``; each path
-element becomes one Zarr node name, so the array lives at ``model/layers.0.w``.
-
-Node names are escaped so that no key can climb out of the checkpoint or
-collide with Zarr's own files: every byte outside ``[A-Za-z0-9._-]`` becomes
-``%XX`` (so ``/``, ``\\`` and ``%`` itself are encoded), and names Zarr reserves
-or that the filesystem treats specially (``.``, ``..``, ``zarr.json``, names
-starting with ``__`` or ``.``, the empty name) get their first character
-encoded too. The mapping is injective, so distinct keys never share a node.
-"""
+Each element of a key path (``("model", "layers.0.w")``) is one Zarr node name (``model/layers.0.w``),
+escaped so that no key can climb out of the checkpoint or collide with Zarr's files: every byte outside
+``[A-Za-z0-9._-]`` becomes ``%XX``, and reserved names (``zarr.json``, names starting with ``__`` or
+``.``, the empty name) get their first character encoded too. The mapping is injective."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """How non-tensor state-dict values (ints, lists, param_groups...) are stored.
 
-Two encodings, chosen per value:
-
-``json``
-    The value is plain data: None, bool, int, float, str, and lists, tuples and
-    dicts of those. It is stored inline in the metadata document, readable by
-    anyone. JSON has no tuples, non-string keys or NaN, so three tagged forms
-    keep the round trip exact: ``{"$tuple": [...]}``, ``{"$dict": [[k, v], ...]}``
-    (also used when a string key starts with ``$``) and ``{"$float": "nan"}``.
-``torch``
-    Anything else is serialized with ``torch.save`` into a ``uint8`` array and
-    loaded back with ``torch.load(weights_only=True)``, which cannot run code
-    from the file (``io.BytesIO`` buffers are allowed too); arbitrary pickled
-    objects need an explicit opt-in.
-"""
+``json``: plain data (None, bool, int, float, str, lists, tuples and dicts of those), inline in the
+metadata document; tagged forms keep the round trip exact: ``{"$tuple": [...]}``, ``{"$dict": [[k, v],
+...]}`` (also for string keys starting with ``$``) and ``{"$float": "nan"}``. ``torch``: anything else,
+``torch.save``'d into a ``uint8`` array and restored with ``torch.load(weights_only=True)`` (which runs no
+code from the file); arbitrary pickled objects need an explicit opt-in."""
 
 from __future__ import annotations
 

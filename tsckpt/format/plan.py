@@ -1,10 +1,5 @@
 """Array layout of a save: each tensor's path, chunk grid and inner chunks, from the regions written.
-
-The DCP writer plans every tensor of a save at once from all ranks' regions;
-:class:`~tsckpt.conversion.builder.CheckpointBuilder` plans one whole tensor at a
-time. Both go through :func:`plan_tensor`, so a one-process save and a conversion
-lay out the same tensor the same way.
-"""
+DCP saves and conversions both plan through :func:`plan_tensor`, so they lay out a tensor alike."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""What an incremental save took from its base: the root document's ``reuse`` record.
-
-A save given a base checkpoint does not write again the chunks whose content
-equals the base's (:mod:`tsckpt.format.content_hashes`); it links them
-(``docs/format.md``, section 8). The record says which checkpoint that was and
-how much was written and reused. It is informative: every checkpoint stands
-alone, so no reader needs the base, and deleting the base changes nothing.
-"""
+"""What an incremental save took from its base: the root document's ``reuse`` record (``docs/format.md``,
+section 8). Informative: every checkpoint stands alone, so no reader needs the base."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Copying what a box wants of a block of inner chunks into place, with one copy for every whole inner chunk.
 
-A read fetches whole inner chunks (the pieces checksums cover), so what
-arrives is a block of them, each stored contiguously: ``(*block, *inner)``.
-The wanted box rarely starts and ends on inner-chunk boundaries (a rank's
-columns, an array whose length the inner chunk does not divide). Untiling the
-whole block into a fresh buffer and copying the wanted part out of it costs a
-second copy of every byte, and the page faults of the fresh buffer. Instead,
-the inner chunks wholly inside the box are untiled straight into the
-destination; only the rim (inner chunks the box cuts, at most two slabs per
-dimension) goes through a small buffer. Pure functions; nothing here does I/O.
-"""
+A read fetches whole inner chunks, each stored contiguously: ``(*block, *inner)``. The inner chunks
+wholly inside the wanted box are untiled straight into the destination; only the rim (those the box
+cuts) goes through a small buffer, instead of untiling the whole block and copying the box out of it.
+Pure functions."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """The format's name and version, and what a reader says of a checkpoint in another version.
 
-Until 1.0 tsckpt reads only the version it writes (``docs/format.md``,
-section 9): one reader, checked against the one writer, instead of a reader
-per version no release still writes. A checkpoint of an older version names
-the release that reads it, whose ``tsckpt convert`` turns it into a
-safetensors file this one converts back.
-
-* versions 1 to 5: read by tsckpt 0.1, which wrote version 5;
-* version 6 records which rank saved each chunk (``writers``) and keeps each rank's chunk table
-  (:mod:`tsckpt.format.chunk_table`) beside its data, so a reader reads the metadata of the chunks it
-  reads, not the whole index; ``data_files.index`` names the index's root node.
-"""
+Until 1.0 tsckpt reads only the version it writes (``docs/format.md``, section 9); versions 1 to 5 are
+read by tsckpt 0.1, whose ``tsckpt convert`` turns them into safetensors files this release converts back."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Which rank saved each outer chunk of an array: the ``writers`` field of a tensor entry.
 
-A reader looks a chunk up in the chunk table of the rank that wrote it
-(:mod:`tsckpt.format.chunk_table`), so it must know that rank without reading
-any other rank's metadata. Saves lay chunks out regularly (a rank's region
-is a run of chunks, ranks in mesh order), so the ranks, as differences from
-one chunk to the next, compress to a few bytes per array whatever the
-number of ranks: ``writers`` is the base64 (RFC 4648) of the zlib stream
-(RFC 1950) of one little-endian ``int32`` per outer chunk in row-major grid
-order, each the writer's rank minus the previous chunk's (the first chunk's
-minus 0). A one-chunk array saved by rank 0 is ``"eJxjYGBgAAAABAAB"``.
-
-Pure functions; no I/O.
-"""
+A reader looks a chunk up in the chunk table of the rank that wrote it, so it must know that rank
+without any other rank's metadata. ``writers`` is the base64 of the zlib stream of one little-endian
+``int32`` per outer chunk (row-major), each the writer's rank minus the previous chunk's (the first's
+minus 0): regular layouts compress to a few bytes (``docs/format.md``, section 3). Pure functions."""
 
 from __future__ import annotations
 

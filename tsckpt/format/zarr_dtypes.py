@@ -1,19 +1,11 @@
 """zarr-python data types for bfloat16 and the float8 formats, backed by ml_dtypes.
 
-TensorStore writes these types under the names ``bfloat16``, ``float8_e4m3fn``...
-but zarr-python ships no data type for them and refuses such arrays. One class
-per type fills that gap, all made from one definition (:class:`_MLFloat`). They
-are declared as zarr's ``zarr.data_type`` entry points, so installing tsckpt
-lists them; zarr-python 3.1 lists them but never loads them ("No Zarr data type
-found that matches 'bfloat16'"), so ``import tsckpt`` registers them through
-zarr's public registry (:func:`register`), where zarr has none of those names
-yet. Importing this module registers nothing.
-
-Two-byte types carry an endianness like zarr's own floats; one-byte types
-carry none, because the ``bytes`` codec must not declare one for them. zarr's
-codecs tell the two apart by its ``HasEndianness`` mixin, which zarr exposes in
-no public module: it is the one name taken from ``zarr.core``.
-"""
+TensorStore writes these types (``bfloat16``, ``float8_e4m3fn``...), which zarr-python ships no data type
+for. Each class here is made by :func:`_ml_float` from one definition (:class:`_MLFloat`). They are
+declared as zarr's ``zarr.data_type`` entry points; zarr-python 3.1 lists but never loads those, so
+``import tsckpt`` also registers them (:func:`register`) where zarr has none of those names yet. Two-byte
+types carry an endianness (zarr's ``HasEndianness``, the one name taken from ``zarr.core``); one-byte
+types carry none, as the ``bytes`` codec must not declare one for them."""
 
 from __future__ import annotations
 
