@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tsckpt.cli.exits import ERROR
+from tsckpt.cli.base import ERROR
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:

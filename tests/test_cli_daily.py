@@ -16,8 +16,6 @@ from typer.testing import CliRunner
 import tsckpt
 from damage import write_key
 import tsckpt.cli.inspect as inspect_cmds
-import tsckpt.cli.verify  # noqa: F401 - registers verify
-import tsckpt.cli.version  # noqa: F401 - registers --version
 import zoo
 from tsckpt.cli import app
 

@@ -10,25 +10,16 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
 import torch
 from typer.testing import CliRunner
 
 import tsckpt
 from cli_run import one_line_error, run_cli
-from tsckpt.cli import COMMAND_MODULES, app
-from tsckpt.cli.messages import for_cli
+from tsckpt.cli import app
+from tsckpt.cli.base import for_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _commands():
-    import importlib
-
-    for name in COMMAND_MODULES:
-        importlib.import_module(f"tsckpt.cli.{name}")
 
 
 def _invoke(*args: str):

@@ -21,7 +21,7 @@ import dist
 import tsckpt
 from cli_run import run_cli
 from ctrl_c import ARMED, CtrlC
-from tsckpt.cli.exits import INTERRUPTED
+from tsckpt.cli.base import INTERRUPTED
 from tsckpt.commit.staging_dirs import staging_dirs
 
 HERE = os.path.dirname(__file__)

@@ -1,75 +1,78 @@
-"""The ``tsckpt`` command line. Each command group lives in its own module here."""
+"""The ``tsckpt`` command line: :func:`main`, ``--version`` and ``demo`` here, each other command group in
+a module of its own, all on :data:`~tsckpt.cli.base.app`."""
 
 from __future__ import annotations
 
-import importlib
 import os
+import platform
 import sys
-from typing import Any
+from importlib import metadata
 
 import typer
-from typer.core import TyperCommand
 
-from ..errors import TsckptError
-from .exits import ERROR, INTERRUPTED
-
-
-class _Command(TyperCommand):
-    """A command whose ``--help`` row, like every flag's, shows no ``<bool>``."""
-
-    def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
-
-
-class _App(typer.Typer):
-    def command(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("cls", _Command)
-        return super().command(*args, **kwargs)
-
-
-app = _App(
-    name="tsckpt",
-    help="Inspect, verify and convert tsckpt (Zarr v3) PyTorch checkpoints.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-def flag(default: bool | None, *param_decls: str, **kwargs: Any) -> Any:
-    """A typer option that is an on/off flag: its help row shows no ``<bool>``, since a flag takes no value."""
-    return typer.Option(default, *param_decls, metavar="", **kwargs)
-
-
-# Modules that register commands on ``app`` when imported.
-COMMAND_MODULES: list[str] = ["version", "demo", "verify", "inspect", "convert", "step_chores", "clean", "refs"]
-
+from .base import INTERRUPTED, app, flag, for_cli
 
 #: How often the command line retries a failed S3 request unless ``$TSCKPT_S3_RETRIES`` says otherwise:
 #: a person waits at the terminal, and an unreachable store or a wrong endpoint should say so in seconds,
 #: not after the library's minute of retries.
 CLI_S3_RETRIES = 2
 
+#: Distributions whose versions decide how a checkpoint is written and read.
+STACK = ("torch", "tensorstore", "zarr", "numpy")
+
+
+def version_text() -> str:
+    """``tsckpt 0.1.0 (python 3.11.7, torch 2.13.0, ...)``, without importing torch."""
+    from .. import __version__
+
+    parts = [f"python {platform.python_version()}"]
+    for name in STACK:
+        try:
+            parts.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{name} not installed")
+    return f"tsckpt {__version__} ({', '.join(parts)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = flag(False, "--version", callback=_print_version, is_eager=True,
+                         help="print tsckpt's version and its stack's, then exit"),
+) -> None:
+    """Inspect, verify and convert tsckpt (Zarr v3) PyTorch checkpoints."""
+
+
+@app.command()
+def demo(
+    save_ranks: int = typer.Option(4, help="CPU ranks that train and save"),
+    load_ranks: int = typer.Option(2, help="CPU ranks that reload in another topology"),
+    path: str = typer.Option("", help="checkpoint directory (default: a new temporary one)"),
+) -> None:
+    """Train a small FSDP2-sharded model on CPU ranks, save it, reload it on a different number of ranks."""
+    from ..main_job import run
+
+    run(save_ranks=save_ranks, load_ranks=load_ranks, path=path or None)
+
+
+from . import verify, inspect, convert, step_chores, clean, refs  # noqa: E402,F401 - register their commands in this order
+
 
 def main() -> None:
-    """Entry point: a tsckpt error is one line on stderr and exit status 2 (:mod:`.exits`), never a traceback.
+    """Entry point: a tsckpt error is one line on stderr and exit status 2, never a traceback.
 
     Ctrl-C is one line too (what a command that writes left where, when it says so) and exit status 130.
     """
     from ..storage.kvio import S3_RETRIES_ENV
-    from .messages import for_cli
 
     os.environ.setdefault(S3_RETRIES_ENV, str(CLI_S3_RETRIES))
-    for name in COMMAND_MODULES:
-        importlib.import_module(f"{__name__}.{name}")
     try:
         app()
-    except TsckptError as e:
-        print(f"error: {for_cli(str(e))}", file=sys.stderr)
-        sys.exit(ERROR)
     except (KeyboardInterrupt, SystemExit) as e:
         interrupt = _interrupt_in(e)
         if interrupt is None:

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from ..wording import human_bytes
-from . import app, flag
-from .messages import failed
+from .base import app, flag
 
 if TYPE_CHECKING:
     from ..commit.target import Leftover
@@ -40,25 +39,16 @@ def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
 @app.command()
 def clean(
     path: str = typer.Argument(..., help="checkpoint directory or URL"),
-    force: bool = flag(False, "--force",
-                               help="also remove leftovers that cannot be told apart from a running save "
-                                    "(claims on object stores, staging on filesystems without locks)"),
+    force: bool = flag(False, "--force", help="also remove leftovers that cannot be told apart from a running "
+                       "save (claims on object stores, staging on filesystems without locks)"),
 ) -> None:
     """Remove leftovers of saves into PATH that did not finish; a committed checkpoint is never touched."""
-    from rich.console import Console
-
-    from ..errors import TsckptError
     from ..commit.publication import clean as run_clean
 
-    out = Console()
-    try:
-        removed = run_clean(path, force=force)
-        remaining = leftover_line(path)
-    except TsckptError as e:
-        raise failed(e) from None
+    removed = run_clean(path, force=force)
+    remaining = leftover_line(path)
     for item in removed:
-        out.print(f"removed {item.path}: {item.what}, {human_bytes(item.nbytes)}", highlight=False, markup=False)
-    out.print(f"{len(removed)} leftover(s) removed ({human_bytes(sum(i.nbytes for i in removed))})",
-              highlight=False, markup=False)
+        print(f"removed {item.path}: {item.what}, {human_bytes(item.nbytes)}")
+    print(f"{len(removed)} leftover(s) removed ({human_bytes(sum(i.nbytes for i in removed))})")
     if remaining:
-        out.print(f"left: {remaining}", highlight=False, markup=False)
+        print(f"left: {remaining}")

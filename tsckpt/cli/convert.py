@@ -15,9 +15,7 @@ from rich.table import Table
 
 from ..errors import TsckptError
 from ..wording import count
-from . import app, flag
-from .exits import FOUND, OK
-from .messages import failed
+from .base import FOUND, OK, app, flag, print_wide
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -47,9 +45,7 @@ def convert_cmd(
     quiet: bool = flag(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Convert a checkpoint between tsckpt, DCP, torch.save and safetensors, one tensor at a time."""
-    from ..conversion.convert import ConversionWarning, convert
-
-    from ..conversion.convert import default_target
+    from ..conversion.convert import ConversionWarning, convert, default_target
 
     shard = parse_size(max_shard_size) if max_shard_size else None
     err = Console(stderr=True)
@@ -61,8 +57,6 @@ def convert_cmd(
             result = convert(src, dst, to=to or None, trust_pickle=trust_pickle,
                              overwrite=overwrite, max_shard_size=shard, layout=layout or None,
                              progress=not quiet and err.is_terminal)
-    except TsckptError as e:
-        raise failed(e) from None
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupted(dst, target, existed)) from None
     for note in result.warnings:
@@ -116,12 +110,8 @@ def diff_cmd(
     tolerances are reported as "close" and do not count as differences.
     """
     from ..conversion.diff import diff
-    from .tables import print_wide
 
-    try:
-        result = diff(a, b, trust_pickle=trust_pickle, rtol=rtol, atol=atol)
-    except TsckptError as e:
-        raise failed(e) from None
+    result = diff(a, b, trust_pickle=trust_pickle, rtol=rtol, atol=atol)
     out = Console()
     rows = result.entries if show_equal else result.differences
     if rows:

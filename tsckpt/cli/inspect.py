@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,27 +12,10 @@ from rich.table import Table
 
 from ..errors import TsckptError
 from ..wording import count, human_bytes
-from . import app, flag
-from .messages import failed
-from .tables import print_wide
+from . import summary
+from .base import app, flag, print_wide
 
 out = Console()
-err = Console(stderr=True)
-
-
-@contextlib.contextmanager
-def _clean_errors() -> Iterator[None]:
-    """A TsckptError becomes one line on stderr and exit status ERROR, not a traceback."""
-    try:
-        yield
-    except TsckptError as e:
-        raise failed(e) from None
-
-
-def _open(path: str) -> Any:
-    from ..read import checkpoint
-
-    return checkpoint.open(path)
 
 
 def _short(value: Any, width: int = 48) -> str:
@@ -51,36 +32,31 @@ def ls(
 
     On a directory of step checkpoints (ckpt/step_1000, ...), list the steps: state, size and time.
     """
-    with _clean_errors():
+    from ..read import checkpoint
+
+    try:
+        ck = checkpoint.open(path)
+    except TsckptError as e:
+        from .step_chores import list_steps
+
         try:
-            ck = _open(path)
-        except TsckptError as e:
-            from .step_chores import list_steps
-
-            try:
-                if list_steps(path, as_json):
-                    return
-            except TsckptError:
-                pass
-            raise e from None
-        if as_json:
-            from . import summary
-
-            _print_json(summary.listing(ck))
-            return
-        print_wide(_tree_table(ck, list(ck), title=ck.url), out)
-        out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
-                  f"{count(len(ck.metadata.objects), 'value')}; world size {ck.world_size}", highlight=False)
-        _print_open_line(path)
+            if list_steps(path, as_json):
+                return
+        except TsckptError:
+            pass
+        raise e from None
+    if as_json:
+        _print_json(summary.listing(ck))
+        return
+    print_wide(_tree_table(ck, list(ck), title=ck.url), out)
+    out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
+              f"{count(len(ck.metadata.objects), 'value')}; world size {ck.world_size}", highlight=False)
+    _print_open_line(path)
 
 
 def _print_open_line(path: str) -> None:
-    """The zarr-python line that opens the checkpoint by URL, on a line of its own.
-
-    Printed as it is, not through rich: a console would wrap it at the
-    terminal's width and read brackets in a path as markup, and it must paste
-    as one line of Python.
-    """
+    """The zarr-python line that opens the checkpoint by URL: printed as it is, since a console would wrap it
+    and read brackets in a path as markup, and it must paste as one line of Python."""
     from ..read.url import open_line
 
     print(open_line(path), flush=True)
@@ -145,35 +121,33 @@ def show(
     allow_pickle: bool = flag(False, help="decode values that need arbitrary unpickling"),
 ) -> None:
     """Print a tensor (or a slice of it) with min/max/mean/std, a value, or what is under a group."""
-    from . import summary
     from ..read import checkpoint, index as indices
 
     if index.startswith("--"):  # negative indices pass as arguments, so an unknown option lands here
         raise typer.BadParameter(f"no such option: {index}")
-    with _clean_errors():
-        ck = checkpoint.open(path, allow_pickle=allow_pickle)
-        if key not in ck and (under := summary.members(ck, key)):
-            out.print(f"{key} is a group of {len(under)} entries:", highlight=False, markup=False)
-            print_wide(_tree_table(ck, under, title=""), out)
-            return
-        if key not in ck.tensors:
-            value = ck[key]
-            out.print(repr(summary.select_value(value, index, key) if index else value), highlight=False)
-            return
-        h = ck.tensors[key]
-        selection = indices.parse_index(index) if index else ()
-        a = h.numpy(selection)
-        where = f"{key}[{index}]" if index else key
-        out.print(f"[bold]{where}[/]  shape {list(a.shape)} of {list(h.shape)}  {h.zarr_dtype}  "
-                  f"{h.placement_text}", highlight=False)
-        with np.printoptions(threshold=200, edgeitems=3, linewidth=max(out.width, 80)):
-            out.print(str(a), highlight=False, markup=False)
-        stats = _stats(a)
-        table = Table(show_header=True)
-        for name in stats:
-            table.add_column(name, justify="right")
-        table.add_row(*stats.values())
-        out.print(table)
+    ck = checkpoint.open(path, allow_pickle=allow_pickle)
+    if key not in ck and (under := summary.members(ck, key)):
+        out.print(f"{key} is a group of {len(under)} entries:", highlight=False, markup=False)
+        print_wide(_tree_table(ck, under, title=""), out)
+        return
+    if key not in ck.tensors:
+        value = ck[key]
+        out.print(repr(summary.select_value(value, index, key) if index else value), highlight=False)
+        return
+    h = ck.tensors[key]
+    selection = indices.parse_index(index) if index else ()
+    a = h.numpy(selection)
+    where = f"{key}[{index}]" if index else key
+    out.print(f"[bold]{where}[/]  shape {list(a.shape)} of {list(h.shape)}  {h.zarr_dtype}  "
+              f"{h.placement_text}", highlight=False)
+    with np.printoptions(threshold=200, edgeitems=3, linewidth=max(out.width, 80)):
+        out.print(str(a), highlight=False, markup=False)
+    stats = _stats(a)
+    table = Table(show_header=True)
+    for name in stats:
+        table.add_column(name, justify="right")
+    table.add_row(*stats.values())
+    out.print(table)
 
 
 @app.command("info")
@@ -182,51 +156,50 @@ def info(
     as_json: bool = flag(False, "--json", help="print the facts as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
     """Mesh, world size, versions, file count and bytes of a checkpoint."""
-    with _clean_errors():
-        ck = _open(path)
-        if as_json:
-            from . import summary
+    from ..read import checkpoint
 
-            _print_json(summary.information(ck))
-            return
-        md = ck.metadata
-        files, stored = ck.storage_stats()
-        table = Table(show_header=False, title=ck.url, title_justify="left")
-        table.add_column(style="bold")
-        table.add_column()
-        rows = [
-            ("format version", str(md.version)),
-            ("written by", f"tsckpt {md.tsckpt_version or '?'}, torch {md.torch_version or '?'}"),
-            ("created", md.created or "?"),
-            ("world size", str(md.world_size)),
-        ]
-        for i, mesh in enumerate(md.meshes):
-            names = f" ({', '.join(mesh.dim_names)})" if mesh.dim_names else ""
-            rows.append((f"mesh {i}", f"{mesh.device_type} {list(mesh.shape)}{names}, ranks {list(mesh.ranks)}"))
-        if not md.meshes:
-            rows.append(("mesh", "none (no DTensors)"))
-        rows += [
-            ("tensors", f"{len(md.tensors)} ({human_bytes(ck.nbytes)} of data)"),
-            ("values", str(len(md.objects))),
-            ("layout", md.layout),
-            ("files", str(files)),
-            ("bytes stored", f"{human_bytes(stored)} ({stored} B)" if stored is not None else
-             # TensorStore lists an object store's keys but not their sizes (there is no HEAD request either)
-             "not known here: TensorStore lists an object store's keys without their sizes; the bucket's own "
-             "listing (aws s3 ls --summarize --recursive) has them"),
-        ]
-        if md.reuse is not None:
-            rows += [("base", md.reuse.base + (f" (save {md.reuse.base_save_id})" if md.reuse.base_save_id else "")),
-                     ("written / reused", f"{human_bytes(md.reuse.bytes_written)} written, "
-                                          f"{human_bytes(md.reuse.bytes_reused)} reused from the base "
-                                          f"({md.reuse.chunks_reused} chunks)"
-                                          + (f"; {md.reuse.note}" if md.reuse.note else ""))]
-        from .clean import leftover_line
+    ck = checkpoint.open(path)
+    if as_json:
+        _print_json(summary.information(ck))
+        return
+    md = ck.metadata
+    files, stored = ck.storage_stats()
+    table = Table(show_header=False, title=ck.url, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("format version", str(md.version)),
+        ("written by", f"tsckpt {md.tsckpt_version or '?'}, torch {md.torch_version or '?'}"),
+        ("created", md.created or "?"),
+        ("world size", str(md.world_size)),
+    ]
+    for i, mesh in enumerate(md.meshes):
+        names = f" ({', '.join(mesh.dim_names)})" if mesh.dim_names else ""
+        rows.append((f"mesh {i}", f"{mesh.device_type} {list(mesh.shape)}{names}, ranks {list(mesh.ranks)}"))
+    if not md.meshes:
+        rows.append(("mesh", "none (no DTensors)"))
+    rows += [
+        ("tensors", f"{len(md.tensors)} ({human_bytes(ck.nbytes)} of data)"),
+        ("values", str(len(md.objects))),
+        ("layout", md.layout),
+        ("files", str(files)),
+        ("bytes stored", f"{human_bytes(stored)} ({stored} B)" if stored is not None else
+         # TensorStore lists an object store's keys but not their sizes (there is no HEAD request either)
+         "not known here: TensorStore lists an object store's keys without their sizes; the bucket's own "
+         "listing (aws s3 ls --summarize --recursive) has them"),
+    ]
+    if md.reuse is not None:
+        rows += [("base", md.reuse.base + (f" (save {md.reuse.base_save_id})" if md.reuse.base_save_id else "")),
+                 ("written / reused", f"{human_bytes(md.reuse.bytes_written)} written, "
+                                      f"{human_bytes(md.reuse.bytes_reused)} reused from the base "
+                                      f"({md.reuse.chunks_reused} chunks)"
+                                      + (f"; {md.reuse.note}" if md.reuse.note else ""))]
+    from .clean import leftover_line
 
-        left = leftover_line(path)
-        if left:
-            rows.append(("leftovers", left))
-        for name, value in rows:
-            table.add_row(name, value)
-        print_wide(table, out)
-        _print_open_line(path)
+    left = leftover_line(path)
+    if left:
+        rows.append(("leftovers", left))
+    for name, value in rows:
+        table.add_row(name, value)
+    print_wide(table, out)
+    _print_open_line(path)

@@ -6,8 +6,7 @@ import os
 
 import typer
 
-from . import app
-from .messages import failed
+from .base import app
 
 
 @app.command("refs")
@@ -18,7 +17,6 @@ def refs(
     name: str = typer.Option("", "--name", help="the top-level name of the keys (default: the directory's name)"),
 ) -> None:
     """Write a kerchunk reference file: zarr-python and fsspec open the packed layout with it, no tsckpt needed."""
-    from ..errors import TsckptError
     from ..read import refs as references
 
     try:
@@ -27,8 +25,6 @@ def refs(
         if os.path.isdir(out):
             out = os.path.join(out, f"{name}.refs.json")
         references.write_references(path, out, name=name)
-    except TsckptError as e:
-        raise failed(e) from None
     except OSError as e:
         raise typer.BadParameter(f"cannot write {out}: {e.strerror or e}", param_hint="-o") from None
     print(f"wrote {out}; with only zarr and fsspec installed:")

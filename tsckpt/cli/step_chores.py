@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from ..wording import count, human_bytes
-from . import app, flag
-from .exits import FOUND
+from .base import FOUND, app, flag, print_wide
 
 if TYPE_CHECKING:
     from ..steps import StepCheckpoint
@@ -116,7 +115,6 @@ def list_steps(root: str, as_json: bool) -> bool:
     from rich.table import Table
 
     from ..steps import FOREIGN, scan
-    from .tables import print_wide
 
     entries = scan(root)
     if all(e.state == FOREIGN for e in entries):

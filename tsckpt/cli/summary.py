@@ -68,23 +68,18 @@ def plain(value: Any) -> Any:
     return value
 
 
-def listing(ck: Checkpoint, keys: list[str] | None = None) -> dict[str, Any]:
-    """The ``ls --json`` document of ``ck`` (of ``keys`` only, when given)."""
+def listing(ck: Checkpoint) -> dict[str, Any]:
+    """The ``ls --json`` document of ``ck``."""
     md = ck.metadata
-    chosen = set(keys) if keys is not None else None
-    tensors = []
-    for key, e in md.tensors.items():
-        if chosen is None or key in chosen:
-            h = ck.tensors[key]
-            tensors.append({
-                "key": key, "key_path": list(e.key_path), "path": e.path, "shape": list(e.shape),
+    tensors = [{"key": key, "key_path": list(e.key_path), "path": e.path, "shape": list(e.shape),
                 "dtype": e.dtype, "nbytes": e.nbytes, "chunk_shape": list(e.chunk_shape),
                 "inner_chunk_shape": list(e.inner_chunk_shape) if e.inner_chunk_shape else None,
-                "placement": h.placement_text, "placement_spec": e.placement.to_dict() if e.placement else None,
-            })
+                "placement": ck.tensors[key].placement_text,
+                "placement_spec": e.placement.to_dict() if e.placement else None}
+               for key, e in md.tensors.items()]
     values = [{"key": key, "key_path": list(e.key_path), "encoding": e.encoding,
                "value": plain(ck[key]) if e.encoding == "json" else None}
-              for key, e in md.objects.items() if chosen is None or key in chosen]
+              for key, e in md.objects.items()]
     return {"location": ck.url, "world_size": ck.world_size, "tensors": tensors, "values": values,
             "totals": {"tensors": len(tensors), "nbytes": sum(t["nbytes"] for t in tensors), "values": len(values)},
             "reuse": md.reuse.to_dict() if md.reuse else None}

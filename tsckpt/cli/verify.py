@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from . import app, flag
-from .exits import FOUND
-from .messages import failed
+from ..wording import count
+from .base import FOUND, app, failed, flag
 
 if TYPE_CHECKING:
     from ..read.verify_report import EntryReport, VerifyReport
@@ -60,10 +59,6 @@ def verify(
         raise typer.Exit(FOUND)
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
 def _holdings(entries: list[EntryReport]) -> str:
     """'40 tensors (40 damaged) and 2 values (1 damaged)' for the entries a file holds."""
     parts = []
@@ -71,7 +66,7 @@ def _holdings(entries: list[EntryReport]) -> str:
         held = [e for e in entries if e.kind == kind]
         if held or kind == "tensor":
             bad = sum(not e.ok for e in held)
-            parts.append(f"{_count(len(held), kind)} ({'all' if bad == len(held) and bad > 1 else bad} damaged)")
+            parts.append(f"{count(len(held), kind)} ({'all' if bad == len(held) and bad > 1 else bad} damaged)")
     return " and ".join(parts)
 
 
@@ -93,7 +88,7 @@ def damage_lines(report: VerifyReport) -> list[str]:
     for file, problems in files.items():
         holders = [e for e in report.entries if file in e.stored_in]
         first = problems[0] if file in problems[0] else f"{file}: {problems[0]}"
-        more = f" (and {_count(len(problems) - 1, 'other problem')})" if len(problems) > 1 else ""
+        more = f" (and {count(len(problems) - 1, 'other problem')})" if len(problems) > 1 else ""
         lines.append(f"{first}{more}; it holds {_holdings(holders)}" if holders else f"{first}{more}")
     # What remains is damage of the entries' own: grouped by the file it is in.
     own: dict[str | None, list[tuple[EntryReport, list[int]]]] = defaultdict(list)
@@ -108,12 +103,12 @@ def damage_lines(report: VerifyReport) -> list[str]:
         if file is not None and len(hits) > _NAMED_PER_FILE:
             entry, numbers = hits[0]
             chunks = sum(len(n) for _, n in hits)
-            lines.append(f"{file}: {_count(chunks, 'problem')} in {len(hits)} tensors and values, the first "
+            lines.append(f"{file}: {count(chunks, 'problem')} in {len(hits)} tensors and values, the first "
                          f"{entry.key} ({entry.path}): {entry.problems[numbers[0]]}")
             continue
         for entry, numbers in hits:
             where = f" in {file}" if file is not None and file != f"{entry.path}/{_chunk_of(entry, numbers[0])}" else ""
-            more = f" (and {_count(len(numbers) - 1, 'other problem')})" if len(numbers) > 1 else ""
+            more = f" (and {count(len(numbers) - 1, 'other problem')})" if len(numbers) > 1 else ""
             lines.append(f"{entry.key} ({entry.path}){where}: {entry.problems[numbers[0]]}{more}")
     return lines
 
@@ -128,7 +123,7 @@ def detail_lines(report: VerifyReport) -> list[str]:
     """Every problem of every damaged entry (and of the files beside them), each with the file it is about."""
     lines = []
     for entry in report.failed:
-        lines.append(f"{entry.key} ({entry.path}): {_count(len(entry.problems), 'problem')}")
+        lines.append(f"{entry.key} ({entry.path}): {count(len(entry.problems), 'problem')}")
         for n, problem in enumerate(entry.problems):
             file = entry.file_of(n)
             lines.append(f"  - {problem}" + (f" [{file}]" if file is not None and file not in problem else ""))
@@ -141,7 +136,7 @@ def status_line(report: VerifyReport, details: bool) -> str:
         return f"OK {report.location}: {checked}"
     files = damaged_files(report)
     entries = sum(not e.ok for e in report.entries)
-    found = ([_count(len(files), "damaged file")] if files else []) + [f"{entries} of {len(report.entries)} "
+    found = ([count(len(files), "damaged file")] if files else []) + [f"{entries} of {len(report.entries)} "
                                                                        "arrays damaged"]
     hint = "" if details else "; --details lists every problem"
     return f"FAILED {report.location}: {', '.join(found)} ({checked}){hint}"
