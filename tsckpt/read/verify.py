@@ -1,20 +1,16 @@
-"""Check a checkpoint end to end without loading it into a model.
+"""Check a checkpoint end to end without loading it: ``tsckpt.verify``.
 
-``verify(path)`` reads the committed metadata, then for every tensor and
-stored value checks that:
-
-* the array's ``zarr.json`` exists and agrees with the metadata (shape, data type, chunk grid, codecs);
-* every chunk of the regular grid exists (a missing one is an error, never fill values), decodes, and
-  matches the crc32c stored beside each piece and the content hash its rank recorded.
-
-Problems are collected per entry instead of stopping at the first, so one run
-tells which tensors and which chunks are damaged. Torch-free.
+For every tensor and stored value: its ``zarr.json`` exists and agrees with the metadata, and every chunk
+of its grid exists (never fill values), decodes, and matches the crc32c stored beside each piece and the
+content hash its rank recorded. Then the files beside the arrays (data files, chunk tables, the packed
+index) are checked whole. Problems are collected per entry, not stopped at. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,16 +20,16 @@ import tensorstore as ts
 
 from ..errors import ChecksumError, MetadataError, TsckptError
 from ..format import compressed, content_hashes, dtypes, shards, zarr_json
+from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..commit import protocol as commit
 from ..storage.chunk_source import ChunkSource
 from ..storage.fetchers import LocalFiles
 from ..format.grid import ChunkGrid
-from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
+from ..format.metadata import ArrayOptions, TensorEntry
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..storage.kvio import read_json
 from ..progress import PROGRESS_BYTES, progress_bar, wanted
-from .file_checks import files_report
 from .verify_report import EntryReport, VerifyReport
 
 #: Bytes of chunk reads kept in flight at once.
@@ -76,16 +72,13 @@ class _Checker:
         self.advance = advance
 
     def run(self, target: _Target) -> EntryReport:
-        report = self._run(target)
-        return report if target.entry is not None else dataclasses.replace(report, kind="value")
-
-    def _run(self, target: _Target) -> EntryReport:
         try:
-            return self._check(target)
+            report = self._check(target)
         except (ChecksumError, MetadataError) as e:  # damage below the arrays (a packed checkpoint's index)
             index = self.source.metadata.data_files.index if self.source.metadata.data_files else None
-            return EntryReport(target.key, target.path, 0, 0, (str(e),),
-                               problem_files=(index.path if index is not None else None,))
+            report = EntryReport(target.key, target.path, 0, 0, (str(e),),
+                                 problem_files=(index.path if index is not None else None,))
+        return report if target.entry is not None else dataclasses.replace(report, kind="value")
 
     def _check(self, target: _Target) -> EntryReport:
         problems: list[str] = []
@@ -93,23 +86,24 @@ class _Checker:
         doc = self._zarr_json(kv, target, problems)
         if doc is None:
             return EntryReport(target.key, target.path, 0, 0, tuple(problems))
-        chunks = ChunkGrid(tuple(int(n) for n in doc["shape"]),
-                           tuple(int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]))
-        nbytes = math.prod(chunks.shape) * ts.dtype(doc["data_type"]).numpy_dtype.itemsize
+        chunks = ChunkGrid(tuple(doc["shape"]), tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]))
+        nbytes = math.prod(chunks.shape) * dtypes.from_zarr(doc["data_type"]).itemsize
         indices = list(chunks.indices())
         sep = zarr_json.chunk_key_separator(doc)
-        missing = self._missing_chunks(kv, indices, sep)
-        files: list[str | None] = [None] * len(problems)
-        for key in sorted(missing):
-            problems.append(f"chunk {key}: {target.path}/{key} is missing")
-            files.append(self._writer_file(target, key))
+        listed = {k.decode() if isinstance(k, bytes) else k for k in kv.list(ts.KvStore.KeyRange("c", "c\xff")).result()}
+        missing = sorted({name for name in (zarr_json.chunk_key(i, sep) for i in indices) if name not in listed})
+        found = [(f"chunk {name}: {target.path}/{name} is missing", self._writer_file(target, name)) for name in missing]
         # A missing chunk is reported once, not again as the read that fails on it.
         present = [i for i in indices if zarr_json.chunk_key(i, sep) not in missing]
         stored_in: set[str] = set()
-        read_problems, checksummed = self._read_chunks(target, present, nbytes, sep, stored_in)
-        return EntryReport(target.key, target.path, nbytes, len(indices),
-                           tuple(problems + [p for p, _ in read_problems]), checksummed,
-                           tuple(files + [f for _, f in read_problems]), tuple(sorted(stored_in)))
+        checksummed = 0
+        if present and target.entry is not None:
+            read_problems, checksummed = self._read_stored(target, present, nbytes, sep, stored_in)
+            found += read_problems
+        elif present:
+            found += self._read_blob(target, nbytes, sep, stored_in)
+        return EntryReport(target.key, target.path, nbytes, len(indices), tuple(p for p, _ in found), checksummed,
+                           tuple(f for _, f in found), tuple(sorted(stored_in)))
 
     def _writer_file(self, target: _Target, key: str) -> str | None:
         """Where chunk ``key`` is, when its writer's chunk table cannot say: that rank's data file (whose end holds
@@ -140,106 +134,83 @@ class _Checker:
         if want is None:
             problems.append(f"{where} is not a 1-d uint8 array as a stored value must be")
             return None
-        diff = _disagreements(want, doc)
+        diff = _disagreements(want, doc)  # none: it is the document tsckpt wrote, so a usable one
         if diff:
             problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
             return None
-        try:
-            ts.dtype(doc["data_type"])
-            if len(doc["chunk_grid"]["configuration"]["chunk_shape"]) != len(doc["shape"]):
-                raise ValueError("chunk_shape rank differs from shape")
-        except (KeyError, TypeError, ValueError) as e:
-            problems.append(f"{where} is not a usable array description: {e}")
-            return None
         return doc
-
-    @staticmethod
-    def _missing_chunks(kv: ts.KvStore, indices: list[tuple[int, ...]], sep: str) -> set[str]:
-        present = {k.decode() if isinstance(k, bytes) else k
-                   for k in kv.list(ts.KvStore.KeyRange("c", "c\xff")).result()}
-        return {key for key in (zarr_json.chunk_key(i, sep) for i in indices) if key not in present}
 
     def _read_stored(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
                      sep: str, stored_in: set[str]) -> tuple[list[tuple[str, str | None]], int]:
-        """Every chunk read as stored, whole, and checked as stored: its size and index, the crc32c
-        beside each inner chunk (or, compressed, each decoded), and the content hash its rank recorded (a
-        chunk replaced whole by another intact one has every crc32c right)."""
+        """Every chunk read as stored, whole, and checked as stored: its size and index, the crc32c beside each
+        inner chunk (or, compressed, each decoded), and the content hash its rank recorded (a chunk replaced
+        whole by another intact one has every crc32c right)."""
         entry = target.entry
         assert entry is not None
-        md = self.source.metadata
+        source, md = self.source, self.source.metadata
         options = md.array_options
         fmt = shards.value_format(entry, options)
-        dtype = dtypes.from_zarr(entry.dtype).numpy
         what = f"tensor {target.key!r}"
         problems: list[tuple[str, str | None]] = []
         try:
-            hashes = self.source.digests(entry)
+            hashes = source.digests(entry)
         except TsckptError as e:
             ranks = set(entry.writer_ranks(md.world_size, what).tolist()) if entry.writers is not None else set()
             tables = {md.data_files.ranks[r].table for r in ranks} if md.data_files is not None else set()
-            table = next(iter(tables)) if len(tables) == 1 else None
+            table = tables.pop() if len(tables) == 1 else None
             problems.append((str(e), table.path if table is not None else None))
             hashes = {}
-        checked = 0
-        chunk_bytes = max(nbytes // len(indices), 1)
+        checked, chunk_bytes = 0, max(nbytes // len(indices), 1)
         step = max(1, _IN_FLIGHT_BYTES // chunk_bytes)
         for start in range(0, len(indices), step):
-            part = indices[start:start + step]
-            self.source.locator.prefetch(f"{entry.path}/{zarr_json.chunk_key(idx, sep)}" for idx in part)
-            batch = self.source.batch()
-            reads = []
-            where: dict[tuple[int, ...], str | None] = {}
-            for idx in part:
-                key = f"{entry.path}/{zarr_json.chunk_key(idx, sep)}"
-                try:
-                    found = self.source.locator.locate(key)
-                except TsckptError as e:  # its writer's chunk table is damaged or unreadable
-                    where[idx] = self._writer_file(target, zarr_json.chunk_key(idx, sep))
-                    stored_in.update(f for f in (where[idx],) if f is not None)
-                    reads.append((idx, ValueError(str(e))))
-                    continue
-                where[idx] = found.file if found is not None else self._writer_file(target, zarr_json.chunk_key(idx, sep))
-                if found is not None:
-                    stored_in.add(found.file)
-                if found is None:
-                    reads.append((idx, ValueError(f"{key} is missing (its writer's chunk table has no row for it)")))
-                elif found.length is None and options.compression is not None:  # a plain file of unknown size
-                    reads.append((idx, found))
-                else:
-                    length = found.length if found.length is not None else fmt.nbytes
-                    if found.length is None and isinstance(self.source.fetcher, LocalFiles):
-                        self.source.fetcher.expect(found.file, fmt.nbytes)
-                    reads.append((idx, batch.want(found.file, found.offset, found.offset + length)))
+            part = [(idx, zarr_json.chunk_key(idx, sep)) for idx in indices[start:start + step]]
+            source.locator.prefetch(f"{entry.path}/{name}" for _, name in part)
+            batch = source.batch()
+            reads = [(idx, name, *self._start_read(target, name, fmt, batch, stored_in)) for idx, name in part]
             batch.run()
-            for idx, got in reads:
-                name = zarr_json.chunk_key(idx, sep)
+            for idx, name, got, file in reads:
                 try:
                     if isinstance(got, Exception):
                         raise got
                     data = (got.bytes if not hasattr(got, "inline") else
-                            np.frombuffer(self.source.locator.kvstore.read(got.file).result().value, np.uint8))
+                            np.frombuffer(source.locator.kvstore.read(got.file).result().value, np.uint8))
                     if options.compression is not None:
-                        compressed.decode(fmt, options.compression, data, dtype, f"{what}: chunk {list(idx)}")
+                        compressed.decode(fmt, options.compression, data, dtypes.from_zarr(entry.dtype).numpy,
+                                          f"{what}: chunk {list(idx)}")
                     else:
                         shards.check_stored_codec(fmt, idx, data, what)
                     checked += md.codec_checksums
                 except Exception as e:  # every way a chunk can fail is reported, and the others still checked
-                    problems.append((f"chunk {name}: {e}", where.get(idx)))
+                    problems.append((f"chunk {name}: {e}", file))
                     continue
                 recorded = hashes.get(entry.grid.flat_index(idx))
                 if recorded is not None and content_hashes.stored(data) != recorded:
                     problems.append((f"chunk {name}: its stored bytes do not have the content hash recorded when "
-                                     f"it was saved (the chunk was replaced by another)", where.get(idx)))
+                                     f"it was saved (the chunk was replaced by another)", file))
             self.advance(chunk_bytes * len(part))
         return problems, checked
 
-    def _read_chunks(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
-                     sep: str, stored_in: set[str]) -> tuple[list[tuple[str, str | None]], int]:
-        if not indices:
-            return [], 0
-        if target.entry is not None:
-            return self._read_stored(target, indices, nbytes, sep, stored_in)
-        return self._read_blob(target, nbytes, sep, stored_in), 0
+    def _start_read(self, target: _Target, name: str, fmt: shards.ShardFormat, batch: Any,
+                    stored_in: set[str]) -> tuple[Any, str | None]:
+        """Chunk ``name`` of ``target``, added to ``batch``: (its read, where the tables say it is (a file read whole),
+        or why it cannot be read; the file a problem with it is about)."""
+        key = f"{target.path}/{name}"
+        try:
+            found = self.source.locator.locate(key)
+        except TsckptError as e:  # its writer's chunk table is damaged or unreadable
+            file = self._writer_file(target, name)
+            stored_in.update(f for f in (file,) if f is not None)
+            return ValueError(str(e)), file
+        if found is None:
+            return ValueError(f"{key} is missing (its writer's chunk table has no row for it)"), \
+                self._writer_file(target, name)
+        stored_in.add(found.file)
+        if found.length is None and self.source.metadata.array_options.compression is not None:
+            return found, found.file  # a plain chunk file of unknown size: read whole
+        if found.length is None and isinstance(self.source.fetcher, LocalFiles):
+            self.source.fetcher.expect(found.file, fmt.nbytes)
+        length = found.length if found.length is not None else fmt.nbytes
+        return batch.want(found.file, found.offset, found.offset + length), found.file
 
     def _read_blob(self, target: _Target, nbytes: int, sep: str,
                    stored_in: set[str]) -> list[tuple[str, str | None]]:
@@ -265,10 +236,55 @@ class _Checker:
         return problems
 
 
-def _targets(md: CheckpointMetadata) -> list[_Target]:
-    out = [_Target(key, e.path, e) for key, e in md.tensors.items()]
-    out += [_Target(key, o.path, None) for key, o in md.objects.items() if o.path is not None]
-    return out
+def _files_report(source: ChunkSource) -> EntryReport | None:
+    """The files beside the arrays, checked whole: each data file's size, each rank's chunk table and the packed
+    layout's index (nodes and manifest, by their crc32c, and where it says each value is)."""
+    files = source.metadata.data_files
+    if files is None:
+        return None
+    found: list[tuple[str, str | None]] = []
+    kv, location = source.store.kvstore, source.store.location
+    for f in files.files:
+        if location.driver == "file":  # the size itself, where one can be had: what a truncation changes
+            full = os.path.join(str(location.spec.get("path", "")), f.path)
+            size = os.path.getsize(full) if os.path.exists(full) else None
+            if size != f.size:
+                found.append((f"{f.path} is missing" if size is None else
+                              f"{f.path} is {size} bytes, not the {f.size} written (truncated or replaced)", f.path))
+            continue
+        try:
+            if (kv.read(f.path, byte_range=slice(f.size, f.size)) if f.size else kv.read(f.path)).result().state != "value":
+                found.append((f"{f.path} is missing", f.path))
+        except ValueError as e:  # a read at the recorded end fails when the file or object is shorter
+            found.append((f"{f.path} is shorter than the {f.size} bytes written: {e}", f.path))
+    for rank, record in enumerate(files.ranks):
+        try:
+            if record.table is not None:
+                source.tables.everything(rank)
+        except (ValueError, TsckptError) as e:
+            found.append((str(e), record.table.path))
+    if files.index is not None:
+        try:
+            index = source.locator.everything()
+            Manifest.decode(kv.read(MANIFEST_KEY).result().value, MANIFEST_KEY)
+            # What TensorStore and zarr-python find through the index must be what tsckpt finds in the tables.
+            source.locator.prefetch(index)
+            odd = next((k for k, v in index.items() if v.inline is None and _located(source, k) not in (v, None)),
+                       None)
+            if odd is not None:
+                found.append((f"the index and the chunk tables disagree on where {odd} is stored", files.index.path))
+        except (ValueError, TsckptError) as e:
+            found.append((str(e), files.index.path))
+    return EntryReport("(data files)", "d/", sum(f.size for f in files.files), 0, tuple(p for p, _ in found),
+                       problem_files=tuple(f for _, f in found), kind="files")
+
+
+def _located(source: ChunkSource, key: str) -> Any:
+    """Where the chunk tables say ``key`` is; None where its table cannot be read (reported as the table's damage)."""
+    try:
+        return source.locator.locate(key)
+    except TsckptError:
+        return None
 
 
 def verify(
@@ -297,5 +313,6 @@ def verify(
     total = sum(t.nbytes for t in md.tensors.values())
     with progress_bar(wanted(progress, total), total, "verify", transient=True) as advance:
         checker = _Checker(source, advance)
-        entries = tuple(checker.run(t) for t in _targets(md))
-    return VerifyReport(store.url, entries, files_report(source))
+        entries = tuple(checker.run(_Target(key, e.path, e)) for key, e in md.tensors.items())
+        entries += tuple(checker.run(_Target(key, o.path, None)) for key, o in md.objects.items() if o.path is not None)
+    return VerifyReport(store.url, entries, _files_report(source))
