@@ -17,8 +17,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from .dcp import api
+from .dcp.torch_private import flatten_state_dict
 from .errors import TsckptError
 from .storage.layouts import PLAIN
 from .format.metadata import TensorEntry
@@ -52,21 +52,6 @@ _PROBE = "model.embed.weight"  # the tensor shown in detail and read back with z
 
 class DemoError(TsckptError):
     """A rank failed, or the reloaded state differs from the saved one."""
-
-
-@dataclass(frozen=True)
-class DemoResult:
-    """What a successful run did, for callers that want the figures."""
-
-    path: str
-    save_ranks: int
-    load_ranks: int
-    tensors: int
-    tensor_bytes: int
-    disk_bytes: int
-    files: int
-    save_seconds: float
-    load_seconds: float
 
 
 # --- the model ---
@@ -119,23 +104,10 @@ def _build(world: int, seed: int) -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        items = value.items()
-    elif isinstance(value, list) and any(isinstance(v, (Mapping, list)) for v in value):
-        items = enumerate(value)
-    else:
-        return {prefix: value}
-    out: dict[str, Any] = {}
-    for k, v in items:
-        out |= _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    return out
-
-
 def _full_values(state: dict[str, Any]) -> dict[str, Any]:
-    """Every leaf with DTensors gathered to full numpy arrays (collective: all ranks call it)."""
+    """Every leaf by dotted key, DTensors gathered to full numpy arrays (collective: all ranks call it)."""
     out = {}
-    for key, value in _flatten(state).items():
+    for key, value in flatten_state_dict(state)[0].items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
         if isinstance(value, torch.Tensor):
@@ -312,7 +284,7 @@ def where_it_stays(path: str, temporary: bool) -> str:
     return line
 
 
-def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> DemoResult:
+def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> None:
     """Save on ``save_ranks`` CPU ranks, reload on ``load_ranks``, check every tensor bit-exactly.
 
     Raises :class:`DemoError` if a rank fails or anything reloads differently.
@@ -353,4 +325,3 @@ def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> De
     print(f"zarr-python read {embed.path!r} as float32{list(embed.shape)}: identical to the saved tensor")
     print(f"total {time.perf_counter() - started:.1f} s; {where_it_stays(path, temporary)}")
     print(f"OK: reloaded on {count(load_ranks, 'rank')}, all {tensors} tensors bit-exact")
-    return DemoResult(path, save_ranks, load_ranks, tensors, tensor_bytes, disk, files, save_s, load_s)

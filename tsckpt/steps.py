@@ -1,17 +1,12 @@
 """Step checkpoints under one root: find the newest committed one, prune all but the last k.
 
-Training loops save to ``ROOT/step_1000``, ``ROOT/step_2000``... This module
-reads such a root (a local directory or an object-store prefix) without
-loading anything.
+Training loops save to ``ROOT/step_1000``, ``ROOT/step_2000``...; ``ROOT`` is a local directory or
+an object-store prefix, read without loading anything.
 
-The step rule: an entry directly under the root is a candidate when its name
-*ends with* an integer, and that integer is its step (``step_1000``,
-``ckpt-000500``, ``1500``, ``epoch3_step_1000`` -> 1000), compared as a number,
-so ``step_900`` sorts before ``step_1000``. A name with anything after its last
-digit is not a step entry at all: ``step_5_async``, ``step_5.old`` or
-``step_5-tmp`` are another save's or another tool's names for something beside
-step 5, not a newer step 5, so :func:`latest` never returns them and
-:func:`prune` never counts or touches them.
+An entry directly under the root is a candidate when its name *ends with* an integer, its step
+(``step_1000``, ``ckpt-000500``, ``epoch3_step_1000`` -> 1000), compared as a number. A name with
+anything after its last digit (``step_5_async``, ``step_5.old``) names something beside step 5, not a
+step: :func:`latest` never returns it and :func:`prune` never counts or touches it.
 
 A candidate is in one of four states:
 
@@ -30,8 +25,7 @@ A candidate is in one of four states:
     not write, an empty directory, a symbolic link. Never returned by :func:`latest`, never
     touched by :func:`prune`.
 
-Entries whose names do not end with an integer (``logs/``, ``config.yaml``,
-``step_5_async``) are not candidates at all. Torch-free.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -157,8 +151,6 @@ class _Root:
 
     def remove_staged(self, entry: StepCheckpoint) -> bool:
         """Remove the dead staging directories of saves into ``entry`` (local disks); whether any went."""
-        if self.location.driver != "file":
-            return False
         target = Location({**self.location.spec, "path": os.path.join(str(self.location.spec["path"]), entry.name)})
         try:
             return bool(remove_leftovers(target))
@@ -262,7 +254,10 @@ def scan(root: LocationLike) -> list[StepCheckpoint]:
     stores this lists every key under ``root`` (S3 has no directories), so
     its cost grows with the total number of objects there.
     """
-    r = _Root(root)
+    return _scan(_Root(root))
+
+
+def _scan(r: _Root) -> list[StepCheckpoint]:
     return [_entry(r, step, name, r.state(name, keys)) for step, name, keys in _candidates(r)]
 
 
@@ -275,12 +270,9 @@ def latest(root: Mapping[str, Any] | Location) -> dict[str, Any] | None: ...
 def latest(root: LocationLike) -> str | dict[str, Any] | None:
     """The newest committed checkpoint directly under ``root``, or None when there is none.
 
-    The newest is the one with the largest step number (the integer its name
-    ends with; ``step_5_async`` is not a step entry). Incomplete saves
-    (running or dead), damaged and foreign entries are skipped. The result
-    has the root's form: a path or URL string
-    for a string root (``"ckpt/step_2000"``, ``"s3://bucket/run/step_2000"``),
-    a kvstore spec dict for a dict root, ready for ``tsckpt.load``::
+    The newest has the largest step (see :mod:`tsckpt.steps`); incomplete, damaged and foreign entries
+    are skipped. The result has the root's form, ready for ``tsckpt.load``: a path or URL string for a
+    string root (``"ckpt/step_2000"``, ``"s3://bucket/run/step_2000"``), a kvstore spec dict for a dict root::
 
         path = tsckpt.latest("ckpt")
         if path is not None:
@@ -347,7 +339,7 @@ def prune(root: LocationLike, keep: int, *, dry_run: bool = False,
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise OptionError(f"prune: keep must be an integer >= 1 (the newest checkpoint is always kept), got {keep!r}")
     r = _Root(root)
-    entries = [_entry(r, step, name, r.state(name, keys)) for step, name, keys in _candidates(r)]
+    entries = _scan(r)
     committed = [e for e in entries if e.state == COMMITTED]
     doomed = committed[:-keep]
     if remove_incomplete and committed:

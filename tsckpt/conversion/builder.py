@@ -1,20 +1,9 @@
-"""Write a tsckpt checkpoint from one process, one tensor at a time.
+"""Write a tsckpt checkpoint from one process, one tensor at a time, for producers that never hold the
+whole state dict (format converters).
 
-:class:`CheckpointBuilder` produces exactly what a single-process
-``tsckpt.save`` of a state dict of plain tensors and values would: the same
-array specs (:mod:`tsckpt.storage.store`), the same chunk grid and inner chunks
-(:func:`tsckpt.format.plan.plan_tensor`), and the same metadata assembly and
-commit (:func:`tsckpt.commit.protocol.commit_checkpoint`).
-It exists for producers that never hold the whole state dict, such as format
-converters: each tensor is written as soon as it is added and only a bounded
-number of bytes (``max_inflight_bytes``) is waiting to be written at any time,
-so memory stays at about that budget plus the tensor being added.
-
-Like a DCP save, nothing at the location changes until :meth:`CheckpointBuilder.commit`
-writes the array, group and root documents and publishes them
-(:mod:`tsckpt.commit.target`): on a local filesystem the builder writes into
-a staging directory beside the target and renames it into place, so a
-builder abandoned half-way leaves the location as it was.
+:class:`CheckpointBuilder` writes what a single-process ``tsckpt.save`` of plain tensors and values would,
+through the same planning (:func:`tsckpt.format.plan.plan_tensor`), rank writer and commit
+(:func:`tsckpt.commit.protocol.commit_checkpoint`); like a save, it publishes nothing before the commit.
 """
 
 from __future__ import annotations
@@ -59,7 +48,9 @@ def as_key_path(key: str | Sequence[str | int]) -> KeyPath:
 class CheckpointBuilder:
     """Stream tensors and values into a new tsckpt checkpoint, then commit it.
 
-    Example::
+    Each tensor is written as soon as it is added, with at most ``max_inflight_bytes`` waiting, so memory
+    stays at about that budget plus the tensor being added. Nothing at the location changes before
+    :meth:`commit`; a builder abandoned half-way leaves it as it was. Example::
 
         with CheckpointBuilder("ckpt") as b:
             for name, t in tensors():
@@ -107,7 +98,6 @@ class CheckpointBuilder:
         self._writer = RankWriter(self.store, 0, self.save_id, self.url, options=self.array_options,
                                   checksums=checksums, window=max_inflight_bytes, bound_host_sources=True)
         self.inner_chunk_bytes = inner_chunk_bytes
-        self.max_inflight_bytes = max_inflight_bytes
         self.extra = dict(extra or {})
         self._tensors: dict[str, TensorEntry] = {}
         self._objects: dict[str, ObjectEntry] = {}

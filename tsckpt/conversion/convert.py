@@ -17,6 +17,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import OptionError, StorageError
@@ -44,11 +45,6 @@ class ConvertResult:
     @property
     def mb_per_s(self) -> float:
         return self.nbytes / 1e6 / self.seconds if self.seconds > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source_format": self.source_format, "target_format": self.target_format,
-                "tensors": self.tensors, "objects": self.objects, "nbytes": self.nbytes,
-                "seconds": self.seconds, "warnings": list(self.warnings)}
 
 
 def convert(
@@ -120,18 +116,11 @@ def _make_parent(dst: Any) -> None:
     try:
         os.makedirs(parent, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        blocker = next((p for p in _ancestors(parent) if os.path.lexists(p) and not os.path.isdir(p)), parent)
+        above = [parent, *map(str, Path(parent).parents)][::-1]
+        blocker = next((p for p in above if os.path.lexists(p) and not os.path.isdir(p)), parent)
         raise StorageError(f"cannot create the directory {parent} for {text}: {blocker} is a file") from None
     except OSError as e:
         raise StorageError(f"cannot create the directory {e.filename or parent} for {text}: {e.strerror}") from None
-
-
-def _ancestors(path: str) -> list[str]:
-    """``path`` and the directories above it, the root first."""
-    out = [path]
-    while os.path.dirname(out[-1]) != out[-1]:
-        out.append(os.path.dirname(out[-1]))
-    return out[::-1]
 
 
 def default_target(dst: Any, max_shard_size: int | None = None) -> str:

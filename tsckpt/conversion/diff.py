@@ -54,13 +54,6 @@ class EntryDiff:
         """Equal, or within the tolerances the diff was asked for."""
         return self.status in ("equal", "close")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "status": self.status, "kind": self.kind,
-                "shape_a": list(self.shape_a) if self.shape_a is not None else None,
-                "shape_b": list(self.shape_b) if self.shape_b is not None else None,
-                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "max_abs_diff": self.max_abs_diff,
-                "value_a": self.value_a, "value_b": self.value_b}
-
 
 @dataclass(frozen=True)
 class DiffResult:
@@ -80,10 +73,6 @@ class DiffResult:
     def differences(self) -> tuple[EntryDiff, ...]:
         """Entries that differ beyond the tolerances (``close`` ones are not differences)."""
         return tuple(e for e in self.entries if not e.matches)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "format_a": self.format_a, "format_b": self.format_b,
-                "identical": self.identical, "entries": [e.to_dict() for e in self.entries]}
 
 
 def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False,
@@ -127,14 +116,14 @@ def diff(a: Any, b: Any, *, trust_pickle: bool = False, progress: bool = False,
 
 
 def _one_sided(key: str, status: str, info: TensorInfo | None, value: str | None) -> EntryDiff:
+    side = status[-1]  # only_a, only_b
     if info is None:
-        if status == "only_a":
-            return EntryDiff(key, status, "object", value_a=value)
-        return EntryDiff(key, status, "object", value_b=value)
-    shape, dtype = info.shape, str(info.dtype).removeprefix("torch.")
-    if status == "only_a":
-        return EntryDiff(key, status, "tensor", shape_a=shape, dtype_a=dtype)
-    return EntryDiff(key, status, "tensor", shape_b=shape, dtype_b=dtype)
+        return EntryDiff(key, status, "object", **{f"value_{side}": value})
+    return EntryDiff(key, status, "tensor", **{f"shape_{side}": info.shape, f"dtype_{side}": _name(info.dtype)})
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _repr(values: Mapping[str, Any], key: str) -> str | None:
@@ -143,8 +132,7 @@ def _repr(values: Mapping[str, Any], key: str) -> str | None:
 
 def _diff_tensor(key: str, sa: Source, ka: str, sb: Source, kb: str, rtol: float, atol: float) -> EntryDiff:
     ia, ib = sa.tensors[ka], sb.tensors[kb]
-    meta = dict(kind="tensor", shape_a=ia.shape, shape_b=ib.shape,
-                dtype_a=str(ia.dtype).removeprefix("torch."), dtype_b=str(ib.dtype).removeprefix("torch."))
+    meta = dict(kind="tensor", shape_a=ia.shape, shape_b=ib.shape, dtype_a=_name(ia.dtype), dtype_b=_name(ib.dtype))
     if ia.shape != ib.shape:
         return EntryDiff(key, "shape", **meta)  # type: ignore[arg-type]
     x, y = sa.read(ka).reshape(-1), sb.read(kb).reshape(-1)

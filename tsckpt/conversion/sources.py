@@ -33,7 +33,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from ..errors import CheckpointNotFoundError, ConversionError, OptionError, UnsafeObjectError
@@ -42,7 +41,6 @@ from ..format import dtypes, object_values
 from ..storage.box_reader import BoxReader
 from ..storage.chunk_source import ChunkSource
 from ..storage.store import read_error
-from ..format.metadata import TensorEntry
 from ..format.names import KeyPath
 
 #: safetensors dtype codes (the file format's names) and the torch dtypes they hold.
@@ -149,7 +147,12 @@ class TsckptSource(Source):
                                        allow_pickle=self.trust_pickle, opt_in="trust_pickle=True (--trust-pickle)")
 
     def read(self, key: str) -> torch.Tensor:
-        data = read_tensor(self._source, key, self.metadata.tensors[key])
+        entry = self.metadata.tensors[key]
+        try:
+            data = BoxReader(self._source, entry, f"tensor {key!r} in {self._store.url}").read(
+                (0,) * len(entry.shape), entry.shape)
+        except ValueError as e:
+            raise read_error(key, self._store.url, e) from None
         # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
         return dtypes.numpy_as_tensor(data if data.flags.c_contiguous else data.copy())
 
@@ -362,12 +365,3 @@ def open_source(path: Any, *, format: str | None = None, trust_pickle: bool = Fa
     if name not in SOURCES:
         raise OptionError(f"unknown source format {name!r}; expected one of {sorted(SOURCES)}")
     return SOURCES[name](path, trust_pickle=trust_pickle)
-
-
-def read_tensor(source: ChunkSource, key: str, entry: TensorEntry) -> np.ndarray:
-    """The whole tensor as numpy, checked, or a clear error naming the tensor (and the chunk, when one is missing)."""
-    reader = BoxReader(source, entry, f"tensor {key!r} in {source.store.url}")
-    try:
-        return reader.read((0,) * len(entry.shape), entry.shape)
-    except ValueError as e:
-        raise read_error(key, source.store.url, e) from None
