@@ -164,8 +164,6 @@ class TableReader:
         directory = self._parsed()[4]
         return list(zip(directory["array"].tolist(), directory["chunk"].tolist()))
 
-    # --- inside -------------------------------------------------------------------
-
     def _parsed(self) -> tuple[tuple[str, ...], bool, int, int, np.ndarray, int]:
         if self._front is None:
             self._parse_front()

@@ -17,18 +17,17 @@ import crc32c as _crc32c
 import numpy as np
 
 from ..errors import ChecksumError
-from .shards import ShardFormat, tile_views
+from . import zarr_json
 from .shard_encoding import padded
+from .shards import ShardFormat, tile_views
+
 
 def compressor(name: str, itemsize: int) -> Any:
     """The numcodecs codec for ``name``, configured as the array's ``zarr.json`` declares it."""
     from numcodecs import Blosc, Zstd
 
-    if name == "zstd":
-        return Zstd(level=1, checksum=False)
-    if name == "blosc":
-        return Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, blocksize=0, typesize=itemsize)
-    raise ValueError(f"unknown compression {name!r}")
+    config = zarr_json.COMPRESSORS[name](itemsize)["configuration"]
+    return Zstd(**config) if name == "zstd" else Blosc(**{**config, "shuffle": Blosc.SHUFFLE})
 
 
 def _pieces(fmt: ShardFormat, data: np.ndarray) -> list[np.ndarray]:

@@ -29,15 +29,9 @@ FEW_BOXES = 32
 def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
     """Raise unless the non-empty boxes lie inside ``shape`` and cover it exactly once.
 
-    ``boxes`` is a sequence of ``(offsets, sizes)`` pairs, or (faster for
-    thousands of ranks) an integer array of shape ``(len(boxes), 2, ndim)``.
-
-    Linear in the number of boxes: the boundaries of all boxes cut each
-    dimension into intervals, and every cell of that (coordinate-compressed)
-    grid must be covered exactly once. Coverage is counted with a
-    difference array (one +/-1 per box corner) and a cumulative sum per
-    dimension, so no pair of boxes is ever compared. For the splits DCP
-    produces the compressed grid has about as many cells as there are boxes.
+    ``boxes``: ``(offsets, sizes)`` pairs, or (faster for thousands of ranks) an int array
+    ``(len(boxes), 2, ndim)``. The boxes' boundaries cut the shape into cells, each of which must be covered
+    once: counted with a difference array and a cumulative sum per dimension, never comparing two boxes.
     """
     ndim = len(shape)
     if len(boxes) <= FEW_BOXES and _slabs_tile(shape, boxes):
@@ -96,11 +90,8 @@ def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
 
 
 def _one_dimensional_cover(lo: np.ndarray, hi: np.ndarray, shape: Sequence[int]) -> bool:
-    """Whether the boxes are slabs of one dimension that tile it end to end (FSDP's and Shard(d)'s case).
-
-    A cheap sort instead of the general count; False means "not this simple
-    case", which the general check then decides.
-    """
+    """Whether the boxes are slabs of one dimension that tile it end to end (FSDP's and Shard(d)'s case), by a
+    sort; False leaves the case to the general count."""
     full = (lo == 0) & (hi == np.asarray(shape, dtype=np.int64))
     split = np.flatnonzero(~full.all(axis=0))
     if len(split) > 1:
@@ -116,11 +107,8 @@ def _one_dimensional_cover(lo: np.ndarray, hi: np.ndarray, shape: Sequence[int])
 
 
 def _slabs_tile(shape: Sequence[int], boxes: Sequence[Box] | np.ndarray) -> bool:
-    """:func:`_one_dimensional_cover` for a few boxes, in plain Python, boxes inside ``shape`` checked too.
-
-    True only for a valid tiling (one whole box, or slabs of one dimension end
-    to end); False sends every other case, errors included, to the general check.
-    """
+    """:func:`_one_dimensional_cover` for a few boxes, in plain Python, boxes inside ``shape`` checked too;
+    False sends every other case, errors included, to the general check."""
     ndim = len(shape)
     cut: set[int] = set()
     kept = []
@@ -139,10 +127,8 @@ def _slabs_tile(shape: Sequence[int], boxes: Sequence[Box] | np.ndarray) -> bool
 
 
 def aligned_chunk_shape(shape: Sequence[int], boxes: Sequence[Box] | np.ndarray) -> tuple[int, ...]:
-    """The largest regular chunk shape whose boundaries include every box boundary.
-
-    ``boxes`` as for :func:`check_tiling`; empty boxes place no boundary.
-    """
+    """The largest regular chunk shape whose boundaries include every box boundary (``boxes`` as for
+    :func:`check_tiling`; empty boxes place no boundary)."""
     if len(boxes) <= FEW_BOXES:
         listed = boxes.tolist() if isinstance(boxes, np.ndarray) else boxes
         kept = [(o, s) for o, s in listed if all(n > 0 for n in s)]
@@ -201,11 +187,8 @@ class ChunkGrid:
         return flat
 
     def chunks_within(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
-        """The chunks lying entirely inside a box, each with its slice relative to the box.
-
-        A chunk at the array's edge is entirely inside once the box reaches the
-        edge: the part of it beyond the edge holds no elements.
-        """
+        """The chunks lying entirely inside a box (at the array's edge: once the box reaches the edge), each with
+        its slice relative to the box."""
         if math.prod(sizes) == 0:
             return
         for index in itertools.product(*self._ranges_within(offsets, sizes)):

@@ -83,12 +83,12 @@ class _MLFloat(ZDType[np.dtype, np.generic]):
         return _native(self._zarr_v3_name)
 
     @classmethod
-    def _from_json_v2(cls, data: DTypeJSON) -> Self:
+    def _from_json_v2(cls, data: Any) -> Self:
         # Zarr v2 has no name for these types; say "not me" so matching moves on.
         raise DataTypeValidationError(f"{cls._zarr_v3_name} has no Zarr v2 representation")
 
     @classmethod
-    def _from_json_v3(cls, data: DTypeJSON) -> Self:
+    def _from_json_v3(cls, data: Any) -> Self:
         if data == cls._zarr_v3_name:
             return cls()
         raise DataTypeValidationError(f"Invalid JSON representation of {cls.__name__}: {data!r}")

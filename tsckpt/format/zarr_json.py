@@ -17,10 +17,10 @@ _CRC32C = {"name": "crc32c"}
 
 #: Optional compression, by the name a writer is given. Weights and optimizer
 #: moments barely compress (bf16/fp32 noise), so the default is none.
-COMPRESSORS: dict[str, Callable[[dtypes.DType], dict[str, Any]]] = {
-    "zstd": lambda dt: {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
-    "blosc": lambda dt: {"name": "blosc", "configuration": {
-        "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": dt.itemsize, "blocksize": 0}},
+COMPRESSORS: dict[str, Callable[[int], dict[str, Any]]] = {  # by item size
+    "zstd": lambda itemsize: {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
+    "blosc": lambda itemsize: {"name": "blosc", "configuration": {
+        "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0}},
 }
 
 
@@ -28,7 +28,7 @@ def _leaf_codecs(dt: dtypes.DType, checksums: bool, compression: str | None) -> 
     # One-byte types must not declare an endianness (zarr-python rejects it).
     codecs = [{"name": "bytes"} if dt.itemsize == 1 else _BYTES]
     if compression is not None:
-        codecs.append(COMPRESSORS[compression](dt))
+        codecs.append(COMPRESSORS[compression](dt.itemsize))
     return codecs + [_CRC32C] if checksums else codecs
 
 

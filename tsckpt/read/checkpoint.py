@@ -1,16 +1,8 @@
 """Read a checkpoint in any plain process: no process group, no DCP, no torch needed.
 
-``tsckpt.open(path)`` reads the root metadata document and nothing else. Each
-tensor is a lazy :class:`TensorHandle`: its shape, dtype, placements and chunk
-grid come from the metadata; its array is opened on first data access (one
-shared TensorStore context for all of them) and a slice reads only the chunks
-it overlaps. ``handle.numpy()`` never imports torch; ``handle[...]`` and
-``handle.dtype`` do, on first use.
-
-Once data is read, a checkpoint holds TensorStore objects (its context, open
-arrays, a packed checkpoint's node cache of up to 64 MiB): ``ck.close()`` or a
-``with`` block releases them at once, not at the next cyclic collection.
-"""
+``tsckpt.open(path)`` reads the root metadata document and nothing else. Each tensor is a lazy
+:class:`TensorHandle`: metadata is free, and a slice reads only the chunks it overlaps. ``handle.numpy()``
+never imports torch. ``ck.close()`` or a ``with`` block releases the TensorStore objects read data holds."""
 
 from __future__ import annotations
 
@@ -86,7 +78,6 @@ class TensorHandle:
         self._box_reader: BoxReader | None = None
         self._lock = threading.Lock()
 
-    # --- metadata only -----------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
         return self.entry.shape
@@ -173,7 +164,6 @@ class TensorHandle:
         return (f"TensorHandle({self.key!r}, shape={list(self.shape)}, dtype={self.zarr_dtype}, "
                 f"placement={self.placement_text})")
 
-    # --- data --------------------------------------------------------------
     def _reader(self) -> BoxReader:
         source = self._ck.source  # raises once the checkpoint is closed
         with self._lock:

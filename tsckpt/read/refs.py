@@ -1,28 +1,10 @@
 """Reference files: a packed checkpoint as byte ranges of its data files, for zarr-python without tsckpt.
 
-A packed checkpoint keeps its Zarr keys in an OCDBT database that only
-TensorStore reads. fsspec's ``reference://`` filesystem reads a kerchunk
-reference file (format version 1: each key mapped to ``[url, offset, length]``
-or to its content), so with only zarr-python and fsspec installed::
-
-    zarr.open_group("reference://step_1000", storage_options={"fo": "step_1000.refs.json"}, mode="r")
-
-opens the hierarchy the file describes. Documents are stored in it inline,
-chunks as ranges of the data files, so zarr's ``crc32c`` codec still checks
-every inner chunk it decodes. The keys are under one top-level name (the
-checkpoint's directory name): zarr-python 3.1's ``FsspecStore`` lists the
-groups of a store at the root of a reference filesystem as ``/model``, a path
-the filesystem does not know, so a group opened at the root would show no
-members (zarr-python 3.4.2 lists them).
-
-Data files are named through the template ``u``, the checkpoint's location
-when the file was written: ``template_overrides={"u": ...}`` in
-``storage_options`` reads a moved copy. On an object store, fsspec's target
-filesystem must be asynchronous like the one zarr opens
-(``"remote_options": {"asynchronous": True, ...}``); without it fsspec
-refuses with "Reference-FS's target filesystem must have same value of
-asynchronous" (zarr-python issues #2946 and #3323).
-"""
+A kerchunk reference file (version 1) maps each Zarr key to ``[url, offset, length]`` or to its content;
+fsspec's ``reference://`` filesystem reads it, so zarr-python opens the packed hierarchy (usage:
+``docs/reading.md``). Documents are inline, chunks are ranges of the data files (zarr's ``crc32c`` codec
+still checks them). Keys are under one top-level name, as zarr-python 3.1 lists no groups at the root of
+a reference filesystem; data files are named through the template ``u``, the checkpoint's location."""
 
 from __future__ import annotations
 

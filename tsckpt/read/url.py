@@ -97,8 +97,6 @@ class TsckptFileSystem(AsyncFileSystem):
         self._checkpoints: dict[str, _Open] = {}
         self._lock = threading.Lock()
 
-    # --- paths ---------------------------------------------------------------
-
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
         if isinstance(path, list):
@@ -125,8 +123,6 @@ class TsckptFileSystem(AsyncFileSystem):
         if self.spec and "://" in root:
             return {"url": root, **self.spec}
         return root
-
-    # --- finding checkpoints -------------------------------------------------
 
     def _root_document(self, candidate: str) -> bytes | None:
         """The ``zarr.json`` right under ``candidate`` if it is a checkpoint's root document, else None.
@@ -185,8 +181,6 @@ class TsckptFileSystem(AsyncFileSystem):
                 self._checkpoints[root] = _Open(store, current)
         return current
 
-    # --- reads ---------------------------------------------------------------
-
     async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
                         **kwargs: Any) -> bytes:
         root, found, key = await self._split(path)
@@ -212,7 +206,7 @@ class TsckptFileSystem(AsyncFileSystem):
             _, found, key = await self._split(path)
         except FileNotFoundError:
             return False
-        return not key or await found.store.exists(key) or bool(await self._keys(found, key))
+        return not key or await found.store.exists(key) or bool(await self._below(found, key))
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         path = self._strip_protocol(path)
@@ -222,32 +216,29 @@ class TsckptFileSystem(AsyncFileSystem):
         if await found.store.exists(key):
             # Sizes are not listed anywhere cheaper: the value is read (zarr asks only for getsize()).
             return _file(path, len(await self._cat_file(path)))
-        if await self._keys(found, key):
+        if await self._below(found, key):
             return _directory(path)
         raise FileNotFoundError(path)
 
     @staticmethod
-    async def _keys(found: _Open, key: str) -> list[str]:
-        """Every Zarr key below ``key`` ("" for the root)."""
-        return [k async for k in found.store.list_prefix(f"{key}/" if key else "") if not is_data_file(k)]
+    async def _below(found: _Open, key: str) -> list[str]:
+        """Every Zarr key below ``key`` ("" for the root), relative to it."""
+        start = f"{key}/" if key else ""
+        return [k[len(start):] async for k in found.store.list_prefix(start) if not is_data_file(k)]
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         path = self._strip_protocol(path)
         _, found, key = await self._split(path)
-        below = await self._keys(found, key)
-        if not below:
-            if key and await found.store.exists(key):
-                entry = _file(path, None)
-                return [entry] if detail else [path]
-            if key:
+        below = await self._below(found, key)
+        if not below and key:
+            if not await found.store.exists(key):
                 raise FileNotFoundError(path)
-        start = f"{key}/" if key else ""
+            return [_file(path)] if detail else [path]
         children: dict[str, bool] = {}  # name -> is a directory
         for k in below:
-            name, slash, _ = k[len(start):].partition("/")
+            name, slash, _ = k.partition("/")
             children[name] = children.get(name, False) or bool(slash)
-        entries = [(_directory if is_dir else _file)(f"{path}/{name}", *(() if is_dir else (None,)))
-                   for name, is_dir in sorted(children.items())]
+        entries = [(_directory if is_dir else _file)(f"{path}/{name}") for name, is_dir in sorted(children.items())]
         return entries if detail else [e["name"] for e in entries]
 
     async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False,
@@ -258,19 +249,18 @@ class TsckptFileSystem(AsyncFileSystem):
             _, found, key = await self._split(path)
         except FileNotFoundError:
             return {} if detail else []
-        start = f"{key}/" if key else ""
         out: dict[str, dict[str, Any]] = {}
-        for k in await self._keys(found, key):
-            parts = k[len(start):].split("/")
+        for k in await self._below(found, key):
+            parts = k.split("/")
             if maxdepth is not None and len(parts) > maxdepth:
                 continue
-            out[f"{path}/{'/'.join(parts)}"] = _file(f"{path}/{'/'.join(parts)}", None)
+            out[f"{path}/{k}"] = _file(f"{path}/{k}")
             if withdirs:
                 for n in range(1, len(parts)):
                     name = f"{path}/{'/'.join(parts[:n])}"
                     out.setdefault(name, _directory(name))
         if not out and key and await found.store.exists(key):
-            out[path] = _file(path, None)
+            out[path] = _file(path)
         names = sorted(out)
         return {n: out[n] for n in names} if detail else names
 
@@ -278,8 +268,6 @@ class TsckptFileSystem(AsyncFileSystem):
         if mode != "rb":
             raise PermissionError(self._read_only(path))
         return io.BytesIO(self.cat_file(path))
-
-    # --- writes: refused -----------------------------------------------------
 
     def _read_only(self, path: Any) -> str:
         return f"{PROTOCOL}:// is read-only: cannot change {path}"
@@ -303,7 +291,7 @@ def _request(start: int | None, end: int | None) -> ByteRequest | None:
     return OffsetByteRequest(start) if end is None else RangeByteRequest(start, end)
 
 
-def _file(name: str, size: int | None) -> dict[str, Any]:
+def _file(name: str, size: int | None = None) -> dict[str, Any]:
     return {"name": name, "type": "file", "size": size}
 
 

@@ -90,8 +90,6 @@ class TensorStoreZarrStore(Store):
         self._opened_at = 0.0
         self._copies: list[weakref.ref[TensorStoreZarrStore]] = []  # what close() closes too
 
-    # --- plumbing ----------------------------------------------------------
-
     def _kvstores(self) -> tuple[ts.KvStore, ts.KvStore]:
         """(the plain kvstore at the root, the kvstore holding every other key)."""
         if self._stores is None:
@@ -145,8 +143,6 @@ class TensorStoreZarrStore(Store):
         self._copies.append(weakref.ref(copy))
         return copy
 
-    # --- reads -------------------------------------------------------------
-
     def _read(self, key: str, byte_range: ByteRequest | None) -> ts.Future:
         # A committed checkpoint never changes: what was current when the store
         # opened is current, so TensorStore need not revalidate its cached
@@ -184,15 +180,21 @@ class TensorStoreZarrStore(Store):
             raise self._error(key, e) from None
         return self._checked(key, prototype, whole, byte_range, clip=True)
 
-    # --- damage, named -------------------------------------------------------
-
     def _checked(self, key: str, prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
                  byte_range: ByteRequest | None, clip: bool = False) -> Buffer | None:
-        """The value read, its crc32c checked here where it covers whole checksummed pieces, so that damage
-        raises an error naming the tensor, chunk and file, not zarr's codec error naming none."""
-        if result.state == "value" and self.metadata is not None and self.metadata.codec_checksums:
-            self._check(key, result.value, None if clip else byte_range)
-        return self._buffer(prototype, result, byte_range if clip else None)
+        """The value read (None for a missing key; ``clip``: a whole value, cut to ``byte_range``), its crc32c
+        checked here where it covers whole checksummed pieces, so that damage raises an error naming the
+        tensor, chunk and file, not zarr's codec error naming none."""
+        if result.state != "value":
+            return None
+        found = self._array_of(key) if self.metadata is not None and self.metadata.codec_checksums else None
+        if found is not None:
+            problem_text = check_read(key, result.value, None if clip else byte_range, found[1], found[2],
+                                      self.metadata.array_options, self._pieces)  # type: ignore[union-attr]
+            if problem_text is not None:
+                raise self._damage(key, ChecksumError, problem_text)
+        value = result.value[as_slice(byte_range)] if clip and byte_range is not None else result.value
+        return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
 
     def _array_of(self, key: str) -> tuple[str, TensorEntry | None, tuple[int, ...]] | None:
         """(the tensor or value's flat key, its entry (None for a value), the chunk's grid index) of a chunk key."""
@@ -206,16 +208,6 @@ class TensorStoreZarrStore(Store):
         if found is None or not (name == "c" or name.startswith("c.") and name[2:].replace(".", "").isdigit()):
             return None
         return (*found, tuple(int(p) for p in name[2:].split(".")) if name != "c" else ())
-
-    def _check(self, key: str, value: bytes, byte_range: ByteRequest | None) -> None:
-        found = self._array_of(key)
-        if found is None:
-            return
-        _, entry, index = found
-        options = self.metadata.array_options  # type: ignore[union-attr]
-        problem_text = check_read(key, value, byte_range, entry, index, options, self._pieces)
-        if problem_text is not None:
-            raise self._damage(key, ChecksumError, problem_text)
 
     def _stored_at(self, key: str) -> str:
         """Where ``key``'s value is, as the error names it: its file (and range), or why that cannot be said."""
@@ -259,8 +251,6 @@ class TensorStoreZarrStore(Store):
             raise FileNotFoundError(key)
         return len(value)
 
-    # --- listing -----------------------------------------------------------
-
     async def list(self) -> AsyncIterator[str]:
         for key in await self._list(""):
             yield key
@@ -289,8 +279,6 @@ class TensorStoreZarrStore(Store):
             raise self._error(prefix or "(all keys)", e) from None
         return sorted(found)
 
-    # --- writes: refused ---------------------------------------------------
-
     async def set(self, key: str, value: Buffer) -> None:
         raise self._read_only_error(key)
 
@@ -309,12 +297,3 @@ class TensorStoreZarrStore(Store):
             past = "it lies past the end of the file, which was cut short: " if "OUT_OF_RANGE" in str(e) else ""
             return self._damage(key, kind, f"{past}reading it failed: {problem(e)}")
         return StorageError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
-
-    @staticmethod
-    def _buffer(prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
-                clip: ByteRequest | None = None) -> Buffer | None:
-        """The value read, or None for a missing key; ``clip`` cuts a whole value to a range."""
-        if result.state != "value":
-            return None
-        value = result.value if clip is None else result.value[as_slice(clip)]
-        return (prototype or default_buffer_prototype()).buffer.from_bytes(value)
