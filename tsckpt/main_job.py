@@ -118,6 +118,15 @@ def _full_values(state: dict[str, Any]) -> dict[str, Any]:
 
 # --- the two jobs, one process per rank ---
 
+def _timed(job: Callable[[], Any]) -> float:
+    """Seconds ``job`` takes on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    job()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def _save_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     model, optim = _build(world, SEED)
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches; global RNG stays in step
@@ -131,11 +140,7 @@ def _save_rank(rank: int, world: int, path: str) -> dict[str, Any]:
         losses.append(loss.item())
     model_sd, optim_sd = get_state_dict(model, optim)
     state = {"model": model_sd, "optim": optim_sd, "step": STEPS, "rng": torch.get_rng_state()}
-    dist.barrier()
-    start = time.perf_counter()
-    api.save(state, path)
-    dist.barrier()
-    seconds = time.perf_counter() - start
+    seconds = _timed(lambda: api.save(state, path))
     full = _full_values(state)
     return {"seconds": seconds, "losses": losses, "full": full if rank == 0 else None}
 
@@ -145,12 +150,12 @@ def _load_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     model, optim = _build(world, SEED + 1)
     model_sd, optim_sd = get_state_dict(model, optim)  # also creates AdamW's state to load into
     state = {"model": model_sd, "optim": optim_sd, "step": 0, "rng": torch.zeros_like(torch.get_rng_state())}
-    dist.barrier()
-    start = time.perf_counter()
-    api.load(state, path)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    dist.barrier()
-    seconds = time.perf_counter() - start
+
+    def load() -> None:
+        api.load(state, path)
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    seconds = _timed(load)
     model_sd, optim_sd = get_state_dict(model, optim)
     full = _full_values({"model": model_sd, "optim": optim_sd, "step": state["step"], "rng": state["rng"]})
     return {"seconds": seconds, "full": full if rank == 0 else None}

@@ -78,9 +78,9 @@ def prune_cmd(
 
 def _details(entry: StepCheckpoint) -> dict[str, Any]:
     """Bytes and time of one step: a committed one's tensor bytes and creation time, else what is on disk."""
+    from ..commit.staging_dirs import staging_dirs, tree_state
     from ..errors import TsckptError
     from ..read import checkpoint
-    from ..commit.staging_dirs import staging_dirs, tree_bytes
     from ..steps import COMMITTED, INCOMPLETE
 
     if entry.state == COMMITTED:
@@ -89,24 +89,18 @@ def _details(entry: StepCheckpoint) -> dict[str, Any]:
             return {"nbytes": ck.nbytes, "time": ck.metadata.created}
         except TsckptError:
             pass
-    if entry.state == INCOMPLETE and isinstance(entry.location, str) and not os.path.exists(entry.location):
-        staged = [d.path for d in staging_dirs(os.path.abspath(entry.location))]  # a local save, staged aside
-        if staged:
-            newest = max(os.path.getmtime(p) for p in staged)
-            return {"nbytes": sum(tree_bytes(p) for p in staged),
-                    "time": datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).isoformat(timespec="seconds")}
-    if isinstance(entry.location, str) and "://" not in entry.location and os.path.isdir(entry.location):
-        total, newest = 0, 0.0
-        for dirpath, _, files in os.walk(entry.location):
-            for name in files:
-                try:
-                    st = os.lstat(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    continue
-                total, newest = total + st.st_size, max(newest, st.st_mtime)
-        stamp = datetime.datetime.fromtimestamp(newest or os.path.getmtime(entry.location), datetime.timezone.utc)
-        return {"nbytes": total, "time": stamp.isoformat(timespec="seconds")}
-    return {"nbytes": None, "time": None}  # an object store lists keys, not sizes: not worth a request per key
+    trees: list[str] = []
+    if isinstance(entry.location, str) and "://" not in entry.location:
+        if os.path.isdir(entry.location):
+            trees = [entry.location]
+        elif entry.state == INCOMPLETE:  # a local save, staged aside
+            trees = [d.path for d in staging_dirs(os.path.abspath(entry.location))]
+    if not trees:
+        return {"nbytes": None, "time": None}  # an object store lists keys, not sizes: not worth a request per key
+    states = [tree_state(p) for p in trees]
+    newest = max(s[2] for s in states) / 1e9 or max(os.path.getmtime(p) for p in trees)
+    return {"nbytes": sum(s[1] for s in states),
+            "time": datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def list_steps(root: str, as_json: bool) -> bool:

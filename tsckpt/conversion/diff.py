@@ -131,48 +131,33 @@ def _repr(values: Mapping[str, Any], key: str) -> str | None:
 
 
 def _diff_tensor(key: str, sa: Source, ka: str, sb: Source, kb: str, rtol: float, atol: float) -> EntryDiff:
+    """One pass over both tensors, a block at a time: blocks with the same bits are skipped, the others
+    checked against the tolerances and their largest |a - b| taken (NaN where only one side is NaN)."""
     ia, ib = sa.tensors[ka], sb.tensors[kb]
     meta = dict(kind="tensor", shape_a=ia.shape, shape_b=ib.shape, dtype_a=_name(ia.dtype), dtype_b=_name(ib.dtype))
     if ia.shape != ib.shape:
         return EntryDiff(key, "shape", **meta)  # type: ignore[arg-type]
     x, y = sa.read(ka).reshape(-1), sb.read(kb).reshape(-1)
-    bits_equal = ia.dtype == ib.dtype and all(
-        torch.equal(_bits(x[i:i + _DIFF_BLOCK]), _bits(y[i:i + _DIFF_BLOCK])) for i in range(0, x.numel(), _DIFF_BLOCK))
+    wide = torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
+    bits_equal, within, worst = ia.dtype == ib.dtype, bool(rtol or atol), 0.0
+    for i in range(0, x.numel(), _DIFF_BLOCK):
+        u, v = x[i:i + _DIFF_BLOCK], y[i:i + _DIFF_BLOCK]
+        if bits_equal and torch.equal(_bits(u), _bits(v)):
+            continue
+        bits_equal = False
+        u, v = u.to(wide), v.to(wide)
+        within = within and bool(torch.isclose(u, v, rtol=rtol, atol=atol, equal_nan=True).all())
+        same = (u == v) | (torch.isnan(u) & torch.isnan(v))
+        m = float(torch.where(same, torch.zeros((), dtype=torch.float64), (u - v).abs()).max())
+        worst = m if math.isnan(m) or math.isnan(worst) else max(worst, m)
     status = "equal" if bits_equal else ("values" if ia.dtype == ib.dtype else "dtype")
-    if status == "values" and (rtol or atol) and _within(x, y, rtol, atol):
+    if status == "values" and within:
         status = "close"
-    return EntryDiff(key, status, max_abs_diff=0.0 if bits_equal else _max_abs_diff(x, y), **meta)  # type: ignore[arg-type]
+    return EntryDiff(key, status, max_abs_diff=worst, **meta)  # type: ignore[arg-type]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.bool else t
-
-
-def _wide(x: torch.Tensor, y: torch.Tensor) -> torch.dtype:
-    """The dtype both sides are compared in."""
-    return torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
-
-
-def _within(x: torch.Tensor, y: torch.Tensor, rtol: float, atol: float) -> bool:
-    """Whether every element satisfies |x - y| <= atol + rtol * |y| (NaN only where both are)."""
-    wide = _wide(x, y)
-    return all(bool(torch.isclose(x[i:i + _DIFF_BLOCK].to(wide), y[i:i + _DIFF_BLOCK].to(wide),
-                                  rtol=rtol, atol=atol, equal_nan=True).all())
-               for i in range(0, x.numel(), _DIFF_BLOCK))
-
-
-def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Largest |x - y| (0 where equal, NaN where only one side is NaN)."""
-    wide = _wide(x, y)
-    worst = 0.0
-    for i in range(0, x.numel(), _DIFF_BLOCK):
-        u, v = x[i:i + _DIFF_BLOCK].to(wide), y[i:i + _DIFF_BLOCK].to(wide)
-        same = (u == v) | (torch.isnan(u) & torch.isnan(v))
-        d = torch.where(same, torch.zeros((), dtype=torch.float64), (u - v).abs())
-        if d.numel():
-            m = float(d.max())
-            worst = m if math.isnan(m) or math.isnan(worst) else max(worst, m)
-    return worst
 
 
 def _same_value(x: Any, y: Any, key: str) -> bool:
