@@ -13,6 +13,7 @@ import json
 import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c as _crc32c
 import numpy as np
@@ -104,20 +105,30 @@ class ChunkTable:
         return rows[k] if k < len(rows) and int(rows["chunk"][k]) == chunk else None
 
 
+class _Front(NamedTuple):
+    """A chunk table's header and directory, parsed: its files, whether rows hold digests, rows a block, rows,
+    the directory, where the rows start, and their dtype."""
+
+    files: tuple[str, ...]
+    hashed: bool
+    block: int
+    count: int
+    directory: np.ndarray
+    start: int
+    record: np.dtype
+
+
 class TableReader:
     """A chunk table as a reader looks keys up in it: its front (header and directory) first, then only the
-    blocks it needs; a table of at most ``whole_up_to`` bytes is taken whole, at once.
-
-    The reader does no I/O: :meth:`wants` says which spans of the table it
-    needs next, :meth:`take` hands them over, so that a caller fetches those
-    of many tables together (:func:`look_up`). ``where`` names it in errors.
-    """
+    blocks it needs; a table of at most ``whole_up_to`` bytes is taken whole. No I/O: :meth:`wants` says
+    which spans it needs next, :meth:`take` hands them over, so a caller fetches those of many tables
+    together (:func:`look_up`). ``where`` names it in errors."""
 
     def __init__(self, length: int, where: str, whole_up_to: int = 0):
         self.length, self.where = length, where
         self._whole_up_to = whole_up_to
         self._head: bytes | None = None  # the bytes read from the table's start
-        self._front: tuple[tuple[str, ...], bool, int, int, np.ndarray, int] | None = None
+        self._front: _Front | None = None
         self._blocks: dict[int, np.ndarray] = {}
         #: Bytes read so far.
         self.bytes_read = 0
@@ -144,12 +155,13 @@ class TableReader:
             if self._front is None:
                 self._head = (self._head or b"") + bytes(raw)
                 continue
-            self._take_block(self._block_at(offset), np.frombuffer(bytes(raw), np.uint8))
+            f = self._front
+            self._take_block((offset - f.start) // (f.block * f.record.itemsize), np.frombuffer(bytes(raw), np.uint8))
 
     def rows(self, keys: Iterable[tuple[int, int]]) -> ChunkTable:
         """The blocks holding ``keys``, all read: every row of them, the keys' rows among them
         (:meth:`ChunkTable.get`)."""
-        files, hashed, block, n, directory, at = self._parsed()
+        front = self._parsed()
         parts = []
         for k in self._blocks_of(keys):
             if k not in self._blocks and self._in_head(k):
@@ -157,14 +169,14 @@ class TableReader:
                 assert self._head is not None
                 self._take_block(k, np.frombuffer(self._head[start:start + length], np.uint8))
             parts.append(self._blocks[k])
-        return ChunkTable(files, hashed, np.concatenate(parts) if parts else np.zeros(0, _record(bool(files), hashed)))
+        return ChunkTable(front.files, front.hashed, np.concatenate(parts) if parts else np.zeros(0, front.record))
 
     def every_key(self) -> list[tuple[int, int]]:
         """The first key of every block (whose lookups read the whole table)."""
-        directory = self._parsed()[4]
+        directory = self._parsed().directory
         return list(zip(directory["array"].tolist(), directory["chunk"].tolist()))
 
-    def _parsed(self) -> tuple[tuple[str, ...], bool, int, int, np.ndarray, int]:
+    def _parsed(self) -> _Front:
         if self._front is None:
             self._parse_front()
         assert self._front is not None
@@ -203,9 +215,9 @@ class TableReader:
     def _parse_front(self) -> None:
         size, header = self._header()
         files, hashed = tuple(header["files"]), header["digests"] is not None
-        n, block = header["count"], header["block"]
+        n, block, record = header["count"], header["block"], _record(bool(files), hashed)
         front = self._front_length()
-        if front + n * _record(bool(files), hashed).itemsize != self.length:
+        if front + n * record.itemsize != self.length:
             raise MetadataError(f"{self.where}: the chunk table holds another number of rows than the {n} it "
                                 "declares")
         head = self._head or b""
@@ -213,36 +225,32 @@ class TableReader:
             raise ChecksumError(f"{self.where}: the chunk table's directory does not match its crc32c (it was "
                                 "damaged)")
         directory = np.frombuffer(head, _DIRECTORY, -(-n // block), _HEAD.size + size)
-        self._front = (files, hashed, block, n, directory, front)
+        self._front = _Front(files, hashed, block, n, directory, front, record)
 
     def _blocks_of(self, keys: Iterable[tuple[int, int]]) -> list[int]:
         firsts = self.every_key()
         return sorted({k for k in (bisect.bisect_right(firsts, key) - 1 for key in set(keys)) if k >= 0})
 
     def _span(self, k: int) -> tuple[int, int]:
-        files, hashed, block, n, _, front = self._parsed()
-        size = _record(bool(files), hashed).itemsize
-        return front + k * block * size, min(block, n - k * block) * size
-
-    def _block_at(self, offset: int) -> int:
-        files, hashed, block, _, _, front = self._parsed()
-        return (offset - front) // (block * _record(bool(files), hashed).itemsize)
+        f = self._parsed()
+        return f.start + k * f.block * f.record.itemsize, min(f.block, f.count - k * f.block) * f.record.itemsize
 
     def _in_head(self, k: int) -> bool:
         start, length = self._span(k)
         return start + length <= len(self._head or b"")
 
     def _take_block(self, k: int, raw: np.ndarray) -> None:
-        files, hashed, _, _, directory, _ = self._parsed()
+        front = self._parsed()
+        directory = front.directory
         if _crc32c.crc32c(raw) != int(directory["crc"][k]):
             raise ChecksumError(f"{self.where}: block {k} of the chunk table does not match its crc32c (it was "
                                 "damaged)")
-        rows = np.frombuffer(raw.tobytes(), _record(bool(files), hashed))
+        rows = np.frombuffer(raw.tobytes(), front.record)
         a, c = rows["array"], rows["chunk"]
         if (len(rows) == 0 or (int(a[0]), int(c[0])) != (int(directory["array"][k]), int(directory["chunk"][k]))
                 or not ((a[1:] > a[:-1]) | ((a[1:] == a[:-1]) & (c[1:] > c[:-1]))).all()):
             raise MetadataError(f"{self.where}: block {k} of the chunk table is out of key order")
-        if files and int(rows["file"].max()) >= len(files):
+        if front.files and int(rows["file"].max()) >= len(front.files):
             raise MetadataError(f"{self.where}: the chunk table names a file it does not list")
         self._blocks[k] = rows
 

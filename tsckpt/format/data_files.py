@@ -77,13 +77,8 @@ class RankFiles:
 
 @dataclass(frozen=True)
 class DataFiles:
-    """Where a checkpoint's bytes are, beyond its Zarr keys (``docs/format.md``, section 1).
-
-    ``index``: the packed layout's B+tree root node, ``length`` bytes at
-    ``offset`` of the node file, which ends with it (every other node, and
-    values too large for a leaf, come before it); None in the plain layout.
-    ``ranks``: what each rank wrote, in rank order.
-    """
+    """Where a checkpoint's bytes are, beyond its Zarr keys. ``index``: the packed layout's B+tree root node, the
+    end of the node file (None in the plain layout); ``ranks``: what each rank wrote, in rank order."""
 
     index: Span | None
     ranks: tuple[RankFiles, ...]

@@ -22,24 +22,18 @@ class Mesh:
     ranks: tuple[int, ...]  # mesh.mesh flattened in row-major order
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "dim_names": list(self.dim_names) if self.dim_names is not None else None,
-            "device_type": self.device_type,
-            "ranks": list(self.ranks),
-        }
+        return {"shape": list(self.shape), "dim_names": list(self.dim_names) if self.dim_names is not None else None,
+                "device_type": self.device_type, "ranks": list(self.ranks)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], what: str = "mesh") -> Mesh:
         names = d.get("dim_names") if isinstance(d, Mapping) else None
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise MetadataError(f"{what}: dim_names must be a list of strings or null")
-        mesh = cls(
-            shape=parse_shape(get_field(d, "shape", what, list), what, "shape", minimum=1),
-            dim_names=tuple(names) if names is not None else None,
-            device_type=get_field(d, "device_type", what, str),
-            ranks=parse_ints(get_field(d, "ranks", what, list), what),
-        )
+        mesh = cls(shape=parse_shape(get_field(d, "shape", what, list), what, "shape", minimum=1),
+                   dim_names=tuple(names) if names is not None else None,
+                   device_type=get_field(d, "device_type", what, str),
+                   ranks=parse_ints(get_field(d, "ranks", what, list), what))
         if len(mesh.ranks) != math.prod(mesh.shape) or (
             mesh.dim_names is not None and len(mesh.dim_names) != len(mesh.shape)
         ):
@@ -51,12 +45,9 @@ class Mesh:
 
 @dataclass(frozen=True)
 class DTensorPlacement:
-    """A DTensor's mesh (an index into ``CheckpointMetadata.meshes``) and placements.
-
-    Each placement is a small JSON object: ``{"type": "shard", "dim": 0}``,
-    ``{"type": "replicate"}``, ``{"type": "strided_shard", "dim": 0, "split_factor": 2}``
-    or ``{"type": "partial", "reduce_op": "sum"}``.
-    """
+    """A DTensor's mesh (an index into ``CheckpointMetadata.meshes``) and placements, each a small JSON object:
+    ``{"type": "shard", "dim": 0}``, ``{"type": "replicate"}``, ``{"type": "strided_shard", "dim": 0,
+    "split_factor": 2}`` or ``{"type": "partial", "reduce_op": "sum"}``."""
 
     kind: ClassVar[str] = "dtensor"
     mesh: int
@@ -81,22 +72,14 @@ class ShardedTensorPlacement:
     shards: tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "shards": [{"offsets": list(o), "sizes": list(s), "placement": p} for o, s, p in self.shards],
-        }
+        return {"kind": self.kind,
+                "shards": [{"offsets": list(o), "sizes": list(s), "placement": p} for o, s, p in self.shards]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], what: str) -> ShardedTensorPlacement:
-        shards = tuple(
-            (
-                parse_ints(get_field(s, "offsets", what, list), what),
-                parse_ints(get_field(s, "sizes", what, list), what),
-                get_field(s, "placement", what, str),
-            )
-            for s in get_field(d, "shards", what, list)
-        )
-        return cls(shards=shards)
+        return cls(shards=tuple((parse_ints(get_field(s, "offsets", what, list), what),
+                                 parse_ints(get_field(s, "sizes", what, list), what),
+                                 get_field(s, "placement", what, str)) for s in get_field(d, "shards", what, list)))
 
 
 @dataclass(frozen=True)
@@ -129,24 +112,18 @@ def placement_from_dict(d: Any, what: str) -> Placement | None:
 
 
 def intern_placement(record: Mapping[str, Any] | None, meshes: list[Mesh], what: str,
-                     seen: dict[int, int] | None = None) -> Placement | None:
-    """A planner's placement record (mesh inline) as a Placement with a mesh index.
-
-    ``seen``: mesh record (by identity) -> index, kept by the caller across
-    records: a planner shares one mesh record among all the tensors on it, and
-    a mesh lists every rank, so it is parsed and compared once, not per tensor.
-    """
+                     seen: dict[int, int]) -> Placement | None:
+    """A planner's placement record (mesh inline) as a Placement with a mesh index. ``seen``: mesh record (by
+    identity) -> index, kept across records, so a mesh record the planner shares among tensors is parsed once."""
     if record is None:
         return None
     if record.get("kind") == DTensorPlacement.kind:
         raw = record.get("mesh")
-        index = seen.get(id(raw)) if seen is not None else None
+        index = seen.get(id(raw))
         if index is None:
             mesh = Mesh.from_dict(raw, what)
             if mesh not in meshes:
                 meshes.append(mesh)
-            index = meshes.index(mesh)
-            if seen is not None:
-                seen[id(raw)] = index
+            index = seen[id(raw)] = meshes.index(mesh)
         return DTensorPlacement(mesh=index, placements=tuple(record.get("placements", ())))
     return placement_from_dict(record, what)

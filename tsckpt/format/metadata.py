@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
 import numpy as np
 
 from ..errors import MetadataError, TsckptError, UnsupportedVersionError
@@ -17,16 +18,8 @@ from .data_files import DataFiles, RankFiles
 from .fields import MAX_NDIM, MAX_TENSOR_BYTES, get_field, optional_field, parse_shape
 from .grid import ChunkGrid
 # Placements are part of the document; re-exported so callers import the whole document from here.
-from .distribution import (  # noqa: F401
-    PLACEMENTS,
-    DTensorPlacement,
-    Mesh,
-    Placement,
-    ReplicatedPlacement,
-    ShardedTensorPlacement,
-    intern_placement,
-    placement_from_dict,
-)
+from .distribution import (DTensorPlacement, Mesh, Placement, ReplicatedPlacement,  # noqa: F401
+                           ShardedTensorPlacement, intern_placement, placement_from_dict)
 from .names import check_relative_path, parent_groups, zarr_path
 from .reuse import Reuse
 from .versions import FORMAT, FORMAT_VERSION, refusal
@@ -48,17 +41,9 @@ def _key_path(value: Any, what: str) -> tuple[str | int, ...]:
         isinstance(p, (str, int)) and not isinstance(p, bool) for p in value
     ):
         raise MetadataError(f"{what}: key_path must be a non-empty list of strings and integers")
-    if not all(_utf8(p) for p in value if isinstance(p, str)):
+    if any("\ud800" <= c <= "\udfff" for p in value if isinstance(p, str) for c in p):  # lone surrogates (JSON escapes)
         raise MetadataError(f"{what}: key_path holds a string that is not valid Unicode")
     return tuple(value)
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates, which JSON escapes can produce
-        return False
-    return True
 
 
 def _content_hash(d: Mapping[str, Any], what: str) -> str | None:
@@ -71,11 +56,8 @@ def _content_hash(d: Mapping[str, Any], what: str) -> str | None:
 
 @dataclass(frozen=True)
 class ArrayOptions:
-    """The codec choices shared by every tensor array of a checkpoint.
-
-    Recorded in the root document so readers can open each array from the
-    document alone, without reading (or trusting) its ``zarr.json``.
-    """
+    """The codec choices shared by every tensor array of a checkpoint, recorded in the root document so readers
+    open each array from it alone, without reading (or trusting) its ``zarr.json``."""
 
     crc32c_codec: bool = False
     compression: str | None = None
@@ -134,16 +116,11 @@ class TensorEntry:
         return writers.decode(self.writers, self.grid.nchunks, world_size, what)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "key_path": list(self.key_path),
-            "path": self.path,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "chunk_shape": list(self.chunk_shape),
-            "inner_chunk_shape": list(self.inner_chunk_shape) if self.inner_chunk_shape is not None else None,
-            "placement": self.placement.to_dict() if self.placement else None,
-            **({"writers": self.writers} if self.writers is not None else {}),
-        }
+        inner = self.inner_chunk_shape
+        return {"key_path": list(self.key_path), "path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+                "chunk_shape": list(self.chunk_shape), "inner_chunk_shape": list(inner) if inner is not None else None,
+                "placement": self.placement.to_dict() if self.placement else None,
+                **({"writers": self.writers} if self.writers is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], what: str) -> TensorEntry:
@@ -170,7 +147,7 @@ class TensorEntry:
         ndim = len(self.shape)
         if ndim > MAX_NDIM:
             raise MetadataError(f"{what}: shape has {ndim} dimensions; at most {MAX_NDIM} are supported")
-        if math.prod(self.shape) * dtypes.from_zarr(self.dtype).itemsize > MAX_TENSOR_BYTES:
+        if self.nbytes > MAX_TENSOR_BYTES:
             raise MetadataError(f"{what}: shape {list(self.shape)} holds more than 2**63 bytes")
         if len(self.chunk_shape) != ndim:
             raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} has the wrong rank for shape {list(self.shape)}")
@@ -260,7 +237,7 @@ class CheckpointMetadata:
     array_options: ArrayOptions = ArrayOptions()
     #: How the arrays' keys are stored (:data:`tsckpt.storage.layouts.LAYOUTS`): "plain" or "packed".
     layout: str = "plain"
-    #: The algorithm of the tensors' ``content_hashes`` tables (None when there are none).
+    #: The algorithm of the content hashes in the ranks' chunk tables (None when there are none).
     content_hash: str | None = None
     #: What an incremental save took from its base (None for a save without a base).
     reuse: Reuse | None = None
@@ -286,23 +263,14 @@ class CheckpointMetadata:
             return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": self.version,
-            "tsckpt_version": self.tsckpt_version,
-            "torch_version": self.torch_version,
-            "created": self.created,
-            "world_size": self.world_size,
-            "meshes": [m.to_dict() for m in self.meshes],
-            "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
-            "objects": {k: o.to_dict() for k, o in self.objects.items()},
-            "extra": dict(self.extra),
-            "array_options": self.array_options.to_dict(),
-            "layout": self.layout,
-            "content_hash": self.content_hash,
-            "reuse": self.reuse.to_dict() if self.reuse else None,
-            **({"data_files": self.data_files.to_dict()} if self.data_files is not None else {}),
-        }
+        return {"format": FORMAT, "version": self.version, "tsckpt_version": self.tsckpt_version,
+                "torch_version": self.torch_version, "created": self.created, "world_size": self.world_size,
+                "meshes": [m.to_dict() for m in self.meshes],
+                "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
+                "objects": {k: o.to_dict() for k, o in self.objects.items()}, "extra": dict(self.extra),
+                "array_options": self.array_options.to_dict(), "layout": self.layout,
+                "content_hash": self.content_hash, "reuse": self.reuse.to_dict() if self.reuse else None,
+                **({"data_files": self.data_files.to_dict()} if self.data_files is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Any) -> CheckpointMetadata:
@@ -313,10 +281,7 @@ class CheckpointMetadata:
         if version != FORMAT_VERSION:
             raise UnsupportedVersionError(refusal(version))
         meshes = tuple(Mesh.from_dict(m, f"mesh {i}") for i, m in enumerate(get_field(d, "meshes", what, list)))
-        tensors = {
-            k: TensorEntry.from_dict(v, f"tensor {k!r}")
-            for k, v in get_field(d, "tensors", what, dict).items()
-        }
+        tensors = {k: TensorEntry.from_dict(v, f"tensor {k!r}") for k, v in get_field(d, "tensors", what, dict).items()}
         objs = {k: ObjectEntry.from_dict(v, f"object {k!r}") for k, v in get_field(d, "objects", what, dict).items()}
         for key, t in tensors.items():
             if isinstance(t.placement, DTensorPlacement):
@@ -340,22 +305,13 @@ class CheckpointMetadata:
             raise MetadataError(f"object {odd!r}: writer {objs[odd].writer} is not one of the {world_size} ranks")
         # Absent means plain (docs/format.md, section 2).
         layout = optional_field(d, "layout", what, str) or "plain"
-        return cls(
-            world_size=world_size,
-            tensors=tensors,
-            objects=objs,
-            meshes=meshes,
-            torch_version=str(d.get("torch_version", "")),
-            tsckpt_version=str(d.get("tsckpt_version", "")),
-            created=str(d.get("created", "")),
-            version=version,
-            extra=extra if isinstance(extra, dict) else {},
-            array_options=ArrayOptions.from_dict(get_field(d, "array_options", what, dict)),
-            layout=layout,
-            content_hash=_content_hash(d, what),
-            reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
-            data_files=_data_files(d, world_size, layout, what),
-        )
+        return cls(world_size=world_size, tensors=tensors, objects=objs, meshes=meshes,
+                   torch_version=str(d.get("torch_version", "")), tsckpt_version=str(d.get("tsckpt_version", "")),
+                   created=str(d.get("created", "")), version=version, extra=extra if isinstance(extra, dict) else {},
+                   array_options=ArrayOptions.from_dict(get_field(d, "array_options", what, dict)), layout=layout,
+                   content_hash=_content_hash(d, what),
+                   reuse=Reuse.from_dict(d["reuse"], f"{what}: reuse") if d.get("reuse") is not None else None,
+                   data_files=_data_files(d, world_size, layout, what))
 
 
 def _data_files(d: Mapping[str, Any], world_size: int, layout: str, what: str) -> DataFiles:

@@ -49,11 +49,8 @@ def to_json(value: Any) -> Any:
 
 
 def from_json(data: Any) -> Any:
-    """Inverse of :func:`to_json`; a malformed tagged form raises :class:`~tsckpt.errors.MetadataError`.
-
-    Readers call it on every inline value while validating the metadata, so a
-    hostile ``{"$dict": 5}`` is refused up front, naming the entry.
-    """
+    """Inverse of :func:`to_json`; a malformed tagged form (a hostile ``{"$dict": 5}``) raises
+    :class:`~tsckpt.errors.MetadataError`."""
     if isinstance(data, list):
         return [from_json(v) for v in data]
     if isinstance(data, dict):
@@ -120,15 +117,10 @@ def encode(value: Any) -> tuple[str, Any]:
 
 def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool,
                      opt_in: str = "allow_pickle=True") -> Any:
-    """Restore a ``torch`` encoded value; without ``allow_pickle`` no code from the blob can run.
-
-    A blob that is damaged (not a readable ``torch.save`` archive, a member
-    failing its zip CRC, a pickle stream that does not parse) raises
-    :class:`~tsckpt.errors.DamagedValueError`; a sound blob that only
-    ``torch.load(weights_only=False)`` could restore raises
-    :class:`~tsckpt.errors.UnsafeObjectError`, whose message names ``opt_in``,
-    how the caller's user allows unpickling.
-    """
+    """Restore a ``torch`` encoded value; without ``allow_pickle`` no code from the blob can run. A damaged blob
+    (no readable archive, a member failing its zip CRC, a pickle stream that does not parse) raises
+    :class:`~tsckpt.errors.DamagedValueError`; a sound one only ``weights_only=False`` restores raises
+    :class:`~tsckpt.errors.UnsafeObjectError`, naming ``opt_in`` (how the caller's user allows unpickling)."""
     import torch
 
     damage = archive_damage(blob)
@@ -160,11 +152,8 @@ def load_torch_value(blob: bytes, *, key: str, where: str, allow_pickle: bool,
 
 
 def archive_damage(blob: bytes) -> str | None:
-    """Why ``blob`` is not an intact ``torch.save`` archive, or None.
-
-    ``torch.load`` does not check the zip CRCs, so without this a flipped byte
-    inside the pickle could load as a different value.
-    """
+    """Why ``blob`` is not an intact ``torch.save`` archive, or None (``torch.load`` does not check the zip
+    CRCs: a flipped byte inside the pickle could load as another value)."""
     if not blob.startswith(b"PK\x03\x04"):
         return f"not a torch.save archive ({len(blob)} bytes, no zip header)"
     try:

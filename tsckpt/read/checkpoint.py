@@ -22,16 +22,8 @@ from ..storage.box_reader import BoxReader
 from ..storage.planned_box import PendingBox
 from ..storage.chunk_source import ChunkSource
 from ..format.grid import ChunkGrid
-from ..format.metadata import (
-    CheckpointMetadata,
-    DTensorPlacement,
-    Mesh,
-    ObjectEntry,
-    Placement,
-    ReplicatedPlacement,
-    ShardedTensorPlacement,
-    TensorEntry,
-)
+from ..format.metadata import (CheckpointMetadata, DTensorPlacement, Mesh, ObjectEntry, Placement,
+                               ReplicatedPlacement, ShardedTensorPlacement, TensorEntry)
 from ..format.names import nest
 from ..storage.store import Store, read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
