@@ -164,4 +164,6 @@ def test_nothing_lands_after_a_failed_saves_clean_up(s3, tmp_path, layout, failu
             assert kind == "CheckpointException" and f"tsckpt.errors.SaveFailedError: {line}" in message, message
         else:
             assert (kind, message) == ("KeyboardInterrupt", line)
-    assert s3.keys(BUCKET, f"{prefix}/") == []
+    left = s3.keys(BUCKET, f"{prefix}/")
+    assert left == [], (f"left {left} after {kind}: {message!r}; the rank started {started} writes; "
+                        f"the proxy dealt with, in order: {proxy.dealt}")
