@@ -75,11 +75,8 @@ class CompressedChunk:
 
 def decode(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray, dtype: np.dtype,
            where: str) -> np.ndarray:
-    """A whole stored outer chunk, decoded: shape ``fmt.chunk`` (fill beyond the array's edge included).
-
-    Raises :class:`ChecksumError` naming ``where`` when a crc32c fails or the
-    index does not describe the stored bytes.
-    """
+    """A whole stored outer chunk, decoded: shape ``fmt.chunk`` (fill beyond the array's edge included); a
+    :class:`ChecksumError` naming ``where`` when a crc32c fails or the index does not describe the bytes."""
     raw = np.frombuffer(stored, dtype=np.uint8) if not isinstance(stored, np.ndarray) else stored.reshape(-1)
     crc = 4 if fmt.crc32c_codec else 0
     if fmt.indexed:

@@ -19,23 +19,12 @@ DEFAULT_INNER_CHUNK_BYTES = 16 << 10
 MAX_INNER_CHUNK_BYTES = 16 << 20
 
 
-def plan_tensor(
-    fqn: str,
-    key_path: KeyPath,
-    shape: Sequence[int],
-    dtype: str,
-    boxes: Sequence[grid.Box] | np.ndarray,
-    *,
-    inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-    placement: Placement | None = None,
-    bands: bool = False,
-) -> TensorEntry:
-    """The array of one tensor written as ``boxes``: checked to tile ``shape``, chunks aligned to them.
-
-    ``boxes`` are the ``(offsets, sizes)`` the ranks write, or an int array of
-    shape ``(len(boxes), 2, ndim)``; ``dtype`` is a Zarr data type name.
-    ``bands``: outer chunks cut into bands (:func:`~tsckpt.format.inner_chunks.choose`).
-    """
+def plan_tensor(fqn: str, key_path: KeyPath, shape: Sequence[int], dtype: str, boxes: Sequence[grid.Box] | np.ndarray,
+                *, inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES, placement: Placement | None = None,
+                bands: bool = False) -> TensorEntry:
+    """The array of one tensor written as ``boxes`` (the ranks' ``(offsets, sizes)``, or an int array
+    ``(len(boxes), 2, ndim)``): checked to tile ``shape``, chunks aligned to them. ``dtype``: a Zarr data type
+    name; ``bands``: outer chunks cut into bands (:func:`~tsckpt.format.inner_chunks.choose`)."""
     dt = dtypes.from_zarr(dtype)
     shape = tuple(shape)
     if len(boxes) > grid.FEW_BOXES:  # converted once for both checks below
@@ -43,15 +32,8 @@ def plan_tensor(
     grid.check_tiling(fqn, shape, boxes)
     chunk, inner = inner_chunks.choose(shape, grid.aligned_chunk_shape(shape, boxes), dt.itemsize,
                                        min_bytes=inner_chunk_bytes, max_bytes=MAX_INNER_CHUNK_BYTES, bands=bands)
-    return TensorEntry(
-        key_path=tuple(key_path),
-        path=zarr_path(key_path),
-        shape=shape,
-        dtype=dt.zarr,
-        chunk_shape=chunk,
-        inner_chunk_shape=inner,
-        placement=placement,
-    )
+    return TensorEntry(key_path=tuple(key_path), path=zarr_path(key_path), shape=shape, dtype=dt.zarr,
+                       chunk_shape=chunk, inner_chunk_shape=inner, placement=placement)
 
 
 def check_unique_paths(paths: Iterable[str], where: str) -> None:

@@ -67,13 +67,9 @@ def encode(fmt: ShardFormat, data: np.ndarray, out: np.ndarray | None = None,
 
 def encode_to(fmt: ShardFormat, data: np.ndarray, write: Callable[[memoryview], None],
               scratch: Callable[[int], np.ndarray], unit: int | None = None) -> list[int]:
-    """Pass the stored bytes of an outer chunk to ``write``, in order, in parts; its crc32c values.
-
-    Each part is encoded into ``scratch(n)`` (a buffer of ``n`` bytes, reused
-    from part to part) and is valid only during its ``write`` call. A chunk
-    of one inner chunk, inside the array and contiguous, is written from
-    ``data`` itself.
-    """
+    """Pass the stored bytes of an outer chunk to ``write``, in order, in parts; its crc32c values. Each part is
+    encoded into ``scratch(n)`` (``n`` bytes, reused) and valid only during its ``write`` call; a chunk of one
+    contiguous inner chunk inside the array is written from ``data`` itself."""
     if fmt.pieces == 1 and tuple(data.shape) == fmt.chunk and data.flags.c_contiguous:
         flat = data.reshape(-1).view(np.uint8)
         crc = _crc32c.crc32c(flat)

@@ -18,13 +18,9 @@ Range = tuple[int, int]
 
 def untile_into(values: np.ndarray, inner: Sequence[int], origin: Sequence[int], lo: Sequence[int],
                 hi: Sequence[int], out: np.ndarray, out_origin: Sequence[int]) -> None:
-    """Copy ``[lo, hi)`` (array coordinates) of the block ``values`` into ``out``.
-
-    ``values``: whole inner chunks shaped ``(*block, *inner)`` (any strides with
-    a contiguous last axis), the first of them at array coordinates ``origin``;
-    ``out``: the destination, its element 0 at ``out_origin``. ``[lo, hi)`` must
-    lie inside both the block and ``out``.
-    """
+    """Copy ``[lo, hi)`` (array coordinates, inside both the block and ``out``) of the block ``values`` into
+    ``out``. ``values``: whole inner chunks shaped ``(*block, *inner)`` (a contiguous last axis), the first at
+    array coordinates ``origin``; ``out``: the destination, its element 0 at ``out_origin``."""
     ndim = len(inner)
     block = values.shape[:ndim]
     if any(b <= a for a, b in zip(lo, hi)):
@@ -68,12 +64,9 @@ def _copy(values: np.ndarray, inner: Sequence[int], origin: Sequence[int], lo: S
 def stored_block(span: np.ndarray, grid: Sequence[int], order: Sequence[int], piece_bytes: int,
                  first: Sequence[int], last: Sequence[int]) -> np.ndarray:
     """The inner chunks ``[first, last)`` of an outer chunk, as views of ``span``: ``(*block, piece_bytes)`` in
-    storage order (``order``'s dimensions, slowest first), strided over the pieces between them.
-
-    ``span``: the stored bytes from inner chunk ``first`` (the block's first in
-    storage order) to the block's last one, one after the other, the pieces
-    outside the block included; ``grid``: the chunk's inner grid.
-    """
+    storage order (``order``'s dimensions, slowest first), strided over the pieces between them. ``span``: the
+    stored bytes from the block's first inner chunk to its last, pieces outside the block included; ``grid``:
+    the chunk's inner grid."""
     ndim = len(grid)
     count = [last[d] - first[d] for d in order]
     stride, strides = piece_bytes, [0] * ndim
@@ -86,12 +79,8 @@ def stored_block(span: np.ndarray, grid: Sequence[int], order: Sequence[int], pi
 
 
 def linear_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Positions ``[start, stop)`` of the row-major order of a grid of ``shape`` as boxes ``(lo, hi)``, in order.
-
-    A run of inner chunks stored one after the other is such a range of the
-    box's storage order: each box is a block its bytes can be untiled from
-    as a view. At most ``2 * len(shape) - 1`` boxes.
-    """
+    """Positions ``[start, stop)`` of the row-major order of a grid of ``shape`` as at most ``2 * len(shape) - 1``
+    boxes ``(lo, hi)``, in order: a run of stored inner chunks as blocks its bytes can be untiled from as views."""
     if stop <= start:
         return []
     if not shape:

@@ -26,8 +26,6 @@ except ImportError:  # zarr 3.1 and 3.2
 
 ZarrFormat = Literal[2, 3]
 
-#: Zarr v3's names for the floats no JSON number can hold.
-_SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 #: numpy's byte-order characters, as Zarr names them ("=": this machine's).
 _BYTE_ORDERS = {"<": "little", ">": "big", "=": sys.byteorder, "|": sys.byteorder}
 
@@ -37,27 +35,21 @@ def _native(name: str) -> np.dtype:
 
 
 def _float_from_json(data: Any) -> float | None:
-    """A JSON fill value as a float: a number, a special name or a numeric string; None if it is none of them."""
-    if isinstance(data, (int, float)) and not isinstance(data, bool):
+    """A JSON fill value as a float: a number, a numeric string or Zarr's ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (which ``float`` reads too); None if it is none of them."""
+    if isinstance(data, bool) or not isinstance(data, (int, float, str)):
+        return None
+    try:
         return float(data)
-    if isinstance(data, str):
-        if data in _SPECIAL_FLOATS:
-            return _SPECIAL_FLOATS[data]
-        try:
-            return float(data)
-        except ValueError:
-            return None
-    return None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
 class _MLFloat(ZDType[np.dtype, np.generic]):
-    """Everything an ml_dtypes float needs; the classes made by :func:`_ml_float` only name the type.
-
-    Scalars travel as JSON numbers, ``"NaN"``/``"Infinity"``/``"-Infinity"``, or
-    a ``"0x.."`` hex string of the raw bits (the Zarr v3 rule for floats), which
-    is the only exact form for types whose zero or NaN is unusual (e8m0).
-    """
+    """Everything an ml_dtypes float needs; the classes made by :func:`_ml_float` only name the type. Scalars
+    travel as JSON numbers, ``"NaN"``/``"Infinity"``/``"-Infinity"``, or a ``"0x.."`` hex string of the raw
+    bits (Zarr v3's rule for floats; the only exact form for e8m0's unusual NaN)."""
 
     _zarr_v3_name: ClassVar[str]
 

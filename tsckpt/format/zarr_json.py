@@ -32,49 +32,23 @@ def _leaf_codecs(dt: dtypes.DType, checksums: bool, compression: str | None) -> 
     return codecs + [_CRC32C] if checksums else codecs
 
 
-def _codecs(dt: dtypes.DType, inner_chunk_shape: Sequence[int] | None, checksums: bool,
-            compression: str | None) -> list[dict[str, Any]]:
-    if inner_chunk_shape is None:
-        return _leaf_codecs(dt, checksums, compression)
-    return [{
-        "name": "sharding_indexed",
-        "configuration": {
-            "chunk_shape": list(inner_chunk_shape),
-            "codecs": _leaf_codecs(dt, checksums, compression),
-            "index_codecs": [_BYTES, _CRC32C] if checksums else [_BYTES],
-            "index_location": "end",
-        },
-    }]
-
-
-def array_metadata(
-    shape: Sequence[int],
-    dtype: str,
-    chunk_shape: Sequence[int],
-    inner_chunk_shape: Sequence[int] | None = None,
-    attributes: dict[str, Any] | None = None,
-    *,
-    checksums: bool = True,
-    compression: str | None = None,
-    dimension_names: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """The ``zarr.json`` document of one array.
-
-    With ``checksums`` every chunk (and shard index) carries a crc32c;
-    ``compression`` names an entry of :data:`COMPRESSORS` applied before it.
-    """
+def array_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
+                   inner_chunk_shape: Sequence[int] | None = None, attributes: dict[str, Any] | None = None, *,
+                   checksums: bool = True, compression: str | None = None,
+                   dimension_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``zarr.json`` document of one array. With ``checksums`` every chunk (and shard index) carries a
+    crc32c; ``compression`` names an entry of :data:`COMPRESSORS` applied before it."""
     dt = dtypes.from_zarr(dtype)
-    codecs = _codecs(dt, inner_chunk_shape, checksums, compression)
+    codecs = _leaf_codecs(dt, checksums, compression)
+    if inner_chunk_shape is not None:
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(inner_chunk_shape), "codecs": codecs,
+            "index_codecs": [_BYTES, _CRC32C] if checksums else [_BYTES], "index_location": "end"}}]
     doc: dict[str, Any] = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(shape),
-        "data_type": dt.zarr,
+        "zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": dt.zarr,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_KEY_SEPARATOR}},
-        "fill_value": dt.fill_value,
-        "codecs": codecs,
-    }
+        "fill_value": dt.fill_value, "codecs": codecs}
     if dimension_names is not None:
         doc["dimension_names"] = list(dimension_names)
     if attributes is not None:

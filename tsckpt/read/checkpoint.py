@@ -331,12 +331,8 @@ def _suggest(key: str, keys: list[str]) -> str:
     return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
-def open(  # noqa: A001 - tsckpt.open, like zarr.open / tensorstore.open
-    location: LocationLike,
-    *,
-    allow_pickle: bool = False,
-    io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-) -> Checkpoint:
+def open(location: LocationLike, *, allow_pickle: bool = False,  # noqa: A001 - like zarr.open, tensorstore.open
+         io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> Checkpoint:
     """Open a committed checkpoint for reading, in any process (no process group needed).
 
     Reads only the root metadata document; arrays are opened when their data

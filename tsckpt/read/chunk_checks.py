@@ -1,10 +1,6 @@
-"""The crc32c checks of what zarr-python reads of a chunk through :func:`tsckpt.zarr_store`.
-
-A whole chunk is checked (or, compressed, decoded) as stored; of a part, what
-covers whole checksummed pieces: the shard index, an inner chunk. Damage is
-returned as a problem so that the store raises an error naming the tensor,
-chunk and file, not zarr's codec error naming none.
-"""
+"""The crc32c checks of what zarr-python reads of a chunk through :func:`tsckpt.zarr_store`: a whole chunk
+as stored (compressed: decoded), of a part what covers whole checksummed pieces (the shard index, an inner
+chunk). Damage is returned as a problem, for the store to raise an error naming the tensor, chunk and file."""
 
 from __future__ import annotations
 

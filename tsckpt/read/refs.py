@@ -49,10 +49,8 @@ def references(location: LocationLike, *, name: str | None = None) -> dict[str, 
         raise StorageError(f"reading {loc.url}/{ROOT} failed: {problem(e)}") from None
     refs: dict[str, Any] = {f"{name}/{ROOT}": _inline(bytes(root.value))}
     for key, where in sorted(store.layout.locator(store, metadata).everything().items()):
-        if where.inline is not None:
-            refs[f"{name}/{key}"] = _inline(where.inline)
-        else:
-            refs[f"{name}/{key}"] = [f"{{{{{TEMPLATE}}}}}/{where.file}", where.offset, where.length]
+        refs[f"{name}/{key}"] = (_inline(where.inline) if where.inline is not None
+                                 else [f"{{{{{TEMPLATE}}}}}/{where.file}", where.offset, where.length])
     return {"version": 1, "templates": {TEMPLATE: loc.url}, "refs": refs}
 
 
@@ -64,11 +62,11 @@ def default_name(location: LocationLike) -> str:
 
 def write_references(location: LocationLike, out: str | os.PathLike[str], *, name: str | None = None) -> str:
     """Write :func:`references` of ``location`` to the local file ``out``; returns the top-level name."""
-    doc = references(location, name=name)
-    text = json.dumps(doc, separators=(",", ":"))
+    name = name if name is not None else default_name(location)
+    text = json.dumps(references(location, name=name), separators=(",", ":"))
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
-    return next(iter(doc["refs"])).split("/", 1)[0]
+    return name
 
 
 def open_line(out: str | os.PathLike[str], name: str, location: LocationLike) -> str:
@@ -82,9 +80,8 @@ def open_line(out: str | os.PathLike[str], name: str, location: LocationLike) ->
 def _inline(value: bytes) -> str:
     """A value as the reference format stores one: its text, or ``base64:`` and its bytes encoded."""
     try:
-        text = value.decode("utf-8")
+        if not value.startswith(b"base64:"):
+            return value.decode("utf-8")
     except UnicodeDecodeError:
-        text = None
-    if text is not None and not text.startswith("base64:"):
-        return text
+        pass
     return "base64:" + base64.b64encode(value).decode("ascii")

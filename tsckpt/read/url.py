@@ -73,10 +73,8 @@ class _Open:
 class TsckptFileSystem(AsyncFileSystem):
     """A read-only fsspec filesystem whose files are the Zarr keys of the checkpoints it finds.
 
-    A path is a checkpoint location followed by a key inside it. The
-    checkpoint is the nearest location at or above the path whose root
-    ``zarr.json`` is a tsckpt document; each is opened once per instance, and
-    opened again when its root document changes (a save replaced it).
+    A path is a checkpoint location (the nearest at or above it whose root ``zarr.json`` is a tsckpt document)
+    followed by a key inside it. Each checkpoint is opened once, and again when its root document changes.
 
     Args:
         io_concurrency: concurrent requests per checkpoint, as for :func:`tsckpt.zarr_store`.
@@ -109,9 +107,6 @@ class TsckptFileSystem(AsyncFileSystem):
         # Absolute, so that a copy unpickled elsewhere (a dask worker) names the same files.
         return os.path.abspath(os.path.expanduser(local)) if local else ""
 
-    def unstrip_protocol(self, name: str) -> str:
-        return f"{PROTOCOL}://{name}"
-
     @staticmethod
     def _candidates(path: str) -> list[str]:
         """``path`` and the locations above it, nearest first, down to a bucket (never the filesystem root)."""
@@ -120,16 +115,11 @@ class TsckptFileSystem(AsyncFileSystem):
         return [head + "/".join(parts[:n]) for n in range(len(parts), 0, -1) if parts[n - 1]]
 
     def _location(self, root: str) -> Any:
-        if self.spec and "://" in root:
-            return {"url": root, **self.spec}
-        return root
+        return {"url": root, **self.spec} if self.spec and "://" in root else root
 
     def _root_document(self, candidate: str) -> bytes | None:
-        """The ``zarr.json`` right under ``candidate`` if it is a checkpoint's root document, else None.
-
-        A document that is not JSON counts: opening it then says what is wrong,
-        where skipping it would hide a damaged checkpoint behind "not found".
-        """
+        """The ``zarr.json`` right under ``candidate`` if it is a checkpoint's root document, else None. One that
+        is not JSON counts: opening it says what is wrong, where skipping it would say "not found"."""
         try:
             loc = parse_location(self._location(candidate))
             result = open_kvstore(loc, make_context(self.io_concurrency, loc)).read(ROOT).result()

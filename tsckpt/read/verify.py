@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from ..commit import protocol as commit
 from ..storage.chunk_source import ChunkSource
 from ..storage.fetchers import LocalFiles
 from ..format.grid import ChunkGrid
-from ..format.metadata import ArrayOptions, TensorEntry
+from ..format.metadata import TensorEntry
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..storage.kvio import read_json
@@ -48,23 +48,6 @@ class _Target:
     entry: TensorEntry | None  # None for a blob
 
 
-def _disagreements(want: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]:
-    """How ``doc`` differs from the ``zarr.json`` tsckpt wrote, ``attributes`` (informative) aside."""
-    return [f"{k}: metadata says {want.get(k)!r}, zarr.json says {doc.get(k)!r}"
-            for k in sorted((want.keys() | doc.keys()) - {"attributes"}) if want.get(k) != doc.get(k)]
-
-
-def _expected_doc(target: _Target, doc: Mapping[str, Any], options: ArrayOptions) -> dict[str, Any] | None:
-    """The document tsckpt wrote for ``target`` (for a blob, of the length ``doc`` declares)."""
-    if target.entry is not None:
-        return target.entry.zarr_json(options)
-    shape = doc.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
-            and not isinstance(shape[0], bool) and 0 <= shape[0] < 2**63):
-        return None
-    return zarr_json.blob_metadata(shape[0])
-
-
 class _Checker:
     def __init__(self, source: ChunkSource, advance: Callable[[int], None]):
         self.source = source
@@ -81,11 +64,10 @@ class _Checker:
         return report if target.entry is not None else dataclasses.replace(report, kind="value")
 
     def _check(self, target: _Target) -> EntryReport:
-        problems: list[str] = []
         kv = self.store.node_kvstore(target.path)
-        doc = self._zarr_json(kv, target, problems)
-        if doc is None:
-            return EntryReport(target.key, target.path, 0, 0, tuple(problems))
+        doc = self._zarr_json(kv, target)
+        if isinstance(doc, str):
+            return EntryReport(target.key, target.path, 0, 0, (doc,))
         chunks = ChunkGrid(tuple(doc["shape"]), tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]))
         nbytes = math.prod(chunks.shape) * dtypes.from_zarr(doc["data_type"]).itemsize
         indices = list(chunks.indices())
@@ -120,25 +102,26 @@ class _Checker:
             return None
         return record.table.path if record.table is not None else (record.files[-1].path if record.files else None)
 
-    def _zarr_json(self, kv: ts.KvStore, target: _Target, problems: list[str]) -> dict[str, Any] | None:
+    def _zarr_json(self, kv: ts.KvStore, target: _Target) -> dict[str, Any] | str:
+        """The array's ``zarr.json``, equal to the one tsckpt wrote (``attributes`` aside), or what is wrong."""
         where = f"{target.path}/{commit.ROOT}"
         try:
             doc = read_json(kv, commit.ROOT, where=f"{self.store.url}/{target.path}", max_bytes=_MAX_NODE_BYTES)
         except (ValueError, RecursionError, MetadataError) as e:
-            problems.append(f"{where} is not valid JSON: {e}")
-            return None
+            return f"{where} is not valid JSON: {e}"
         if not isinstance(doc, dict) or doc.get("node_type") != "array":
-            problems.append(f"{where} is missing or is not a Zarr array")
-            return None
-        want = _expected_doc(target, doc, self.source.metadata.array_options)
-        if want is None:
-            problems.append(f"{where} is not a 1-d uint8 array as a stored value must be")
-            return None
-        diff = _disagreements(want, doc)  # none: it is the document tsckpt wrote, so a usable one
-        if diff:
-            problems.append(f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})")
-            return None
-        return doc
+            return f"{where} is missing or is not a Zarr array"
+        if target.entry is not None:
+            want = target.entry.zarr_json(self.source.metadata.array_options)
+        else:  # a blob, of the length its document declares
+            shape = doc.get("shape")
+            if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+                    and not isinstance(shape[0], bool) and 0 <= shape[0] < 2**63):
+                return f"{where} is not a 1-d uint8 array as a stored value must be"
+            want = zarr_json.blob_metadata(shape[0])
+        diff = [f"{k}: metadata says {want.get(k)!r}, zarr.json says {doc.get(k)!r}"
+                for k in sorted((want.keys() | doc.keys()) - {"attributes"}) if want.get(k) != doc.get(k)]
+        return f"{where} disagrees with the checkpoint metadata ({'; '.join(diff)})" if diff else doc
 
     def _read_stored(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
                      sep: str, stored_in: set[str]) -> tuple[list[tuple[str, str | None]], int]:
@@ -287,12 +270,8 @@ def _located(source: ChunkSource, key: str) -> Any:
         return None
 
 
-def verify(
-    location: LocationLike,
-    *,
-    progress: bool | None = None,
-    io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-) -> VerifyReport:
+def verify(location: LocationLike, *, progress: bool | None = None,
+           io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> VerifyReport:
     """Read and check every chunk of the checkpoint at ``location``.
 
     Args:
