@@ -34,9 +34,8 @@ class Mesh:
                    dim_names=tuple(names) if names is not None else None,
                    device_type=get_field(d, "device_type", what, str),
                    ranks=parse_ints(get_field(d, "ranks", what, list), what))
-        if len(mesh.ranks) != math.prod(mesh.shape) or (
-            mesh.dim_names is not None and len(mesh.dim_names) != len(mesh.shape)
-        ):
+        if len(mesh.ranks) != math.prod(mesh.shape) or (mesh.dim_names is not None
+                                                         and len(mesh.dim_names) != len(mesh.shape)):
             raise MetadataError(f"{what}: ranks or dim_names do not match shape {list(mesh.shape)}")
         if len(set(mesh.ranks)) != len(mesh.ranks):
             raise MetadataError(f"{what}: ranks {list(mesh.ranks)} name one rank twice")

@@ -14,9 +14,8 @@ MAX_TENSOR_BYTES = 2**63 - 1
 
 
 def parse_ints(value: Any, what: str, *, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
-    ):
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+                                              for v in value):
         raise MetadataError(f"{what}: expected a list of integers >= {minimum}, got {value!r}")
     return tuple(value)
 

@@ -37,9 +37,8 @@ def _dtype(name: str, what: str) -> str:
 
 
 def _key_path(value: Any, what: str) -> tuple[str | int, ...]:
-    if not isinstance(value, list) or not value or not all(
-        isinstance(p, (str, int)) and not isinstance(p, bool) for p in value
-    ):
+    if not isinstance(value, list) or not value or not all(isinstance(p, (str, int)) and not isinstance(p, bool)
+                                                           for p in value):
         raise MetadataError(f"{what}: key_path must be a non-empty list of strings and integers")
     if any("\ud800" <= c <= "\udfff" for p in value if isinstance(p, str) for c in p):  # lone surrogates (JSON escapes)
         raise MetadataError(f"{what}: key_path holds a string that is not valid Unicode")
@@ -169,9 +168,7 @@ class TensorEntry:
                 raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {list(self.chunk_shape)}")
         if isinstance(self.placement, ShardedTensorPlacement):
             for offsets, sizes, _ in self.placement.shards:
-                if len(offsets) != ndim or len(sizes) != ndim or any(
-                    o + s > n for o, s, n in zip(offsets, sizes, self.shape)
-                ):
+                if len(offsets) != ndim or len(sizes) != ndim or any(o + s > n for o, s, n in zip(offsets, sizes, self.shape)):
                     raise MetadataError(f"{what}: shard at {list(offsets)} of size {list(sizes)} lies outside shape {list(self.shape)}")
 
 

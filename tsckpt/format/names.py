@@ -46,12 +46,8 @@ def zarr_path(key_path: Sequence[str | int]) -> str:
 def check_relative_path(path: str, *, what: str) -> str:
     """Reject a stored path that could point outside the checkpoint."""
     parts = path.split("/")
-    if (
-        not path
-        or path.startswith("/")
-        or any(p in ("", ".", "..") or "\\" in p or p.startswith("__") for p in parts)
-        or any(ord(ch) < 32 for ch in path)
-    ):
+    if (not path or path.startswith("/") or any(ord(ch) < 32 for ch in path)
+            or any(p in ("", ".", "..") or "\\" in p or p.startswith("__") for p in parts)):
         raise MetadataError(f"{what}: path {path!r} is not a safe relative path inside the checkpoint")
     return path
 

@@ -18,11 +18,8 @@ class SelectionError(TsckptError, IndexError):
 
 
 def normalize_index(index: Index, shape: tuple[int, ...], key: str = "") -> tuple[int | slice, ...]:
-    """numpy-style ``index`` as non-negative, in-range ints and slices for TensorStore.
-
-    TensorStore reads negative coordinates literally (its domains may start
-    below zero), so numpy's "count from the end" must be resolved here.
-    """
+    """numpy-style ``index`` as non-negative, in-range ints and slices (TensorStore reads negative coordinates
+    literally, so numpy's "count from the end" is resolved here)."""
     items = index if isinstance(index, tuple) else (index,)
     if sum(i is Ellipsis for i in items) > 1:
         raise SelectionError(f"tensor {key!r}: an index can only have one '...'")
@@ -68,11 +65,8 @@ def parse_index(text: str) -> tuple[int | slice, ...]:
 
 
 def bounding_box(index: tuple[int | slice, ...], shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[int | slice, ...]]:
-    """A normalized index as the unit-step box it reads, and the selection to apply to that box.
-
-    Reading the box lets every chunk it covers whole be checked against its
-    checksum before integer indices drop dimensions and steps skip elements.
-    """
+    """A normalized index as the unit-step box it reads (so every chunk it covers is checked against its
+    checksum before integers drop dimensions and steps skip elements), and the selection to apply to it."""
     full = index + tuple(slice(0, n, 1) for n in shape[len(index):])
     box = tuple(slice(i, i + 1) if isinstance(i, int) else slice(i.start, i.stop) for i in full)
     rest = tuple(0 if isinstance(i, int) else slice(None, None, i.step) for i in full)
