@@ -38,17 +38,13 @@ def save(
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, plain values) to ``path``.
 
     Collective when a process group is initialized: every rank calls it.
-    ``writer_options`` go to :class:`TensorStoreWriter`; among them ``base=``
-    (a committed checkpoint whose unchanged chunks are linked instead of
-    written) and ``incremental=True``, which takes the previous save beside
-    ``path`` as base, so a training loop needs one argument::
+    ``writer_options`` go to :class:`TensorStoreWriter`, e.g. ``base=`` or
+    ``incremental=True`` (the previous save beside ``path`` as base)::
 
         tsckpt.save(state, f"ckpt/step_{step}", incremental=True)
 
     Unlike ``TensorStoreWriter`` (whose default follows DCP's ``FileSystemWriter``),
-    this refuses to replace a complete checkpoint unless ``overwrite=True``:
-    a save to the wrong step's path would otherwise destroy a good checkpoint
-    without a word, and code written against tsckpt's own API can say what it means.
+    this refuses to replace a complete checkpoint unless ``overwrite=True``.
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
     try:
@@ -68,9 +64,7 @@ def async_save(
     async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
     **writer_options: Any,
 ) -> Any:
-    """Like :func:`save` but returns as soon as the state dict is staged; see ``dcp.async_save``.
-
-    Staging is one copy of each rank's tensor data into CPU memory (:class:`Stager`).
+    """Like :func:`save` but returns once the state dict is staged in CPU memory (:class:`Stager`).
 
     ``async_checkpointer_type`` (thread or process) goes to ``dcp.async_save``,
     ``writer_options`` to :class:`TensorStoreWriter`.
@@ -114,11 +108,7 @@ def load(
 
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
-    """Silence DCP's "torch.distributed is disabled ... single process" warning, and only it.
-
-    Saving and loading without a process group is what tsckpt's functions are
-    for in one process; the warning would tell such users nothing.
-    """
+    """Silence DCP's "torch.distributed is disabled ... single process" warning, and only it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
         yield
@@ -140,8 +130,7 @@ class _SaveInterrupts:
         save_id, location = getattr(self.writer, "_orders_save_id", None), self.writer.location
         committed = None
         if save_id is not None and location is not None:  # the rank had its orders: it can look for the commit
-            def committed() -> bool:
-                return failure.committed_at(location, save_id)
+            committed = lambda: failure.committed_at(location, save_id)  # noqa: E731
         return failure.interrupted(self.shown, self.rank(), stopped, target, committed)
 
     def own(self, error: TsckptError) -> BaseException:
@@ -168,23 +157,13 @@ _TENSORSTORE_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
 def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = None) -> BaseException:
     """What tsckpt's functions raise instead of ``e``, DCP's CheckpointException or a KeyboardInterrupt.
 
-    DCP gathers every rank's exception into one CheckpointException (a
-    BaseException, which ``except Exception`` misses), printed as every
-    failing rank's traceback before the error itself. Callers of tsckpt's
-    functions get the first rank's TsckptError as itself, first (a rank's own
-    error before one that replica reads relayed to it from the rank that
-    fetched for it), without DCP's exception or the frames inside DCP and
-    tsckpt it went through: a TsckptError is its one clear line, and those
-    frames say nothing a user can act on.
-
-    A rank's TensorStore error (a failed request that reached DCP as it was)
-    becomes a StorageError that says what to check, ``doing`` ("load from
-    ckpt/step_1000") and the rank first. Ctrl-C on any rank becomes one line:
-    with ``interrupts`` (a save), what the save left where (the line the
-    coordinator's ``finish`` raised, :func:`tsckpt.dcp.failure.interruption`,
-    or, for Ctrl-C outside the writer's steps, :func:`tsckpt.dcp.failure.interrupted`),
-    a ``KeyboardInterrupt`` where Ctrl-C was pressed; else the
-    ``KeyboardInterrupt`` itself. Any other exception is ``e``, unchanged.
+    The first rank's TsckptError as itself (a rank's own error before one
+    relayed to it by replica reads), without DCP's wrapping and frames; a
+    TensorStore error as a StorageError that names ``doing`` and the rank.
+    Ctrl-C on any rank: with ``interrupts`` (a save), one line saying what the
+    save left (:func:`tsckpt.dcp.failure.interrupted`), as a
+    ``KeyboardInterrupt`` where Ctrl-C was pressed; else the
+    ``KeyboardInterrupt``. Anything else is ``e``, unchanged.
     """
     if isinstance(e, KeyboardInterrupt):  # outside DCP's wrapping: between its steps
         if interrupts is None or e.args:  # no save, or already the line that says what it left

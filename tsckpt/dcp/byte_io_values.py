@@ -1,12 +1,9 @@
-"""Non-tensor values as DCP passes them (``BYTE_IO`` items, ``io.BytesIO``) between a rank's planner and its
-storage layer, in both directions.
+"""Non-tensor values as DCP passes them (``BYTE_IO`` items, ``io.BytesIO``) between planner and storage layer.
 
-* :class:`EncodedValue`: a value tsckpt's save planner serialized, tagged with
-  the encoding the writer records (DCP's default planner passes a plain
-  ``io.BytesIO`` of ``torch.save`` bytes instead, which :func:`encode_bytes`
-  decodes safely so that plain data is stored as JSON all the same);
-* :class:`DecodedValue`: a value the reader already restored safely, so the
-  load planner does not unpickle it again.
+:class:`EncodedValue`: a value tsckpt's save planner serialized, tagged with its
+encoding (DCP's default planner passes plain ``torch.save`` bytes, which
+:func:`encode_bytes` decodes safely); :class:`DecodedValue`: a value the reader
+already restored safely, so the load planner does not unpickle it again.
 """
 
 from __future__ import annotations
@@ -31,11 +28,8 @@ class EncodedValue(io.BytesIO):
 def encode_bytes(data: io.BytesIO) -> tuple[str, Any]:
     """How the writer stores a value: ``(JSON, tagged value)`` or ``(TORCH, torch.save bytes)``.
 
-    A tagged :class:`EncodedValue` is taken as it is. DCP's default planner
-    sends the ``torch.save`` bytes of every value; they are loaded with
-    ``weights_only=True`` (which runs no code from them), and values that are
-    plain data are stored as JSON, as tsckpt's planner would have. Anything
-    else keeps its original bytes.
+    A tagged :class:`EncodedValue` is taken as it is; ``torch.save`` bytes are
+    loaded with ``weights_only=True`` and stored as JSON if plain data, else as they are.
     """
     raw = data.getvalue()
     if isinstance(data, EncodedValue):

@@ -1,21 +1,14 @@
 """Python's cycle collector held off while a save or load runs: the one place tsckpt touches ``gc``.
 
-Planning a save or load and moving a checkpoint's pieces allocate a few
-objects per item and per piece (a planned read, its bytes' slot, a transfer),
-thousands per rank, and no cycles that outlive the call. Each few hundred
-allocations start a collection, and every tenth of those a full one, which
-walks every object in the process: a training process's whole heap. One full
-collection over the ~310k live objects of a training process cost 0.13-0.31 s
-on the coordinator, where every rank waits for it; on the S3 benchmark's small
-state a replicated load ran one or two a rank, 0.05-0.2 s of a 1.05 s load.
-PyTorch's ``get_state_dict``/``set_state_dict`` hold the collector off for the
-same reason. Reference counting still frees everything else at once; any
-cycles wait for the next collection after the call.
+Planning and moving a checkpoint's pieces allocate thousands of objects per
+rank and no cycles that outlive the call, and every few hundred allocations
+start a collection; a full one walks the whole heap of a training process
+(0.13-0.31 s over ~310k objects, on the coordinator, where every rank waits).
+PyTorch's ``get_state_dict``/``set_state_dict`` hold the collector off too.
 
 ``tsckpt.save``, ``load`` and ``async_save`` hold it off for the whole call,
-``TensorStoreReader`` while it plans and reads (for ``dcp.load`` too). A caller
-that wants the collector left alone sets ``TSCKPT_HOLD_GC=0`` in the
-environment, or :data:`hold` to False.
+``TensorStoreReader`` while it plans and reads. ``TSCKPT_HOLD_GC=0`` in the
+environment, or :data:`hold` set to False, leaves the collector alone.
 """
 
 from __future__ import annotations

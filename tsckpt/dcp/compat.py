@@ -1,10 +1,8 @@
 """DCP's ``FileSystemWriter``/``FileSystemReader`` arguments, turned into tsckpt's own options.
 
-``TensorStoreWriter`` and ``TensorStoreReader`` take every argument that DCP's
-file-system classes take (torch 2.13 to 2.15), in the same positions, so that
-swapping one class for the other changes nothing else in a training script.
-This module gives each argument its meaning here, or refuses it with a message
-that says why; nothing is accepted and then ignored without being documented.
+``TensorStoreWriter`` and ``TensorStoreReader`` take every argument DCP's
+file-system classes take (torch 2.13 to 2.15), in the same positions; each has
+a meaning here, or is refused with a message that says why.
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str
 def resolve_compression(extensions: Sequence[Any] | None, compression: str | None) -> str | None:
     """The compression codec from DCP's ``_extensions`` or tsckpt's ``compression``.
 
-    ``ZStandard()`` becomes the Zarr ``zstd`` codec (TensorStore compresses, so
-    the ``zstandard`` package DCP needs is not used). Any other extension is
-    refused: tsckpt cannot apply arbitrary stream transforms and still write
-    arrays every Zarr reader can decode.
+    ``ZStandard()`` becomes the Zarr ``zstd`` codec; any other extension is
+    refused (arbitrary stream transforms would make arrays Zarr readers cannot decode).
     """
     codecs = []
     for ext in extensions or ():
@@ -79,13 +75,7 @@ def _registry_name(ext: Any) -> str | None:
 
 
 def check_serialization_format(serialization_format: Any) -> None:
-    """Accept DCP's default ``torch_save`` format; refuse ``safetensors``.
-
-    The format only chooses how ``FileSystemWriter`` lays out its own files.
-    tsckpt always writes raw tensor bytes into Zarr arrays (never pickles
-    tensors), so the default is satisfied as is; asking for safetensors files
-    and silently getting Zarr arrays would be a surprise, hence the error.
-    """
+    """Accept DCP's default ``torch_save`` format (tensors are never pickled here); refuse ``safetensors``."""
     if serialization_format is None:
         return
     value = getattr(serialization_format, "value", serialization_format)

@@ -1,12 +1,9 @@
 """Host copies in flight: the bound on a rank's extra host memory.
 
-A GPU tensor is saved from a host copy, and loaded through a host buffer that
-is then copied to the device; inner chunks are encoded into a copy before they
-are written, and read as their stored bytes before they are checked and placed.
-Without a bound, a rank would hold a copy of its whole state while TensorStore
-works through it: a GPU rank with 60 GB of state would need 60 GB more host
-memory. The writer and the reader both pass every such copy through one
-:class:`CopyWindow`.
+GPU tensors are saved from host copies and loaded through host buffers; inner
+chunks are encoded into copies and read as stored bytes before they are checked.
+Unbounded, a rank would hold a copy of its whole state; the writer and the
+reader pass every such copy through one :class:`CopyWindow`.
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ def check_copy_ahead(per_thread_copy_ahead: int | None) -> int | None:
 class CopyWindow:
     """At most ``limit`` bytes of host copies whose transfer still runs, plus the one being admitted.
 
-    The caller calls ``admit(n)`` before making an ``n``-byte copy: it finishes
-    the oldest transfers until ``n`` more fit (a copy larger than ``limit`` waits
-    for all others, then goes alone). Then ``add(n, finish, hold)``, where
-    ``finish()`` completes the transfer and ``hold`` (the copy) stays referenced
-    until it has. ``drain()`` finishes the rest. ``limit`` None never waits;
-    0 moves one tensor at a time.
+    ``admit(n)`` before making an ``n``-byte copy finishes the oldest transfers
+    until ``n`` more fit; ``add(n, finish, hold)`` records it (``hold`` stays
+    referenced until ``finish()`` ran); ``drain()`` finishes the rest. ``limit``
+    None never waits; 0 moves one tensor at a time.
     """
 
     def __init__(self, limit: int | None):
@@ -74,12 +69,9 @@ class Scratch:
     """Host buffers for values on their way to a destination they cannot be read into (a GPU tensor, or
     another dtype), carved out of one allocation that is reused batch after batch.
 
-    Fresh memory costs the kernel a page fault every 4 KiB (in a sandboxed VM,
-    far more than the copy itself); a load of a GPU state through fresh
-    buffers pays that on every byte. :meth:`take` hands out views until the
-    allocation is full, then fresh arrays; :meth:`reset` (every view handed
-    out is done with) makes it large enough for the largest batch seen, so
-    each batch after the first reuses it. The caller bounds a batch's bytes.
+    Fresh memory costs a page fault every 4 KiB. :meth:`take` hands out views
+    until the allocation is full, then fresh arrays; :meth:`reset` (every view
+    done with) grows it to the largest batch seen, so later batches reuse it.
     """
 
     _ALIGN = 64

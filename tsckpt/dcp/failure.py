@@ -1,45 +1,22 @@
 """A save that failed on some rank: what the rank reports, and the one error every rank then raises.
 
-DCP gathers an exception raised in a rank's ``write_data`` into its
-``CheckpointException`` and never calls the writer's ``finish``: the
-coordinator would not learn of the failure, and what the save staged (a
-staging directory, or objects written in place) would stay until the next
-save or ``tsckpt clean``, keeping a full disk full. So a rank that fails
-while writing waits for every write it started, then reports the failure as
-its summary (:func:`failed_summary`) instead of raising. The
-coordinator's ``finish`` sees every rank's report, removes what the save
-staged, and raises :class:`~tsckpt.errors.SaveFailedError` (:func:`save_failed`),
-whose first line says where the save went, on which rank it failed and why:
+DCP never calls the writer's ``finish`` once a rank's ``write_data`` raised, so
+what the save staged would stay. So a rank that fails waits for every write it
+started, then reports the failure as its summary (:func:`failed_summary`); the
+coordinator's ``finish`` removes what the save staged and raises
+:class:`~tsckpt.errors.SaveFailedError` (:func:`save_failed`), which DCP raises
+on every rank and ``tsckpt.save`` raises as itself:
 
     save to /data/ck failed on rank 3: no space left on device writing 'model.w'
 
-DCP raises that on every rank, inside its ``CheckpointException`` (whose own
-first line names the coordinator, where the failure was raised);
-``tsckpt.save`` raises it as itself.
-
-Ctrl-C is reported the same way, through ``dcp.save`` as through
-``tsckpt.save``: a rank's ``write_data`` stops starting writes, waits for those
-it started (a second Ctrl-C stops that wait), and reports that it was
-interrupted; ``finish`` removes what the save staged and raises one line that
-says so (:func:`interruption`), which DCP raises on every rank and
-``tsckpt.save`` raises as a ``KeyboardInterrupt`` where Ctrl-C was pressed, so
-the program still ends as Ctrl-C ends it. Ctrl-C while the coordinator commits
-waits for the commit, and the line says the checkpoint is complete.
-
-Python raises ``KeyboardInterrupt`` at whatever instruction comes next, even
-between a call that started a write and the one that records it: nothing
-would wait for that write, and it would land after the clean-up (a chunk
-object left on S3 after "what it had staged was removed"). So while a rank
-starts writes, Ctrl-C is held until the step ends (:class:`CtrlC`). So is a
-first Ctrl-C while a failed rank waits for the writes it started: once they
-have ended it is reported as the interrupt. Cutting that wait short would
-leave the clean-up only a quiet moment of the location's listing to wait for
-(:func:`_settle_keys`), and a write held up longer lands after it.
-
-Where Ctrl-C stops a save outside ``write_data`` (a second Ctrl-C, or one in
-DCP's own collectives), ``tsckpt.save`` calls :func:`interrupted` on every
-rank: the coordinator waits for the writes to land, removes what the save
-staged, and every rank raises the same kind of line.
+Ctrl-C is reported the same way (:func:`interruption`); ``tsckpt.save`` raises
+that line as a ``KeyboardInterrupt`` where Ctrl-C was pressed. Ctrl-C while the
+coordinator commits waits for the commit. While a rank starts writes, and
+while a failed rank waits for them, Ctrl-C is held until the step ends
+(:class:`CtrlC`): raised between starting a write and recording it, nothing
+would wait for that write, and it could land after the clean-up. Where Ctrl-C
+stops a save outside ``write_data`` (a second Ctrl-C, or one in DCP's
+collectives), ``tsckpt.save`` calls :func:`interrupted` on every rank.
 """
 
 from __future__ import annotations
@@ -87,11 +64,8 @@ class RankFailure:
 
     @classmethod
     def of(cls, rank: int, error: BaseException) -> RankFailure:
-        """The failure ``error`` describes; tsckpt's own errors are already one clear line.
-
-        A refused or unreachable request says what to check (:func:`~tsckpt.storage.hints.hint`),
-        also where tsckpt's error kept only its gist and the request's own error is its cause.
-        """
+        """The failure ``error`` describes, with what to check (:func:`~tsckpt.storage.hints.hint`) for a
+        refused or unreachable request, also one that is its cause."""
         if isinstance(error, TsckptError):
             text = one_line(error)
         elif isinstance(error, ValueError):  # how TensorStore reports a failed request
@@ -125,13 +99,8 @@ def failures_in(summaries: Iterable[RankSummary]) -> list[RankFailure]:
 
 def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], list[RankSummary]],
                        commit: Callable[[list[RankSummary]], None]) -> None:
-    """Coordinator: ``commit`` the ranks' ``summaries()`` unless a rank failed or was interrupted; a failure, an
-    interrupt or a failed commit removes what was staged and raises one line that says so.
-
-    ``rank`` is the coordinator's, named when the commit itself fails or
-    Ctrl-C stops it. Ctrl-C while committing waits for the commit
-    (:class:`CtrlC`): the line then says whether it is complete.
-    """
+    """Coordinator (rank ``rank``): ``commit`` the ranks' ``summaries()`` unless a rank failed or was
+    interrupted; a failure, an interrupt or a failed commit removes what was staged and raises one line."""
     with CTRL_C.watched():
         try:
             given = summaries()
@@ -177,10 +146,7 @@ def clean_up(target: SaveTarget) -> str | None:
 
 
 def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> SaveFailedError:
-    """The error every rank raises: the first failing rank's problem first, then the others, then the cleanup.
-
-    ``cleanup`` is None when the save's staged data was removed, else why it was not and how to remove it.
-    """
+    """The error every rank raises: the first failing rank's problem, the others, then ``cleanup`` (None: removed)."""
     first, others = failures[0], failures[1:]
     lines = [f"save to {url} failed on rank {first.rank}: {first.problem}"
              + (f" (and on {len(others)} other rank{'s' if len(others) > 1 else ''})" if others else "")]
@@ -197,10 +163,9 @@ def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | No
     """What rank ``rank`` raises after Ctrl-C stopped the save to ``url`` on the ranks ``stopped`` outside
     its writers' steps (a second Ctrl-C, or one in DCP's collectives).
 
-    ``target`` is the coordinator's (None on other ranks): the coordinator
-    removes what the save staged, once the writes still running have landed,
-    and says what is left; other ranks name the command that removes it, or
-    say that the save is complete where ``committed()`` finds its root.
+    ``target`` is the coordinator's (None elsewhere): it removes what the save
+    staged once the writes still running have landed. Other ranks name the
+    command that removes it, or say the save is complete if ``committed()``.
     """
     if target is not None:
         outcome = _outcome(target, settle=True)
@@ -232,11 +197,7 @@ def _interrupted_line(url: str, stopped: list[int], outcome: str) -> str:
 
 
 def _outcome(target: SaveTarget, *, settle: bool) -> str:
-    """What an interrupted save left: complete if it had committed, else what its clean-up removed.
-
-    ``settle``: some rank may have stopped waiting for its writes (Ctrl-C
-    pressed twice): wait for them to land before removing.
-    """
+    """What an interrupted save left; ``settle``: wait for writes a rank stopped waiting for to land first."""
     if _committed_by(target):
         return f"it had committed: {target.url} is complete"
     cleanup = _abort_interrupted(target, settle=settle)
@@ -257,12 +218,8 @@ def _abort_interrupted(target: SaveTarget, *, settle: bool) -> str | None:
 
 
 def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) -> None:
-    """Wait until the keys at an in-place target stop changing: writes of a rank whose own wait for them was
-    cut short (Ctrl-C pressed twice) may still land.
-
-    What lands after the save's data is deleted would stay with no claim over
-    it, which no later save or ``tsckpt clean`` may remove as the save's own.
-    """
+    """Wait until the keys at an in-place target stop changing: writes whose wait was cut short (Ctrl-C
+    pressed twice) may still land, and what lands after the clean-up would stay unclaimed."""
     kv = open_kvstore(target.location, make_context(location=target.location))
     deadline = time.monotonic() + limit
     last, calm_since = set(kv.list().result()), time.monotonic()
@@ -291,15 +248,10 @@ def committed_at(location: Location, save_id: str) -> bool:
 class CtrlC:
     """Ctrl-C on a rank's main thread, held while the rank starts writes and raised when that step ends.
 
-    :meth:`watched` puts this object's handler in place of the program's
-    (only where that is a Python handler, as the interpreter's default is);
-    Ctrl-C during a :meth:`step` is held until the step ends, and then handed
-    to the program's handler, which raises ``KeyboardInterrupt`` there. Outside
-    steps, and for a second Ctrl-C (also in a later step of the same watch),
-    the program's handler runs at once. Each step is short (starting one item's
-    writes; the commit), so Ctrl-C waits a moment at most, but for a failed
-    rank's wait for the writes it started, which lasts as long as they do and
-    which a second Ctrl-C stops.
+    :meth:`watched` puts this object's handler in place of the program's (where
+    that is a Python handler); Ctrl-C during a :meth:`step` is held until the
+    step ends, then handed to the program's handler. Outside steps, and for a
+    second Ctrl-C in the same watch, the program's handler runs at once.
     """
 
     def __init__(self) -> None:

@@ -1,12 +1,9 @@
 """The coordinator's decision: which array each tensor of a save becomes, and which arrays each rank writes.
 
-Made once per save from every rank's full plan (or kept from an earlier save
-while DCP's plan cache says nothing changed, :mod:`tsckpt.dcp.plan_cache`). One
-pass over all ranks' items collects each tensor's regions; each tensor is then
-laid out by :func:`~tsckpt.format.plan.plan_tensor`, as a conversion lays it
-out. Ranks that write the same tensors share one pre-pickled
-:class:`~tsckpt.dcp.contract.ArrayTable`: in an FSDP job that is every rank,
-so the layouts are pickled once, whatever the world size.
+Made once per save from every rank's full plan (or kept while DCP's plan cache
+says nothing changed, :mod:`tsckpt.dcp.plan_cache`); each tensor is laid out by
+:func:`~tsckpt.format.plan.plan_tensor`. Ranks that write the same tensors share
+one pre-pickled :class:`~tsckpt.dcp.contract.ArrayTable`.
 """
 
 from __future__ import annotations
@@ -70,11 +67,9 @@ class GlobalLayout:
             notes = PlannerNotes.of(p)  # only the ranks that describe tensors have any
             placements.update(notes.placements)
             placed_records.update(notes.arrays)
-        # The arrays laid out from placements come first (numbered first): in an FSDP job they are most
-        # tensors, and the root document lists tensors, and interns their meshes, in this order.
+        # The arrays laid out from placements are numbered first: the root document lists tensors in this order.
         placed = _placed_entries(placed_records, placements, inner_chunk_bytes, bands, where)
-        # One pass over every rank's items, flat lists per tensor: with DCP's planner, at 1000 ranks x
-        # 2000 tensors, this loop is most of the coordinator's planning time.
+        # One pass over every rank's items, flat lists per tensor: the coordinator's hot loop.
         boxes: dict[str, list[Any]] = {}  # fqn -> [write data, flat offsets+sizes, item count, number, first rank]
         first_holder: dict[str, int] = {}  # non-tensor value -> the first rank writing it
         rank_ids: list[list[int]] = []
@@ -100,8 +95,7 @@ class GlobalLayout:
                 ids.append(found[3])
             rank_ids.append(ids)
             rank_objects.append(objs)
-        # A key's path in the state dict, as the first rank writing it maps it (DCP's planner_data):
-        # looked up per key, not merged over every rank's map.
+        # A key's path in the state dict, as the first rank writing it maps it (DCP's planner_data).
         first_holder.update((fqn, found[4]) for fqn, found in boxes.items())
         key_paths = {fqn: key_path_of(plans[r].planner_data, fqn) for fqn, r in first_holder.items()}
         key_paths.update((fqn, e.key_path) for fqn, e in placed.items())
@@ -129,11 +123,8 @@ class GlobalLayout:
 
 def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mapping[str, Mapping[str, Any]],
                     inner_chunk_bytes: int, bands: bool, where: str) -> dict[str, TensorEntry]:
-    """The arrays of the DTensors no plan lists, each laid out from its placement alone.
-
-    A model's tensors share a few layouts: each distinct one is planned once
-    (its tiling checked once), the others copy it under their own path.
-    """
+    """The arrays of the DTensors no plan lists, each laid out from its placement alone (each distinct layout
+    planned once, the others copying it under their own path)."""
     out: dict[str, TensorEntry] = {}
     planned: dict[tuple[Placed, str], TensorEntry] = {}
     for fqn, record in records.items():

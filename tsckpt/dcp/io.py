@@ -15,7 +15,6 @@ from torch.futures import Future
 from ..errors import LocationError, TsckptError
 from ..storage.store import Store
 from ..storage.location import Location, LocationLike, parse_location
-from ..rank_writer import region  # noqa: F401 - the reader's boxes are the writer's
 
 
 def done(value: Any) -> Future:
@@ -60,7 +59,6 @@ class TensorStoreIO:
         return self.store.context
 
     def __getstate__(self) -> dict[str, Any]:
-        # TensorStore handles do not pickle; async_save's process mode pickles the writer.
         return {**self.__dict__, "_store": None, "_target": None, "_data_store": None}
 
     @classmethod

@@ -1,11 +1,9 @@
-"""What a rank writes in a DCP save: each item of its plan, as the coordinator's :class:`RankPlan` says
-(:mod:`tsckpt.dcp.contract`, step 4), for :class:`~tsckpt.dcp.storage.TensorStoreWriter`.
+"""What a rank writes in a DCP save (contract, step 4): each item of its plan, as its :class:`RankPlan` says.
 
 Tensors go into the chunks of the arrays the coordinator laid out, through a
-:class:`~tsckpt.rank_writer.RankWriter` made with the save's orders (not this
-rank's own writer options); other values are stored as JSON in the rank's
-summary, or as blobs (:mod:`tsckpt.format.object_values`). What the rank wrote
-is its summary (:class:`RankWrites`), for the coordinator's commit.
+:class:`~tsckpt.rank_writer.RankWriter` made with the save's orders; other
+values are stored as JSON in the rank's summary, or as blobs. What the rank
+wrote is its summary (:class:`RankWrites`), for the coordinator's commit.
 """
 
 from __future__ import annotations

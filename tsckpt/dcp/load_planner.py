@@ -1,11 +1,9 @@
 """DCP load planning: tsckpt's ``LoadPlanner``, DCP's default with checked shapes, dtypes and values.
 
-DCP asks for each local shard's hyperslab in global coordinates (the reader
-reports every tensor as one whole chunk); this planner refuses, in one error
-that names every key, what would load wrongly: a key the checkpoint does not
-have, a tensor where a value was saved (or the reverse), another shape, a
-dtype cast that loses precision. Non-tensor values come back as the reader
-decoded them (JSON) or through ``torch.load(weights_only=True)``.
+It refuses, in one error that names every key, what would load wrongly: a key
+the checkpoint does not have, a tensor where a value was saved (or the
+reverse), another shape, a lossy dtype cast. Non-tensor values come back as the
+reader decoded them or through ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -24,11 +22,8 @@ from .byte_io_values import DecodedValue
 
 
 def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:
-    """Whether every value of ``saved`` is exactly representable in ``dest``.
-
-    Stricter than ``torch.promote_types``, which takes int64 -> float32 (or
-    int32 -> float32) as widening although large integers round.
-    """
+    """Whether every value of ``saved`` is exactly representable in ``dest`` (``torch.promote_types`` takes
+    int64 -> float32 as widening although large integers round)."""
     if torch.promote_types(saved, dest) != dest:
         return False
     if saved.is_floating_point or saved.is_complex or saved == torch.bool:
@@ -39,7 +34,6 @@ def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:
     digits = round(-math.log2(torch.finfo(real).eps)) + 1  # significand bits, implicit one included
     info = torch.iinfo(saved)
     return info.bits - (1 if info.min < 0 else 0) <= digits
-
 
 
 #: How many mismatched keys a load's error details; the others are counted.
@@ -60,13 +54,8 @@ class Mismatch(NamedTuple):
 
 
 def mismatch_message(problems: list[Mismatch]) -> str:
-    """The error for every way a state dict does not match the checkpoint.
-
-    One problem is one line. Several start with a line that names the keys
-    (the first :data:`MISMATCHES_SHOWN` of them), then say what is wrong
-    with each, one per line, so the first line is the one to read even
-    inside DCP's exception, where it follows a rank's traceback.
-    """
+    """The error for every way a state dict does not match the checkpoint: one line, or a first line naming
+    the keys (the first :data:`MISMATCHES_SHOWN`), then one line for each."""
     allows = "; ".join(_ALLOWS[a] for a in dict.fromkeys(p.allowed_by for p in problems) if a)
     if len(problems) == 1:
         return problems[0].text + (f"; {allows}" if allows else "")

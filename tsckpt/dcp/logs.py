@@ -8,7 +8,6 @@ or ``logging.getLogger("tsckpt").setLevel("INFO")`` with a handler.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -57,32 +56,9 @@ def log_save(url: str, tensors: Mapping[str, TensorEntry], blob_paths: Sequence[
     nbytes = sum(math.prod(e.shape) * dtypes.from_zarr(e.dtype).itemsize for e in tensors.values())
     arrays = [e.path for e in tensors.values()] + [p for p in blob_paths if p]
     nodes = len(arrays) + sum(1 for g in parent_groups(arrays) if g) + 1
-    files = sum(chunk_files(e) for e in tensors.values()) + len(blob_paths) + nodes
+    files = sum(e.grid.nchunks for e in tensors.values()) + len(blob_paths) + nodes
     log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks,
                  reuse=reuse)
-
-
-def grid(entry: TensorEntry) -> tuple[int, ...]:
-    """Chunks (files) along each dimension of a tensor's array."""
-    return tuple(-(-n // c) for n, c in zip(entry.shape, entry.chunk_shape))
-
-
-def chunk_files(entry: TensorEntry) -> int:
-    """How many chunk files a tensor's array holds (one for a 0-d tensor, none when it is empty)."""
-    if 0 in entry.shape:
-        return 0
-    return math.prod(grid(entry))
-
-
-def chunks_touched(entry: TensorEntry, regions: Iterable[tuple[Sequence[int], Sequence[int]]]) -> set[tuple[int, ...]]:
-    """The grid cells (chunk files) that the given ``(offsets, lengths)`` boxes overlap."""
-    cells: set[tuple[int, ...]] = set()
-    for offsets, lengths in regions:
-        if any(n == 0 for n in lengths):
-            continue
-        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(offsets, lengths, entry.chunk_shape)]
-        cells.update(itertools.product(*ranges))
-    return cells
 
 
 def load_totals(metadata: CheckpointMetadata, plans: Sequence[Any]) -> tuple[int, int]:
@@ -99,6 +75,7 @@ def load_totals(metadata: CheckpointMetadata, plans: Sequence[Any]) -> tuple[int
                     blobs.add(fqn)
                 continue
             nbytes += math.prod(item.lengths) * dtypes.from_zarr(entry.dtype).itemsize
-            cells.setdefault(fqn, set()).update(chunks_touched(entry, [(item.storage_offsets, item.lengths)]))
+            box = [slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths)]
+            cells.setdefault(fqn, set()).update(entry.grid.chunks_overlapping(box))
     files = sum(len(c) for c in cells.values()) + 2 * len(blobs) + len(cells) + 1
     return nbytes, files

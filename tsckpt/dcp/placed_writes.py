@@ -1,23 +1,16 @@
 """Which rank writes which box of a DTensor, computed from its placements alone, the same on every rank.
 
-A DTensor whose placements are ``Shard(d)`` and ``Replicate()`` on a device
-mesh tells every rank the whole layout: each mesh coordinate's local shard
-(``torch.chunk`` splits, applied mesh dimension by mesh dimension, as DTensor
-does) and which coordinates hold the same shard (those differing only along
-``Replicate`` dimensions). So such a tensor never travels in a save plan:
-tsckpt's planner sends one record of it (from the lowest rank of its mesh),
-the coordinator lays out its array from :func:`boxes`, and each rank finds
-its own writes with :func:`own_boxes`. What the coordinator gathers and
-scatters then grows with tensors plus ranks, not with their product.
+A DTensor placed by ``Shard(d)`` and ``Replicate()`` tells every rank the whole
+layout: each mesh coordinate's local shard (``torch.chunk`` splits, mesh
+dimension by mesh dimension, as DTensor does) and which coordinates hold the
+same shard. So such a tensor never travels in a save plan: one rank sends its
+record, the coordinator lays out its array from :func:`pieces`, and each rank
+finds its own writes with :func:`own_boxes`.
 
-Replicas share the writing: a shard of at least two ``MIN_PIECE_BYTES`` is
-cut into row pieces, and the pieces of every tensor a replica group holds are
-balanced over its members (:func:`own_boxes`). The chunk grid is aligned to
-the pieces (:func:`~tsckpt.format.grid.aligned_chunk_shape`), so no two ranks
-ever write one chunk; the coordinator needs the pieces, never who writes them
-(the ranks' write results say).
-
-Pure functions of shapes, placements and keys; nothing here moves bytes.
+Replicas share the writing: a shard of at least two ``MIN_PIECE_BYTES`` is cut
+into row pieces, balanced over the replica group (:func:`own_boxes`). The chunk
+grid is aligned to the pieces, so no two ranks ever write one chunk. Pure
+functions of shapes, placements and keys.
 """
 
 from __future__ import annotations
@@ -125,12 +118,8 @@ def pieces(placed: Placed) -> Pieces:
 
 
 def _piece_rows(placed: Placed, offsets: np.ndarray, sizes: np.ndarray, replicas: int) -> int | None:
-    """Rows per piece when the shards are cut for their replicas; None when they are written whole.
-
-    Pieces never cut the chunk grid finer than the shards' own row boundaries
-    allow: their height is a multiple of the largest divisor of those
-    boundaries' gcd that fits (as :mod:`tsckpt.dcp.replica_writes` cuts).
-    """
+    """Rows per piece when the shards are cut for their replicas (as :func:`~tsckpt.dcp.replica_writes.row_step`
+    cuts); None when they are written whole."""
     if replicas < 2 or not placed.shape or not len(sizes):
         return None
     rows = int(sizes[:, 0].max())
@@ -159,11 +148,9 @@ def own_boxes(held: Sequence[Held]) -> dict[str, np.ndarray]:
     """The boxes this rank writes of each tensor it holds: int64 ``[n, 2, ndim]`` per key.
 
     A shard without replicas is written whole by its holder. The pieces of
-    replicated shards are balanced over their replicas, per replica group
-    (the same ranks holding the same shard): largest first (ties by key and
-    position), each to the least loaded replica (ties: the first). Every
-    member of a group holds the same tensors with that group, so each
-    computes the same assignment from what it holds alone.
+    replicated shards are balanced per replica group: largest first (ties by
+    key and position), each to the least loaded replica (ties: the first), so
+    every member computes the same assignment from what it holds alone.
     """
     groups: dict[tuple[int, ...], list[tuple[str, np.ndarray, int]]] = {}
     me: dict[tuple[int, ...], int] = {}

@@ -1,36 +1,21 @@
 """DCP's save-plan caching, for a writer whose plans name a new data location on every save.
 
-With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP hands the storage
-writer's global planning an empty, ``usable=False`` plan for each rank whose
-plan did not change since the last save with that planner class, and that rank
-then writes with the plan it received last time, storage data included. tsckpt
-cannot let it: that storage data names the last save's data location (a new
-staging directory on every save to a local filesystem) and the last writer's
-options. So the coordinator needs every rank's full plan to lay out the arrays,
-and sends every rank a usable plan on every save: the rank's cached plan items
-with fresh storage data. The items were pickled once, when they were first
-sent (:class:`PrepickledPlan`); sending them again copies bytes, so a repeated
-save costs the coordinator about what it costs DCP. tsckpt's own planner does
-better: it applies this save's orders to the plan each rank holds
-(:class:`~tsckpt.dcp.contract.NewOrders`), so a repeated save sends each rank
-a few hundred bytes.
+With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP hands the writer's
+global planning an empty, ``usable=False`` plan for each rank whose plan did
+not change, and that rank then writes with the plan it received last time,
+storage data included: the last save's data location and options. So the
+coordinator needs every rank's full plan to lay out the arrays, and sends every
+rank a usable plan on every save: its cached items, pickled once
+(:class:`PrepickledPlan`), with fresh storage data. tsckpt's own planner
+instead applies this save's orders to the plan each rank holds
+(:class:`~tsckpt.dcp.contract.NewOrders`).
 
-Where the full plans come from, with nothing read from DCP's private caches:
-
-* tsckpt's planner hands them over with the plans DCP returns
-  (:class:`~tsckpt.dcp.contract.GlobalPlans`: its ``global_plan``, the very
-  list DCP's cache keeps while nothing changed);
-* another planner (DCP's own) says nothing, so the coordinator recalls them:
-  its writer's ``write_data`` notes the planner's public ``global_plan`` after
-  every save, by weak reference (:meth:`PlanCache.note`). Only the plans that
-  someone still holds stay: those DCP's cache keeps, not those of a save that
-  did not cache (the entry this cache keeps of a recalled save is dropped
-  when a save brings every plan anew). The unchanged ranks' plans are the one
-  set of that many ranks still held; two different sets (two caching planner
-  classes in one process) cannot be told apart, and the save is refused.
-
-How DCP's cache behaves, which all of this relies on, is written down in
-:mod:`tsckpt.dcp.torch_private` and checked against the installed torch.
+The full plans come from tsckpt's planner (:class:`~tsckpt.dcp.contract.GlobalPlans`),
+or, for another planner, from its public ``global_plan``, noted by weak
+reference after every save (:meth:`PlanCache.note`): only plans DCP's cache
+still holds stay alive. Two different live sets for as many ranks cannot be
+told apart, and the save is refused. How DCP's cache behaves is written down
+in :mod:`tsckpt.dcp.torch_private` and checked against the installed torch.
 """
 
 from __future__ import annotations
@@ -110,12 +95,7 @@ class PlanCache:
         self._noted: list[list[weakref.ref[SavePlan]]] = []
 
     def note(self, planner: Any) -> None:
-        """Coordinator, in ``write_data``: keep a weak reference to each of the full plans ``planner`` made.
-
-        For planners that do not hand them over (DCP's own): its public
-        ``global_plan``, set by DCP's global planning, is what DCP's cache
-        keeps when caching is on.
-        """
+        """Coordinator, in ``write_data``: weak references to ``planner.global_plan``, every rank's full plan."""
         plans = getattr(planner, "global_plan", None)
         if not isinstance(plans, list) or not plans or not all(isinstance(p, SavePlan) for p in plans):
             return
@@ -133,19 +113,15 @@ class PlanCache:
         return out
 
     def full_plans(self, plans: list[SavePlan], where: str) -> tuple[list[SavePlan], str | None]:
-        """Every rank's full plan, and the key of the cache entry to keep for it (None: keep none).
-
-        ``plans`` are what DCP's global planning returned: full, or unusable
-        (empty) for each rank whose plan DCP's cache found unchanged.
-        """
+        """Every rank's full plan from what DCP's global planning returned (unusable where DCP's cache found a
+        plan unchanged), and the key of the cache entry to keep for it (None: keep none)."""
         handed = GlobalPlans.found(plans)
         if handed is not None:
             return handed.plans, handed.cache_key
         stale = [r for r, p in enumerate(plans) if not p.usable]
         with self._lock:
             if not stale:
-                # Every plan is new: what was recalled before is no longer what DCP's cache holds, and must
-                # not keep those plans alive as if it did.
+                # Every plan is new: what was recalled before is no longer what DCP's cache holds.
                 self._entries.pop(RECALLED, None)
                 return plans, None
             held = [s for s in self._held() if len(s) == len(plans)]
@@ -163,11 +139,8 @@ class PlanCache:
 
     @staticmethod
     def ranks_keep_their_plans(plans: list[SavePlan]) -> bool:
-        """Whether DCP found no plan changed and tsckpt's planner made them, which updates each rank's cached plan.
-
-        Its ``finish_plan`` then applies :class:`~tsckpt.dcp.contract.NewOrders`
-        to the plan the rank holds; DCP's own planner would write with the old orders.
-        """
+        """Whether DCP found no plan changed and tsckpt's planner made them: its ``finish_plan`` then applies
+        :class:`~tsckpt.dcp.contract.NewOrders` to the plan each rank holds."""
         return GlobalPlans.found(plans) is not None and not any(p.usable for p in plans)
 
     def layout(self, key: str | None, plans: list[SavePlan], inner_chunk_bytes: int,

@@ -1,22 +1,13 @@
 """DCP save planning: what each rank saves, and how it is described.
 
-Planning is separate from storage (as in DCP): this module looks at DTensors,
-ShardedTensors and plain values and turns them into write items annotated with
-JSON-able placement records (:class:`~tsckpt.dcp.contract.PlannerNotes`); the
-storage layer never sees a DTensor.
-
-DCP's default planning yields one item per DTensor local shard, per
-ShardedTensor shard and per plain value, and deduplicates replicas by giving
-each duplicate to the rank with the fewest bytes so far; the writer then
-balances them over all their replicas, cutting large ones into pieces
-(:mod:`tsckpt.dcp.replica_writes`). tsckpt's planner records each tensor's
-mesh and placements, stores plain values as readable JSON, and keeps every
-DTensor whose placements give its layout out of the gathered plans
-(:mod:`tsckpt.dcp.placed_writes`). Each distributed tensor is described by
-one rank (the lowest of its mesh, or the holder of its first shard), so what
-the coordinator gathers does not grow with ranks x tensors. With DCP's own
-planner the plans carry no records and tensors are saved without a
-placement; the writer still decodes plain values. Loading is
+This module turns DTensors, ShardedTensors and plain values into write items
+annotated with JSON placement records (:class:`~tsckpt.dcp.contract.PlannerNotes`);
+the storage layer never sees a DTensor. On top of DCP's default planning,
+tsckpt's planner stores plain values as readable JSON and keeps every DTensor
+whose placements give its layout out of the gathered plans
+(:mod:`tsckpt.dcp.placed_writes`). Each distributed tensor is described by one
+rank (the lowest of its mesh, or the holder of its first shard), so what the
+coordinator gathers does not grow with ranks x tensors. Loading is
 :mod:`tsckpt.dcp.load_planner`.
 """
 
@@ -59,13 +50,8 @@ def _placement_record(p: Any) -> dict[str, Any]:
 
 
 class MeshRecords:
-    """JSON records of the device meshes a state dict's DTensors live on, one per mesh object.
-
-    A state dict has hundreds of DTensors on one or two meshes, and
-    ``DeviceMesh.mesh`` rebuilds its rank tensor on every access (about 0.2 ms
-    in torch 2.13): asking it once per mesh, not once per tensor, is most of
-    what describing a small model's state costs. A shared record also pickles
-    once.
+    """JSON records of the device meshes a state dict's DTensors live on, one per mesh object:
+    ``DeviceMesh.mesh`` rebuilds its rank tensor on every access (about 0.2 ms), and a shared record pickles once.
     """
 
     def __init__(self) -> None:
@@ -121,17 +107,8 @@ def describes(obj: Any, rank: int, meshes: MeshRecords | None = None) -> bool:
 
 
 def placement_records(planner: Any, rank: int, plain: bool = True) -> dict[str, dict[str, Any]]:
-    """The placement records of the tensors ``rank`` describes, read from a planner's state dict.
-
-    For DCP's own planner, whose plans carry no placements: it keeps the
-    flattened state dict it plans from as ``planner.state_dict``, and the writer
-    reports these records in the rank's summary (:mod:`tsckpt.dcp.contract`,
-    step 4). One rank describes each tensor (:func:`describes`), so what the
-    coordinator gathers does not grow with ranks x tensors. A planner without
-    a state dict yields none, and those tensors are saved without a placement.
-    ``plain``: whether this rank describes plain tensors too (every rank does,
-    unless one is known to hold the same values as all others).
-    """
+    """The placement records of the tensors ``rank`` describes (:func:`describes`), read from
+    ``planner.state_dict`` (none without one); ``plain``: plain tensors too."""
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
         return {}
@@ -149,30 +126,26 @@ class SavePlanner(DefaultSavePlanner):
     """DCP's default save planning plus placement records and JSON-readable values.
 
     Takes ``DefaultSavePlanner``'s arguments. Its plans leave out every
-    DTensor placed by ``Shard``/``Replicate`` alone (each rank finds its own
-    writes from the placements, :mod:`tsckpt.dcp.placed_writes`), so what the
-    coordinator gathers grows with tensors plus ranks, not with their product.
+    DTensor placed by ``Shard``/``Replicate`` alone (:mod:`tsckpt.dcp.placed_writes`).
+    ``create_local_plan`` and ``finish_plan`` run on every rank,
+    ``create_global_plan`` on the coordinator between them.
 
     ``values_group``: the save's process group (``tsckpt.save`` passes it).
-    Every rank then sends the others a 16-byte digest of its plain values
-    (one ``all_gather`` in ``create_local_plan``); when all agree, plain
-    tensors are written like DTensors replicated over the group and other
-    values by its first rank, and no other rank lists them. Leave it out
-    when a rank's plain values may differ, or where a collective may not run
+    ``create_local_plan`` then checks with one ``all_gather`` of a digest that
+    every rank holds alike plain values; if so, plain tensors are written like
+    DTensors replicated over the group, other values by its first rank. Leave
+    it out where plain values may differ or a collective may not run
     (``dcp.async_save`` plans in a background thread).
 
-    With ``enable_plan_caching=True``,
-    its global planning (on the coordinator) hands the writer every rank's full
-    plan beside the ones DCP returns (:class:`~tsckpt.dcp.contract.GlobalPlans`),
-    and each rank's ``finish_plan`` takes this save's orders into the plan DCP
-    kept for it (:class:`~tsckpt.dcp.contract.NewOrders`).
+    With ``enable_plan_caching=True``, global planning hands the writer every
+    rank's full plan (:class:`~tsckpt.dcp.contract.GlobalPlans`), and
+    ``finish_plan`` takes this save's orders into the plan DCP kept for a rank
+    (:class:`~tsckpt.dcp.contract.NewOrders`).
     """
 
     def __init__(self, *args: Any, values_group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: The save's process group, when plain values may be checked to be alike on every rank (one all_gather).
         self.values_group = values_group
-        #: Whether DCP's plan cache is on for this planner (DCP keeps its own flag private).
         self.caches_plans = plan_caching_asked(*args, **kwargs)
 
     @property
@@ -181,12 +154,8 @@ class SavePlanner(DefaultSavePlanner):
         return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def create_local_plan(self) -> SavePlan:
-        """Every rank: DCP's local plan, less the DTensors whose placements give their layout.
-
-        Their items stay on the rank (restored by :meth:`finish_plan`), so the
-        coordinator gathers no item per rank and tensor; the lowest rank of
-        each one's mesh sends its record instead (:class:`PlannerNotes`).
-        """
+        """Every rank: DCP's local plan, less the DTensors whose placements give their layout (restored by
+        :meth:`finish_plan`); the lowest rank of each one's mesh sends its record (:class:`PlannerNotes`)."""
         plan = super().create_local_plan()
         full = self.plan  # DCP keeps the rank's whole plan here, sent or not
         world = self._values_world()  # a collective when asked for: before any early return
@@ -209,11 +178,8 @@ class SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def _values_world(self) -> tuple[int, int] | None:
-        """(this rank, world size) of ``values_group`` if every rank there holds the same plain values, else None.
-
-        One ``all_gather`` of a 16-byte digest of the keys, kinds, shapes and
-        dtypes of the state dict's values that are not DTensors or ShardedTensors.
-        """
+        """(this rank, world size) of ``values_group`` if every rank there holds the same plain values (keys,
+        kinds, shapes, dtypes: one ``all_gather`` of a digest), else None."""
         group = self.values_group
         if group is None or not (dist.is_available() and dist.is_initialized()):
             return None
@@ -275,14 +241,12 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class HeldShards:
-    """A rank's items of the tensors whose layout their placements give: kept back from the gathered plan.
+    """A rank's items of the tensors whose layout their placements give, kept back from the gathered plan.
 
-    DTensors placed by ``Shard``/``Replicate`` only; with ``world`` (this
-    rank's number and the save's world size, when every rank is known to hold
-    the same plain values) also plain tensors, as replicated over the world.
-    Made in ``create_local_plan``; in ``finish_plan`` each item becomes what
-    :func:`~tsckpt.dcp.placed_writes.own_boxes` gives this rank: the whole
-    shard, pieces of it, or nothing (another replica writes it).
+    DTensors placed by ``Shard``/``Replicate``; with ``world`` (this rank, world
+    size) also plain tensors, as replicated over the world. Made in
+    ``create_local_plan``; in ``finish_plan`` each item becomes what
+    :func:`~tsckpt.dcp.placed_writes.own_boxes` gives this rank.
     """
 
     def __init__(self, items: list[WriteItem], held: dict[str, Held]):

@@ -7,11 +7,11 @@ Its constructor also takes ``FileSystemReader``'s arguments.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
-
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,6 @@ from .byte_io_values import DecodedValue
 from .io import TensorStoreIO, done
 
 
-
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
     """DCP's view: each tensor as one whole chunk, so DCP asks for exact hyperslabs."""
     sd_md: dict[str, Any] = {}
@@ -70,38 +69,28 @@ EARLY_OWN_READS = 16 << 20
 
 
 class TensorStoreReader(TensorStoreIO, StorageReader):
-    """Read a tsckpt checkpoint with ``dcp.load``, in any topology.
+    """Read a tsckpt checkpoint with ``dcp.load``, in any topology; a drop-in for DCP's ``FileSystemReader``.
 
-    Each local shard's hyperslab is read straight into the destination tensor
-    (detached first, as DCP does, so tensors that require grad load too).
-    A drop-in for DCP's ``FileSystemReader``.
+    Each local shard's hyperslab is read straight into the (detached) destination tensor.
 
     Args:
         path: checkpoint directory (or kvstore spec), or ``checkpoint_id=`` to ``dcp.load``.
-        _extension_registry: ``FileSystemReader``'s registry of stream
-            extensions, accepted in the same position. It has nothing to do
-            here: each array's ``zarr.json`` names its codecs (``zstd``
-            included), and TensorStore decodes them.
+        _extension_registry: accepted in ``FileSystemReader``'s position and unused:
+            each array's ``zarr.json`` names its codecs, and TensorStore decodes them.
         allow_pickle: restore non-tensor values that need arbitrary unpickling
             (code from the checkpoint may run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        per_thread_copy_ahead: bytes of host buffers a rank reads ahead: for
-            destinations that are not filled in place (GPU tensors, or a dtype
-            cast), and the encoded inner chunks read before they are checked and
-            placed; it completes older reads before starting more, so a rank's
-            extra host memory stays near this plus a few times its largest
-            tensor (with replica reads, plus up to 64 MiB of copies being
-            sent). Default 1 GiB, as the writer's; 0 reads one tensor at a
-            time; ``None`` reads everything first.
+        per_thread_copy_ahead: bytes of host buffers a rank reads ahead (for GPU
+            destinations, dtype casts, and encoded inner chunks before they are
+            checked); older reads complete before more start. Default 1 GiB;
+            0 reads one tensor at a time; ``None`` reads everything first.
         replica_reads: when several ranks need the very same box of a tensor
             (DDP replicas, the replica dimension of an HSDP mesh, ``Replicate``
             placements), one of them fetches and checks it and sends it to the
-            others over the default process group (point to point), so storage
-            serves one copy instead of one per replica. ``None`` (default): on
-            for object stores (S3, GCS), off for local and other filesystems,
-            where ranks on one node share the page cache. A rank with it off
-            reads everything itself. If the rank fetching a region fails, every
-            rank that needed it raises.
+            others over the default process group, so storage serves one copy.
+            ``None`` (default): on for object stores (S3, GCS), off for
+            filesystems. If the rank fetching a region fails, every rank that
+            needed it raises.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
@@ -129,11 +118,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         self._prefetched = False
 
     def prefetch_metadata(self) -> CheckpointMetadata:
-        """Read the metadata now, raising tsckpt's own errors, and keep it for the next load.
-
-        ``dcp.load`` starts with ``reset()`` and then reads the metadata on every
-        rank; after this call that read costs nothing. Any later load reads afresh.
-        """
+        """Read the metadata now, raising tsckpt's own errors, and keep it for the next ``dcp.load`` only."""
         self.metadata = None
         self.read_metadata()
         self._prefetched = True
@@ -169,11 +154,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             return dataclasses.replace(plan, storage_data=RankNote(dist.get_rank()))
         return plan
 
+    @collector.held_off()  # every rank's items, on the coordinator
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        with collector.held_off():  # every rank's items, on the coordinator
-            return self._prepare_global_plan(plans)
-
-    def _prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if logs.enabled() and self.metadata is not None:
             self._totals = (*logs.load_totals(self.metadata, plans), len(plans))
         if any(isinstance(p.storage_data, RankNote) for p in plans):
@@ -193,11 +175,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             self._source = ChunkSource.of(self.store, self.metadata)
         return self._source
 
+    @collector.held_off()  # thousands of pieces: no full collection of the process's heap among them
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with collector.held_off():  # thousands of pieces: no full collection of the process's heap among them
-            return self._read_data(plan, planner)
-
-    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.metadata is not None
         md = self.metadata
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
@@ -211,7 +190,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         transfers = share.transfers() if share is not None else []
         buffers = CopyWindow(self.per_thread_copy_ahead)
         # With replicas waiting on this rank, a failure is kept until every transfer is done, then raised.
-        # (What fails before this point fails alike on every rank: the same metadata, no transfer started.)
         failures: list[Exception] | None = None if share is None else []
         moving = None if share is None else ReplicaTransfers(share.rank, str(self.checkpoint_id), self._stored_dtype,
                                                               self.per_thread_copy_ahead)
@@ -247,8 +225,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return done(None)
 
     def _few_small(self, items: list[ReadItem], readers: dict[str, BoxReader]) -> bool:
-        """Whether ``items`` are tensors of at most :data:`EARLY_OWN_READS` bytes in all, and values the root
-        document holds (no read of their own)."""
+        """Whether ``items`` are at most :data:`EARLY_OWN_READS` bytes of tensors and values held in the root."""
         assert self.metadata is not None
         nbytes = 0
         for item in items:
@@ -262,9 +239,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader],
                     first: Callable[[], None] | None = None) -> None:
-        """Read the items this rank reads itself, in batches of at most ``per_thread_copy_ahead`` bytes held:
-        the byte ranges of a batch are merged per file and fetched together (:mod:`tsckpt.storage.byte_reads`).
-        ``first`` runs once the first batch's requests have started, before anything is placed."""
+        """Read this rank's own items in batches of at most ``per_thread_copy_ahead`` bytes held, each batch's
+        ranges merged per file; ``first`` runs once the first batch's requests have started."""
         batch = self.source.batch()
         pending: list[tuple[ReadItem, torch.Tensor, PlannedBox, bool]] = []
         held = 0
@@ -307,12 +283,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             if pending and limit is not None and held + nbytes > limit:
                 flush()
             out = dtypes.tensor_as_numpy(dest) if in_place else scratch.take(tuple(item.lengths), reader.dtype)
-            try:
+            with self._errors_of(fqn):
                 finish = reader.plan(item.storage_offsets, item.lengths, batch, out)
-            except TsckptError:
-                raise
-            except Exception as e:
-                raise read_error(fqn, str(self.checkpoint_id), e) from e
             pending.append((item, dest, finish, not in_place))
             held += nbytes
         flush()
@@ -323,11 +295,17 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     def _result(self, fqn: str, dest: torch.Tensor, read: Callable[[], np.ndarray], copy: bool) -> np.ndarray:
         """The checked values of one read, also copied into ``dest`` unless read in place; one clear error."""
-        try:
+        with self._errors_of(fqn):
             data = read()
             if copy:
                 dest.copy_(dtypes.numpy_as_tensor(data))
-            return data
+        return data
+
+    @contextlib.contextmanager
+    def _errors_of(self, fqn: str) -> Iterator[None]:
+        """A failed read of tensor ``fqn`` as one clear error (tsckpt's own as they are)."""
+        try:
+            yield
         except TsckptError:
             raise
         except Exception as e:

@@ -1,33 +1,20 @@
 """Replicas read once: which rank fetches each region that several ranks of a load need, and whom it feeds.
 
-DDP replicas, the replica dimension of an HSDP mesh and ``Replicate``
-placements make several ranks ask ``dcp.load`` for the very same box of a
-tensor. Read independently, storage serves one copy per replica. Instead the
-coordinator, which sees every rank's load plan in ``prepare_global_plan``,
-groups the read items by region (tensor, offsets, sizes), gives each region
-that at least two ranks need to one of them (the *owner*, chosen to even out
-the bytes each rank fetches), and tells every rank its part in one global
-order: what it fetches and sends to whom, what it receives and from whom.
-Moving the bytes is :mod:`tsckpt.dcp.replica_transfers`; this module only
-decides.
+DDP replicas, HSDP's replica dimension and ``Replicate`` placements make
+several ranks ask ``dcp.load`` for the very same box of a tensor. The
+coordinator (``prepare_global_plan``) groups the read items by region (tensor,
+offsets, sizes), gives each region that at least two ranks need to one of them
+(the *owner*, evening out the bytes each rank fetches), and tells every rank
+its part in one global order. Moving the bytes is
+:mod:`tsckpt.dcp.replica_transfers`; this module only decides.
 
-Only identical boxes are shared: a rank that needs rows 0-99 and one that needs
-rows 0-49 each read their own. So is a box smaller than :data:`MIN_SHARED_BYTES`
-(an optimizer's step count, a norm): two messages to each replica cost more
-than its bytes fetched by each of them, beside the ranges they fetch anyway. A shared box of a sharded tensor is cut into
-stripes at its chunks: member ``k`` of ``m`` fetches the chunks that start in
-the k-th m-th of the dimension, for every such box. The stripes run along a
-dimension the tensor is stored by (:func:`tsckpt.format.band_order.stripe_dims`),
-so each member reads one run of each file it needs instead of pieces of all of
-them: along the rows where they give every member a stripe (a row-sharded save
-read by as many replicas: each member fetches whole files, and its stripes are
-rows, sent and received straight into the destinations), else across the bands
-the packed layout stores on object stores. A tensor stored as one value is
-fetched whole by one member.
-
-What each rank receives grows with the regions it takes part in, plus the
-member lists of its replica groups (pickled once for every rank that has the
-same groups, :class:`~tsckpt.dcp.contract.Prepickled`).
+Only identical boxes of at least :data:`MIN_SHARED_BYTES` are shared. A shared
+box of a sharded tensor is cut into stripes at its chunks, along a dimension it
+is stored by (:func:`tsckpt.format.band_order.stripe_dims`): member ``k`` of
+``m`` fetches the chunks that start in the k-th m-th of the dimension, so each
+member reads one run of each file it needs. A tensor stored as one value is
+fetched whole by one member. The member lists of a rank's replica groups are
+pickled once for every rank with the same groups (:class:`~tsckpt.dcp.contract.Prepickled`).
 """
 
 from __future__ import annotations
@@ -35,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
@@ -45,31 +31,16 @@ from .contract import Prepickled
 
 @dataclass(frozen=True)
 class RankNote:
-    """A rank's local plan says it takes part in replica reads, and its rank in the default process group.
-
-    The point-to-point transfers run on the default group, while DCP numbers
-    plans by the rank in the group it was given; this maps one to the other.
-    """
+    """A rank's local plan says it takes part in replica reads, with its rank in the default process group
+    (where the transfers run; DCP numbers plans by the group it was given)."""
 
     rank: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RankNote:
-        return cls(int(d["rank"]))
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One shared region as one rank sees it: its place in the global order, its plan item, who owns it.
-
-    ``seq`` orders every rank's transfers alike (and tags its messages);
-    ``item`` is the index of the region's read item in this rank's plan;
-    ``owner`` fetches it from storage and sends it to ``receivers``
-    (ranks of the default process group).
-    """
+    """One shared region as one rank sees it: ``seq``, its place in the global order (and message tag);
+    ``item``, its read item in this rank's plan; ``owner``, who fetches it and sends it to ``receivers``."""
 
     seq: int
     item: int
@@ -124,18 +95,6 @@ class ReplicaShare:
         """How many of this rank's shared regions it fetches itself."""
         return int(np.count_nonzero(self.owner == self.rank))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "groups": [list(g) for g in self.groups.value], "seq": self.seq.tolist(),
-                "item": self.item.tolist(), "group": self.group.tolist(), "owner": self.owner.tolist(),
-                "dim": self.dim.tolist(), "start": self.start.tolist(), "stop": self.stop.tolist()}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaShare:
-        return cls(int(d["rank"]), Prepickled(tuple(tuple(int(r) for r in g) for g in d["groups"])),
-                   np.asarray(d["seq"], np.int64), np.asarray(d["item"], np.int32),
-                   np.asarray(d["group"], np.int32), np.asarray(d["owner"], np.int32),
-                   np.asarray(d["dim"], np.int32), np.asarray(d["start"], np.int64), np.asarray(d["stop"], np.int64))
-
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]
 
@@ -147,19 +106,13 @@ MIN_SHARED_BYTES = 4 << 10
 
 def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
              cuts: Callable[[str], Sequence[tuple[int, int, int]]]) -> list[ReplicaShare | None]:
-    """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or did not opt in).
+    """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or has no :class:`RankNote`).
 
-    ``itemsize(fqn)``: bytes per stored element of a tensor; ``cuts(fqn)``:
-    where its regions may be cut into stripes, best first, each ``(dim, chunk,
-    extent)``: the dimension, its outer chunk and its length there (none: not
-    cut). The first that gives every member a stripe is taken, else the one
-    that gives most members one. Ranks whose
-    plan carries no :class:`RankNote` read everything themselves. A region is
-    cut into stripes at its chunks, the k-th member (by rank) taking the chunks
-    that start in the k-th of as many equal parts of the dimension. Owners of the other regions are chosen
-    largest region first, each to the member that has fetched the fewest bytes
-    so far (the regions it reads alone included); ties rotate with the region,
-    so equal replicas split equal regions evenly. Deterministic.
+    ``itemsize(fqn)``: bytes per stored element; ``cuts(fqn)``: where a tensor's
+    regions may be cut into stripes, best first, each ``(dim, chunk, extent)``
+    (:func:`_cut` picks one). Regions not cut go whole, largest first, each to
+    the member that has fetched the fewest bytes so far; ties rotate with the
+    region. Deterministic.
     """
     ranks = [p.storage_data.rank if isinstance(p.storage_data, RankNote) else None for p in plans]
     needers: dict[Region, list[tuple[int, int]]] = {}  # region -> [(plan index, item index)], in first-seen order
@@ -226,12 +179,7 @@ def _cut(region: Region, cuts: Sequence[tuple[int, int, int]],
 
 def _stripes(region: Region, cut: tuple[int, int, int], members: int) -> list[tuple[int, tuple[int, int]]] | None:
     """The stripes of ``region`` along ``cut = (dim, chunk, extent)``: ``(member, (start, stop))`` relative to
-    the region, or None: fetched whole by one member.
-
-    Member ``k`` takes the tensor's chunks that start in ``[k/m, (k+1)/m)`` of
-    the dimension, as stored one run per file; so a member may take none of a
-    region, or all of a narrow one.
-    """
+    the region, member ``k`` taking the chunks that start in ``[k/m, (k+1)/m)`` of the dimension; None: whole."""
     d, chunk, extent = cut
     lo, hi = region[1][d], region[1][d] + region[2][d]
     edges = [lo] + [min(max(-(-k * extent // (chunk * members)) * chunk, lo), hi) for k in range(1, members)] + [hi]

@@ -1,27 +1,21 @@
 """Replicas read once, the bytes: an owner sends a region it fetched to the ranks that also need it.
 
 What goes where is decided by :mod:`tsckpt.dcp.replica_reads`; this module
-moves it with point-to-point ``torch.distributed`` messages on the default
-process group, so only the ranks that share a region take part. Each transfer
-is one message per receiver, the region's bytes; an owner whose read failed
-still sends it (the bytes as they are), so no receiver waits forever. Once all
-its regions are out, an owner sends each of its receivers one status: did
-every checked read it made for that receiver succeed, and if not, the first
-error's class and text, which the receiver raises. A status per region cost
-as many messages again: on the S3 benchmark's small state, 900 a rank.
+moves it with point-to-point messages on the default process group. Each
+transfer is one message per receiver; an owner whose read failed still sends
+(the bytes as they are), so no receiver waits forever. Once all its regions are
+out, an owner sends each receiver one status: whether every read it made for
+that receiver succeeded, else the first error's class and text, which the
+receiver raises.
 
-Every rank posts its messages in the schedule's global order (the owner when
-its read has completed, a receiver when it is ready to take the bytes), so
-the messages between any two ranks come in the same order on both sides: that
-is what NCCL, which ignores tags, needs. Receives that gloo carries are
-posted as soon as they are planned, ahead of this rank's own sends: gloo
-matches each message by sender and tag on its own, so an owner never waits
-for a receiver to reach the region, where waiting turned every region into a
-round trip between ranks. NCCL runs a pair's messages on one stream in the
-order they were posted, so there a receive posted early would wait for a send
-queued behind the peer's own early receive. The bytes travel in the stored dtype,
-straight from and into the destination tensor when the backend carries its
-device and it has that dtype and is contiguous, through a buffer otherwise.
+Every rank posts its messages in the schedule's global order, so the messages
+between two ranks come in the same order on both sides, as NCCL (which ignores
+tags and runs a pair's messages in posting order) needs. Receives that gloo
+carries are posted as soon as they are planned, ahead of this rank's own
+sends: gloo matches by sender and tag, so an owner never waits for a receiver
+to reach the region. The bytes travel in the stored dtype, straight from and
+into the destination when the backend carries its device and it has that
+dtype and is contiguous, through a buffer otherwise.
 """
 
 from __future__ import annotations
@@ -81,21 +75,17 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-#: Bytes of sent copies (regions that are not contiguous in their destination) a rank keeps while they
-#: leave, before it waits for the oldest. Waiting for each copy to leave cost ~1 ms per region on the S3
-#: benchmark's small state: 0.2-0.35 s of a 2.2 s replicated load, on each rank.
+#: Bytes of sent copies a rank keeps while they leave, before it waits for the oldest (waiting for each
+#: cost ~1 ms per region).
 MAX_COPIES_LEAVING = 64 << 20
 
 
 class ReplicaTransfers:
     """One rank's sends and receives of shared regions during one ``read_data``.
 
-    ``rank``: this rank in the default group; ``where`` names the checkpoint
-    in errors; ``stored(fqn)`` is a tensor's stored torch dtype;
-    ``max_copies``: bytes of sent copies kept until they have left (at most
-    :data:`MAX_COPIES_LEAVING`). Sends stay in flight until :meth:`finish`,
-    which every rank must reach, whatever failed before it, and which
-    exchanges the statuses last, after every region on both sides.
+    ``stored(fqn)``: a tensor's stored torch dtype; ``max_copies``: bytes of sent
+    copies kept until they have left. Sends stay in flight until :meth:`finish`,
+    which every rank must reach, whatever failed before, and which exchanges the statuses.
     """
 
     def __init__(self, rank: int, where: str, stored: Callable[[str], torch.dtype],
@@ -108,8 +98,7 @@ class ReplicaTransfers:
         self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, what it sends: kept alive until sent)
         self._copies: collections.deque[tuple[list[tuple[Any, torch.Tensor]], int]] = collections.deque()
         self._copy_bytes = 0
-        # The first error of this rank's reads for each receiver (None: none yet), and the wire device; the
-        # owners this rank receives from, and theirs.
+        # receiver -> (first error of this rank's reads for it, wire device); owner -> wire device.
         self._told: dict[int, tuple[BaseException | None, torch.device]] = {}
         self._owners: dict[int, torch.device] = {}
 
@@ -131,14 +120,8 @@ class ReplicaTransfers:
                 and dest.is_contiguous())
 
     def send(self, transfer: Transfer, payload: torch.Tensor, error: BaseException | None, copy: bool) -> None:
-        """Send ``payload`` (contiguous, stored dtype, on the wire device) to the region's receivers.
-
-        With ``error`` (the owner's read failed), the receivers get ``payload``
-        as it is, and are told by :meth:`finish`'s status. It leaves by
-        :meth:`finish`; ``copy``: it is a temporary copy, one of at most
-        ``max_copies`` bytes kept until they have left (the oldest are waited
-        for first).
-        """
+        """Send ``payload`` (contiguous, stored dtype, on the wire device) to the region's receivers; with
+        ``error``, :meth:`finish`'s status tells them. ``copy``: a temporary copy, counted in ``max_copies``."""
         data = as_bytes(payload)
         sends = []
         for peer in transfer.receivers:

@@ -1,22 +1,14 @@
 """Replicated tensors written by all their replicas: the coordinator spreads each replica group's bytes evenly.
 
-DCP deduplicates replicated write items before the storage writer sees the
-plans: each goes whole to the plan with the fewest bytes so far, in item order,
-so a state dict with one large tensor (an embedding) leaves one replica writing
-far more than the others. It also forgets who else held each item.
-
-So each rank's writer attaches its :class:`Holdings` to its full local plan
-(contract, step 2): a digest of the boxes it holds. On the coordinator, ranks
-with equal holdings form a replica group: each member can write anything any
-member was given. :func:`spread` then cuts the group's large items into row
-pieces (dim 0) and gives items and pieces to the members longest first, each to
-the least loaded (LPT). A piece keeps its item's ``index`` (so the planner
-still resolves the rank's local tensor) and has the sub-box as its chunk; the
-writer writes that part of the tensor (:func:`piece_of`, a view). The array
-layout (:mod:`tsckpt.format.plan`) then aligns chunks to the pieces, so no two
-ranks write one chunk, and the on-disk format is unchanged.
-
-Pure functions of plans; nothing here moves bytes.
+DCP gives each replicated write item whole to the plan with the fewest bytes so
+far, and forgets who else held it. So each rank's writer attaches its
+:class:`Holdings` (a digest of the boxes it holds) to its local plan (contract,
+step 2); on the coordinator, ranks with equal holdings form a replica group, and
+:func:`spread` cuts the group's large items into row pieces and gives items and
+pieces to the members longest first, each to the least loaded (LPT). A piece
+keeps its item's ``index`` and has the sub-box as its chunk; the writer writes
+that view (:func:`piece_of`). Chunks are aligned to the pieces
+(:mod:`tsckpt.format.plan`), so no two ranks write one chunk.
 """
 
 from __future__ import annotations
@@ -45,13 +37,9 @@ PIECE_FRACTION = 1 / 8
 
 @dataclass(frozen=True)
 class Holdings:
-    """What a rank's full local plan holds, attached by its writer around the planner's ``storage_data``.
-
-    ``digest``: 128-bit BLAKE2b of the sorted ``(key, offsets, sizes, dtype)``
-    of its tensor items; ``nbytes``: their bytes. Ranks with equal holdings are
-    replicas of each other. ``notes``: what the planner had put in
-    ``storage_data`` (tsckpt's :class:`~tsckpt.dcp.contract.PlannerNotes`, or None).
-    """
+    """What a rank's full local plan holds, attached by its writer around the planner's ``storage_data``
+    (``notes``). ``digest``: BLAKE2b of its sorted tensor boxes; ``nbytes``: their bytes. Ranks with equal
+    holdings are replicas of each other."""
 
     digest: bytes
     nbytes: int
@@ -168,12 +156,8 @@ def _row_steps(plans: Sequence[SavePlan], counts: dict[str, int]) -> dict[str, i
 def row_step(inner_gcd: int, rows: int, m: int) -> int:
     """Rows per piece when items of up to ``rows`` rows are cut into about ``m`` pieces (the last may be shorter).
 
-    With no region boundary inside dim 0 (``inner_gcd`` 0), ``ceil(rows / m)``:
-    the pieces' boundaries are then the only ones, and each piece is one chunk.
-    Otherwise a multiple of the largest divisor of the boundaries' gcd that
-    fits: every boundary stays a multiple of that divisor, so the chunk grid
-    (the gcd of all boundaries, :func:`~tsckpt.format.grid.aligned_chunk_shape`)
-    is cut no finer.
+    ``ceil(rows / m)`` with no region boundary inside dim 0 (``inner_gcd`` 0), else a multiple of the
+    largest divisor of the boundaries' gcd that fits, so the chunk grid is cut no finer.
     """
     target = -(-rows // m)
     if not inner_gcd:

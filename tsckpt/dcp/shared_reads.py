@@ -1,20 +1,13 @@
 """Regions a rank shares with its replicas: fetched once by their owner and sent, or received.
 
 With replica reads on (:mod:`tsckpt.dcp.replica_reads` decides who fetches
-what), every rank of a load walks the same list of shared regions, in one
-global order: a region's owner plans its checked read into a batch (the
-regions of one round are fetched together, their ranges merged per file) and
-sends it once the batch has run; the others post its receive (where gloo
-carries it, as soon as it is planned, and wait for it once their round's sends
-are out). Runs inside
-:meth:`TensorStoreReader.read_data <tsckpt.dcp.reader.TensorStoreReader.read_data>`
-on every rank, before the regions a rank reads alone (a few small ones of those
-are fetched meanwhile, and placed after). A failure on one rank never leaves a
-transfer undone: it is kept, and raised once every transfer is. A receiver
-learns whether its owner's reads succeeded only from the status that follows
-them all (:mod:`~tsckpt.dcp.replica_transfers`), so a region whose read failed
-may already sit in its destination when the load raises, as the regions read
-before any failure do.
+what), every rank walks the same list of shared regions in one global order: an
+owner plans its checked read into a batch (a round's regions fetched together)
+and sends it once the batch has run; the others post its receive. Runs inside
+``TensorStoreReader.read_data`` on every rank. A failure never leaves a transfer
+undone: it is kept, and raised once every transfer is. A receiver learns of its
+owner's failure only from the final status (:mod:`~tsckpt.dcp.replica_transfers`),
+so a region whose read failed may already sit in its destination when the load raises.
 """
 
 from __future__ import annotations
@@ -55,20 +48,15 @@ class SharedReads:
         targets = _Targets(transfers)
         items = self.plan.items
         # A receive posted when planned (gloo) is waited for after every send of its round (last of all if it
-        # goes straight into its destination and holds no buffer), so this rank sends what it owns as soon as
-        # it has it. Waited for in the global order, each region would be a round trip between its ranks: on
-        # the S3 benchmark's small state (1200 stripes), 1.4 s of a 2.6 s replicated load.
+        # holds no buffer): waited for in the global order, each region would be a round trip between ranks.
         waits: list[Callable[[], None]] = []
-        for round_ in self._rounds(transfers, self.plan, self.readers, rank):
+        for round_ in self._rounds(transfers, rank):
             batch = self.reader.source.batch()
 
             def share(t: Transfer) -> tuple[int, Callable[[], None], bool] | None:
-                return guarded(self.failures, self._share, items[t.item], t, self.planner,
-                               self.readers[items[t.item].storage_index.fqn], self.moving, self.buffers, batch,
-                               targets)
+                return guarded(self.failures, self._share, items[t.item], t, batch, targets)
 
-            # This rank's fetches start before it posts its receives (on the S3 benchmark's small state, 900
-            # receives took 0.1-0.2 s to post), then every step is taken in the global order.
+            # This rank's fetches start before it posts its receives, then every step is taken in global order.
             fetched = {k: share(t) for k, t in enumerate(round_) if t.owner == rank}
             batch.run()
             steps = [fetched[k] if k in fetched else share(t) for k, t in enumerate(round_)]
@@ -90,15 +78,14 @@ class SharedReads:
         for wait in waits:
             wait()
 
-    def _rounds(self, transfers: list[Transfer], plan: LoadPlan, readers: dict[str, BoxReader],
-                rank: int) -> Iterator[list[Transfer]]:
+    def _rounds(self, transfers: list[Transfer], rank: int) -> Iterator[list[Transfer]]:
         """``transfers`` in order, cut into rounds whose regions fetched by ``rank`` hold at most
         ``per_thread_copy_ahead`` bytes (or one region, if larger)."""
         limit, held, round_ = self.reader.per_thread_copy_ahead, 0, []
         for t in transfers:
-            item = plan.items[t.item]
+            item = self.plan.items[t.item]
             _, lengths = t.box(item.storage_offsets, item.lengths)
-            nbytes = readers[item.storage_index.fqn].held_bytes(lengths, out=False) if t.owner == rank else 0
+            nbytes = self.readers[item.storage_index.fqn].held_bytes(lengths, out=False) if t.owner == rank else 0
             if round_ and limit is not None and held + nbytes > limit:
                 yield round_
                 round_, held = [], 0
@@ -107,20 +94,12 @@ class SharedReads:
         if round_:
             yield round_
 
-    def _share(self, item: ReadItem, transfer: Transfer, planner: LoadPlanner, reader: BoxReader,
-               moving: ReplicaTransfers, buffers: CopyWindow, batch: RangeBatch,
+    def _share(self, item: ReadItem, transfer: Transfer, batch: RangeBatch,
                targets: _Targets) -> tuple[int, Callable[[], None], bool]:
-        """Take part in one shared region (an item, or a stripe of it): plan its fetch into ``batch`` (its
-        owner), or its receive.
-
-        Returns the bytes it holds, the step that completes it (send or
-        receive; the item is committed once its last stripe is in), which the
-        caller queues in ``buffers`` once ``batch`` runs, in the global order,
-        and whether it is a receive already posted.
-        The step never leaves a transfer undone: a failure is raised after it
-        (and kept by the caller).
-        """
-        dest, error = targets.resolve(transfer.item, item, planner, self.reader._stored_dtype)
+        """Plan one shared region's fetch into ``batch`` (its owner) or its receive: the bytes it holds, the
+        step that sends or receives it (committing the item after its last stripe; a failure is raised after
+        the transfer), and whether it is a receive already posted."""
+        dest, error = targets.resolve(transfer.item, item, self.planner, self.reader._stored_dtype)
         offsets, lengths = transfer.box(item.storage_offsets, item.lengths)
         part = dest
         if transfer.part is not None:
@@ -128,10 +107,10 @@ class SharedReads:
             part = dest.narrow(d, start, stop - start)
         box = _Box(item.storage_index.fqn, offsets, lengths)
         posted = False
-        if transfer.owner == moving.rank:
-            nbytes, step = self._fetch_and_send(box, transfer, part, error, reader, moving, buffers, batch)
+        if transfer.owner == self.moving.rank:
+            nbytes, step = self._fetch_and_send(box, transfer, part, error, batch)
         else:
-            nbytes, step, posted = self._receive(box, transfer, part, error, moving, buffers)
+            nbytes, step, posted = self._receive(box, transfer, part, error)
 
         def complete() -> None:
             try:
@@ -139,19 +118,19 @@ class SharedReads:
             finally:
                 last = targets.done(transfer.item)
             if last and error is None:
-                planner.commit_tensor(item, dest)
+                self.planner.commit_tensor(item, dest)
 
         return nbytes, complete, posted
 
-    def _receive(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
-                 moving: ReplicaTransfers, buffers: CopyWindow) -> tuple[int, Callable[[], None], bool]:
+    def _receive(self, item: _Box, transfer: Transfer, dest: torch.Tensor,
+                 error: Exception | None) -> tuple[int, Callable[[], None], bool]:
         """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, the receive,
         and whether it is posted already (see :mod:`~tsckpt.dcp.replica_transfers`)."""
-        fqn = item.fqn
+        fqn, moving = item.fqn, self.moving
         direct = moving.direct(dest, fqn)
         stored = self.reader._stored_dtype(fqn)
         nbytes = 0 if direct else math.prod(item.lengths) * stored.itemsize
-        buffers.admit(nbytes)
+        self.buffers.admit(nbytes)
         wire = moving.wire_device(dest)
         into = dest if direct else torch.empty(tuple(item.lengths), dtype=stored, device=wire)
         early = moving.posts_early(wire)
@@ -167,17 +146,13 @@ class SharedReads:
         return nbytes, receive, early
 
     def _fetch_and_send(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
-                        reader: BoxReader, moving: ReplicaTransfers, buffers: CopyWindow,
                         batch: RangeBatch) -> tuple[int, Callable[[], None]]:
         """Plan the checked read of a region this rank owns into ``batch``: its held bytes, and the step that
-        sends it (after ``batch`` runs).
-
-        The step sends even when the read failed (the receivers are told),
-        then raises the failure.
-        """
+        sends it after ``batch`` runs (even when the read failed, then raising the failure)."""
+        reader, moving = self.readers[item.fqn], self.moving
         in_place = readable_in_place(dest, reader.dtype)
         nbytes = reader.held_bytes(item.lengths, out=in_place)
-        buffers.admit(nbytes)
+        self.buffers.admit(nbytes)
         read: Callable[[], np.ndarray] | None = None
         try:
             if error is None:
@@ -217,7 +192,6 @@ def guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any
     except Exception as e:  # noqa: BLE001 - raised once every transfer is done
         failures.append(e)
         return None
-
 
 
 def stripes_along(grid: ChunkGrid) -> tuple[tuple[int, int, int], ...]:

@@ -1,16 +1,11 @@
 """Staging for ``async_save``: one plain copy of the state dict's tensor data.
 
-``dcp.async_save`` returns once the state dict is staged, so staging is all the
-training loop waits for. DCP's default stager deep-copies the state dict object
-graph (meshes, placements, storages) on the way; this one copies only tensor
-bytes into fresh CPU memory and rebuilds the thin DTensor / ShardedTensor
-wrappers around them, so the wait is about one ``memcpy`` of the local data.
-Non-tensor values are deep-copied (they are small, and training mutates them).
-
-With ``cache_staged_state_dict=True`` the CPU copies are kept and refilled by
-the next ``stage`` call when the state dict still has the same structure,
-shapes and dtypes, so a training loop that saves every N steps allocates its
-staging memory once.
+``dcp.async_save`` returns once the state dict is staged. DCP's default stager
+deep-copies the object graph; this one copies only tensor bytes into fresh CPU
+memory and rebuilds the thin DTensor / ShardedTensor wrappers around them.
+Non-tensor values are deep-copied. With ``cache_staged_state_dict=True`` the
+copies are kept and refilled while the state dict keeps its structure, shapes
+and dtypes.
 """
 
 from __future__ import annotations
@@ -29,16 +24,12 @@ class Stager(AsyncStager):
     """An ``AsyncStager`` that copies tensors to CPU memory synchronously.
 
     Pass it as ``dcp.async_save(..., async_stager=tsckpt.Stager())``;
-    :func:`tsckpt.async_save` does so itself, and ``TensorStoreWriter`` is one,
-    so ``dcp.async_save(..., storage_writer=TensorStoreWriter(...))`` stages
-    with it too. Tensors that share storage in the source (tied weights) share
-    one copy in the staged state dict.
+    :func:`tsckpt.async_save` and ``TensorStoreWriter`` (one itself) need not.
+    Tensors that share storage (tied weights) share one staged copy.
 
     Args:
         cache_staged_state_dict: keep the staged copies and refill them on the
-            next call (DCP's option of the same name). The staged tensors then
-            change on every ``stage``: wait for the previous save to finish
-            before staging the next one.
+            next call (DCP's option): wait for the previous save before staging the next.
     """
 
     _synchronize_after_execute: bool = False
@@ -66,7 +57,6 @@ class Stager(AsyncStager):
         self._staged = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # A process-based async_save pickles the storage writer (a Stager): never the staged copies.
         return {**self.__dict__, "_staged": None}
 
 

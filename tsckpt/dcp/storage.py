@@ -1,14 +1,9 @@
 """DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays.
 
-It knows regions, dtypes and paths, never DTensors: placement records arrive in
-the plans from tsckpt's planner. What the coordinator and the ranks tell each
-other, and in which order, is :mod:`tsckpt.dcp.contract`; the arrays are laid
-out by :mod:`tsckpt.dcp.global_layout` (chunk grids from
-:mod:`tsckpt.format.plan`), array specs come from :mod:`tsckpt.storage.store`,
-each rank's items are written by :mod:`tsckpt.dcp.item_writes`, and the
-commit comes from :func:`tsckpt.commit.protocol.commit_checkpoint`. The
-constructor takes ``FileSystemWriter``'s arguments too (:mod:`tsckpt.dcp.compat`).
-See ``docs/format.md`` for what ends up on disk.
+It knows regions, dtypes and paths, never DTensors. The protocol with the ranks
+is :mod:`tsckpt.dcp.contract`; arrays are laid out by
+:mod:`tsckpt.dcp.global_layout`, items written by :mod:`tsckpt.dcp.item_writes`,
+the commit made by :func:`tsckpt.commit.protocol.commit_checkpoint`.
 """
 
 from __future__ import annotations
@@ -55,91 +50,65 @@ from .staging import Stager
 class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     """Write a DCP checkpoint as a Zarr v3 hierarchy, one array per global tensor.
 
-    A drop-in for DCP's ``FileSystemWriter``: it takes the same arguments in
-    the same positions (torch 2.13-2.15), each with a meaning here, and like
-    ``FileSystemWriter`` it is an ``AsyncStager`` (:class:`~tsckpt.dcp.staging.Stager`),
-    so ``dcp.async_save(..., storage_writer=TensorStoreWriter(path))`` stages with it.
+    A drop-in for DCP's ``FileSystemWriter``: the same arguments in the same
+    positions (torch 2.13-2.15, :mod:`tsckpt.dcp.compat`), and an ``AsyncStager``
+    (:class:`~tsckpt.dcp.staging.Stager`) for ``dcp.async_save``.
+    Which method runs on which rank, in what order: :mod:`tsckpt.dcp.contract`.
 
     Args:
-        path: checkpoint directory (or a kvstore spec); may instead be given as
-            ``checkpoint_id=`` to ``dcp.save``.
-        single_file_per_rank: ``True`` asks for the ``"packed"`` layout (one
-            data file per rank, like DCP's default), ``False`` for the plain
-            layout (one file per chunk); ``None`` (the default here) leaves the
-            choice to ``layout``.
-        sync_files: ``False`` skips every fsync (chunks, nodes, root document,
-            and the filesystem sync before the commit) and records
-            ``"synced": false`` in the metadata's ``extra``: faster, but a power
-            loss may leave a committed checkpoint whose files are not on disk.
+        path: checkpoint directory (or a kvstore spec), or ``checkpoint_id=`` to ``dcp.save``.
+        single_file_per_rank: ``True`` means ``layout="packed"``, ``False`` ``"plain"``;
+            ``None`` (the default here) leaves the choice to ``layout``.
+        sync_files: ``False`` skips every fsync and records ``"synced": false``
+            in the metadata's ``extra``: faster, but a power loss may leave a
+            committed checkpoint whose files are not on disk.
         thread_count: concurrent file operations per rank (TensorStore's I/O
             concurrency); the same as ``io_concurrency``.
         per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to
-            host memory ahead of their writes; it waits for older writes before
-            copying more, so a rank's extra host memory stays near this plus
-            a few times its largest tensor. Default 1 GiB (DCP's is 10 MB per thread);
-            0 copies one tensor at a time; ``None`` copies everything before
-            waiting for any write (host memory grows with the state). CPU
-            tensors are written in place.
-        cache_staged_state_dict: with ``dcp.async_save``, keep the staged CPU
-            copies and refill them on the next save instead of allocating new
-            ones (:class:`~tsckpt.dcp.staging.Stager`).
+            host memory ahead of their writes (older writes finish before more
+            are copied). Default 1 GiB; 0 copies one tensor at a time; ``None``
+            copies everything first. CPU tensors are written in place.
+        cache_staged_state_dict: with ``dcp.async_save``, refill the staged CPU
+            copies on the next save (:class:`~tsckpt.dcp.staging.Stager`).
         overwrite: replace a tsckpt checkpoint already at ``path`` (the
             default, as in DCP); ``False`` refuses with
             :class:`~tsckpt.errors.CheckpointExistsError` ("Checkpoint already
-            exists ..."), before any data is written. Other files there (a run
-            directory's configs and logs) are kept as they are: the save writes
-            beside them, as DCP's writer does. Zarr data tsckpt did not write is
-            refused either way (:class:`~tsckpt.errors.ForeignContentError`).
-            On a local filesystem the old checkpoint stays loadable until the
-            new one is complete, and is swapped out in one atomic step (beside
-            other files: moved out and in, under a claim that the next save or
-            ``tsckpt clean`` finishes from). On object stores and ``memory://``
-            the old checkpoint is un-committed before the new data is written:
-            a save that dies there leaves no loadable checkpoint
-            (docs/publication.md).
-        _extensions: ``[ZStandard()]`` (``torch.distributed.checkpoint._extension``)
-            compresses chunks with Zarr's ``zstd`` codec, like ``compression="zstd"``;
-            other extensions are refused.
-        serialization_format: DCP's default (``TORCH_SAVE``) is accepted, since
-            tensors are never pickled here anyway; ``SAFETENSORS`` is refused.
+            exists ..."), before any data is written. Other files there are kept;
+            Zarr data tsckpt did not write is refused either way
+            (:class:`~tsckpt.errors.ForeignContentError`). On a local filesystem
+            the old checkpoint stays loadable until the new one is complete; on
+            object stores and ``memory://`` it is un-committed before the new data
+            is written (docs/publication.md).
+        _extensions: ``[ZStandard()]`` means ``compression="zstd"``; other extensions are refused.
+        serialization_format: DCP's default (``TORCH_SAVE``) is accepted; ``SAFETENSORS`` is refused.
         layout: the storage layout, ``"plain"`` (one file or object per chunk;
             any Zarr reader opens it) or ``"packed"`` (one data file per rank and
             an OCDBT index of every key, written at commit; read through
             :func:`tsckpt.zarr_store`). ``None``: ``$TSCKPT_LAYOUT`` if set, else
             packed. Only the coordinator's choice counts in a multi-rank save.
         inner_chunk_bytes: the smallest inner chunk (Zarr's sharding codec) a
-            save cuts outer chunks into, default 16 KiB; inner chunks are chosen
-            so that loads into 2, 3, 4 or 8 ranks along any dimension fetch little
-            more than they need (``docs/format.md``, section 5). 0 disables them.
+            save cuts outer chunks into, default 16 KiB (``docs/format.md``,
+            section 5); 0 disables them.
         io_concurrency: TensorStore file I/O concurrency per rank.
         checksums: store a crc32c after every inner chunk (Zarr's ``crc32c``
-            codec, computed in hardware while the chunk is written) and a
-            content hash of every outer chunk in the rank's digest table; every
-            read checks every inner chunk it touches, whole, before returning any
-            of it, so flipped bits fail the read instead of loading silently. On
-            by default. Missing and truncated chunks are detected either way.
+            codec) and a content hash of every outer chunk; every read checks each
+            inner chunk it touches before returning any of it. On by default.
+            Missing and truncated chunks are detected either way.
         crc32c_codec: store Zarr's ``crc32c`` codec with every chunk even with
-            ``checksums=False``, so that readers other than tsckpt check data by
-            themselves (with checksums on, every chunk carries it already).
-        compression: ``None`` (default), ``"zstd"`` or ``"blosc"``; model
-            weights rarely compress enough to pay for it.
+            ``checksums=False``, for other readers to check data by.
+        compression: ``None`` (default), ``"zstd"`` or ``"blosc"``.
         base: make this save incremental against a committed checkpoint (a
             path, URL, kvstore spec, or what :func:`tsckpt.latest` returns):
-            every chunk equal to the same chunk of the base is linked from it
-            instead of written (:mod:`tsckpt.base_chunks`). The new checkpoint
-            stands alone: deleting the base later changes nothing.
+            every chunk equal to the base's is linked instead of written
+            (:mod:`tsckpt.base_chunks`); deleting the base later changes nothing.
         incremental: ``True`` takes as base the newest committed checkpoint
-            beside ``path`` (in its parent directory), i.e. the previous save
-            of a training loop; a full save when there is none.
+            beside ``path`` (the previous save of a training loop), if any.
 
-    In a multi-rank save the coordinator's options decide how every rank writes
-    (layout, codecs, checksums, inner chunks, syncing); other ranks' writers
-    contribute only their own resources (``thread_count``/``io_concurrency``,
-    ``per_thread_copy_ahead``).
+    In a multi-rank save the coordinator's options decide how every rank writes;
+    other ranks' writers give only ``thread_count``/``io_concurrency`` and
+    ``per_thread_copy_ahead``.
 
-    ``dcp.save(..., use_collectives=False)`` is refused on more than one rank:
-    a checkpoint is committed once, after every rank's data is written, which
-    needs the ranks to coordinate.
+    ``dcp.save(..., use_collectives=False)`` is refused on more than one rank.
     """
 
     def __init__(
@@ -169,7 +138,6 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         compression = compat.resolve_compression(_extensions, compression)
         if not isinstance(checksums, bool):
             raise OptionError(f"checksums must be True or False, not {checksums!r}")
-        # Every chunk carries its crc32c (Zarr's codec) whenever checksums are on: it is how reads check it.
         self.array_options = ArrayOptions(crc32c_codec=checksums or crc32c_codec, compression=compression)
         self.layout = compat.resolve_layout(single_file_per_rank, layout)
         self.sync_files = bool(sync_files)
@@ -193,12 +161,10 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                            inner_chunk_bytes=self.inner_chunk_bytes, sync_files=self.sync_files)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Never the staged copies, nor open stores or a save's layout.
         return {**TensorStoreIO.__getstate__(self), "_staged": None, "_layout": None}
 
     def _open_store(self, location: Location, config: WriteConfig | None = None) -> Store:
         config = config or self.config
-        # Without syncing, nothing the save writes through this store is fsynced, nor flushed before the commit.
         return Store.open(location, io_concurrency=self.io_concurrency, layout=config.layout, sync=config.sync_files)
 
     def data_store(self, location: Location, config: WriteConfig) -> Store:
@@ -231,9 +197,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                                      options=self.array_options, checksums_on=self.checksums)
 
     def _begin(self) -> SaveTarget:
-        """Coordinator, once every rank has planned: refuse, or claim the location (on local filesystems, make
-        this save's staging directory). Begun here, not in set-up, so that a rank stopped while planning
-        (DCP then never calls ``finish``) leaves nothing begun; Ctrl-C comes once it is, and removes it."""
+        """Coordinator, once every rank has planned (so that a rank stopped while planning leaves nothing
+        begun): refuse, or claim the location. Ctrl-C comes once it is claimed, and removes it."""
         assert self.location is not None
         with CTRL_C.watched():
             target = None
@@ -292,14 +257,9 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as its :class:`RankPlan` says (contract, step 4).
 
-        A failure, or Ctrl-C, is reported, not raised: only the coordinator's
-        ``finish`` can remove what this save staged, and DCP calls it only when
-        no rank raised (:mod:`tsckpt.dcp.failure`). Either way every write this
-        rank started has ended before it returns: none lands after the clean-up
-        has removed the save's data. Ctrl-C is held while a write is started
-        and recorded (:class:`~tsckpt.dcp.failure.CtrlC`), so none is started
-        unrecorded, and while a failed rank waits for its writes, so that a
-        first Ctrl-C does not cut the wait short.
+        A failure, or Ctrl-C, is reported in the summary, not raised, once every
+        write this rank started has ended (:mod:`tsckpt.dcp.failure`): only the
+        coordinator's ``finish`` can remove what the save staged.
         """
         writers: list[RankWriter] = []
         if self.is_coordinator and not isinstance(planner, TsckptSavePlanner):
@@ -335,12 +295,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         return done(RankWrites([], failed_summary(self.rank, save_id, failure)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after every rank wrote or failed: commit (contract, step 5), or remove what was staged.
-
-        A rank that failed said so in its summary: then nothing is committed, the
-        save's staged data is removed, and :class:`~tsckpt.errors.SaveFailedError`
-        names the rank and the problem (:mod:`tsckpt.dcp.failure`).
-        """
+        """Coordinator, after every rank wrote or failed: commit (contract, step 5), or remove what was staged
+        and raise :class:`~tsckpt.errors.SaveFailedError` (:mod:`tsckpt.dcp.failure`)."""
         where = str(self.checkpoint_id)
         assert self._target is not None, "finish runs on the coordinator, after planning"
         commit_or_clean_up(self._target, self.rank,

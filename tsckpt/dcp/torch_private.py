@@ -1,32 +1,24 @@
 """The parts of PyTorch tsckpt relies on that PyTorch does not promise to keep, in one module.
 
-Each name here says what tsckpt takes from torch and what it relies on;
-``tests/test_torch_private.py`` checks every one against the installed torch,
-so that a release that changes one fails there, by name, rather than somewhere
-inside a save or a load.
+``tests/test_torch_private.py`` checks every one against the installed torch.
 
-* :data:`ShardedTensor`, :data:`LocalShard`, :func:`sharded_tensor_like`: the
-  ``ShardedTensor`` type lives only in ``torch.distributed._shard``; staging
-  rebuilds one around copied shards with its private constructor from local
-  shards and global metadata, in the tensor's own process group.
-* :data:`StridedShard`: ``placement_types._StridedShard``, the placement
-  FSDP2 gives a dimension that tensor parallelism shards too; tsckpt records
-  its ``dim`` and ``split_factor``.
+* :data:`ShardedTensor`, :data:`LocalShard`, :func:`sharded_tensor_like`
+  (``torch.distributed._shard``): staging rebuilds a ShardedTensor around
+  copied shards with its private constructor, in its own process group.
+* :data:`StridedShard`: ``placement_types._StridedShard`` (FSDP2 with tensor
+  parallelism); tsckpt records its ``dim`` and ``split_factor``.
 * :data:`flatten_state_dict`, :data:`unflatten_state_dict`: DCP's own
-  (``checkpoint._nested_dict``), so that a converted ``torch.save`` file's keys
-  are the ones ``dcp.save`` gives the same nested state dict.
-* :data:`FakeTensorMode` (``torch._subclasses``): tensors with a shape and no
-  storage, for ``torch.serialization.skip_data`` to write a file's skeleton.
-* :func:`get_element`, :func:`set_element`: tsckpt's own walk of DCP's object
-  paths, the values of a DCP planner's public ``mappings`` (tuples of ``str``
-  keys and ``int`` list indices, made by DCP's private flattening).
-* DCP's plan cache, which ``tsckpt.SavePlanner.finish_plan`` works with:
-  :func:`plan_caching_asked` reads ``enable_plan_caching`` from
-  ``DefaultSavePlanner``'s arguments (DCP keeps its flag private); with it on,
-  a rank whose local plan did not change since the last save sends an empty
-  ``SavePlan(usable=False)``, its global plan comes back unusable with the
-  writer's storage data, ``DefaultSavePlanner.finish_plan`` returns the plan the
-  rank finished last time, and ``global_plan`` holds every rank's full plan.
+  (``checkpoint._nested_dict``), so a converted ``torch.save`` file's keys are
+  the ones ``dcp.save`` gives.
+* :data:`FakeTensorMode` (``torch._subclasses``): shaped tensors without storage,
+  for ``torch.serialization.skip_data``.
+* :func:`get_element`, :func:`set_element`: walks of DCP's object paths (a
+  planner's ``mappings``: tuples of ``str`` keys and ``int`` list indices).
+* DCP's plan cache: :func:`plan_caching_asked` reads ``enable_plan_caching``
+  from ``DefaultSavePlanner``'s arguments. With it on, a rank whose plan did not
+  change sends ``SavePlan(usable=False)``, its global plan comes back unusable
+  with the writer's storage data, ``finish_plan`` returns the rank's last plan,
+  and ``global_plan`` holds every rank's full plan.
 """
 
 from __future__ import annotations
