@@ -54,8 +54,6 @@ class DemoError(TsckptError):
     """A rank failed, or the reloaded state differs from the saved one."""
 
 
-# --- the model ---
-
 class Block(nn.Module):
     """Pre-norm causal self-attention and MLP."""
 
@@ -116,8 +114,6 @@ def _full_values(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# --- the two jobs, one process per rank ---
-
 def _timed(job: Callable[[], Any]) -> float:
     """Seconds ``job`` takes on the slowest rank."""
     dist.barrier()
@@ -160,8 +156,6 @@ def _load_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     full = _full_values({"model": model_sd, "optim": optim_sd, "step": state["step"], "rng": state["rng"]})
     return {"seconds": seconds, "full": full if rank == 0 else None}
 
-
-# --- spawning ---
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -209,8 +203,6 @@ def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     return [results[r] for r in range(world)]
 
 
-# --- checking and reporting (parent process) ---
-
 def _compare(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[str]]:
     """Number of tensors compared, and a line per difference."""
     problems = [f"{k}: saved but not reloaded" for k in saved.keys() - loaded.keys()]
@@ -228,7 +220,6 @@ def _compare(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[s
         elif a != b:
             problems.append(f"{key}: saved {a!r}, reloaded {b!r}")
     return tensors, problems
-
 
 
 def _zarr_source(path: str, layout: str) -> Any:

@@ -184,7 +184,6 @@ def info(
         ("layout", md.layout),
         ("files", str(files)),
         ("bytes stored", f"{human_bytes(stored)} ({stored} B)" if stored is not None else
-         # TensorStore lists an object store's keys but not their sizes (there is no HEAD request either)
          "not known here: TensorStore lists an object store's keys without their sizes; the bucket's own "
          "listing (aws s3 ls --summarize --recursive) has them"),
     ]
