@@ -11,3 +11,12 @@ def crc32c(data: np.ndarray | bytes) -> int:
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     return _crc32c.crc32c(data)
+
+
+#: The crc32c of any bytes followed by their own crc32c (little-endian).
+RESIDUE = 0x48674BC7
+
+
+def intact(data: bytes | np.ndarray) -> bool:
+    """Whether ``data`` (bytes, or contiguous ``uint8``) ends with the crc32c of the bytes before it."""
+    return len(data) >= 4 and _crc32c.crc32c(data) == RESIDUE

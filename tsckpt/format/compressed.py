@@ -8,7 +8,6 @@ differ in size, so such chunks are read whole. numcodecs compresses, as in zarr-
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from ..errors import ChecksumError
-from . import zarr_json
+from . import checksums, zarr_json
 from .shard_encoding import padded
 from .shards import ShardFormat, tile_views
 
@@ -84,7 +83,7 @@ def decode(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray,
         if raw.size < size + crc:
             raise ChecksumError(f"{where}: {raw.size} bytes cannot hold a shard index of {fmt.pieces} inner chunks")
         table = raw[raw.size - size - crc:raw.size - crc]
-        if crc and _crc32c.crc32c(table) != struct.unpack("<I", raw[raw.size - crc:].tobytes())[0]:
+        if crc and not checksums.intact(raw[raw.size - size - crc:]):
             raise ChecksumError(f"{where}: the shard index does not match its crc32c")
         spans = table.view("<u8").reshape(fmt.pieces, 2)
         limit = raw.size - size - crc
@@ -98,7 +97,7 @@ def decode(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray,
     for k, (start, length) in enumerate(spans.tolist()):
         part = raw[start:start + length]
         body = part[:length - crc]
-        if crc and _crc32c.crc32c(body) != struct.unpack("<I", part[length - crc:].tobytes())[0]:
+        if crc and not checksums.intact(part):
             raise ChecksumError(f"{where}: inner chunk {k} does not match its stored crc32c "
                                 "(the data changed after it was written)")
         try:

@@ -4,12 +4,11 @@ chunk). Damage is returned as a problem, for the store to raise an error naming 
 
 from __future__ import annotations
 
-import crc32c as _crc32c
 import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 
 from ..errors import ChecksumError
-from ..format import compressed, dtypes, shards
+from ..format import checksums, compressed, dtypes, shards
 from ..format.metadata import ArrayOptions, TensorEntry
 
 _CHANGED = "does not match its stored crc32c (the data changed after it was written)"
@@ -21,7 +20,7 @@ def check_read(key: str, value: bytes, byte_range: ByteRequest | None, entry: Te
     (None: a value blob), if anything. ``pieces`` keeps, per key, the inner chunks a compressed chunk's index
     gave, for the reads of them that follow."""
     if entry is None:  # a value blob: one piece, read whole
-        return f"its blob {_CHANGED}" if byte_range is None and not intact(value) else None
+        return f"its blob {_CHANGED}" if byte_range is None and not checksums.intact(value) else None
     fmt = shards.value_format(entry, options)
     data = np.frombuffer(value, dtype=np.uint8)
     if options.compression is not None:
@@ -33,11 +32,11 @@ def check_read(key: str, value: bytes, byte_range: ByteRequest | None, entry: Te
         except ChecksumError as e:
             return str(e).removeprefix(": ")
     elif fmt.indexed and (start, end) == (fmt.nbytes - fmt.index_bytes, fmt.nbytes):
-        if not intact(data):
+        if not checksums.intact(data):
             return "its shard index does not match its stored crc32c"
     elif end <= fmt.pieces * fmt.piece_bytes and start % fmt.piece_bytes == 0 and data.size % fmt.piece_bytes == 0:
         for at in range(0, data.size, fmt.piece_bytes):
-            if not intact(data[at:at + fmt.piece_bytes]):
+            if not checksums.intact(data[at:at + fmt.piece_bytes]):
                 return f"the inner chunk at bytes [{start + at}, {start + at + fmt.piece_bytes}) {_CHANGED}"
     return None
 
@@ -55,20 +54,14 @@ def _check_compressed(key: str, entry: TensorEntry, options: ArrayOptions, fmt: 
             return str(e).removeprefix(": ")
         return None
     if fmt.indexed and isinstance(byte_range, SuffixByteRequest) and byte_range.suffix == fmt.index_bytes:
-        if not intact(data):
+        if not checksums.intact(data):
             return "its shard index does not match its stored crc32c"
         pairs = np.frombuffer(data[:16 * fmt.pieces].tobytes(), dtype="<u8").reshape(-1, 2)
         pieces[key] = {(int(o), int(o + n)) for o, n in pairs.tolist() if o != shards.MISSING}
     elif isinstance(byte_range, RangeByteRequest) and (byte_range.start, byte_range.end) in pieces.get(key, ()):
-        if not intact(data):
+        if not checksums.intact(data):
             return f"the inner chunk at bytes [{byte_range.start}, {byte_range.end}) {_CHANGED}"
     return None
-
-
-def intact(data: bytes | np.ndarray) -> bool:
-    """Whether ``data`` ends with the crc32c (little-endian) of the bytes before it."""
-    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    return raw.size >= 4 and _crc32c.crc32c(raw[:-4]) == int.from_bytes(raw[-4:].tobytes(), "little")
 
 
 def as_slice(byte_range: ByteRequest | None) -> slice | None:

@@ -245,12 +245,6 @@ class TensorStoreZarrStore(Store):
             raise self._error(key, e) from None
         return result.state == "value"
 
-    async def getsize(self, key: str) -> int:
-        value = await self.get(key)
-        if value is None:
-            raise FileNotFoundError(key)
-        return len(value)
-
     async def list(self) -> AsyncIterator[str]:
         for key in await self._list(""):
             yield key
