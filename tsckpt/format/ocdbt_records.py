@@ -58,25 +58,62 @@ class VarintColumn:
 
 def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """LEB128 bytes of a column (uint8), and where each value's bytes begin (``len + 1`` offsets)."""
-    v = np.asarray(values, dtype=np.uint64).reshape(-1)
+    v = np.asarray(values)
+    v = v.reshape(-1).view(np.uint64) if v.dtype == np.int64 else np.asarray(v, dtype=np.uint64).reshape(-1)
     if not v.size:
         return np.zeros(0, np.uint8), np.zeros(1, np.int64)
-    if v.max() < 0x80:  # one byte each: most of a node's small columns
-        return v.astype(np.uint8), np.arange(v.size + 1, dtype=np.int64)
     top = int(v.max())
-    w = v.astype(np.uint32) if top < 1 << 32 else v  # narrower words: fewer bytes to shift
+    if top < 0x80:  # one byte each: most of a node's small columns
+        return v.astype(np.uint8), np.arange(v.size + 1, dtype=np.int64)
+    if top >= 1 << 56:
+        return _wide_varints(v, top)
+    # Each value's bytes in one little-endian word (four bytes or eight), continuation bits included, then the
+    # bytes each needs kept: a few passes over words instead of one per byte.
+    word = _WORD4 if top < 1 << 28 else _WORD8
+    w = v.astype(word.type) if word.type is np.uint32 else v
+    width = (top.bit_length() + 6) // 7
+    nbytes = np.ones(v.size, dtype=np.uint8)
+    for k in range(1, width):
+        nbytes += w >= (1 << (7 * k))
+    out = w & word.type(0x7F)
+    for k in range(1, width):
+        byte = w >> word.type(7 * k)
+        byte &= word.type(0x7F)
+        byte <<= word.type(8 * k)
+        out |= byte
+    out |= word.continued[nbytes]
+    # Narrower offsets where they fit: at scale the column is tens of millions of values, each made afresh.
+    starts = np.zeros(v.size + 1, dtype=np.int32 if v.size * out.itemsize < 1 << 31 else np.int64)
+    np.cumsum(nbytes, out=starts[1:])
+    return out.view(np.uint8)[word.kept[nbytes].view(bool)], starts
+
+
+class _Word:
+    """Per byte count ``n``: the continuation bits of an ``n``-byte varint in a little-endian word, and a word
+    whose first ``n`` bytes are 1 (viewed as bytes, a mask of those a varint keeps)."""
+
+    def __init__(self, dtype: type):
+        self.type = dtype
+        size = np.dtype(dtype).itemsize
+        self.continued = np.asarray([sum(0x80 << (8 * k) for k in range(n - 1)) for n in range(size + 1)], dtype)
+        self.kept = np.asarray([sum(1 << (8 * k) for k in range(n)) for n in range(size + 1)], dtype)
+
+
+_WORD4, _WORD8 = _Word(np.uint32), _Word(np.uint64)
+
+
+def _wide_varints(v: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`varint_column` of values of nine or ten bytes (at or above 2**56): byte by byte."""
     nbytes = np.ones(v.size, dtype=np.uint8)
     width = 1
     while width < 10 and top >> (7 * width):
-        nbytes += w >= (1 << (7 * width))
+        nbytes += v >= (1 << (7 * width))
         width += 1
     starts = np.zeros(v.size + 1, dtype=np.int64)
     np.cumsum(nbytes, out=starts[1:])
-    # Byte k of every value in one pass each, then the bytes each value needs, value by value: a few passes
-    # over the column instead of a masked gather and scatter per byte.
     rows = np.empty((width, v.size), dtype=np.uint8)
     for k in range(width):
-        byte = (w >> (7 * k)).astype(np.uint8)
+        byte = (v >> np.uint64(7 * k)).astype(np.uint8)
         byte &= 0x7F
         byte |= (nbytes > k + 1).view(np.uint8) << 7
         rows[k] = byte
