@@ -50,9 +50,9 @@ def leaves(entries: Entries, limit: int) -> Iterator[Leaf]:
     paths = _Paths(entries.files)
     runs = range(len(keys.runs))
     lo, hi = keys.run_starts[:-1], keys.run_starts[1:]
-    stored = np.zeros(len(keys) + 1, np.int64)  # values in data files before each key
-    np.cumsum(entries.file >= 0, out=stored[1:])
-    whole = (hi - lo > 1) & (stored[hi] - stored[lo] == hi - lo)
+    # A run is whole when no inline value falls inside it (inline values are few: documents).
+    inline = np.asarray(sorted(entries.inline), np.int64)
+    whole = (hi - lo > 1) & (np.searchsorted(inline, lo) == np.searchsorted(inline, hi))
     # The runs between whole ones, all together: their leaves come from one pass, each cut within its stretch.
     loose = [r for r in runs if not whole[r]]
     part = entries.pick(loose)
