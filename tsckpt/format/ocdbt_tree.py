@@ -22,29 +22,30 @@ from .ocdbt_leaves import cut, leaves
 class Tree:
     """A B+tree encoded into one node file: its bytes, and the root the manifest points to."""
 
-    nodes: bytes
+    nodes: bytes | bytearray
     root: Ref
     height: int
     stats: Stats
 
 
-def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, start: int = 0) -> Tree:
+def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, head: bytes = b"") -> Tree:
     """Every leaf, then every level of interior nodes up to the root, back to back in node file ``path``.
 
     Leaves and interior nodes are cut to stay under ``max_node_bytes``
     (estimated from the keys and inline values before encoding) and
-    :data:`~tsckpt.format.ocdbt.MAX_NODE_ARITY` entries. ``start``: where the
-    nodes begin in the file (after values stored there first).
+    :data:`~tsckpt.format.ocdbt.MAX_NODE_ARITY` entries. ``head``: what the
+    file holds before the nodes (values stored there), the start of
+    :attr:`Tree.nodes`, which is the whole file.
     """
     if not len(entries):
         raise ValueError("an OCDBT tree of no keys has no root node")
-    out: list[bytes] = []
-    at = start
+    # One buffer the nodes are appended to: at scale the file is hundreds of megabytes, which a list of nodes
+    # joined at the end would hold twice.
+    out = bytearray(head)
     level: list[tuple[bytes, Ref, Stats]] = []
     for leaf in leaves(entries, max_node_bytes):
-        level.append((leaf.first, Ref(path, at, len(leaf.node)), Stats(leaf.keys, len(leaf.node), leaf.held)))
-        out.append(leaf.node)
-        at += len(leaf.node)
+        level.append((leaf.first, Ref(path, len(out), len(leaf.node)), Stats(leaf.keys, len(leaf.node), leaf.held)))
+        out += leaf.node
     height = 0
     while len(level) > 1:
         height += 1
@@ -54,9 +55,8 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
             part = level[lo:hi]
             node, stats = encode_interior(height, [k for k, _, _ in part], [r for _, r, _ in part],
                                           [s for _, _, s in part])
-            upper.append((part[0][0], Ref(path, at, len(node)), stats))
-            out.append(node)
-            at += len(node)
+            upper.append((part[0][0], Ref(path, len(out), len(node)), stats))
+            out += node
         level = upper
     _, root, stats = level[0]
-    return Tree(b"".join(out), root, height, stats)
+    return Tree(out, root, height, stats)

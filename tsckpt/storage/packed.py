@@ -200,10 +200,10 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
             size = len(entries.inline.pop(k))
             entries.file[k], entries.offset[k], entries.length[k] = entries.files.index(path), at, size
             at += size
-    tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, start=len(head))
+    tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, head=head)
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
                               max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
-    nodes = kv.write(path, head + tree.nodes)
+    nodes = kv.write(path, tree.nodes)
     try:
         fence()  # on an object store a round trip, overlapping the node file's
     except BaseException:
