@@ -149,19 +149,23 @@ class PackedColumns:
 
 
 def expand(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Each of ``values`` repeated its number of ``rows``; when every rank has as many rows, several times
-    faster than a repeat by counts (the common case: every rank holds a shard of every tensor)."""
-    if len(rows) and (rows == rows[0]).all():
-        return np.repeat(values, int(rows[0]))
+    """Each of ``values`` repeated its number of ``rows``; when every rank that has rows has as many, several
+    times faster than a repeat by counts (the common case: every rank holds a shard of every tensor, and the
+    ranks past the last row of a row-sharded world hold none)."""
+    some = rows > 0
+    counts = rows[some]
+    if len(counts) and (counts == counts[0]).all():
+        return np.repeat(values[some], int(counts[0]))
     return np.repeat(values, rows)
 
 
 def columns_of(summaries: Sequence[RankSummary],
                file_numbers: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray | None]:
-    """Every summary's columns, one after the other, as int64 (None for a column some summary lacks), and
-    ``"rows"``: each summary's number of rows. Decoded all at once: a few passes over every rank's rows instead
-    of a few per rank. ``file_numbers``: for each summary, the number each of its files gets (its ``file``
-    column is given in those; -1 stays -1)."""
+    """Every summary's columns, one after the other (None for a column some summary lacks), and ``"rows"``: each
+    summary's number of rows. Decoded all at once: a few passes over every rank's rows instead of a few per rank.
+    ``file_numbers``: for each summary, the number each of its files gets (its ``file`` column is given in
+    those; -1 stays -1). Each column comes in the narrowest type that holds what the ranks sent (see
+    :func:`_decoded_type`): at scale a column is tens of millions of rows, each made afresh."""
     rows = np.asarray([s.packed.rows if s.packed is not None else len(s.tensor) for s in summaries], np.int64)
     # A column that holds one value on a rank (most do, in a regular layout) costs that rank no array.
     constants = {name: np.zeros(len(summaries), np.int64) for name in _COLUMNS}
@@ -184,24 +188,46 @@ def columns_of(summaries: Sequence[RankSummary],
                 values = np.append(file_numbers[i], -1)[values]  # -1 indexes the appended -1
             arrays[name].append((i, values))
     out: dict[str, np.ndarray | None] = {"rows": rows}
-    starts = np.cumsum(rows) - rows
-    nonempty = np.flatnonzero(rows)
     for name in _COLUMNS:
         if sent[name] < len(summaries):
             out[name] = None
             continue
-        values = expand(constants[name], rows)
-        for i, part in arrays[name]:
-            values[starts[i]:starts[i] + rows[i]] = part
-        if name in _DELTAS:
-            # One running sum over every rank's deltas, each rank's first less what the rank before summed to.
-            sums = constants[name] * rows
-            for i, part in arrays[name]:
-                sums[i] = int(part.sum())
-            values[starts[nonempty[1:]]] -= sums[nonempty[:-1]]
-            np.cumsum(values, out=values)
-        out[name] = values
+        out[name] = _joined(name, constants[name], arrays[name], rows)
     return out
+
+
+def _decoded_type(name: str, constants: np.ndarray, parts: Sequence[np.ndarray]) -> np.dtype:
+    """The type column ``name`` is decoded to. Running sums are exact in a type that holds every value summed to
+    (intermediate sums may wrap): a rank's tensor numbers are int32, its chunks and offsets any int64. Other
+    columns are their values, as wide as the widest a rank sent or the constants need."""
+    if name == "reused":
+        return np.dtype(bool)
+    if name in _DELTAS:
+        return np.dtype(_COLUMNS[name])
+    return np.result_type(_narrowest(constants), *(p.dtype for p in parts))
+
+
+def _joined(name: str, constants: np.ndarray, arrays: list[tuple[int, np.ndarray]], rows: np.ndarray) -> np.ndarray:
+    """One column of every rank's rows: each rank's constant or its array of values (or, in ``_DELTAS``, of
+    differences, summed here)."""
+    dtype = _decoded_type(name, constants, [part for _, part in arrays])
+    if not arrays:
+        return expand(constants.astype(dtype), rows)
+    starts = (np.cumsum(rows) - rows).tolist()
+    values = np.empty(int(rows.sum()), dtype)
+    parts = dict(arrays)
+    for i, (start, n) in enumerate(zip(starts, rows.tolist())):
+        if n:
+            values[start:start + n] = parts[i] if i in parts else constants[i]
+    if name in _DELTAS:
+        # One running sum over every rank's deltas, each rank's first less what the rank before summed to.
+        sums = constants * rows
+        for i, part in arrays:
+            sums[i] = int(part.sum())
+        nonempty = np.flatnonzero(rows)
+        values[np.asarray(starts, np.int64)[nonempty[1:]]] -= sums[nonempty[:-1]].astype(dtype)
+        np.cumsum(values, dtype=dtype, out=values)
+    return values
 
 
 class SummaryBuilder:
