@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from ..errors import PlanError
 from ..format import writers, zarr_json
@@ -38,28 +39,47 @@ class TensorChunks:
     length: np.ndarray
 
 
+def _index_type(n: int) -> type:
+    return np.int32 if n < 1 << 31 else np.int64
+
+
 def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: Sequence[str], unit: str,
            done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-tensor start offsets and the flat position of every ``(tensor, index)`` row; each position exactly once."""
+    """Per-tensor start offsets, and the row of each ``(tensor, index)`` at each flat position; each position
+    exactly once.
+
+    As many rows as positions, every position reached: then each exactly once, and no row is outside its
+    tensor's grid (it would have taken another row's position). So the common case makes two columns of the
+    whole (the positions and the rows), and a refusal works out what was wrong.
+    """
     starts = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
     total = int(starts[-1])
     if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(sizes)):
         raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
-    if len(index) and ((index < 0).any() or (index >= np.asarray(sizes, np.int64)[tensor]).any()):
+    flat = starts.take(tensor)
+    flat += index
+    row = np.full(total, -1, _index_type(len(flat)))
+    if len(flat) == total and (not total or (flat.min() >= 0 and flat.max() < total)):
+        row[flat] = np.arange(len(flat), dtype=row.dtype)
+        if not total or row.min() >= 0:
+            return starts, row
+    _refuse(tensor, index, starts, names, unit, done, where)
+    raise AssertionError("unreachable")
+
+
+def _refuse(tensor: np.ndarray, index: np.ndarray, starts: np.ndarray, names: Sequence[str], unit: str, done: str,
+            where: str) -> None:
+    """Raise :class:`PlanError` naming the first thing wrong with rows that do not each take one position."""
+    sizes = np.diff(starts)
+    if len(index) and ((index < 0).any() or (index >= sizes[tensor]).any()):
         raise PlanError(f"saving {where}: a rank reported a {unit} outside its tensor's grid")
-    flat = starts[tensor] + index
-    # As many rows as positions, every position reached: then each exactly once.
-    seen = np.zeros(total, bool)
-    seen[flat] = True
-    if len(flat) != total or not seen.all():
-        counts = np.bincount(flat, minlength=total)
-        bad = int(np.flatnonzero(counts != 1)[0])
-        t = int(np.searchsorted(starts, bad, side="right") - 1)
-        what = f"was never {done}" if counts[bad] == 0 else f"was {done} by {int(counts[bad])} ranks"
-        raise PlanError(f"saving {where}: {unit} {bad - int(starts[t])} of tensor {names[t]!r} {what}; "
-                        f"nothing was committed")
-    return starts, flat
+    counts = np.bincount(starts[tensor] + index, minlength=int(starts[-1]))
+    bad = int(np.flatnonzero(counts != 1)[0])
+    t = int(np.searchsorted(starts, bad, side="right") - 1)
+    what = f"was never {done}" if counts[bad] == 0 else f"was {done} by {int(counts[bad])} ranks"
+    raise PlanError(f"saving {where}: {unit} {bad - int(starts[t])} of tensor {names[t]!r} {what}; "
+                    f"nothing was committed")
 
 
 @dataclass(frozen=True)
@@ -90,26 +110,33 @@ class MergedChunks:
         """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
         # Each rank numbers the files it names; their numbers in the merged list, one table per rank.
         files: dict[str, int] = {}
-        tables = [np.asarray([files.setdefault(p, len(files)) for p in s.files], np.int64) for s in summaries]
+        tables = [np.asarray([files.setdefault(p, len(files)) for p in s.files], np.int32) for s in summaries]
         columns = columns_of(summaries, tables)
         rows = columns["rows"]
         for name in ("file", "offset", "length"):
             if columns[name] is None:
                 rank = next(s.rank for s in summaries if not s.has(name))
                 raise PlanError(f"saving {where}: rank {rank} did not say where its chunks are stored")
-        starts, flat = _place(columns["tensor"], columns["chunk"], nchunks, names, "chunk", "written", where)
-        row = np.empty(int(starts[-1]), np.int64)
-        row[flat] = np.arange(len(flat))
-        writer = expand(np.asarray([s.rank for s in summaries], np.int64), rows)
-        reused = columns["reused"].astype(bool) if columns["reused"] is not None else np.zeros(len(flat), bool)
+        starts, row = _place(columns.pop("tensor"), columns.pop("chunk"), nchunks, names, "chunk", "written", where)
+        writer = expand(np.asarray([s.rank for s in summaries], _index_type(len(summaries))), rows)
+        reused = columns["reused"] if columns["reused"] is not None else np.zeros(len(writer), bool)
         file, offset, length = columns["file"], columns["offset"], columns["length"]
         assert file is not None and offset is not None and length is not None
         return cls(starts, row, writer, reused, file, offset, length, tuple(files))
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
         """``tensors`` (in the order merged) with the rank that wrote each chunk recorded (``writers``)."""
-        return {fqn: dataclasses.replace(entry, writers=writers.encode(self.writer[self.rows_of(t)]))
-                for t, (fqn, entry) in enumerate(tensors.items())}
+        # Arrays of one layout have the same writers: each distinct field is compressed once.
+        fields: dict[bytes, str] = {}
+        out = {}
+        for t, (fqn, entry) in enumerate(tensors.items()):
+            ranks = self.writer[self.rows_of(t)]
+            key = xxhash.xxh3_128_digest(ranks) + len(ranks).to_bytes(8, "little")
+            field = fields.get(key)
+            if field is None:
+                field = fields[key] = writers.encode(ranks)
+            out[fqn] = dataclasses.replace(entry, writers=field)
+        return out
 
     def rows_of(self, t: int) -> np.ndarray:
         """Tensor ``t``'s rows, in row-major grid order of its chunks."""
@@ -124,16 +151,13 @@ class MergedChunks:
 def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
                   blobs: Mapping[str, tuple[str, Sequence[int]]]) -> StoredValues:
     """Where every chunk of ``tensors`` (in the coordinator's order, as merged) and every value blob
-    (``blobs``: array path -> (data file, [offset, length])) is stored."""
-    files = list(written.files)
-    numbers = {p: i for i, p in enumerate(files)}
-    blob_file = [numbers.setdefault(f, len(numbers)) for f, _ in blobs.values()]
-    return StoredValues([(entry.path, entry.grid.grid_shape) for entry in tensors.values()],
-                        [f"{path}/{zarr_json.chunk_key((0,))}" for path in blobs],
-                        np.concatenate([written.file, np.asarray(blob_file, np.int64)]),
-                        np.concatenate([written.offset, np.asarray([r[0] for _, r in blobs.values()], np.int64)]),
-                        np.concatenate([written.length, np.asarray([r[1] for _, r in blobs.values()], np.int64)]),
-                        list(numbers), np.concatenate([written.row, len(written.row) + np.arange(len(blobs))]))
+    (``blobs``: array path -> (data file, [offset, length])) is stored. The merged columns are taken as they
+    are: the index gathers them into key order."""
+    numbers = {p: i for i, p in enumerate(written.files)}
+    refs = [(f"{path}/{zarr_json.chunk_key((0,))}", numbers.setdefault(f, len(numbers)), int(r[0]), int(r[1]))
+            for path, (f, r) in blobs.items()]
+    return StoredValues([(entry.path, entry.grid.grid_shape) for entry in tensors.values()], refs,
+                        written.file, written.offset, written.length, list(numbers), written.row)
 
 
 def once_each(ranks: Sequence[RankFiles]) -> list[RankFiles]:

@@ -118,14 +118,15 @@ def is_packed(kv: ts.KvStore) -> bool:
 
 @dataclass
 class StoredValues:
-    """Where every chunk and blob value of a packed save is, in columns: value ``k`` is ``length[k]`` bytes at
-    ``offset[k]`` of data file ``files[file[k]]``, in any order; ``position`` says which value is each chunk of
-    each array of ``arrays`` (its path and chunk grid) in row-major grid order, array after array, then the
-    value of each key of ``blobs`` (None: the columns are in that order)."""
+    """Where every chunk and blob value of a packed save is, in columns: chunk value ``k`` is ``length[k]`` bytes
+    at ``offset[k]`` of data file ``files[file[k]]``, in any order; ``position`` says which value is each chunk of
+    each array of ``arrays`` (its path and chunk grid) in row-major grid order, array after array (None: the
+    columns are in that order). ``blobs``: each value blob's key and where it is, ``(key, file, offset, length)``.
+    """
 
     arrays: list[tuple[str, tuple[int, ...]]]
-    blobs: list[str]
-    file: np.ndarray  # int64
+    blobs: list[tuple[str, int, int, int]]
+    file: np.ndarray  # int32 or int64
     offset: np.ndarray  # int64
     length: np.ndarray  # int64
     files: list[str]
@@ -145,33 +146,37 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
 
     Each array's chunk keys are one run (its path, then its grid's keys in
     sorted order), which no other key falls inside: so runs sorted by their
-    first key are the keys sorted, without a key of its own per chunk.
+    first key are the keys sorted, without a key of its own per chunk. The
+    columns are filled run by run, each array's values gathered straight into
+    key order: no column of the whole index is made twice.
     """
-    runs: list[tuple[ocdbt_keys.KeyRun, np.ndarray | bytes]] = []
+    runs: list[tuple[ocdbt_keys.KeyRun, tuple[int, np.ndarray] | tuple[int, int, int] | bytes]] = []
     at = 0
     for path, grid in values.arrays:
         tails, order = grid_tails(grid)
         if len(tails):  # an empty array has no chunk
-            runs.append((ocdbt_keys.KeyRun(f"{path}/".encode(), tails), at + order))
+            runs.append((ocdbt_keys.KeyRun(f"{path}/".encode(), tails), (at, order)))
         at += len(tails)
-    runs += [(ocdbt_keys.KeyRun(key.encode()), np.asarray([at + k], np.int64)) for k, key in enumerate(values.blobs)]
+    runs += [(ocdbt_keys.KeyRun(key.encode()), (file, offset, length)) for key, file, offset, length in values.blobs]
     runs += [(ocdbt_keys.KeyRun(key.encode()), doc) for key, doc in docs.items()]
     runs.sort(key=lambda r: r[0].first())
     keys = ocdbt_keys.SortedKeys([r for r, _ in runs])
-    inline = {int(keys.run_starts[i]): v for i, (_, v) in enumerate(runs) if isinstance(v, bytes)}
-    index = np.concatenate([v if not isinstance(v, bytes) else np.zeros(1, np.int64) for _, v in runs]
-                           or [np.zeros(0, np.int64)])
-    docs_at = np.fromiter(inline, np.int64, len(inline))
-    if values.position is not None:
-        index = values.position[index] if len(values.position) else index
-
-    def column(of: np.ndarray, missing: int) -> np.ndarray:
-        out = of[index] if len(of) else np.zeros(len(index), np.int64)
-        out[docs_at] = missing
-        return out
-
-    return ocdbt.Entries(keys, inline, column(values.file, -1), column(values.offset, 0), column(values.length, 0),
-                         list(values.files))
+    n = len(keys)
+    file = np.empty(n, np.result_type(values.file, np.int32))
+    offset, length = np.empty(n, np.int64), np.empty(n, np.result_type(values.length, np.int32))
+    inline: dict[int, bytes] = {}
+    for a, (_, what) in zip(keys.run_starts.tolist(), runs):
+        if isinstance(what, bytes):
+            inline[a] = what
+            file[a], offset[a], length[a] = -1, 0, 0
+        elif len(what) == 3:
+            file[a], offset[a], length[a] = what
+        else:
+            start, order = what
+            rows = start + order if values.position is None else values.position[start:start + len(order)][order]
+            b = a + len(order)
+            file[a:b], offset[a:b], length[a:b] = values.file[rows], values.offset[rows], values.length[rows]
+    return ocdbt.Entries(keys, inline, file, offset, length, list(values.files))
 
 
 def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str,
