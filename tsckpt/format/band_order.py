@@ -14,14 +14,11 @@ from .grid import ChunkGrid
 
 
 def sort_key(grid: ChunkGrid, index: Sequence[int], tensor: int) -> tuple[float | int, ...]:
-    """The place of outer chunk ``index`` of a tensor laid out as ``grid`` among a rank's values.
-
-    Scalars first (every replica of a load needs them); then tensors not cut into bands (whose every chunk
-    spans all columns, so kept together they cost a column block one short range); then banded chunks by
-    where they start along dimensions 1, 2, ... and lastly 0, each as a fraction of the dimension (tensors
-    of different widths interleave band by band); ties by ``tensor`` (its place among the rank's
-    tensors) and ``index``.
-    """
+    """The place of outer chunk ``index`` of a tensor laid out as ``grid`` among a rank's values: scalars first
+    (every load needs them), then tensors not cut into bands (kept together, a column block's pieces of them
+    are one short range), then banded chunks by where they start along dimensions 1, 2, ..., 0, as fractions
+    of each (tensors of any width interleave band by band); ties by ``tensor`` (its place among the rank's
+    tensors) and ``index``."""
     shape, chunk = grid.shape, grid.chunk_shape
     if len(shape) < 2 or all(n == 1 for n in grid.grid_shape[1:]):
         return (0, len(shape) > 0, tensor, *index)
@@ -30,14 +27,10 @@ def sort_key(grid: ChunkGrid, index: Sequence[int], tensor: int) -> tuple[float 
 
 
 def stripe_dims(grid: ChunkGrid) -> tuple[int, ...]:
-    """The dimensions along which the values of a sharded tensor lie in order in every file, best first; none
-    where the tensor is one value, best fetched whole.
-
-    Cut at its outer chunks into ``m`` pieces, piece ``k`` taking the chunks that start in ``[k/m, (k+1)/m)``
-    of such a dimension, a piece is one run of each file it touches. Dimension 0 first where it has several
-    chunks (a row-sharded save: pieces are whole rows, one run of a destination too), then dimension 1 for
-    a tensor cut into bands along it (:func:`sort_key`).
-    """
+    """The dimensions along which a sharded tensor's values lie in order in every file, best first (none for
+    a one-value tensor): cut into ``m`` pieces by where chunks start along one, a piece is one run of each
+    file. Dimension 0 first where it has several chunks (pieces are then whole rows, one run of a
+    destination too), then dimension 1 for a tensor cut into bands along it (:func:`sort_key`)."""
     if grid.nchunks <= 1:
         return ()
     dims = [0] if grid.grid_shape[0] > 1 else []

@@ -38,17 +38,11 @@ class DType:
         return 0
 
 
-def _entries() -> list[DType]:
-    plain = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-             "float16", "float32", "float64", "complex64", "complex128"]
-    out = [DType(name, name, np.dtype(name)) for name in plain]
-    ext = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-           "float8_e8m0fnu"]
-    out += [DType(name, name, np.dtype(getattr(ml_dtypes, name)), via_int=True) for name in ext]
-    return out
-
-
-BY_ZARR: dict[str, DType] = {d.zarr: d for d in _entries()}
+BY_ZARR: dict[str, DType] = {n: DType(n, n, np.dtype(n)) for n in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128")} | {
+    n: DType(n, n, np.dtype(getattr(ml_dtypes, n)), via_int=True) for n in (
+        "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")}
 BY_TORCH_NAME: dict[str, DType] = {d.torch: d for d in BY_ZARR.values()}
 _INT_OF_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 

@@ -191,12 +191,9 @@ class TensorHandle:
 
 
 class Checkpoint(Mapping[str, Any]):
-    """A committed checkpoint, opened for reading. Keys are DCP's flat keys.
-
-    ``ck[key]`` is a :class:`TensorHandle` for tensors and the decoded value
-    for everything else. Created by :func:`open`; :meth:`close` (or a
-    ``with`` block) releases its TensorStore objects.
-    """
+    """A committed checkpoint, opened for reading (by :func:`open`). Keys are DCP's flat keys: ``ck[key]`` is a
+    :class:`TensorHandle` for tensors and the decoded value for everything else. :meth:`close` (or a ``with``
+    block) releases its TensorStore objects."""
 
     def __init__(self, store: Store, metadata: CheckpointMetadata, *, allow_pickle: bool = False):
         self._store: Store | None = store
@@ -229,12 +226,9 @@ class Checkpoint(Mapping[str, Any]):
         return self._store is None
 
     def close(self) -> None:
-        """Release the checkpoint's TensorStore objects: its context, open arrays, a packed index.
-
-        The metadata (keys, shapes, placements, plain values) stays; reading
-        tensor data or a ``torch.save``'d value afterwards raises
-        :class:`~tsckpt.errors.OptionError`. Idempotent.
-        """
+        """Release the checkpoint's TensorStore objects: its context, open arrays, a packed index. The metadata
+        (keys, shapes, placements, plain values) stays; reading tensor data or a ``torch.save``'d value
+        afterwards raises :class:`~tsckpt.errors.OptionError`. Idempotent."""
         for handle in self._handles.values():
             handle.close()
         self._source = None
@@ -291,11 +285,8 @@ class Checkpoint(Mapping[str, Any]):
                 + (", closed)" if self.closed else ")"))
 
     def to_state_dict(self) -> dict[str, Any]:
-        """Everything as a nested dict of plain CPU tensors and values (reads all tensor data).
-
-        Nesting follows each entry's key path; integer path elements become
-        list positions, as DCP's own unflattening does.
-        """
+        """Everything as a nested dict of plain CPU tensors and values (reads all tensor data), nested by each
+        entry's key path; integer path elements become list positions, as in DCP's own unflattening."""
         pending = {k: (h, h.read_async()) for k, h in self._handles.items()}
         flat: dict[tuple[Any, ...], Any] = {}
         for key, (handle, read) in pending.items():

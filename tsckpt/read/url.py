@@ -41,17 +41,13 @@ PROTOCOL = "tsckpt"
 
 def url(location: LocationLike) -> str:
     """The ``tsckpt://`` URL of a checkpoint location: ``tsckpt:///abs/path``, ``tsckpt://s3://bucket/prefix``."""
-    loc = parse_location(location)
-    return f"{PROTOCOL}://{loc.url}"
+    return f"{PROTOCOL}://{parse_location(location).url}"
 
 
 def open_line(location: LocationLike) -> str:
-    """The line of Python that opens ``location`` with zarr-python by URL, to paste into a notebook.
-
-    Spec members given with the location (an ``endpoint``, say, in a JSON
-    location) go into ``storage_options``; those the environment supplies
-    (``AWS_ENDPOINT_URL``...) need not, since the notebook has them too.
-    """
+    """The line of Python that opens ``location`` with zarr-python by URL, to paste into a notebook. Spec
+    members given with the location (an ``endpoint`` in a JSON location) go into ``storage_options``; the
+    environment's (``AWS_ENDPOINT_URL``...) need not, as the notebook has them too."""
     given: Any = location
     if isinstance(location, str) and location.lstrip().startswith("{"):
         given = json.loads(location)
@@ -78,10 +74,9 @@ class TsckptFileSystem(AsyncFileSystem):
 
     Args:
         io_concurrency: concurrent requests per checkpoint, as for :func:`tsckpt.zarr_store`.
-        spec: kvstore spec members added to every object-store location (``endpoint``,
-            ``aws_region``, ``context``...): ``storage_options={"spec": {"endpoint": ...}}``
-            in zarr-python, xarray or dask. Without it the usual environment applies
-            (``AWS_ENDPOINT_URL``, ``AWS_REGION``, the AWS credentials chain).
+        spec: kvstore spec members added to every object-store location (``endpoint``, ``aws_region``,
+            ``context``...): ``storage_options={"spec": {"endpoint": ...}}`` in zarr-python, xarray or dask.
+            Without it the environment applies (``AWS_ENDPOINT_URL``, ``AWS_REGION``, the credentials chain).
     """
 
     protocol = (PROTOCOL,)

@@ -37,18 +37,15 @@ def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
     """A zarr-python ``Store`` reading the checkpoint at ``location``.
 
     Args:
-        location: a path, URL (``s3://bucket/prefix``...) or kvstore spec, as
-            for :func:`tsckpt.save`.
-        allow_incomplete: also open a location whose save never committed
-            (for inspecting what a dead save left). Otherwise such a location
-            raises :class:`~tsckpt.errors.IncompleteCheckpointError`, and an
-            empty one :class:`~tsckpt.errors.CheckpointNotFoundError`.
+        location: a path, URL (``s3://bucket/prefix``...) or kvstore spec, as for :func:`tsckpt.save`.
+        allow_incomplete: also open a location whose save never committed (to inspect what a dead save
+            left); otherwise it raises :class:`~tsckpt.errors.IncompleteCheckpointError`, and an empty one
+            :class:`~tsckpt.errors.CheckpointNotFoundError`.
         io_concurrency: concurrent TensorStore requests.
 
     Returns:
-        A store for ``zarr.open_group(store)``, ``zarr.open_array(store,
-        path=...)``, ``dask.array.from_zarr(store, component=...)`` or
-        ``xarray.open_zarr(store)``. It refuses every write.
+        A store for ``zarr.open_group(store)``, ``zarr.open_array(store, path=...)``,
+        ``dask.array.from_zarr(store, component=...)`` or ``xarray.open_zarr(store)``; it refuses every write.
     """
     loc = parse_location(location)
     kv = open_kvstore(loc, make_context(io_concurrency, loc))
@@ -62,12 +59,8 @@ def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
 
 
 class TensorStoreZarrStore(Store):
-    """zarr-python's view of one checkpoint location; see :func:`zarr_store`.
-
-    ``read_only`` is False by default only so that ``zarr.open_group(store)``
-    (whose default mode ``"a"`` rejects read-only stores) works; the store
-    itself refuses every write and delete whatever the flag says.
-    """
+    """zarr-python's view of one checkpoint location; see :func:`zarr_store`. ``read_only`` is False by default
+    only so that ``zarr.open_group(store)`` (default mode ``"a"``) works: every write and delete is refused."""
 
     supports_writes = False
     supports_deletes = False
@@ -123,11 +116,8 @@ class TensorStoreZarrStore(Store):
         return f"TensorStoreZarrStore({self.location.url!r}, layout={self.layout!r})"
 
     def close(self) -> None:
-        """Release the TensorStore objects (context, kvstores, node cache); a later read opens them again.
-
-        The read-only copies zarr reads through (``zarr.open_array(store,
-        mode="r")`` makes one) are closed with it. ``with store:`` calls it.
-        """
+        """Release the TensorStore objects (context, kvstores, node cache); a later read opens them again. The
+        read-only copies zarr reads through (``zarr.open_array(store, mode="r")``) are closed with it."""
         self._copies = [ref for ref in self._copies if ref() is not None]
         for ref in self._copies:
             copy = ref()
@@ -144,11 +134,8 @@ class TensorStoreZarrStore(Store):
         return copy
 
     def _read(self, key: str, byte_range: ByteRequest | None) -> ts.Future:
-        # A committed checkpoint never changes: what was current when the store
-        # opened is current, so TensorStore need not revalidate its cached
-        # manifest and B+tree nodes on every read.
-        kv = self._route(key)
-        return kv.read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
+        # A committed checkpoint never changes: TensorStore need not revalidate cached index nodes on every read.
+        return self._route(key).read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
 
     def _only_out_of_range(self, key: str, error: ValueError) -> None:
         """Let a range past the end through (zarr returns what exists; TensorStore refuses); raise the rest."""
