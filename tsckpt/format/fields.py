@@ -26,13 +26,10 @@ def get_field(d: Mapping[str, Any], key: str, what: str, kind: type | tuple[type
     if key not in d:
         raise MetadataError(f"{what}: missing field {key!r}")
     value = d[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise MetadataError(f"{what}: field {key!r} has the wrong type ({type(value).__name__})")
     return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
 
 
 def parse_shape(value: Any, what: str, field: str, *, minimum: int = 0) -> tuple[int, ...]:

@@ -185,12 +185,8 @@ class ObjectEntry:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key_path": list(self.key_path), "encoding": self.encoding}
         if self.encoding == object_values.JSON:
-            out["value"] = self.value
-        else:
-            out["path"] = self.path
-            if self.writer is not None:
-                out["writer"] = self.writer
-        return out
+            return out | {"value": self.value}
+        return out | {"path": self.path} | ({"writer": self.writer} if self.writer is not None else {})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], what: str) -> ObjectEntry:

@@ -49,11 +49,9 @@ class ShardFormat:
 
     @functools.cached_property
     def order(self) -> tuple[int, ...]:
-        """The dimensions of the inner grid in storage order, slowest first: :attr:`first`, then the others,
-        each group by how many inner chunks its dimensions hold, fewest first. A load split along one
-        dimension reads as many byte ranges of a chunk as the dimensions stored slower hold inner chunks;
-        one into another topology reads part of every chunk along the dimensions the save did not cut,
-        so those go first."""
+        """The dimensions of the inner grid in storage order, slowest first: :attr:`first` (a load into another
+        topology reads part of every chunk along those), then the others, each by inner chunks held, fewest
+        first (a load split along a dimension reads as many ranges as the slower ones hold inner chunks)."""
         return tuple(sorted(range(len(self.grid)), key=lambda d: (d not in self.first, self.grid[d], d)))
 
     @functools.cached_property
@@ -120,8 +118,7 @@ class ShardFormat:
     @functools.cached_property
     def rows(self) -> tuple[int, ...] | None:
         """``(pieces, *inner)`` where the inner chunks, one after the other, are the outer chunk in row-major
-        order (cut along one dimension, every dimension before it of length 1, as a band of rows is); else
-        None, and placing them takes untiling."""
+        order (a band of rows); else None, and placing them takes untiling."""
         cut = [d for d, g in enumerate(self.grid) if g > 1]
         if len(cut) > 1 or any(self.chunk[d] != 1 for d in range(cut[0] if cut else 0)):
             return None

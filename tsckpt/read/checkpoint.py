@@ -287,24 +287,16 @@ class Checkpoint(Mapping[str, Any]):
     def to_state_dict(self) -> dict[str, Any]:
         """Everything as a nested dict of plain CPU tensors and values (reads all tensor data), nested by each
         entry's key path; integer path elements become list positions, as in DCP's own unflattening."""
-        pending = {k: (h, h.read_async()) for k, h in self._handles.items()}
-        flat: dict[tuple[Any, ...], Any] = {}
-        for key, (handle, read) in pending.items():
-            flat[self.metadata.tensors[key].key_path] = dtypes.numpy_as_tensor(handle.result(read))
-        for key, entry in self.metadata.objects.items():
-            flat[entry.key_path] = self[key]
-        return nest(flat)
+        pending = [(h, h.read_async()) for h in self._handles.values()]  # all reads in flight at once
+        flat = {h.entry.key_path: dtypes.numpy_as_tensor(h.result(read)) for h, read in pending}
+        return nest(flat | {entry.key_path: self[key] for key, entry in self.metadata.objects.items()})
 
     def storage_stats(self) -> tuple[int, int | None]:
         """(number of stored files or objects, their total bytes; None where the store cannot tell)."""
         if self.location.driver == "file":
             root = str(self.location.spec["path"])
-            count = size = 0
-            for dirpath, _, files in os.walk(root):
-                for f in files:
-                    count += 1
-                    size += os.path.getsize(os.path.join(dirpath, f))
-            return count, size
+            sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files]
+            return len(sizes), sum(sizes)
         return len(self.store.kvstore.list().result()), None
 
     def _decode(self, key: str, entry: ObjectEntry) -> Any:
@@ -312,7 +304,7 @@ class Checkpoint(Mapping[str, Any]):
             return object_values.from_json(entry.value)
         assert entry.path is not None
         return object_values.load_torch_value(self.source.read_blob(key, entry.path), key=key, where=self.url,
-                                       allow_pickle=self.allow_pickle)
+                                              allow_pickle=self.allow_pickle)
 
 
 def _suggest(key: str, keys: list[str]) -> str:

@@ -93,11 +93,7 @@ class _Checker:
         md = self.source.metadata
         if md.layout != "packed":
             return f"{target.path}/{key}"
-        try:
-            index = tuple(int(p) for p in key[2:].split(".")) if key != "c" else ()
-        except ValueError:
-            return None
-        record = md.writer_files(target.key, index)
+        record = md.writer_files(target.key, tuple(int(p) for p in key[2:].split(".")) if key != "c" else ())
         if record is None:
             return None
         return record.table.path if record.table is not None else (record.files[-1].path if record.files else None)
@@ -210,13 +206,13 @@ class _Checker:
             blob = self.store.open_blob(target.path).result()
         except Exception as e:  # TensorStore reports every failure as ValueError or its own types
             return [(f"cannot open the array: {e}", file)]
-        problems = []
         try:
             blob.read().result()
         except Exception as e:
-            problems.append((f"chunk {name}: {e}", file))
-        self.advance(nbytes)
-        return problems
+            return [(f"chunk {name}: {e}", file)]
+        finally:
+            self.advance(nbytes)
+        return []
 
 
 def _files_report(source: ChunkSource) -> EntryReport | None:

@@ -232,9 +232,8 @@ class TensorStoreZarrStore(Store):
             raise self._error(key, e) from None
         return result.state == "value"
 
-    async def list(self) -> AsyncIterator[str]:
-        for key in await self._list(""):
-            yield key
+    def list(self) -> AsyncIterator[str]:
+        return self.list_prefix("")
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
         for key in await self._list(prefix):
