@@ -68,13 +68,33 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
     if top >= 1 << 56:
         return _wide_varints(v, top)
     # Each value's bytes in one little-endian word (four bytes or eight), continuation bits included, then the
-    # bytes each needs kept: a few passes over words instead of one per byte.
+    # bytes each needs kept: a few passes over words instead of one per byte. Block by block, so that the
+    # temporaries of a column of tens of millions stay a few megabytes, reused, instead of new pages each.
     word = _WORD4 if top < 1 << 28 else _WORD8
-    w = v.astype(word.type) if word.type is np.uint32 else v
     width = (top.bit_length() + 6) // 7
-    nbytes = np.ones(v.size, dtype=np.uint8)
-    for k in range(1, width):
-        nbytes += w >= (1 << (7 * k))
+    nbytes = np.empty(v.size, dtype=np.uint8)
+    blocks = [(lo, min(v.size, lo + _BLOCK)) for lo in range(0, v.size, _BLOCK)]
+    for lo, hi in blocks:
+        count = nbytes[lo:hi]
+        count[:] = 1
+        for k in range(1, width):
+            count += v[lo:hi] >= (1 << (7 * k))
+    # Narrower offsets where they fit.
+    starts = np.zeros(v.size + 1, dtype=np.int32 if v.size * word.size < 1 << 31 else np.int64)
+    np.cumsum(nbytes, out=starts[1:])
+    data = np.empty(int(starts[-1]), np.uint8)
+    for lo, hi in blocks:
+        data[starts[lo]:starts[hi]] = _encoded(v[lo:hi], nbytes[lo:hi], word, width)
+    return data, starts
+
+
+#: Values encoded at once by :func:`varint_column`.
+_BLOCK = 1 << 18
+
+
+def _encoded(v: np.ndarray, nbytes: np.ndarray, word: _Word, width: int) -> np.ndarray:
+    """The varints of ``v``, of ``nbytes`` bytes each, back to back."""
+    w = v.astype(word.type)
     out = w & word.type(0x7F)
     for k in range(1, width):
         byte = w >> word.type(7 * k)
@@ -82,10 +102,7 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
         byte <<= word.type(8 * k)
         out |= byte
     out |= word.continued[nbytes]
-    # Narrower offsets where they fit: at scale the column is tens of millions of values, each made afresh.
-    starts = np.zeros(v.size + 1, dtype=np.int32 if v.size * out.itemsize < 1 << 31 else np.int64)
-    np.cumsum(nbytes, out=starts[1:])
-    return out.view(np.uint8)[word.kept[nbytes].view(bool)], starts
+    return out.view(np.uint8)[word.kept[nbytes].view(bool)]
 
 
 class _Word:
@@ -94,7 +111,7 @@ class _Word:
 
     def __init__(self, dtype: type):
         self.type = dtype
-        size = np.dtype(dtype).itemsize
+        self.size = size = np.dtype(dtype).itemsize
         self.continued = np.asarray([sum(0x80 << (8 * k) for k in range(n - 1)) for n in range(size + 1)], dtype)
         self.kept = np.asarray([sum(1 << (8 * k) for k in range(n)) for n in range(size + 1)], dtype)
 
