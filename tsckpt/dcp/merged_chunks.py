@@ -46,26 +46,33 @@ def _index_type(n: int) -> type:
 def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: Sequence[str], unit: str,
            done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Per-tensor start offsets, and the row of each ``(tensor, index)`` at each flat position; each position
-    exactly once.
+    exactly once. ``index`` (int64) becomes the flat positions, in place.
 
     As many rows as positions, every position reached: then each exactly once, and no row is outside its
-    tensor's grid (it would have taken another row's position). So the common case makes two columns of the
-    whole (the positions and the rows), and a refusal works out what was wrong.
+    tensor's grid (it would have taken another row's position). So the common case makes one column of the
+    whole (the rows), block by block, and a refusal works out what was wrong.
     """
     starts = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
     total = int(starts[-1])
     if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(sizes)):
         raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
-    flat = starts.take(tensor)
-    flat += index
+    flat = index
+    blocks = [(lo, min(len(flat), lo + _BLOCK)) for lo in range(0, len(flat), _BLOCK)]
+    for lo, hi in blocks:
+        flat[lo:hi] += starts.take(tensor[lo:hi])
     row = np.full(total, -1, _index_type(len(flat)))
     if len(flat) == total and (not total or (flat.min() >= 0 and flat.max() < total)):
-        row[flat] = np.arange(len(flat), dtype=row.dtype)
+        for lo, hi in blocks:
+            row[flat[lo:hi]] = np.arange(lo, hi, dtype=row.dtype)
         if not total or row.min() >= 0:
             return starts, row
-    _refuse(tensor, index, starts, names, unit, done, where)
+    _refuse(tensor, flat - starts.take(tensor), starts, names, unit, done, where)
     raise AssertionError("unreachable")
+
+
+#: Rows placed at once: the temporaries stay a few megabytes, reused, where a whole column would be new pages.
+_BLOCK = 1 << 18
 
 
 def _refuse(tensor: np.ndarray, index: np.ndarray, starts: np.ndarray, names: Sequence[str], unit: str, done: str,
@@ -117,7 +124,9 @@ class MergedChunks:
             if columns[name] is None:
                 rank = next(s.rank for s in summaries if not s.has(name))
                 raise PlanError(f"saving {where}: rank {rank} did not say where its chunks are stored")
-        starts, row = _place(columns.pop("tensor"), columns.pop("chunk"), nchunks, names, "chunk", "written", where)
+        chunk = columns.pop("chunk")
+        assert chunk is not None and chunk.dtype == np.int64
+        starts, row = _place(columns.pop("tensor"), chunk, nchunks, names, "chunk", "written", where)
         writer = expand(np.asarray([s.rank for s in summaries], _index_type(len(summaries))), rows)
         reused = columns["reused"] if columns["reused"] is not None else np.zeros(len(writer), bool)
         file, offset, length = columns["file"], columns["offset"], columns["length"]
