@@ -165,6 +165,7 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
     file = np.empty(n, np.result_type(values.file, np.int32))
     offset, length = np.empty(n, np.int64), np.empty(n, np.result_type(values.length, np.int32))
     inline: dict[int, bytes] = {}
+    arrays = []
     for a, (_, what) in zip(keys.run_starts.tolist(), runs):
         if isinstance(what, bytes):
             inline[a] = what
@@ -172,10 +173,13 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
         elif len(what) == 3:
             file[a], offset[a], length[a] = what
         else:
-            start, order = what
-            rows = start + order if values.position is None else values.position[start:start + len(order)][order]
-            b = a + len(order)
-            file[a:b], offset[a:b], length[a:b] = values.file[rows], values.offset[rows], values.length[rows]
+            arrays.append((what[0], a, what[1]))
+    # Arrays in the order their values are numbered, not in key order: a rank stores its arrays' values
+    # together, so an array's rows share cache lines with the next array's, which are read while still cached.
+    for start, a, order in sorted(arrays, key=lambda r: r[0]):
+        rows = start + order if values.position is None else values.position[start:start + len(order)][order]
+        b = a + len(order)
+        file[a:b], offset[a:b], length[a:b] = values.file[rows], values.offset[rows], values.length[rows]
     return ocdbt.Entries(keys, inline, file, offset, length, list(values.files))
 
 
