@@ -145,22 +145,35 @@ class Entries:
 def encode_interior(height: int, keys: Sequence[bytes], children: Sequence[Ref],
                     stats: Sequence[Stats]) -> tuple[bytes, Stats]:
     """An interior node at ``height`` (>= 1): child ``i`` holds the keys from ``keys[i]`` up to ``keys[i + 1]``."""
-    n = len(keys)
-    if not 0 < n <= MAX_NODE_ARITY or not n == len(children) == len(stats):
-        raise ValueError(f"an interior node holds 1 to {MAX_NODE_ARITY} children, one reference each; got {n}")
-    if not 1 <= height <= 255:
-        raise ValueError(f"an interior node's height is 1 to 255, not {height}")
+    if not len(keys) == len(children) == len(stats):
+        raise ValueError(f"an interior node holds one reference per child; got {len(keys)} keys, "
+                         f"{len(children)} children")
     files = sorted({c.path for c in children})
     number = {p: i for i, p in enumerate(files)}
-    prefix, suffix_lengths, suffixes = _keys_columns(keys)
-    body = b"".join((
-        bytes([height]), encode_file_table(files), varint(n), prefix, suffix_lengths, varints([0] * n), suffixes,
-        varints([number[c.path] for c in children]), varints([c.offset for c in children]),
-        varints([c.length for c in children]), varints([s.num_keys for s in stats]),
-        varints([s.num_tree_bytes for s in stats]), varints([s.num_indirect_value_bytes for s in stats])))
-    node = envelope(BTREE_MAGIC, body)
+    node = interior_node(height, keys, files, [number[c.path] for c in children], [c.offset for c in children],
+                         [c.length for c in children], [s.num_keys for s in stats],
+                         [s.num_tree_bytes for s in stats], [s.num_indirect_value_bytes for s in stats])
     total = sum(stats, Stats(0, 0, 0))
     return node, Stats(total.num_keys, total.num_tree_bytes + len(node), total.num_indirect_value_bytes)
+
+
+def interior_node(height: int, keys: Sequence[bytes], files: Sequence[str], file: Sequence[int] | np.ndarray,
+                  offset: Sequence[int] | np.ndarray, length: Sequence[int] | np.ndarray,
+                  num_keys: Sequence[int] | np.ndarray, tree_bytes: Sequence[int] | np.ndarray,
+                  held: Sequence[int] | np.ndarray) -> bytes:
+    """:func:`encode_interior` from columns: child ``i`` is ``length[i]`` bytes at ``offset[i]`` of node file
+    ``files[file[i]]`` (``files`` sorted), and its subtree holds ``num_keys[i]`` keys in ``tree_bytes[i]``
+    bytes of nodes and ``held[i]`` bytes of values in data files."""
+    n = len(keys)
+    if not 0 < n <= MAX_NODE_ARITY:
+        raise ValueError(f"an interior node holds 1 to {MAX_NODE_ARITY} children; got {n}")
+    if not 1 <= height <= 255:
+        raise ValueError(f"an interior node's height is 1 to 255, not {height}")
+    prefix, suffix_lengths, suffixes = _keys_columns(keys)
+    body = b"".join((
+        bytes([height]), encode_file_table(files), varint(n), prefix, suffix_lengths, bytes(n), suffixes,
+        varints(file), varints(offset), varints(length), varints(num_keys), varints(tree_bytes), varints(held)))
+    return envelope(BTREE_MAGIC, body)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ocdbt import Entries, Ref, Stats, encode_interior
+from .ocdbt import Entries, Ref, Stats, interior_node
 from .ocdbt_leaves import cut, leaves
 
 
@@ -42,21 +42,48 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
     # One buffer the nodes are appended to: at scale the file is hundreds of megabytes, which a list of nodes
     # joined at the end would hold twice.
     out = bytearray(head)
-    level: list[tuple[bytes, Ref, Stats]] = []
+    level = _Level()
     for leaf in leaves(entries, max_node_bytes):
-        level.append((leaf.first, Ref(path, len(out), len(leaf.node)), Stats(leaf.keys, len(leaf.node), leaf.held)))
+        level.add(leaf.first, len(out), len(leaf.node), leaf.keys, len(leaf.node), leaf.held)
         out += leaf.node
     height = 0
-    while len(level) > 1:
+    while len(level.first) > 1:
         height += 1
-        upper = []
-        bounds = cut(np.asarray([len(k) + 40 for k, _, _ in level], np.int64), max_node_bytes, least=2).tolist()
+        upper = _Level()
+        below = level.columns()
+        bounds = cut(np.fromiter(map(len, level.first), np.int64, len(level.first)) + 40, max_node_bytes,
+                     least=2).tolist()
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = level[lo:hi]
-            node, stats = encode_interior(height, [k for k, _, _ in part], [r for _, r, _ in part],
-                                          [s for _, _, s in part])
-            upper.append((part[0][0], Ref(path, len(out), len(node)), stats))
+            part = [c[lo:hi] for c in below]
+            node = interior_node(height, level.first[lo:hi], [path], np.zeros(hi - lo, np.int64), *part)
+            _, _, keys, tree_bytes, held = (int(c.sum()) for c in part)
+            upper.add(level.first[lo], len(out), len(node), keys, tree_bytes + len(node), held)
             out += node
         level = upper
-    _, root, stats = level[0]
-    return Tree(out, root, height, stats)
+    root = Ref(path, level.offset[0], level.length[0])
+    return Tree(out, root, height, Stats(level.keys[0], level.tree_bytes[0], level.held[0]))
+
+
+class _Level:
+    """One level of the tree as it is built, in columns: each node's first key, where it is, and what its
+    subtree holds (keys, bytes of nodes, bytes of values in data files)."""
+
+    def __init__(self) -> None:
+        self.first: list[bytes] = []
+        self.offset: list[int] = []
+        self.length: list[int] = []
+        self.keys: list[int] = []
+        self.tree_bytes: list[int] = []
+        self.held: list[int] = []
+
+    def add(self, first: bytes, offset: int, length: int, keys: int, tree_bytes: int, held: int) -> None:
+        self.first.append(first)
+        self.offset.append(offset)
+        self.length.append(length)
+        self.keys.append(keys)
+        self.tree_bytes.append(tree_bytes)
+        self.held.append(held)
+
+    def columns(self) -> list[np.ndarray]:
+        """Offsets, lengths, keys, node bytes and value bytes, each as int64."""
+        return [np.asarray(c, np.int64) for c in (self.offset, self.length, self.keys, self.tree_bytes, self.held)]
