@@ -27,14 +27,8 @@ from .staging import Stager
 from .storage import TensorStoreWriter
 
 
-def save(
-    state_dict: dict[str, Any],
-    path: LocationLike,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    overwrite: bool = False,
-    **writer_options: Any,
-) -> Metadata:
+def save(state_dict: dict[str, Any], path: LocationLike, *, process_group: dist.ProcessGroup | None = None,
+         overwrite: bool = False, **writer_options: Any) -> Metadata:
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, plain values) to ``path``.
 
     Collective when a process group is initialized: every rank calls it.
@@ -55,15 +49,9 @@ def save(
         raise _plain(e, f"save to {_shown(path)}", _SaveInterrupts(writer, path, process_group)) from None
 
 
-def async_save(
-    state_dict: dict[str, Any],
-    path: LocationLike,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    overwrite: bool = False,
-    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
-    **writer_options: Any,
-) -> Any:
+def async_save(state_dict: dict[str, Any], path: LocationLike, *, process_group: dist.ProcessGroup | None = None,
+               overwrite: bool = False, async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+               **writer_options: Any) -> Any:
     """Like :func:`save` but returns once the state dict is staged in CPU memory (:class:`Stager`).
 
     ``async_checkpointer_type`` (thread or process) goes to ``dcp.async_save``,
@@ -77,16 +65,9 @@ def async_save(
         )
 
 
-def load(
-    state_dict: dict[str, Any],
-    path: LocationLike,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    allow_partial_load: bool = False,
-    allow_dtype_cast: bool = False,
-    allow_pickle: bool = False,
-    **reader_options: Any,
-) -> None:
+def load(state_dict: dict[str, Any], path: LocationLike, *, process_group: dist.ProcessGroup | None = None,
+         allow_partial_load: bool = False, allow_dtype_cast: bool = False, allow_pickle: bool = False,
+         **reader_options: Any) -> None:
     """Load ``path`` into ``state_dict`` in place, resharding to its current placements.
 
     Raises :class:`~tsckpt.errors.IncompleteCheckpointError` before any
@@ -157,13 +138,10 @@ _TENSORSTORE_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
 def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = None) -> BaseException:
     """What tsckpt's functions raise instead of ``e``, DCP's CheckpointException or a KeyboardInterrupt.
 
-    The first rank's TsckptError as itself (a rank's own error before one
-    relayed to it by replica reads), without DCP's wrapping and frames; a
-    TensorStore error as a StorageError that names ``doing`` and the rank.
-    Ctrl-C on any rank: with ``interrupts`` (a save), one line saying what the
-    save left (:func:`tsckpt.dcp.failure.interrupted`), as a
-    ``KeyboardInterrupt`` where Ctrl-C was pressed; else the
-    ``KeyboardInterrupt``. Anything else is ``e``, unchanged.
+    The first rank's TsckptError as itself (its own before one relayed by replica reads), without DCP's
+    wrapping; a TensorStore error as a StorageError naming ``doing`` and the rank; Ctrl-C, with
+    ``interrupts`` (a save), as the line that says what the save left (a ``KeyboardInterrupt`` where it was
+    pressed). Anything else is ``e``, unchanged.
     """
     if isinstance(e, KeyboardInterrupt):  # outside DCP's wrapping: between its steps
         if interrupts is None or e.args:  # no save, or already the line that says what it left

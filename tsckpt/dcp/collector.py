@@ -1,14 +1,11 @@
 """Python's cycle collector held off while a save or load runs: the one place tsckpt touches ``gc``.
 
-Planning and moving a checkpoint's pieces allocate thousands of objects per
-rank and no cycles that outlive the call, and every few hundred allocations
-start a collection; a full one walks the whole heap of a training process
-(0.13-0.31 s over ~310k objects, on the coordinator, where every rank waits).
-PyTorch's ``get_state_dict``/``set_state_dict`` hold the collector off too.
-
-``tsckpt.save``, ``load`` and ``async_save`` hold it off for the whole call,
-``TensorStoreReader`` while it plans and reads. ``TSCKPT_HOLD_GC=0`` in the
-environment, or :data:`hold` set to False, leaves the collector alone.
+Planning and moving a checkpoint allocate thousands of objects per rank and no
+lasting cycles, and a full collection walks a training process's whole heap
+(0.13-0.31 s over ~310k objects, on the coordinator, where every rank waits);
+PyTorch's ``get_state_dict`` holds it off too. ``tsckpt.save``, ``load`` and
+``async_save`` hold it off for the whole call, ``TensorStoreReader`` while it
+plans and reads; ``TSCKPT_HOLD_GC=0`` or :data:`hold` = False leaves it alone.
 """
 
 from __future__ import annotations
@@ -29,23 +26,16 @@ _held = 0
 _was_enabled = False
 
 
-def holding() -> bool:
-    """Whether :func:`held_off` holds the collector off now: :data:`hold`, and ``$TSCKPT_HOLD_GC`` is not 0."""
-    return hold and os.environ.get(HOLD_ENV, "").strip().lower() not in ("0", "false", "no", "off")
-
-
 @contextlib.contextmanager
 def held_off() -> Iterator[None]:
     """No automatic cycle collection inside (on any thread of the process); as it was once every caller is out.
 
-    Nothing changes where :func:`holding` is false.
+    Nothing changes unless :data:`hold` is true and ``$TSCKPT_HOLD_GC`` is not 0.
     """
     global _held, _was_enabled
+    counted = hold and os.environ.get(HOLD_ENV, "").strip().lower() not in ("0", "false", "no", "off")
     with _lock:
-        if not holding():
-            counted = False
-        else:
-            counted = True
+        if counted:
             if not _held:
                 _was_enabled = gc.isenabled()
                 gc.disable()

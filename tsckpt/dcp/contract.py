@@ -101,15 +101,13 @@ class WriteConfig:
             raise OptionError(f"unknown layout {self.layout!r}: expected one of {sorted(LAYOUTS)}")
 
 
-
 @dataclass(frozen=True)
 class PlannerNotes:
     """What tsckpt's planner adds to a rank's local plan, in ``storage_data`` (step 2).
 
-    ``placements``: the placement record of each tensor this rank describes.
-    ``arrays``: of those, each one no plan lists, whose layout its placements give
-    (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}``, plus
-    ``"world"`` (the world size) for a plain tensor every rank holds.
+    ``placements``: the placement record of each tensor this rank describes; ``arrays``: of those, each one no
+    plan lists (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}`` (+ ``"world"``, for a
+    plain tensor every rank holds).
     """
 
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -156,10 +154,8 @@ def fqn_digest(fqns: Sequence[str]) -> int:
 class ArrayTable:
     """The layouts of the arrays one rank writes, in columns, in the order the rank's plan first names them.
 
-    ``ids``: the coordinator's numbers for the tensors; ``dims[i]``: shape, chunk
-    shape and inner chunk shape of array ``i``, padded to the largest rank;
-    ``sharded[i]``: whether it has inner chunks; ``digest``: :func:`fqn_digest`
-    of the keys in order, checked against the rank's plan.
+    ``dims[i]``: shape, chunk shape and inner chunk shape of array ``i`` (padded); ``sharded[i]``: whether it
+    has inner chunks; ``digest``: :func:`fqn_digest` of the keys, checked against the rank's plan.
     """
 
     ids: np.ndarray  # int32 [n]
@@ -208,7 +204,6 @@ class SaveOrders:
     save_id: str
     #: The base of an incremental save (:mod:`tsckpt.base_chunks`), when one was given.
     base: BaseChoice | None = None
-
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,11 @@ on every rank and ``tsckpt.save`` raises as itself:
 
     save to /data/ck failed on rank 3: no space left on device writing 'model.w'
 
-Ctrl-C is reported the same way (:func:`interruption`); ``tsckpt.save`` raises
-that line as a ``KeyboardInterrupt`` where Ctrl-C was pressed. Ctrl-C while the
-coordinator commits waits for the commit. While a rank starts writes, and
-while a failed rank waits for them, Ctrl-C is held until the step ends
-(:class:`CtrlC`): raised between starting a write and recording it, nothing
-would wait for that write, and it could land after the clean-up. Where Ctrl-C
-stops a save outside ``write_data`` (a second Ctrl-C, or one in DCP's
-collectives), ``tsckpt.save`` calls :func:`interrupted` on every rank.
+Ctrl-C is reported the same way (:func:`interruption`; ``tsckpt.save`` raises a
+``KeyboardInterrupt`` where it was pressed). While a rank starts writes, waits for
+them after a failure, or commits, Ctrl-C is held until the step ends (:class:`CtrlC`),
+so that no write lands after the clean-up. Where Ctrl-C stops a save elsewhere (a
+second Ctrl-C, or in DCP's collectives), ``tsckpt.save`` calls :func:`interrupted`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ reader decoded them or through ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any, NamedTuple
 
@@ -18,7 +19,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ..errors import LoadMismatchError
 from .torch_private import set_element
-from .byte_io_values import DecodedValue
 
 
 def _lossless(saved: torch.dtype, dest: torch.dtype) -> bool:
@@ -66,8 +66,18 @@ def mismatch_message(problems: list[Mismatch]) -> str:
     return "\n".join([first] + [f"  {p.text}" for p in shown] + ([f"  and {more} more"] if more > 0 else []))
 
 
+class DecodedValue(io.BytesIO):
+    """A non-tensor value the reader already restored safely (so it is not unpickled again): a torch.save of it."""
+
+    def __init__(self, value: Any):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        super().__init__(buf.getvalue())
+        self.value = value
+
+
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planning, with safe values and checked dtypes.
+    """DCP's default load planning (every rank), with safe values and checked shapes and dtypes.
 
     Args:
         allow_partial_load: keys of ``state_dict`` missing from the checkpoint are skipped.

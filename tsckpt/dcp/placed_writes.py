@@ -1,16 +1,11 @@
 """Which rank writes which box of a DTensor, computed from its placements alone, the same on every rank.
 
-A DTensor placed by ``Shard(d)`` and ``Replicate()`` tells every rank the whole
-layout: each mesh coordinate's local shard (``torch.chunk`` splits, mesh
-dimension by mesh dimension, as DTensor does) and which coordinates hold the
-same shard. So such a tensor never travels in a save plan: one rank sends its
-record, the coordinator lays out its array from :func:`pieces`, and each rank
-finds its own writes with :func:`own_boxes`.
-
-Replicas share the writing: a shard of at least two ``MIN_PIECE_BYTES`` is cut
-into row pieces, balanced over the replica group (:func:`own_boxes`). The chunk
-grid is aligned to the pieces, so no two ranks ever write one chunk. Pure
-functions of shapes, placements and keys.
+A DTensor placed by ``Shard(d)`` and ``Replicate()`` tells every rank each mesh
+coordinate's shard (split as DTensor splits) and which coordinates hold the same
+one. So it never travels in a save plan: one rank sends its record, the
+coordinator lays out its array from :func:`pieces`, and each rank finds its own
+writes with :func:`own_boxes`, replicas sharing the writing in row pieces
+aligned with the chunk grid. Pure functions of shapes, placements and keys.
 """
 
 from __future__ import annotations
@@ -32,11 +27,8 @@ SIMPLE_PLACEMENTS = frozenset({"shard", "replicate"})
 
 @dataclass(frozen=True)
 class Placed:
-    """What fixes a DTensor's layout: global shape, bytes per element, mesh shape and each mesh dim's placement.
-
-    ``placements[i]`` is the sharded tensor dimension of mesh dimension ``i``,
-    or -1 where that mesh dimension replicates.
-    """
+    """What fixes a DTensor's layout: global shape, bytes per element, mesh shape and, per mesh dimension,
+    the tensor dimension it shards (-1: it replicates)."""
 
     shape: tuple[int, ...]
     itemsize: int
@@ -64,13 +56,9 @@ class Placed:
 
 @dataclass(frozen=True)
 class Pieces:
-    """Every box a placed tensor is written as, and whose shard each belongs to.
-
-    ``boxes``: int64 ``[n, 2, ndim]`` (offsets, sizes), no empty box;
-    ``shard``: the row-major mesh index of the first replica holding each
-    box's shard (every replicating mesh dimension at 0);
-    ``replica_offsets[j]``: what replica ``j``'s coordinate adds to that index.
-    """
+    """Every box a placed tensor is written as (``boxes``: int64 ``[n, 2, ndim]``, none empty); ``shard``: the
+    row-major mesh index of the first replica holding each box's shard (replicating mesh dimensions at 0);
+    ``replica_offsets[j]``: what replica ``j``'s coordinate adds to that index."""
 
     boxes: np.ndarray
     shard: np.ndarray

@@ -1,21 +1,16 @@
 """DCP's save-plan caching, for a writer whose plans name a new data location on every save.
 
-With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP hands the writer's
-global planning an empty, ``usable=False`` plan for each rank whose plan did
-not change, and that rank then writes with the plan it received last time,
-storage data included: the last save's data location and options. So the
-coordinator needs every rank's full plan to lay out the arrays, and sends every
-rank a usable plan on every save: its cached items, pickled once
-(:class:`PrepickledPlan`), with fresh storage data. tsckpt's own planner
-instead applies this save's orders to the plan each rank holds
-(:class:`~tsckpt.dcp.contract.NewOrders`).
-
-The full plans come from tsckpt's planner (:class:`~tsckpt.dcp.contract.GlobalPlans`),
-or, for another planner, from its public ``global_plan``, noted by weak
-reference after every save (:meth:`PlanCache.note`): only plans DCP's cache
-still holds stay alive. Two different live sets for as many ranks cannot be
-told apart, and the save is refused. How DCP's cache behaves is written down
-in :mod:`tsckpt.dcp.torch_private` and checked against the installed torch.
+With ``DefaultSavePlanner(enable_plan_caching=True)`` a rank whose plan did not
+change gets an empty, ``usable=False`` plan and writes with its last one, storage
+data (the last save's location and options) included. So the coordinator needs
+every rank's full plan, and sends every rank a usable plan on every save: its
+cached items, pickled once (:class:`PrepickledPlan`), with fresh storage data;
+tsckpt's own planner instead applies this save's orders to the plan each rank
+holds (:class:`~tsckpt.dcp.contract.NewOrders`). The full plans come from
+tsckpt's planner (:class:`~tsckpt.dcp.contract.GlobalPlans`), or from another
+planner's public ``global_plan``, noted by weak reference (:meth:`PlanCache.note`);
+two live sets for as many ranks cannot be told apart, and the save is refused.
+DCP's cache behaviour is checked in :mod:`tsckpt.dcp.torch_private`.
 """
 
 from __future__ import annotations

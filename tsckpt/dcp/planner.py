@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -34,7 +35,6 @@ from .contract import GlobalPlans, NewOrders, PlannerNotes
 from .global_layout import key_path_of
 from .placed_writes import Held, Placed, own_boxes, shard_box
 from .torch_private import ShardedTensor, StridedShard, plan_caching_asked
-from .byte_io_values import EncodedValue
 
 
 def _placement_record(p: Any) -> dict[str, Any]:
@@ -49,6 +49,13 @@ def _placement_record(p: Any) -> dict[str, Any]:
     return {"type": "other", "repr": repr(p)}
 
 
+def whole_tensor(dtype: torch.dtype, shape: Any) -> TensorStorageMetadata:
+    """DCP's metadata of a tensor stored as one whole chunk, of which DCP then asks for exact hyperslabs."""
+    size = torch.Size(shape)
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), size,
+                                 [ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
+
+
 class MeshRecords:
     """JSON records of the device meshes a state dict's DTensors live on, one per mesh object:
     ``DeviceMesh.mesh`` rebuilds its rank tensor on every access (about 0.2 ms), and a shared record pickles once.
@@ -57,25 +64,20 @@ class MeshRecords:
     def __init__(self) -> None:
         self._records: dict[int, tuple[dict[str, Any], int]] = {}
 
-    def _get(self, mesh: Any) -> tuple[dict[str, Any], int]:
-        known = self._records.get(id(mesh))
-        if known is None:
-            ranks = mesh.mesh.flatten().tolist()
-            record = {
-                "shape": list(mesh.shape),
-                "dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-                "device_type": mesh.device_type,
-                "ranks": ranks,
-            }
-            known = self._records[id(mesh)] = (record, min(ranks))
-        return known
-
     def record(self, mesh: Any) -> dict[str, Any]:
         """The mesh's record: shape, dimension names, device type and ranks in row-major order."""
         return self._get(mesh)[0]
 
     def lowest_rank(self, mesh: Any) -> int:
         return self._get(mesh)[1]
+
+    def _get(self, mesh: Any) -> tuple[dict[str, Any], int]:
+        if id(mesh) not in self._records:
+            ranks = mesh.mesh.flatten().tolist()
+            names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+            self._records[id(mesh)] = ({"shape": list(mesh.shape), "dim_names": names,
+                                        "device_type": mesh.device_type, "ranks": ranks}, min(ranks))
+        return self._records[id(mesh)]
 
 
 def describe(obj: Any, meshes: MeshRecords | None = None) -> dict[str, Any] | None:
@@ -84,13 +86,9 @@ def describe(obj: Any, meshes: MeshRecords | None = None) -> dict[str, Any] | No
         mesh = (meshes or MeshRecords()).record(obj.device_mesh)
         return {"kind": "dtensor", "mesh": mesh, "placements": [_placement_record(p) for p in obj.placements]}
     if isinstance(obj, ShardedTensor):
-        return {
-            "kind": "sharded_tensor",
-            "shards": [
-                {"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes), "placement": str(s.placement)}
-                for s in obj.metadata().shards_metadata
-            ],
-        }
+        return {"kind": "sharded_tensor",
+                "shards": [{"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes),
+                            "placement": str(s.placement)} for s in obj.metadata().shards_metadata]}
     if isinstance(obj, torch.Tensor):
         return {"kind": "replicated"}
     return None
@@ -137,10 +135,7 @@ class SavePlanner(DefaultSavePlanner):
     it out where plain values may differ or a collective may not run
     (``dcp.async_save`` plans in a background thread).
 
-    With ``enable_plan_caching=True``, global planning hands the writer every
-    rank's full plan (:class:`~tsckpt.dcp.contract.GlobalPlans`), and
-    ``finish_plan`` takes this save's orders into the plan DCP kept for a rank
-    (:class:`~tsckpt.dcp.contract.NewOrders`).
+    With ``enable_plan_caching=True``, see :mod:`tsckpt.dcp.plan_cache`.
     """
 
     def __init__(self, *args: Any, values_group: Any = None, **kwargs: Any) -> None:
@@ -202,10 +197,7 @@ class SavePlanner(DefaultSavePlanner):
         for p in self.global_plan:  # every rank's full plan, even where DCP returns only those that changed
             notes = PlannerNotes.found(p)
             for fqn, record in (notes.arrays if notes is not None else {}).items():
-                shape = torch.Size(record["shape"])
-                placed[fqn] = TensorStorageMetadata(
-                    TensorProperties(dtype=getattr(torch, record["dtype"])), shape,
-                    [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+                placed[fqn] = whole_tensor(getattr(torch, record["dtype"]), record["shape"])
         if placed:
             metadata = self.metadata = dataclasses.replace(
                 metadata, state_dict_metadata={**metadata.state_dict_metadata, **placed})
@@ -240,14 +232,34 @@ class SavePlanner(DefaultSavePlanner):
         return EncodedValue(payload, encoding)
 
 
-class HeldShards:
-    """A rank's items of the tensors whose layout their placements give, kept back from the gathered plan.
+class EncodedValue(io.BytesIO):
+    """A non-tensor value (DCP's ``BYTE_IO`` item) this planner serialized, tagged with the encoding to record."""
 
-    DTensors placed by ``Shard``/``Replicate``; with ``world`` (this rank, world
-    size) also plain tensors, as replicated over the world. Made in
-    ``create_local_plan``; in ``finish_plan`` each item becomes what
-    :func:`~tsckpt.dcp.placed_writes.own_boxes` gives this rank.
+    def __init__(self, data: bytes, encoding: str):
+        super().__init__(data)
+        self.encoding = encoding
+
+
+def encode_bytes(data: io.BytesIO) -> tuple[str, Any]:
+    """How the writer stores a value: ``(JSON, tagged value)`` or ``(TORCH, torch.save bytes)``.
+
+    A tagged :class:`EncodedValue` is taken as it is; DCP's default planner's ``torch.save`` bytes are
+    loaded with ``weights_only=True`` and stored as JSON if plain data, else as they are.
     """
+    raw = data.getvalue()
+    if isinstance(data, EncodedValue):
+        return data.encoding, json.loads(raw) if data.encoding == object_values.JSON else raw
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+        return object_values.JSON, object_values.to_json(value)
+    except Exception:  # not loadable without unpickling code, or not plain data
+        return object_values.TORCH, raw
+
+
+class HeldShards:
+    """A rank's items of the tensors whose layout their placements give (DTensors placed by ``Shard``/
+    ``Replicate``; with ``world``, (rank, world size), plain tensors too), kept back from the gathered plan in
+    ``create_local_plan``; ``finish_plan`` turns each into what :func:`~tsckpt.dcp.placed_writes.own_boxes` gives."""
 
     def __init__(self, items: list[WriteItem], held: dict[str, Held]):
         self.items, self._held = items, held

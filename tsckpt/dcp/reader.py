@@ -1,9 +1,4 @@
-"""DCP storage reader: ``TensorStoreReader`` loads a tsckpt checkpoint with ``dcp.load``, in any topology.
-
-It reports every tensor to DCP as one whole chunk, so DCP asks for each local
-shard's exact hyperslab, and reads that straight into the destination tensor.
-Its constructor also takes ``FileSystemReader``'s arguments.
-"""
+"""DCP storage reader: ``TensorStoreReader`` loads a tsckpt checkpoint with ``dcp.load``, in any topology."""
 
 from __future__ import annotations
 
@@ -17,14 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -39,27 +27,21 @@ from ..format.metadata import CheckpointMetadata
 from ..storage.store import read_error
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
-from . import collector, logs
+from . import collector
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
 from .replica_reads import RankNote, ReplicaShare, schedule
 from .replica_transfers import ReplicaTransfers
 from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
-from .byte_io_values import DecodedValue
-from .io import TensorStoreIO, done
+from .load_planner import DecodedValue
+from .planner import whole_tensor
+from .io import TensorStoreIO, done, load_totals, log_transfer, logging_on
 
 
 def to_dcp_metadata(md: CheckpointMetadata) -> Metadata:
     """DCP's view: each tensor as one whole chunk, so DCP asks for exact hyperslabs."""
-    sd_md: dict[str, Any] = {}
-    for fqn, t in md.tensors.items():
-        size = torch.Size(t.shape)
-        sd_md[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=dtypes.to_torch_dtype(dtypes.from_zarr(t.dtype))),
-            size=size,
-            chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
-        )
-    for fqn in md.objects:
-        sd_md[fqn] = BytesStorageMetadata()
+    sd_md: dict[str, Any] = {fqn: whole_tensor(dtypes.to_torch_dtype(dtypes.from_zarr(t.dtype)), t.shape)
+                             for fqn, t in md.tensors.items()}
+    sd_md.update((fqn, BytesStorageMetadata()) for fqn in md.objects)
     key_paths = {k: tuple(e.key_path) for k, e in (*md.tensors.items(), *md.objects.items())}
     return Metadata(state_dict_metadata=sd_md, planner_data=key_paths)
 
@@ -71,7 +53,8 @@ EARLY_OWN_READS = 16 << 20
 class TensorStoreReader(TensorStoreIO, StorageReader):
     """Read a tsckpt checkpoint with ``dcp.load``, in any topology; a drop-in for DCP's ``FileSystemReader``.
 
-    Each local shard's hyperslab is read straight into the (detached) destination tensor.
+    Each local shard's hyperslab is read straight into the (detached) destination tensor. ``read_data`` and
+    the set-up before it run on every rank, ``prepare_global_plan`` on the coordinator only.
 
     Args:
         path: checkpoint directory (or kvstore spec), or ``checkpoint_id=`` to ``dcp.load``.
@@ -132,7 +115,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             self._store = self.store.for_checkpoint(self.metadata)
             self._source = None
         md = to_dcp_metadata(self.metadata)
-        # As DCP's reader reports it: where the checkpoint is, the save that made it, this load.
         md.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.metadata.extra.get("save_id"),
                                       load_id=self.load_id)
         return md
@@ -156,8 +138,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     @collector.held_off()  # every rank's items, on the coordinator
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if logs.enabled() and self.metadata is not None:
-            self._totals = (*logs.load_totals(self.metadata, plans), len(plans))
+        if logging_on() and self.metadata is not None:
+            self._totals = (*load_totals(self.metadata, plans), len(plans))
         if any(isinstance(p.storage_data, RankNote) for p in plans):
             assert self.metadata is not None
             md = self.metadata
@@ -180,7 +162,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         assert self.metadata is not None
         md = self.metadata
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
-        # Every box is read as the whole checksummed pieces it touches, each checked before it is handed out.
         readers = {fqn: BoxReader(self.source, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
                    for fqn in wanted}
         # Every chunk this rank reads, found at once: an index's nodes are read level by level for all of them.
@@ -220,8 +201,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             raise failures[0]
         if self.is_coordinator and self._totals is not None:
             nbytes, files, ranks = self._totals
-            logs.log_transfer("loaded", str(self.checkpoint_id), nbytes=nbytes, files=files, ranks=ranks,
-                              seconds=time.perf_counter() - self._started)
+            log_transfer("loaded", str(self.checkpoint_id), nbytes=nbytes, files=files, ranks=ranks,
+                         seconds=time.perf_counter() - self._started)
         return done(None)
 
     def _few_small(self, items: list[ReadItem], readers: dict[str, BoxReader]) -> bool:

@@ -1,20 +1,13 @@
 """Replicas read once: which rank fetches each region that several ranks of a load need, and whom it feeds.
 
-DDP replicas, HSDP's replica dimension and ``Replicate`` placements make
-several ranks ask ``dcp.load`` for the very same box of a tensor. The
-coordinator (``prepare_global_plan``) groups the read items by region (tensor,
-offsets, sizes), gives each region that at least two ranks need to one of them
-(the *owner*, evening out the bytes each rank fetches), and tells every rank
-its part in one global order. Moving the bytes is
-:mod:`tsckpt.dcp.replica_transfers`; this module only decides.
-
-Only identical boxes of at least :data:`MIN_SHARED_BYTES` are shared. A shared
-box of a sharded tensor is cut into stripes at its chunks, along a dimension it
-is stored by (:func:`tsckpt.format.band_order.stripe_dims`): member ``k`` of
-``m`` fetches the chunks that start in the k-th m-th of the dimension, so each
-member reads one run of each file it needs. A tensor stored as one value is
-fetched whole by one member. The member lists of a rank's replica groups are
-pickled once for every rank with the same groups (:class:`~tsckpt.dcp.contract.Prepickled`).
+DDP replicas, HSDP's replica dimension and ``Replicate`` placements make several
+ranks ask for the very same box. The coordinator (``prepare_global_plan``) gives
+each region (tensor, offsets, sizes) of at least :data:`MIN_SHARED_BYTES` that
+two or more ranks need to one of them, evening out the bytes each fetches, and
+tells every rank its part in one global order. A shared box of a sharded tensor
+is cut into stripes at its chunks along a dimension it is stored by
+(:func:`tsckpt.format.band_order.stripe_dims`), so each member reads one run of
+each file. Moving the bytes is :mod:`tsckpt.dcp.replica_transfers`.
 """
 
 from __future__ import annotations
@@ -63,10 +56,8 @@ class Transfer:
 class ReplicaShare:
     """One rank's part of the schedule, in columns (``LoadPlan.storage_data`` after global planning).
 
-    Row ``k`` is region ``seq[k]`` of the global order, read item ``item[k]`` of
-    this rank's plan (its stripe ``[start[k], stop[k])`` along ``dim[k]``, or
-    all of it where ``dim[k]`` is -1), needed by the ranks of ``groups[group[k]]``
-    (ascending) and fetched by ``owner[k]``, one of them. Rows are in ``seq`` order.
+    Row ``k`` (in ``seq`` order) is region ``seq[k]``: read item ``item[k]`` (its stripe ``[start[k], stop[k])``
+    along ``dim[k]``, all of it where -1), needed by ``groups[group[k]]`` and fetched by ``owner[k]``.
     """
 
     rank: int
@@ -91,16 +82,10 @@ class ReplicaShare:
                                                self.owner.tolist(), self.dim.tolist(), self.start.tolist(),
                                                self.stop.tolist())]
 
-    def fetched_here(self) -> int:
-        """How many of this rank's shared regions it fetches itself."""
-        return int(np.count_nonzero(self.owner == self.rank))
-
-
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]
 
-#: Boxes smaller than this are read by every rank that needs them: a page, such as a model's step counts
-#: and norms. A column reshard of the S3 benchmark's state into 2 ranks shares only its 99 step counts, and
-#: passing them on held back the ranks' own reads: 2.85 s without, 2.90 s with them (``bench_s3_peers.py``).
+#: Boxes smaller than this (step counts, norms) are read by every rank that needs them: passing them on
+#: costs more than fetching them beside the ranks' own reads.
 MIN_SHARED_BYTES = 4 << 10
 
 

@@ -1,21 +1,14 @@
 """Replicas read once, the bytes: an owner sends a region it fetched to the ranks that also need it.
 
-What goes where is decided by :mod:`tsckpt.dcp.replica_reads`; this module
-moves it with point-to-point messages on the default process group. Each
-transfer is one message per receiver; an owner whose read failed still sends
-(the bytes as they are), so no receiver waits forever. Once all its regions are
-out, an owner sends each receiver one status: whether every read it made for
-that receiver succeeded, else the first error's class and text, which the
-receiver raises.
-
-Every rank posts its messages in the schedule's global order, so the messages
-between two ranks come in the same order on both sides, as NCCL (which ignores
-tags and runs a pair's messages in posting order) needs. Receives that gloo
-carries are posted as soon as they are planned, ahead of this rank's own
-sends: gloo matches by sender and tag, so an owner never waits for a receiver
-to reach the region. The bytes travel in the stored dtype, straight from and
-into the destination when the backend carries its device and it has that
-dtype and is contiguous, through a buffer otherwise.
+:mod:`tsckpt.dcp.replica_reads` decides what goes where; this module moves it
+with point-to-point messages on the default process group, one per receiver
+(an owner whose read failed still sends, so no receiver waits forever), then one
+status per receiver: whether every read made for it succeeded, else the first
+error, which the receiver raises. Every rank posts in the schedule's global
+order, as NCCL needs (it ignores tags and runs a pair's messages in posting
+order); receives that gloo carries (matched by sender and tag) are posted as
+soon as they are planned. The bytes travel in the stored dtype, straight from
+and into the destination where the backend carries it, through a buffer otherwise.
 """
 
 from __future__ import annotations

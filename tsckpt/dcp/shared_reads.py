@@ -1,13 +1,7 @@
-"""Regions a rank shares with its replicas: fetched once by their owner and sent, or received.
-
-With replica reads on (:mod:`tsckpt.dcp.replica_reads` decides who fetches
-what), every rank walks the same list of shared regions in one global order: an
-owner plans its checked read into a batch (a round's regions fetched together)
-and sends it once the batch has run; the others post its receive. Runs inside
-``TensorStoreReader.read_data`` on every rank. A failure never leaves a transfer
-undone: it is kept, and raised once every transfer is. A receiver learns of its
-owner's failure only from the final status (:mod:`~tsckpt.dcp.replica_transfers`),
-so a region whose read failed may already sit in its destination when the load raises.
+"""Regions a rank shares with its replicas (:mod:`tsckpt.dcp.replica_reads`): fetched once by their owner and
+sent, or received, by every rank in one global order inside ``TensorStoreReader.read_data``. A failure never
+leaves a transfer undone: it is kept, and raised once every transfer is; a region whose read failed may
+already sit in its destination when the load raises.
 """
 
 from __future__ import annotations

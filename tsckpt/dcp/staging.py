@@ -41,10 +41,10 @@ class Stager(AsyncStager):
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if self.cache_staged_state_dict and self._staged is not None:
             try:
-                return _refill(state_dict, self._staged)
+                return _stage(state_dict, self._staged, {})
             except _Changed:
                 pass  # the state dict changed shape: stage into fresh memory
-        staged = _copy(state_dict, {})
+        staged = _stage(state_dict, _FRESH, {})
         if self.cache_staged_state_dict:
             self._staged = staged
         return staged
@@ -60,22 +60,54 @@ class Stager(AsyncStager):
         return {**self.__dict__, "_staged": None}
 
 
-def _copy(obj: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+#: Where a value has no staged copy to refill.
+_FRESH: Any = object()
+
+
+class _Changed(Exception):
+    """The state dict no longer matches the cached copies."""
+
+
+def _stage(obj: Any, cached: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    """``obj`` with its tensors copied to CPU memory: fresh where ``cached`` is :data:`_FRESH`, else into the
+    matching tensors of ``cached`` (raising :class:`_Changed` where they do not match)."""
+    fresh = cached is _FRESH
     if isinstance(obj, DTensor):
-        return DTensor.from_local(_copy_tensor(obj.to_local(), memo), obj.device_mesh, obj.placements,
-                                  run_check=False, shape=obj.shape, stride=obj.stride())
+        if fresh:
+            return DTensor.from_local(_copy_tensor(obj.to_local(), memo), obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
+        _check(isinstance(cached, DTensor) and cached.device_mesh == obj.device_mesh
+               and cached.placements == obj.placements and cached.shape == obj.shape)
+        _refill_tensor(obj.to_local(), cached.to_local())
+        return cached
     if isinstance(obj, ShardedTensor):
-        shards = [LocalShard(_copy_tensor(s.tensor, memo), s.metadata) for s in obj.local_shards()]
-        return sharded_tensor_like(shards, obj)
+        if fresh:
+            return sharded_tensor_like([LocalShard(_copy_tensor(s.tensor, memo), s.metadata)
+                                        for s in obj.local_shards()], obj)
+        _check(isinstance(cached, ShardedTensor) and cached.metadata() == obj.metadata()
+               and len(cached.local_shards()) == len(obj.local_shards()))
+        for src, dst in zip(obj.local_shards(), cached.local_shards()):
+            _refill_tensor(src.tensor, dst.tensor)
+        return cached
     if isinstance(obj, torch.Tensor):
-        return _copy_tensor(obj, memo)
+        if fresh:
+            return _copy_tensor(obj, memo)
+        _check(isinstance(cached, torch.Tensor) and not isinstance(cached, (DTensor, ShardedTensor)))
+        _refill_tensor(obj, cached)
+        return cached
     if isinstance(obj, dict):
-        return {k: _copy(v, memo) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy(v, memo) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_copy(v, memo) for v in obj)
+        _check(fresh or (isinstance(cached, dict) and cached.keys() == obj.keys()))
+        return {k: _stage(v, _FRESH if fresh else cached[k], memo) for k, v in obj.items()}
+    if isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        kind = list if isinstance(obj, list) else tuple
+        _check(fresh or (isinstance(cached, kind) and len(cached) == len(obj)))
+        return kind(_stage(v, c, memo) for v, c in zip(obj, [_FRESH] * len(obj) if fresh else cached))
     return copy.deepcopy(obj)
+
+
+def _check(matches: bool) -> None:
+    if not matches:
+        raise _Changed
 
 
 def _copy_tensor(t: torch.Tensor, memo: dict[tuple[Any, ...], torch.Tensor]) -> torch.Tensor:
@@ -89,43 +121,6 @@ def _copy_tensor(t: torch.Tensor, memo: dict[tuple[Any, ...], torch.Tensor]) -> 
     return out
 
 
-class _Changed(Exception):
-    """The state dict no longer matches the cached copies."""
-
-
-def _refill(obj: Any, cached: Any) -> Any:
-    """Copy ``obj``'s tensor data into the matching tensors of ``cached``; raise ``_Changed`` if none match."""
-    if isinstance(obj, DTensor):
-        if not (isinstance(cached, DTensor) and cached.device_mesh == obj.device_mesh
-                and cached.placements == obj.placements and cached.shape == obj.shape):
-            raise _Changed
-        _refill_tensor(obj.to_local(), cached.to_local())
-        return cached
-    if isinstance(obj, ShardedTensor):
-        if not (isinstance(cached, ShardedTensor) and cached.metadata() == obj.metadata()
-                and len(cached.local_shards()) == len(obj.local_shards())):
-            raise _Changed
-        for src, dst in zip(obj.local_shards(), cached.local_shards()):
-            _refill_tensor(src.tensor, dst.tensor)
-        return cached
-    if isinstance(obj, torch.Tensor):
-        if isinstance(cached, (DTensor, ShardedTensor)) or not isinstance(cached, torch.Tensor):
-            raise _Changed
-        _refill_tensor(obj, cached)
-        return cached
-    if isinstance(obj, dict):
-        if not isinstance(cached, dict) or cached.keys() != obj.keys():
-            raise _Changed
-        return {k: _refill(v, cached[k]) for k, v in obj.items()}
-    if isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
-        kind = list if isinstance(obj, list) else tuple  # as _copy makes them
-        if not isinstance(cached, kind) or len(cached) != len(obj):
-            raise _Changed
-        return kind(_refill(v, c) for v, c in zip(obj, cached))
-    return copy.deepcopy(obj)
-
-
 def _refill_tensor(src: torch.Tensor, dst: torch.Tensor) -> None:
-    if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise _Changed
+    _check(dst.shape == src.shape and dst.dtype == src.dtype)
     dst.copy_(src.detach())

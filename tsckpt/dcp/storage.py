@@ -1,9 +1,9 @@
-"""DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays.
+"""DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays, as
+:mod:`tsckpt.dcp.contract` describes; it knows regions, dtypes and paths, never DTensors.
 
-It knows regions, dtypes and paths, never DTensors. The protocol with the ranks
-is :mod:`tsckpt.dcp.contract`; arrays are laid out by
-:mod:`tsckpt.dcp.global_layout`, items written by :mod:`tsckpt.dcp.item_writes`,
-the commit made by :func:`tsckpt.commit.protocol.commit_checkpoint`.
+Each rank writes its items (:func:`write_items`) into the chunks of the arrays the coordinator laid out,
+through a :class:`~tsckpt.rank_writer.RankWriter` made with the save's orders; other values are stored as
+JSON in the rank's summary, or as blobs.
 """
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..base_chunks import BaseChoice, choose_base, reuse_outcome
+from ..base_chunks import BaseChoice, BaseChunks, choose_base, reuse_outcome
 from ..commit import protocol as commit
 from ..commit.publication import begin_save
 from ..commit.target import SaveTarget
-from ..errors import OptionError
-from ..format import content_hashes, object_values
+from ..errors import OptionError, PlanError
+from ..format import content_hashes, dtypes, object_values
 from ..format.data_files import RankFiles
 from ..format.metadata import ArrayOptions, ObjectEntry, intern_placement
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES
@@ -33,17 +33,17 @@ from ..rank_writer import RankWriter
 from ..storage.layouts import PACKED, get_layout
 from ..storage.location import Location, LocationLike
 from ..storage.store import Store
-from . import compat, logs
-from .contract import NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
+from .contract import NewOrders, Prepickled, RankPlan, RankSummary, RankWrites, SaveOrders, SummaryBuilder, WriteConfig
 from .failure import CTRL_C, RankFailure, commit_or_clean_up, failed_summary
 from .copy_window import DEFAULT_COPY_AHEAD, check_copy_ahead
 from .global_layout import GlobalLayout
 from .merged_chunks import MergedChunks, once_each, stored_values
-from .io import TensorStoreIO, done
-from .item_writes import write_items
+from .io import (TensorStoreIO, check_serialization_format, done, log_save, logging_on, refuse_rank_local_saves,
+                 resolve_compression, resolve_io_concurrency, resolve_layout)
 from .plan_cache import CACHE
 from .planner import SavePlanner as TsckptSavePlanner
-from .replica_writes import Holdings, spread
+from .planner import encode_bytes, placement_records
+from .replica_writes import Holdings, piece_of, spread
 from .staging import Stager
 
 
@@ -51,7 +51,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     """Write a DCP checkpoint as a Zarr v3 hierarchy, one array per global tensor.
 
     A drop-in for DCP's ``FileSystemWriter``: the same arguments in the same
-    positions (torch 2.13-2.15, :mod:`tsckpt.dcp.compat`), and an ``AsyncStager``
+    positions (torch 2.13-2.15, :mod:`tsckpt.dcp.io`), and an ``AsyncStager``
     (:class:`~tsckpt.dcp.staging.Stager`) for ``dcp.async_save``.
     Which method runs on which rank, in what order: :mod:`tsckpt.dcp.contract`.
 
@@ -111,35 +111,21 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
     ``dcp.save(..., use_collectives=False)`` is refused on more than one rank.
     """
 
-    def __init__(
-        self,
-        path: LocationLike | None = None,
-        single_file_per_rank: bool | None = None,
-        sync_files: bool = True,
-        thread_count: int | None = None,
-        per_thread_copy_ahead: int | None = DEFAULT_COPY_AHEAD,
-        cache_staged_state_dict: bool = False,
-        overwrite: bool = True,
-        _extensions: Sequence[Any] | None = None,
-        serialization_format: Any = None,
-        *,
-        layout: str | None = None,
-        inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-        io_concurrency: int | None = None,
-        checksums: bool = True,
-        crc32c_codec: bool = False,
-        compression: str | None = None,
-        base: LocationLike | None = None,
-        incremental: bool = False,
-    ):
-        super().__init__(path, compat.resolve_io_concurrency(thread_count, io_concurrency))
+    def __init__(self, path: LocationLike | None = None, single_file_per_rank: bool | None = None,
+                 sync_files: bool = True, thread_count: int | None = None,
+                 per_thread_copy_ahead: int | None = DEFAULT_COPY_AHEAD, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True, _extensions: Sequence[Any] | None = None, serialization_format: Any = None,
+                 *, layout: str | None = None, inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
+                 io_concurrency: int | None = None, checksums: bool = True, crc32c_codec: bool = False,
+                 compression: str | None = None, base: LocationLike | None = None, incremental: bool = False):
+        super().__init__(path, resolve_io_concurrency(thread_count, io_concurrency))
         Stager.__init__(self, cache_staged_state_dict)
-        compat.check_serialization_format(serialization_format)
-        compression = compat.resolve_compression(_extensions, compression)
+        check_serialization_format(serialization_format)
+        compression = resolve_compression(_extensions, compression)
         if not isinstance(checksums, bool):
             raise OptionError(f"checksums must be True or False, not {checksums!r}")
         self.array_options = ArrayOptions(crc32c_codec=checksums or crc32c_codec, compression=compression)
-        self.layout = compat.resolve_layout(single_file_per_rank, layout)
+        self.layout = resolve_layout(single_file_per_rank, layout)
         self.sync_files = bool(sync_files)
         self.per_thread_copy_ahead = check_copy_ahead(per_thread_copy_ahead)
         self.overwrite = overwrite
@@ -184,7 +170,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._reset(None)
-        compat.refuse_rank_local_saves(kwargs.get("use_collectives", True), str(self.checkpoint_id))
+        refuse_rank_local_saves(kwargs.get("use_collectives", True), str(self.checkpoint_id))
         self._started = time.perf_counter()
         self.is_coordinator = is_coordinator
         # The packed layout gives each rank its own database, so the rank must be right.
@@ -325,8 +311,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                     if "ref" in info:
                         blob_refs[fqn] = (summary.files[info["ref"][0]], info["ref"][1:])
         layout.check_planned(metadata, self.checkpoint_id)
-        names = list(layout.entries)
-        written = MergedChunks.merge(summaries, layout.nchunks, names, where)
+        written = MergedChunks.merge(summaries, layout.nchunks, list(layout.entries), where)
         meshes: list = []
         seen: dict[int, int] = {}  # the placement records stay alive here, so their ids do too
         tensors, reused = {}, {}
@@ -339,15 +324,72 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         if self.config.layout == PACKED:
             stored = stored_values(tensors, written, {objs[f].path: r for f, r in blob_refs.items()})
         reuse = reuse_outcome(self._base, tensors, reused, sum(blob_sizes.values()))
-        extra: dict[str, Any] = {"save_id": self.save_id}
-        if not self.sync_files:
-            extra["synced"] = False
+        extra: dict[str, Any] = {"save_id": self.save_id, **({} if self.sync_files else {"synced": False})}
         ranks = once_each([s.stored if s.stored is not None else RankFiles() for s in summaries])
         commit.commit_checkpoint(
             self.data_store(self._target.data_location, self.config), save_id=self.save_id,
             world_size=len(summaries), tensors=tensors, objects=objs, blob_sizes=blob_sizes, ranks=ranks,
             stored=stored, meshes=meshes, extra=extra, options=self.array_options, target=self._target,
             content_hash=content_hashes.STORED_ALGORITHM if self.checksums else None, reuse=reuse)
-        if logs.enabled():
-            logs.log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
-                          seconds=time.perf_counter() - self._started, ranks=len(summaries), reuse=reuse)
+        if logging_on():
+            log_save(where, tensors, [objs[k].path for k in blob_sizes], blob_sizes.values(),
+                     seconds=time.perf_counter() - self._started, ranks=len(summaries), reuse=reuse)
+
+
+def write_items(plan: SavePlan, planner: SavePlanner, writers: list[RankWriter], *, rank: int, where: str,
+                data_store: Callable[[Location, WriteConfig], Store], window: int | None) -> RankWrites:
+    """Write rank ``rank``'s items as its :class:`RankPlan` says, through a :class:`RankWriter` it adds to
+    ``writers`` (so that the caller can abandon it); ``data_store`` opens where the coordinator said to write,
+    ``window`` is the host-copy window (``per_thread_copy_ahead``)."""
+    rank_plan = plan.storage_data
+    if not isinstance(rank_plan, RankPlan):
+        raise PlanError(f"saving {where}: rank {rank}'s plan carries no layout from the coordinator "
+                        f"(was the global plan made by another storage writer?)")
+    orders = rank_plan.orders.value
+    config = orders.config
+    store = data_store(orders.location, config)
+    tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
+    arrays = rank_plan.entries(list(dict.fromkeys(tensors)), where)
+    base = orders.base
+    writer = RankWriter(store, rank, orders.save_id, "", options=config.array_options,
+                        checksums=config.checksums, window=window, sync=config.sync_files,
+                        base=BaseChunks(base, store) if base is not None and base.mode else None)
+    writers.append(writer)
+    writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})
+    summary = SummaryBuilder(rank, orders.save_id)
+    if not isinstance(planner, TsckptSavePlanner):
+        # DCP's own planner puts no placements in the plans: this rank describes its share here.
+        summary.placements.update(placement_records(planner, rank))
+    for item in plan.items:
+        fqn = item.index.fqn
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            _write_object(writer, fqn, rank_plan.objects[fqn], data, summary)
+            continue
+        entry = arrays[fqn][1]
+        if dtypes.from_torch(data.dtype).zarr != entry.dtype:
+            raise PlanError(f"saving {where}: tensor {fqn!r} is {data.dtype} on rank {rank}, but its "
+                            f"array was laid out as {entry.dtype}")
+        chunk = item.tensor_data.chunk
+        if tuple(chunk.sizes) != tuple(data.shape):  # a piece of a replicated tensor (replica_writes)
+            data = piece_of(data, item, where)
+        with CTRL_C.step():
+            writer.write(fqn, chunk.offsets, data)
+    with CTRL_C.step():
+        stored = writer.finish()
+    for fqn, chunks in writer.written.items():
+        summary.add(arrays[fqn][0], chunks)
+    for fqn, ref in writer.blobs.items():
+        summary.place_object(fqn, ref)
+    # No WriteResult per item: DCP only hands the gathered results to ``finish``, which reads the summary.
+    return RankWrites([], summary.done(stored))
+
+
+def _write_object(writer: RankWriter, fqn: str, path: str, data: Any, summary: SummaryBuilder) -> None:
+    encoding, payload = encode_bytes(data)
+    if encoding == object_values.JSON:
+        summary.add_object(fqn, encoding, payload, 0)
+        return
+    with CTRL_C.step():  # not the pickling above: that may run for long, and starts no write
+        writer.write_blob(fqn, path, payload)
+    summary.add_object(fqn, encoding, None, len(payload))

@@ -1,24 +1,17 @@
-"""The parts of PyTorch tsckpt relies on that PyTorch does not promise to keep, in one module.
+"""The parts of PyTorch tsckpt relies on that PyTorch does not promise to keep, in one module;
+``tests/test_torch_private.py`` checks each against the installed torch.
 
-``tests/test_torch_private.py`` checks every one against the installed torch.
-
-* :data:`ShardedTensor`, :data:`LocalShard`, :func:`sharded_tensor_like`
-  (``torch.distributed._shard``): staging rebuilds a ShardedTensor around
-  copied shards with its private constructor, in its own process group.
-* :data:`StridedShard`: ``placement_types._StridedShard`` (FSDP2 with tensor
-  parallelism); tsckpt records its ``dim`` and ``split_factor``.
-* :data:`flatten_state_dict`, :data:`unflatten_state_dict`: DCP's own
-  (``checkpoint._nested_dict``), so a converted ``torch.save`` file's keys are
-  the ones ``dcp.save`` gives.
-* :data:`FakeTensorMode` (``torch._subclasses``): shaped tensors without storage,
-  for ``torch.serialization.skip_data``.
-* :func:`get_element`, :func:`set_element`: walks of DCP's object paths (a
-  planner's ``mappings``: tuples of ``str`` keys and ``int`` list indices).
-* DCP's plan cache: :func:`plan_caching_asked` reads ``enable_plan_caching``
-  from ``DefaultSavePlanner``'s arguments. With it on, a rank whose plan did not
-  change sends ``SavePlan(usable=False)``, its global plan comes back unusable
-  with the writer's storage data, ``finish_plan`` returns the rank's last plan,
-  and ``global_plan`` holds every rank's full plan.
+* :data:`ShardedTensor`, :data:`LocalShard`, :func:`sharded_tensor_like` (``torch.distributed._shard``):
+  staging rebuilds a ShardedTensor around copied shards with its private constructor.
+* :data:`StridedShard` (``placement_types._StridedShard``): recorded by ``dim`` and ``split_factor``.
+* :data:`flatten_state_dict`, :data:`unflatten_state_dict` (``checkpoint._nested_dict``): a converted
+  ``torch.save`` file's keys are the ones ``dcp.save`` gives.
+* :data:`FakeTensorMode` (``torch._subclasses``): shaped tensors without storage, for ``skip_data``.
+* :func:`get_element`, :func:`set_element`: walks of DCP's object paths (a planner's ``mappings``).
+* DCP's plan cache: :func:`plan_caching_asked` reads ``enable_plan_caching`` from ``DefaultSavePlanner``'s
+  arguments. With it on, a rank whose plan did not change sends ``SavePlan(usable=False)``, gets back an
+  unusable plan with the writer's storage data, ``finish_plan`` returns its last plan, and
+  ``global_plan`` holds every rank's full plan.
 """
 
 from __future__ import annotations
