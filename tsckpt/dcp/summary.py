@@ -171,18 +171,21 @@ def columns_of(summaries: Sequence[RankSummary],
     constants = {name: np.zeros(len(summaries), np.int64) for name in _COLUMNS}
     arrays: dict[str, list[tuple[int, np.ndarray]]] = {name: [] for name in _COLUMNS}
     sent = dict.fromkeys(_COLUMNS, 0)
+    counts = rows.tolist()
     for i, s in enumerate(summaries):
         # A summary made in this process decodes as one that travelled: one path for both.
         packed = s.packed or s._pack()
         raw, at = zlib.decompress(packed.data), 0
         for name, dtype, constant in packed.layout:
             sent[name] += 1
+            if not counts[i]:  # a rank without rows sends empty arrays: no part to place
+                continue
             if dtype is None:
                 if name == "file" and file_numbers is not None and constant >= 0:
                     constant = int(file_numbers[i][constant])
                 constants[name][i] = constant
                 continue
-            values = np.frombuffer(raw, np.dtype(dtype), int(rows[i]), at)
+            values = np.frombuffer(raw, np.dtype(dtype), counts[i], at)
             at += values.nbytes
             if name == "file" and file_numbers is not None:
                 values = np.append(file_numbers[i], -1)[values]  # -1 indexes the appended -1
