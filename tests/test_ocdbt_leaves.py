@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from tsckpt.format import ocdbt, ocdbt_keys, ocdbt_tree
+from tsckpt.format import ocdbt, ocdbt_keys, ocdbt_records, ocdbt_tree
 
 
 def _walk(tree: ocdbt_tree.Tree, ref: ocdbt.Ref, out: list) -> None:
@@ -82,3 +82,18 @@ def test_arrays_sharing_a_template_read_back_with_their_own_keys_and_offsets(nod
     _walk(tree, tree.root, found)
     assert found == list(zip(whole, values))
     assert tree.stats.num_keys == len(whole)
+
+
+@pytest.mark.parametrize("block", [7, 1 << 18])
+def test_a_column_of_varints_is_each_value_encoded_alone(monkeypatch, block):
+    monkeypatch.setattr(ocdbt_records, "_BLOCK", block)
+    rng = np.random.default_rng(block)
+    for top in [1, 127, 128, 300, 1 << 14, 1 << 21, 1 << 28, 1 << 35, 1 << 49, 1 << 56, 1 << 63, (1 << 64) - 1]:
+        values = [0, top - 1, top, min(top + 1, (1 << 64) - 1)] + rng.integers(0, top, 50, np.uint64, True).tolist()
+        alone = [ocdbt_records.varint(v) for v in values]
+        columns = [np.asarray(values, np.uint64)] + ([np.asarray(values, np.int64)] if top < 1 << 62 else [])
+        for column in columns:
+            data, starts = ocdbt_records.varint_column(column)
+            assert data.tobytes() == b"".join(alone), top
+            assert starts.tolist() == np.cumsum([0] + [len(v) for v in alone]).tolist()
+            assert ocdbt_records.Reader(data.tobytes(), "test").varints(len(values)) == values

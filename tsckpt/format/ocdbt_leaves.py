@@ -126,7 +126,7 @@ class _RunLeaves:
         for i, (before, tail, after, held) in enumerate(zip(self.before, self.tails, self.after, self.held)):
             lo, hi = at + int(self.bounds[i]), at + int(self.bounds[i + 1])
             first = run.head + tail
-            yield Leaf(first, envelope(BTREE_MAGIC, b"".join((before, first, after, offsets.cut(lo, hi)))), hi - lo,
+            yield Leaf(first, envelope(BTREE_MAGIC, (before, first, after, offsets.cut(lo, hi))), hi - lo,
                        held)
 
 

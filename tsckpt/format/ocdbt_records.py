@@ -229,12 +229,18 @@ class Reader:
 # --- the common envelope of manifests and nodes ----------------------------------
 
 
-def envelope(magic: int, body: bytes) -> bytes:
-    """Header (magic, total length, version 0, uncompressed), ``body``, then the crc32c of all before it."""
-    length = _HEADER.size + 2 + len(body) + 4
-    head = struct.pack(">I", magic) + struct.pack("<Q", length) + b"\x00\x00"
-    crc = _crc32c.crc32c(body, _crc32c.crc32c(head))
-    return head + body + struct.pack("<I", crc)
+def envelope(magic: int, body: bytes | Sequence[bytes]) -> bytes:
+    """Header (magic, total length, version 0, uncompressed), ``body``, then the crc32c of all before it.
+
+    ``body`` may be given as its parts, which are then copied once, into the record.
+    """
+    parts = (body,) if isinstance(body, (bytes, bytearray, memoryview)) else tuple(body)
+    length = _HEADER.size + 2 + sum(map(len, parts)) + 4
+    head = magic.to_bytes(4, "big") + length.to_bytes(8, "little") + b"\x00\x00"
+    crc = _crc32c.crc32c(head)
+    for part in parts:
+        crc = _crc32c.crc32c(part, crc)
+    return b"".join((head, *parts, crc.to_bytes(4, "little")))
 
 
 def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
