@@ -37,7 +37,7 @@ import torch
 from torch.distributed.distributed_c10d import _object_to_tensor
 
 from bench_scale import Clock, load_rank, peak_gb, received, status
-from scale_world import World, as_sent, tsckpt_results
+from scale_world import World, as_sent, direct_results, tsckpt_results
 from tsckpt.commit import protocol as commit
 from tsckpt.dcp.planner import SavePlanner
 from tsckpt.dcp.storage import TensorStoreWriter
@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--dir", help="where the checkpoint goes (default: a temporary directory, in /dev/shm if it exists)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--summaries-only", action="store_true",
+                    help="build each rank's results from the world's arithmetic (the same pickled bytes), write no "
+                         "chunk table and plan no load: for worlds too large to build item by item")
     args = ap.parse_args()
 
     load = [os.getloadavg()[0]]
@@ -83,8 +86,12 @@ def main() -> None:
         tables = str(writer._target.data_location.spec.get("path"))
         summaries, sent_bytes = [], []
         for r in range(args.ranks):
-            items = as_sent(world.items(r)) if world.nrows(r) else []
-            message = _object_to_tensor(tsckpt_results(items, r, writer._layout, writer.save_id, tables), CPU, None)
+            if args.summaries_only:
+                results = direct_results(world, r, writer._layout, writer.save_id)
+            else:
+                items = as_sent(world.items(r)) if world.nrows(r) else []
+                results = tsckpt_results(items, r, writer._layout, writer.save_id, tables)
+            message = _object_to_tensor(results, CPU, None)
             sent_bytes.append(int(message[1]))
             summaries.append(received(message, clock, "gather"))
         status("gather: timed", {"tsckpt": clock}, "gather")
@@ -94,7 +101,8 @@ def main() -> None:
         gc.enable()
         raw = Store.open(parse_location(path)).kvstore.read(commit.ROOT).result().value
         loads = {}
-        for name, into in (("same world size", args.ranks), ("3/4 of the world size", max(1, args.ranks * 3 // 4))):
+        for name, into in () if args.summaries_only else (("same world size", args.ranks),
+                                                           ("3/4 of the world size", max(1, args.ranks * 3 // 4))):
             loads[name] = load_rank(path, into // 3, into)
             status(f"load into {name}: planned")
     finally:
