@@ -2,9 +2,9 @@
 
 :class:`MergedChunks` puts every row of every rank's
 :class:`~tsckpt.dcp.contract.RankSummary` at its tensor's chunk position with
-one ``bincount``-style pass, refusing a chunk written twice or never, and
-gathers where each is stored. ``finish`` then reads each tensor's chunks in
-grid order.
+one scatter, refusing a chunk written twice or never, and scatters where each
+is stored into chunk order. ``finish`` then reads each tensor's chunks in
+grid order, together.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ def _index_type(n: int) -> type:
     return np.int32 if n < 1 << 31 else np.int64
 
 
-def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: Sequence[str], unit: str,
-           done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-tensor start offsets, and the row of each ``(tensor, index)`` at each flat position; each position
-    exactly once. ``index`` (int64) becomes the flat positions, in place.
+def _place(tensor: np.ndarray, index: np.ndarray, source: np.ndarray, sizes: Sequence[int], names: Sequence[str],
+           unit: str, done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tensor start offsets, and ``source`` (one value >= 0 per row) at each row's flat position; each
+    position exactly once. ``index`` (int64) becomes the flat positions, in place.
 
     As many rows as positions, every position reached: then each exactly once, and no row is outside its
     tensor's grid (it would have taken another row's position). So the common case makes one column of the
-    whole (the rows), block by block, and a refusal works out what was wrong.
+    whole, block by block, and a refusal works out what was wrong.
     """
     starts = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
@@ -58,17 +58,32 @@ def _place(tensor: np.ndarray, index: np.ndarray, sizes: Sequence[int], names: S
     if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(sizes)):
         raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
     flat = index
-    blocks = [(lo, min(len(flat), lo + _BLOCK)) for lo in range(0, len(flat), _BLOCK)]
-    for lo, hi in blocks:
+    for lo, hi in _blocks(len(flat)):
         flat[lo:hi] += starts.take(tensor[lo:hi])
-    row = np.full(total, -1, _index_type(len(flat)))
+    placed = np.full(total, -1, source.dtype)
     if len(flat) == total and (not total or (flat.min() >= 0 and flat.max() < total)):
-        for lo, hi in blocks:
-            row[flat[lo:hi]] = np.arange(lo, hi, dtype=row.dtype)
-        if not total or row.min() >= 0:
-            return starts, row
+        for lo, hi in _blocks(len(flat)):
+            placed[flat[lo:hi]] = source[lo:hi]
+        if not total or placed.min() >= 0:
+            return starts, placed
     _refuse(tensor, flat - starts.take(tensor), starts, names, unit, done, where)
     raise AssertionError("unreachable")
+
+
+def _scattered(values: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """``values`` at the positions ``flat`` (a permutation), block by block.
+
+    Scattered once, the columns are in chunk order: each array's values lie together, where gathering them
+    from the ranks' order reads every rank's rows for every array (most of ``finish`` at 100 million chunks).
+    """
+    out = np.empty(len(values), values.dtype)
+    for lo, hi in _blocks(len(values)):
+        out[flat[lo:hi]] = values[lo:hi]
+    return out
+
+
+def _blocks(n: int) -> list[tuple[int, int]]:
+    return [(lo, min(n, lo + _BLOCK)) for lo in range(0, n, _BLOCK)]
 
 
 #: Rows placed at once: the temporaries stay a few megabytes, reused, where a whole column would be new pages.
@@ -94,16 +109,14 @@ class MergedChunks:
     """Every chunk of every tensor as the ranks reported it (step 5): their rows one rank after the other, and
     where each chunk of each tensor is among them.
 
-    Tensor ``t`` owns coordinator positions ``starts[t]:starts[t+1]`` (its
-    chunks in row-major order); ``row[p]`` is the row of position ``p``. Per
-    row: ``writer``, the rank that wrote it; ``reused``, whether it was taken
-    from an incremental base; ``file``/``offset``/``length``, where it is
-    stored (``file`` indexes ``files``; -1 in the plain layout). Rows stay in
-    the ranks' order: reordering every column costs more than looking rows up.
+    Tensor ``t`` owns positions ``starts[t]:starts[t+1]`` of every column (its
+    chunks in row-major order). Per chunk: ``writer``, the rank that wrote it;
+    ``reused``, whether it was taken from an incremental base;
+    ``file``/``offset``/``length``, where it is stored (``file`` indexes
+    ``files``; -1 in the plain layout).
     """
 
     starts: np.ndarray
-    row: np.ndarray
     writer: np.ndarray
     reused: np.ndarray
     file: np.ndarray
@@ -124,14 +137,19 @@ class MergedChunks:
             if columns[name] is None:
                 rank = next(s.rank for s in summaries if not s.has(name))
                 raise PlanError(f"saving {where}: rank {rank} did not say where its chunks are stored")
-        chunk = columns.pop("chunk")
-        assert chunk is not None and chunk.dtype == np.int64
-        starts, row = _place(columns.pop("tensor"), chunk, nchunks, names, "chunk", "written", where)
-        writer = expand(np.asarray([s.rank for s in summaries], _index_type(len(summaries))), rows)
-        reused = columns["reused"] if columns["reused"] is not None else np.zeros(len(writer), bool)
-        file, offset, length = columns["file"], columns["offset"], columns["length"]
-        assert file is not None and offset is not None and length is not None
-        return cls(starts, row, writer, reused, file, offset, length, tuple(files))
+        flat = columns.pop("chunk")
+        assert flat is not None and flat.dtype == np.int64
+        number = _index_type(len(summaries))
+        starts, source = _place(columns.pop("tensor"), flat, expand(np.arange(len(summaries), dtype=number), rows),
+                                nchunks, names, "chunk", "written", where)
+        writer = np.asarray([s.rank for s in summaries], number).take(source)
+        del source
+        if columns["reused"] is None:
+            columns["reused"] = np.zeros(len(flat), bool)
+        # One column at a time, each dropped once scattered.
+        file, offset, length, reused = (_scattered(columns.pop(name), flat)
+                                        for name in ("file", "offset", "length", "reused"))
+        return cls(starts, writer, reused, file, offset, length, tuple(files))
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
         """``tensors`` (in the order merged) with the rank that wrote each chunk recorded (``writers``)."""
@@ -147,9 +165,9 @@ class MergedChunks:
             out[fqn] = dataclasses.replace(entry, writers=field)
         return out
 
-    def rows_of(self, t: int) -> np.ndarray:
-        """Tensor ``t``'s rows, in row-major grid order of its chunks."""
-        return self.row[int(self.starts[t]):int(self.starts[t + 1])]
+    def rows_of(self, t: int) -> slice:
+        """Tensor ``t``'s positions in every column, in row-major grid order of its chunks."""
+        return slice(int(self.starts[t]), int(self.starts[t + 1]))
 
     def of(self, t: int) -> TensorChunks:
         """Tensor ``t``'s chunks, one row each in row-major grid order."""
@@ -161,12 +179,12 @@ def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
                   blobs: Mapping[str, tuple[str, Sequence[int]]]) -> StoredValues:
     """Where every chunk of ``tensors`` (in the coordinator's order, as merged) and every value blob
     (``blobs``: array path -> (data file, [offset, length])) is stored. The merged columns are taken as they
-    are: the index gathers them into key order."""
+    are, in chunk order: the index gathers each array's into key order."""
     numbers = {p: i for i, p in enumerate(written.files)}
     refs = [(f"{path}/{zarr_json.chunk_key((0,))}", numbers.setdefault(f, len(numbers)), int(r[0]), int(r[1]))
             for path, (f, r) in blobs.items()]
     return StoredValues([(entry.path, entry.grid.grid_shape) for entry in tensors.values()], refs,
-                        written.file, written.offset, written.length, list(numbers), written.row)
+                        written.file, written.offset, written.length, list(numbers))
 
 
 def once_each(ranks: Sequence[RankFiles]) -> list[RankFiles]:
