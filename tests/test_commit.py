@@ -113,6 +113,9 @@ class _RootKiller:
             os.kill(os.getpid(), signal.SIGKILL)
         return self._kv.write(key, value)
 
+    def __getattr__(self, name):  # everything else is the kvstore's own (its spec, reads, lists)
+        return getattr(self._kv, name)
+
 
 class _DyingWriter(TensorStoreWriter):
     """The coordinator dies before committing ('finish') or at the commit write ('root')."""
