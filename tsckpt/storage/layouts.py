@@ -223,7 +223,8 @@ class PackedLayout(KvLayout):
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         assert values is not None, "a packed checkpoint indexes its values"
         entries = packed.merged_entries(docs, values)
-        return packed.write_index(store.kvstore, save_id, entries, store.url, fence), None
+        return packed.write_index(store.kvstore, save_id, entries, store.url, fence,
+                                  local_root=_local_root(store.location), sync=store.sync), None
 
     def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
         return PackedLocator(store, metadata)

@@ -186,7 +186,8 @@ def merged_entries(docs: Mapping[str, bytes], values: StoredValues) -> ocdbt.Ent
 
 
 def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str,
-                fence: Callable[[], None] = lambda: None, node_bytes: int = NODE_BYTES) -> Span | None:
+                fence: Callable[[], None] = lambda: None, node_bytes: int = NODE_BYTES, *,
+                local_root: str | None = None, sync: bool = True) -> Span | None:
     """Write the B+tree over ``entries`` as node file :func:`index_file` and the manifest pointing at it.
 
     ``entries``: every key of the checkpoint but the root document, sorted,
@@ -194,7 +195,9 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
     written first, so a manifest never points at nodes that are not there;
     both before the root document, which alone commits the checkpoint.
     ``fence`` runs while the node file, named by the save, is on its way; the
-    manifest, at a name every save writes, waits for it.
+    manifest, at a name every save writes, waits for it. ``local_root``: the
+    checkpoint's directory when it is on a local disk, where the node file is
+    written straight into its file (fsynced with ``sync``) rather than through ``kv``.
     """
     if not len(entries):  # a save of no arrays has nothing to index
         fence()
@@ -215,7 +218,8 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
                               max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
     try:
-        nodes = _write_nodes(kv, path, tree.nodes)
+        nodes = (kv.write(path, tree.nodes) if local_root is None
+                 else _write_file(os.path.join(local_root, path), tree.nodes, sync))
     except OSError as e:
         raise storage_error(e, f"writing the packed index of {where} failed") from None
     try:
@@ -239,18 +243,10 @@ class _Written:
         return None
 
 
-def _write_nodes(kv: ts.KvStore, path: str, nodes: bytearray) -> Any:
-    """Write the node file: through ``kv``, or, on a local disk, straight into its file.
-
-    TensorStore copies a value twice before it writes it (600 MB of new pages for an index of 300 MB);
-    the file is named by the save, so no one else writes it or reads it before the commit. It is synced
-    as ``kv`` syncs what it writes.
-    """
-    spec = kv.spec(retain_context=True).to_json()
-    if spec.get("driver") != "file":
-        return kv.write(path, nodes)
-    full = os.path.join(str(spec["path"]), path)
-    sync = spec.get("file_io_sync", True) is not False  # a bool, or {} for the default (on)
+def _write_file(full: str, nodes: bytearray, sync: bool) -> _Written:
+    """Write the node file ``full`` directly: TensorStore copies a value twice before it writes it (600 MB of
+    new pages for an index of 300 MB). The file is named by the save, so no one else writes or reads it before
+    the commit."""
     os.makedirs(os.path.dirname(full), exist_ok=True)
     with open(full, "wb") as f:
         f.write(nodes)
