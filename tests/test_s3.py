@@ -22,19 +22,22 @@ from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location
 
 BUCKET = "tsckpt-test"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
+# The zoo's own bucket: what it holds is what that one save wrote, in whatever order the tests run.
+ZOO_BUCKET = "tsckpt-test-zoo"
 
 
 @pytest.fixture(scope="module")
 def zoo_s3(s3):
-    """The 4-rank zoo saved to s3://tsckpt-test/runs/zoo4 by gloo ranks, in the default layout."""
-    location = s3.location(BUCKET, "runs/zoo4")
+    """The 4-rank zoo saved to s3://tsckpt-test-zoo/runs/zoo4 by gloo ranks, in the default layout."""
+    s3.create_bucket(ZOO_BUCKET)
+    location = s3.location(ZOO_BUCKET, "runs/zoo4")
     run_ranks(4, zoo.save_zoo, location)
     return location
 
 
-def bucket_keys(s3, prefix: str = "") -> list[str]:
-    """Every key in the bucket that starts with ``prefix``, as full object names."""
-    return s3.keys(BUCKET, prefix)
+def bucket_keys(s3, prefix: str = "", bucket: str = BUCKET) -> list[str]:
+    """Every key in ``bucket`` that starts with ``prefix``, as full object names."""
+    return s3.keys(bucket, prefix)
 
 
 
@@ -47,7 +50,7 @@ def test_4_rank_save_to_s3_loads_back_bit_exactly(zoo_s3):
 
 
 def test_s3_save_stays_under_its_prefix_and_has_a_root_document(s3, zoo_s3):
-    keys = bucket_keys(s3)
+    keys = bucket_keys(s3, bucket=ZOO_BUCKET)
     assert keys and all(k.startswith("runs/zoo4/") for k in keys)
     assert "runs/zoo4/zarr.json" in keys
     if tsckpt.open(zoo_s3).metadata.layout == "plain":
@@ -115,7 +118,7 @@ def test_resharded_load_from_s3_on_2_ranks(zoo_s3):
 def test_zarr_python_reads_float32_over_s3(s3, zoo_s3):
     if tsckpt.open(zoo_s3).metadata.layout == "plain":  # zarr-python alone, through fsspec
         store = zarr.storage.FsspecStore.from_url(
-            f"s3://{BUCKET}/runs/zoo4", storage_options=s3.storage_options(), read_only=True)
+            f"s3://{ZOO_BUCKET}/runs/zoo4", storage_options=s3.storage_options(), read_only=True)
     else:  # the joined OCDBT database needs TensorStore's kvstore
         store = tsckpt.zarr_store(zoo_s3)
     group = zarr.open_group(store, mode="r")
