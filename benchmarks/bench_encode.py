@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from tsckpt.format import shard_encoding  # noqa: E402
 from tsckpt.format.shards import ShardFormat  # noqa: E402
-from tsckpt.storage import chunk_files  # noqa: E402
+from tsckpt.storage import byte_writes  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         del kept
 
     def streamed() -> None:
-        with chunk_files.scratch() as get:
+        with byte_writes.scratch() as get:
             for _ in range(args.chunks):
                 shard_encoding.encode_to(fmt, data, lambda part: None, get)
 

@@ -1,6 +1,6 @@
 """Making a rank's chunk files durable: an fsync per file, or writeback started per file and one syncfs.
 
-Why :class:`tsckpt.storage.chunk_files.ChunkFileWriter` defers durability to
+Why :class:`tsckpt.storage.byte_writes.Files` defers durability to
 one ``syncfs`` per rank: ``--ranks`` processes each write ``--files`` files of
 about ``--mb`` MiB (as a 1 GB, 4-rank save of the untuned workload does) on 4
 threads, in each of three ways, alternating; prints the median of the slowest

@@ -48,8 +48,8 @@ class Unpicklable:
 
 
 def _in_sinks(frame) -> bool:
-    """Whether ``frame`` runs code of the modules where a rank's writes start (tsckpt/storage/*sinks.py)."""
-    return frame.f_code.co_filename.endswith("sinks.py")
+    """Whether ``frame`` runs code of the modules where a rank's writes start (tsckpt/storage/sinks.py, byte_writes.py)."""
+    return frame.f_code.co_filename.endswith(("sinks.py", "byte_writes.py"))
 
 
 class _Watch:

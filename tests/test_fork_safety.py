@@ -19,13 +19,13 @@ PARENT = """
     import numpy as np
     import torch
     import tsckpt
-    from tsckpt.storage import chunk_files, fetchers
-    from tsckpt.storage.sinks import Blob
+    from tsckpt.storage import byte_writes, fetchers
+    from tsckpt.storage.byte_writes import Blob
 
     root = sys.argv[1]
     # Both kinds of pool, used before the fork: a chunk file large enough for the write threads, and a read.
-    writer = chunk_files.ChunkFileWriter(sync=False)
-    writer.write(os.path.join(root, "big"), Blob(np.ones(2 << 20, np.uint8), checksum=False)).result()
+    writer = byte_writes.Files(root, sync=False, threads=4)
+    writer.write("big", Blob(np.ones(2 << 20, np.uint8), checksum=False)).result()
     files = fetchers.LocalFiles(root)
     assert files.fetch("big", 0, 16).result().tolist() == [1] * 16
 
@@ -35,7 +35,7 @@ PARENT = """
         code = 1
         try:
             assert files.fetch("big", 16, 32).result(timeout=20).tolist() == [1] * 16
-            writer.write(os.path.join(root, "big2"), Blob(np.ones(2 << 20, np.uint8), checksum=False)).result(20)
+            writer.write("big2", Blob(np.ones(2 << 20, np.uint8), checksum=False)).result(20)
             tsckpt.save(state, os.path.join(root, "ck"), layout="plain")
             out = {"w": torch.zeros(1024, 512)}
             tsckpt.load(out, os.path.join(root, "ck"))

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 import tsckpt
-from tsckpt.storage import chunk_files, fetchers
-from tsckpt.storage.sinks import Blob
+from tsckpt.storage import byte_writes, fetchers
+from tsckpt.storage.byte_writes import Blob
 from tsckpt.storage.store import Store
 
 
@@ -25,8 +25,8 @@ def _ended(prefix: str, but: frozenset[threading.Thread] = frozenset()) -> bool:
     return not _threads(prefix, but)
 
 
-def test_a_chunk_writer_writes_on_its_own_threads_as_many_as_it_was_given(tmp_path):
-    writer = chunk_files.ChunkFileWriter(sync=False, threads=2)
+def test_a_file_writer_writes_on_its_own_threads_as_many_as_it_was_given(tmp_path):
+    writer = byte_writes.Files(str(tmp_path), sync=False, threads=2)
     gate = threading.Barrier(3)
     seen: list[str] = []
 
@@ -34,16 +34,16 @@ def test_a_chunk_writer_writes_on_its_own_threads_as_many_as_it_was_given(tmp_pa
         seen.append(threading.current_thread().name)
         if len(seen) <= 2:
             gate.wait(30)
-        write(memoryview(np.zeros(16, np.uint8)))
+        write(memoryview(value.payload))
 
-    big = Blob(np.zeros(chunk_files.INLINE_BYTES, np.uint8), checksum=False)
-    futures = [writer.write(str(tmp_path / f"c{k}"), big, emit=emit) for k in range(6)]
+    big = Blob(np.zeros(byte_writes.INLINE_BYTES, np.uint8), checksum=False)
+    futures = [writer.write(f"c{k}", big, lambda w: emit(big, w)) for k in range(6)]
     gate.wait(30)
     for f in futures:
         f.result()
-    assert len(set(seen)) == 2 and all(name.startswith("tsckpt-chunk-write") for name in seen)
+    assert len(set(seen)) == 2 and all(name.startswith("tsckpt-file-write") for name in seen)
     writer.finish()
-    assert _ended("tsckpt-chunk-write")
+    assert _ended("tsckpt-file-write")
 
 
 def test_local_reads_run_on_the_fetchers_threads_and_end_with_it(tmp_path):

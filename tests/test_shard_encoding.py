@@ -13,7 +13,7 @@ import tsckpt
 from tsckpt.errors import ChecksumError
 from tsckpt.format import shard_encoding
 from tsckpt.format.shards import ShardFormat
-from tsckpt.storage import chunk_files
+from tsckpt.storage import byte_writes
 
 # (chunk, inner, part inside the array): storage orders both ways, 1-D and 3-D, edges cut in every dimension.
 CASES = [
@@ -50,7 +50,7 @@ def test_every_unit_size_and_streaming_give_the_same_bytes_and_checksums(chunk, 
         np.testing.assert_array_equal(encoded, reference)
         assert again == crcs
         parts: list[bytes] = []
-        with chunk_files.scratch() as get:
+        with byte_writes.scratch() as get:
             streamed = shard_encoding.encode_to(fmt, data, lambda b: parts.append(bytes(b)), get, unit=target)
         assert b"".join(parts) == reference.tobytes()
         assert streamed == crcs
@@ -64,8 +64,8 @@ def test_a_chunk_file_that_exists_is_replaced_never_written_into(tmp_path):
     target = tmp_path / "new" / "c" / "0"
     target.parent.mkdir(parents=True)
     os.link(base, target)  # as an incremental save's reused chunk would be
-    writer = chunk_files.ChunkFileWriter(sync=True)
-    writer.write(str(target), shard_encoding.EncodedChunk(fmt, data)).result()
+    writer = byte_writes.Files(str(tmp_path), sync=True, threads=1)
+    writer.write("new/c/0", shard_encoding.EncodedChunk(fmt, data))
     writer.finish()
     assert base.read_bytes() == b"the base checkpoint's chunk"
     assert target.read_bytes() == shard_encoding.encode(fmt, data)[0].tobytes()
@@ -75,7 +75,7 @@ def test_a_chunk_file_that_exists_is_replaced_never_written_into(tmp_path):
 @pytest.fixture(params=["streamed", "whole"])
 def streamed(request, monkeypatch):
     """Chunk files written on the write threads and read unit by unit, or written inline and read whole."""
-    monkeypatch.setattr(chunk_files, "INLINE_BYTES", 0 if request.param == "streamed" else 1 << 40)
+    monkeypatch.setattr(byte_writes, "INLINE_BYTES", 0 if request.param == "streamed" else 1 << 40)
     return request.param
 
 

@@ -29,7 +29,7 @@ moves bytes and remembers what it wrote:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,21 +41,15 @@ from .format import band_order, content_hashes, dtypes, shards, zarr_json
 from .format.compressed import CompressedChunk
 from .format.data_files import RankFiles
 from .format.chunk_table import ChunkTable
-from .format.grid import ChunkGrid
 from .format.metadata import ArrayOptions, TensorEntry
 from .format.ocdbt import Ref
 from .format.shard_encoding import EncodedChunk
 from .storage.kvio import problem
-from .storage.sinks import Blob, WriteFailed
+from .storage.byte_writes import Blob, WriteFailed
 from .storage.store import Store
 
 if TYPE_CHECKING:
     from .base_chunks import BaseChunks
-
-
-def region(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
-    """The box of an array at ``offsets`` of ``sizes``, as slices."""
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
 #: Bytes of base chunks a rank reads back at once to check them before taking them.
@@ -74,13 +68,6 @@ class WrittenChunks:
     digests: list[bytes] = field(default_factory=list)
     reused: list[bool] = field(default_factory=list)
     refs: list[Ref | None] = field(default_factory=list)
-
-
-def chunk_parts(grid: ChunkGrid, offsets: Sequence[int], source: np.ndarray) -> Iterator[
-        tuple[tuple[int, ...], np.ndarray]]:
-    """Every outer chunk of a region written at ``offsets``: its grid index and its part of ``source``."""
-    for index, view in grid.chunks_within(offsets, source.shape):
-        yield index, source[(*view, ...)]  # an array even for a 0-d tensor's one chunk
 
 
 class RankWriter:
@@ -165,7 +152,8 @@ class RankWriter:
         defer = self._banded and not windowed and self.options.compression is None
         seq = self._seq.setdefault(fqn, len(self._seq))
         futures = []
-        for index, part in chunk_parts(entry.grid, offsets, source):
+        for index, view in entry.grid.chunks_within(offsets, source.shape):
+            part = source[(*view, ...)]  # an array even for a 0-d tensor's one chunk
             flat = entry.grid.flat_index(index)
             chunks.indices.append(flat)
             chunks.reused.append(False)
@@ -251,9 +239,7 @@ class RankWriter:
 
     def finish(self) -> RankFiles:
         """Wait for every write, store the chunk table, make everything durable; what the rank's files hold."""
-        self._checks.drain()
-        self._window.drain()
-        self._put_deferred()
+        self.flush()
         try:
             self.files = self._sink.finish(self._collect)
         except WriteFailed as e:

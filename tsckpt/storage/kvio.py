@@ -51,7 +51,7 @@ def problem(e: Exception | str) -> str:
     name does not); "gave up after 6 retries (SlowDown: ...)" for a request
     that kept failing; else the error's first line without annotations.
     """
-    if isinstance(e, OSError) and e.errno is not None:  # tsckpt's own file calls (chunk_files)
+    if isinstance(e, OSError) and e.errno is not None:  # tsckpt's own file calls (byte_writes)
         reason = os.strerror(e.errno)
         return reason[:1].lower() + reason[1:]
     text = str(e)

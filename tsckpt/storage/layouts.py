@@ -37,7 +37,7 @@ from ..errors import MetadataError, OptionError
 from ..format import ocdbt
 from ..format.data_files import Span
 from ..format.metadata import CheckpointMetadata
-from . import key_sinks, packed, sinks
+from . import packed, sinks
 from .context import OpenedLocation
 from .kvio import storage_error
 from .localfs import unsynced_nodes
@@ -162,10 +162,8 @@ class PlainLayout(KvLayout):
         return location.child(path)
 
     def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        root = _local_root(store.location)
-        if root is not None:
-            return key_sinks.KeyFiles(root, save_id, rank, sync=sync, hashed=hashed, threads=store.io_concurrency)
-        return key_sinks.KeyObjects(store.kvstore, save_id, rank, hashed=hashed)
+        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=False, sync=sync,
+                               hashed=hashed, threads=store.io_concurrency)
 
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (*(f"{p}/" for p in paths), f"d/{save_id}")
@@ -201,10 +199,8 @@ class PackedLayout(KvLayout):
         return packed.reader_context(parent)
 
     def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        root = _local_root(store.location)
-        if root is not None:
-            return sinks.RankFile(root, save_id, rank, sync=sync, hashed=hashed)
-        return sinks.RankObjects(store.kvstore, save_id, rank, hashed=hashed)
+        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=True, sync=sync,
+                               hashed=hashed, threads=store.io_concurrency)
 
     def bands(self, location: Location) -> bool:
         # Bands turn a column-resharded load's ranges into one per data file, which pays where a request
