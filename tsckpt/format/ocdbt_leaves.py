@@ -17,9 +17,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+import crc32c as _crc32c
+import xxhash
+
 from .ocdbt import BTREE_MAGIC, MAX_NODE_ARITY, Entries
 from .ocdbt_keys import KeyRun, Tails
-from .ocdbt_records import VarintColumn, envelope, prefix_lengths, varint
+from .ocdbt_records import VarintColumn, envelope_into, prefix_lengths, varint
 
 #: What a node costs beyond its entries, in the size estimate that cuts nodes.
 NODE_OVERHEAD = 64
@@ -28,16 +31,28 @@ ENTRY_OVERHEAD = 24
 
 
 class Leaf(NamedTuple):
-    """An encoded leaf: its first key, its bytes, its number of keys and the bytes its values hold in data files."""
+    """A leaf: its first key, the parts of its body (:func:`~tsckpt.format.ocdbt_records.envelope_into` makes
+    the node of them), its number of keys and the bytes its values hold in data files."""
 
     first: bytes
-    node: bytes
+    body: tuple[bytes | memoryview, ...]
     keys: int
     held: int
 
 
-def leaves(entries: Entries, limit: int) -> Iterator[Leaf]:
-    """Every leaf of ``entries`` in key order, each estimated under ``limit`` bytes.
+class Written(NamedTuple):
+    """Consecutive leaves appended to a node file: each one's first key, length, number of keys and bytes its
+    values hold in data files; the first begins at ``at``, each of the others where the one before ends."""
+
+    at: int
+    first: list[bytes]
+    length: list[int]
+    keys: list[int]
+    held: list[int]
+
+
+def leaves(entries: Entries, limit: int, out: bytearray) -> Iterator[Written]:
+    """Every leaf of ``entries`` in key order, each estimated under ``limit`` bytes, appended to ``out``.
 
     A run of many keys whose values are all in data files (an array's
     chunks) is cut on its own, from a template that every such run of the
@@ -68,26 +83,27 @@ def leaves(entries: Entries, limit: int) -> Iterator[Leaf]:
         bounds += cuts.tolist()
         counts.append(len(cuts))
     loose_leaves = encode_leaves(part, np.asarray(bounds, np.int64), paths)
-    templates: dict[tuple[int, ...], list[_RunLeaves]] = {}
-    offsets = VarintColumn(entries.offset) if whole.any() else None  # one pass for every run
+    templates: dict[tuple[int, int, bytes, bytes], list[_RunLeaves]] = {}
     nstretch = 0
     for r in runs:
         if not whole[r]:
             if r == 0 or whole[r - 1]:
                 for _ in range(counts[nstretch]):
-                    yield next(loose_leaves)
+                    leaf = next(loose_leaves)
+                    at = len(out)
+                    yield Written(at, [leaf.first], [envelope_into(out, BTREE_MAGIC, leaf.body)], [leaf.keys],
+                                  [leaf.held])
                 nstretch += 1
             continue
         run = keys.runs[r]
         a, b = int(lo[r]), int(hi[r])
         file, length = entries.file[a:b], entries.length[a:b]
-        key = (id(run.tails), len(run.head), hash(file.tobytes()), hash(length.tobytes()))
+        key = (id(run.tails), len(run.head), xxhash.xxh3_128_digest(file), xxhash.xxh3_128_digest(length))
         found = next((t for t in templates.get(key, []) if t.fits(file, length)), None)
         if found is None:
             found = _RunLeaves(run, file, length, paths, limit)
             templates.setdefault(key, []).append(found)
-        assert offsets is not None
-        yield from found.leaves(run, offsets, a)
+        yield found.write(out, run, entries.offset[a:b])
 
 
 class _RunLeaves:
@@ -109,6 +125,7 @@ class _RunLeaves:
         np.cumsum(length, out=held[1:])
         #: Each leaf's bytes before its first key, its first key's tail, and its bytes after that up to the offsets.
         self.before, self.tails, self.after, self.held = [], [], [], []
+        self.counts = np.diff(self.bounds).tolist()
         for i in range(nleaves):
             lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
             self.before.append(b"".join((b"\x00", tables.table(i), varint(hi - lo), prefix.cut(lo + 1, hi),
@@ -121,16 +138,37 @@ class _RunLeaves:
     def fits(self, file: np.ndarray, length: np.ndarray) -> bool:
         return np.array_equal(self.file, file) and np.array_equal(self.length, length)
 
-    def leaves(self, run: KeyRun, offsets: VarintColumn, at: int) -> Iterator[Leaf]:
-        """The leaves of ``run``, whose values' offsets are ``offsets`` from entry ``at`` on."""
-        # Every leaf's offsets looked up at once, and taken as views: this runs once per leaf of the index.
-        ends = offsets.starts[at + self.bounds].tolist()
-        counts = np.diff(self.bounds).tolist()
+    def write(self, out: bytearray, run: KeyRun, offset: np.ndarray) -> Written:
+        """Append the leaves of ``run``, whose values' offsets are ``offset``, to ``out``."""
+        # Encoded run by run: a column of the whole index's offsets would be a gigabyte of new pages at scale,
+        # a run's stays in cache. This loop runs once per leaf of the index (hundreds of thousands), so each
+        # leaf's record is appended part by part as envelope_into would, without a call or a tuple of its own.
+        offsets = VarintColumn(offset)
+        ends = offsets.starts[self.bounds].tolist()
         data = memoryview(offsets.data)
-        for i, (before, tail, after, held) in enumerate(zip(self.before, self.tails, self.after, self.held)):
-            first = run.head + tail
-            yield Leaf(first, envelope(BTREE_MAGIC, (before, first, after, data[ends[i]:ends[i + 1]])), counts[i],
-                       held)
+        head, crc32c = run.head, _crc32c.crc32c
+        at, firsts, lengths = len(out), [], []
+        for i, (before, tail, after) in enumerate(zip(self.before, self.tails, self.after)):
+            first = head + tail
+            values = data[ends[i]:ends[i + 1]]
+            length = _FIXED + len(before) + len(first) + len(after) + len(values)
+            header = _MAGIC + length.to_bytes(8, "little") + b"\x00\x00"
+            crc = crc32c(values, crc32c(after, crc32c(first, crc32c(before, crc32c(header)))))
+            out += header
+            out += before
+            out += first
+            out += after
+            out += values
+            out += crc.to_bytes(4, "little")
+            firsts.append(first)
+            lengths.append(length)
+        return Written(at, firsts, lengths, self.counts, self.held)
+
+
+#: A B+tree node's magic, and what its record holds besides its body: header (magic, length, version,
+#: compression) and crc32c, as :func:`~tsckpt.format.ocdbt_records.envelope_into` writes them.
+_MAGIC = BTREE_MAGIC.to_bytes(4, "big")
+_FIXED = 4 + 8 + 2 + 4
 
 
 def cut(sizes: np.ndarray, limit: int, least: int = 1) -> np.ndarray:
@@ -252,8 +290,7 @@ def encode_leaves(entries: Entries, bounds: np.ndarray, paths: _Paths | None = N
         if len(at_inline):
             s, e = np.searchsorted(at_inline, [lo, hi]).tolist()
             values = b"".join(inline[k] for k in at_inline[s:e].tolist())
-        body = b"".join((
-            b"\x00", tables.table(i), varint(hi - lo), prefix.cut(lo + 1, hi), varint(len(first)),
-            suffix.cut(lo + 1, hi), first, keys.rest[keys.starts[lo + 1]:keys.starts[hi]].tobytes(),
-            value_length.cut(lo, hi), kinds[lo:hi].tobytes(), number.cut(a, b), offsets.cut(a, b), values))
-        yield Leaf(first, envelope(BTREE_MAGIC, body), hi - lo, int(held[hi] - held[lo]))
+        body = (b"\x00", tables.table(i), varint(hi - lo), prefix.cut(lo + 1, hi), varint(len(first)),
+                suffix.cut(lo + 1, hi), first, keys.rest[keys.starts[lo + 1]:keys.starts[hi]].tobytes(),
+                value_length.cut(lo, hi), kinds[lo:hi].tobytes(), number.cut(a, b), offsets.cut(a, b), values)
+        yield Leaf(first, body, hi - lo, int(held[hi] - held[lo]))

@@ -234,13 +234,23 @@ def envelope(magic: int, body: bytes | Sequence[bytes]) -> bytes:
 
     ``body`` may be given as its parts, which are then copied once, into the record.
     """
-    parts = (body,) if isinstance(body, (bytes, bytearray, memoryview)) else tuple(body)
+    out = bytearray()
+    envelope_into(out, magic, (body,) if isinstance(body, (bytes, bytearray, memoryview)) else body)
+    return bytes(out)
+
+
+def envelope_into(out: bytearray, magic: int, parts: Sequence[bytes | memoryview]) -> int:
+    """:func:`envelope` of the body made of ``parts``, appended to ``out``; returns its length. The index's
+    leaves are appended to the node file this way: a record of its own per leaf would copy every leaf twice."""
     length = _HEADER.size + 2 + sum(map(len, parts)) + 4
     head = magic.to_bytes(4, "big") + length.to_bytes(8, "little") + b"\x00\x00"
     crc = _crc32c.crc32c(head)
+    out += head
     for part in parts:
         crc = _crc32c.crc32c(part, crc)
-    return b"".join((head, *parts, crc.to_bytes(4, "little")))
+        out += part
+    out += crc.to_bytes(4, "little")
+    return length
 
 
 def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:

@@ -43,9 +43,8 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
     # joined at the end would hold twice.
     out = bytearray(head)
     level = _Level()
-    for leaf in leaves(entries, max_node_bytes):
-        level.add(leaf.first, len(out), len(leaf.node), leaf.keys, len(leaf.node), leaf.held)
-        out += leaf.node
+    for written in leaves(entries, max_node_bytes, out):
+        level.extend(written.first, written.at, written.length, written.keys, written.held)
     height = 0
     while len(level.first) > 1:
         height += 1
@@ -83,6 +82,15 @@ class _Level:
         self.keys.append(keys)
         self.tree_bytes.append(tree_bytes)
         self.held.append(held)
+
+    def extend(self, first: list[bytes], at: int, length: list[int], keys: list[int], held: list[int]) -> None:
+        """Leaves appended back to back from ``at``: their bytes are their subtrees' bytes of nodes."""
+        self.first += first
+        self.offset += (at + np.cumsum(length) - length).tolist()
+        self.length += length
+        self.keys += keys
+        self.tree_bytes += length
+        self.held += held
 
     def columns(self) -> list[np.ndarray]:
         """Offsets, lengths, keys, node bytes and value bytes, each as int64."""
