@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 import uuid as _uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +35,7 @@ import numpy as np
 # OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
 from .ocdbt_keys import SortedKeys
 from .ocdbt_records import (OcdbtFormatError, Reader, decode_file_table, encode_file_table,  # noqa: F401
-                            envelope, open_envelope, prefix_lengths, varint, varints)
+                            VarintColumn, envelope, open_envelope, prefix_lengths, varint, varints)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -46,13 +46,6 @@ MAX_NODE_ARITY = 1 << 20
 
 
 # --- key columns ---------------------------------------------------------------------
-
-
-def _keys_columns(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
-    """The prefix-length, suffix-length and suffix columns of sorted ``keys``."""
-    prefixes = prefix_lengths(keys).tolist()
-    return (varints(prefixes[1:]), varints([len(k) - p for k, p in zip(keys, prefixes)]),
-            b"".join(k[p:] for k, p in zip(keys, prefixes)))
 
 
 def _read_keys(r: Reader, n: int, interior: bool) -> tuple[list[bytes], list[int]]:
@@ -164,16 +157,33 @@ def interior_node(height: int, keys: Sequence[bytes], files: Sequence[str], file
     """:func:`encode_interior` from columns: child ``i`` is ``length[i]`` bytes at ``offset[i]`` of node file
     ``files[file[i]]`` (``files`` sorted), and its subtree holds ``num_keys[i]`` keys in ``tree_bytes[i]``
     bytes of nodes and ``held[i]`` bytes of values in data files."""
-    n = len(keys)
-    if not 0 < n <= MAX_NODE_ARITY:
-        raise ValueError(f"an interior node holds 1 to {MAX_NODE_ARITY} children; got {n}")
+    return next(interior_nodes(height, keys, files, file, offset, length, num_keys, tree_bytes, held,
+                               (0, len(keys))))
+
+
+def interior_nodes(height: int, keys: Sequence[bytes], files: Sequence[str], file: Sequence[int] | np.ndarray,
+                   offset: Sequence[int] | np.ndarray, length: Sequence[int] | np.ndarray,
+                   num_keys: Sequence[int] | np.ndarray, tree_bytes: Sequence[int] | np.ndarray,
+                   held: Sequence[int] | np.ndarray, bounds: Sequence[int]) -> Iterator[bytes]:
+    """:func:`interior_node` of children ``bounds[i]:bounds[i + 1]`` of the columns, for each ``i``: a level of
+    the tree, its columns encoded once (a level of a large index has hundreds of thousands of children)."""
     if not 1 <= height <= 255:
         raise ValueError(f"an interior node's height is 1 to 255, not {height}")
-    prefix, suffix_lengths, suffixes = _keys_columns(keys)
-    body = b"".join((
-        bytes([height]), encode_file_table(files), varint(n), prefix, suffix_lengths, bytes(n), suffixes,
-        varints(file), varints(offset), varints(length), varints(num_keys), varints(tree_bytes), varints(held)))
-    return envelope(BTREE_MAGIC, body)
+    prefix = prefix_lengths(keys)
+    prefixes = VarintColumn(prefix)
+    suffix_lengths = VarintColumn(np.fromiter(map(len, keys), np.int64, len(keys)) - prefix)
+    columns = [VarintColumn(c) for c in (file, offset, length, num_keys, tree_bytes, held)]
+    table = encode_file_table(files)
+    at = prefix.tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        n = hi - lo
+        if not 0 < n <= MAX_NODE_ARITY:
+            raise ValueError(f"an interior node holds 1 to {MAX_NODE_ARITY} children; got {n}")
+        # The node's first key is whole: no prefix, its whole length.
+        suffixes = b"".join(k[p:] for k, p in zip(keys[lo + 1:hi], at[lo + 1:hi]))
+        yield envelope(BTREE_MAGIC, (bytes([height]), table, varint(n), prefixes.cut(lo + 1, hi),
+                                     varint(len(keys[lo])), suffix_lengths.cut(lo + 1, hi), bytes(n), keys[lo],
+                                     suffixes, *(c.cut(lo, hi) for c in columns)))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ocdbt import Entries, Ref, Stats, interior_node
+from .ocdbt import Entries, Ref, Stats, interior_nodes
 from .ocdbt_leaves import cut, leaves
 
 
@@ -52,11 +52,11 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
         below = level.columns()
         bounds = cut(np.fromiter(map(len, level.first), np.int64, len(level.first)) + 40, max_node_bytes,
                      least=2).tolist()
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = [c[lo:hi] for c in below]
-            node = interior_node(height, level.first[lo:hi], [path], np.zeros(hi - lo, np.int64), *part)
-            _, _, keys, tree_bytes, held = (int(c.sum()) for c in part)
-            upper.add(level.first[lo], len(out), len(node), keys, tree_bytes + len(node), held)
+        nodes = interior_nodes(height, level.first, [path], np.zeros(len(level.first), np.int64), *below,
+                               bounds=bounds)
+        _, _, keys, tree_bytes, held = (np.add.reduceat(c, bounds[:-1]).tolist() for c in below)
+        for i, (lo, node) in enumerate(zip(bounds[:-1], nodes)):
+            upper.add(level.first[lo], len(out), len(node), keys[i], tree_bytes[i] + len(node), held[i])
             out += node
         level = upper
     root = Ref(path, level.offset[0], level.length[0])
