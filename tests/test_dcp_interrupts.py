@@ -22,7 +22,7 @@ import torch
 import dist
 import tsckpt
 from ctrl_c import ARMED, CtrlC
-from tsckpt.commit.publication import leftovers
+from tsckpt.commit.protocol import leftovers
 
 BUCKET = "tsckpt-dcp-interrupts"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 WORLD = 2

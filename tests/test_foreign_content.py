@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import tsckpt
 import tsckpt.commit.states
 from tsckpt import TensorStoreWriter
-from tsckpt.commit.publication import leftovers
+from tsckpt.commit.protocol import leftovers
 from tsckpt.errors import CheckpointExistsError, ForeignContentError
 from tsckpt.storage.context import make_context, open_kvstore
 from tsckpt.storage.location import parse_location

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt.commit.publication import leftovers
+from tsckpt.commit.protocol import leftovers
 from tsckpt.commit.states import ROOT, checkpoint_keys
 
 OTHERS = {"config.yaml": b"lr: 0.1\n", "logs/events.txt": b"step 1\n", "w/notes.txt": b"beside an array\n"}

@@ -66,8 +66,8 @@ _LAZY = {
     # torch-free chores on a directory of step checkpoints
     "latest": "steps",
     "prune": "steps",
-    "clean": "commit.publication",
-    "leftovers": "commit.publication",
+    "clean": "commit.protocol",
+    "leftovers": "commit.protocol",
 }
 
 __all__ = [

@@ -42,7 +42,7 @@ from typing import Any, overload
 import tensorstore as ts
 
 from .errors import LocationError, OptionError, StorageError, TsckptError
-from .commit.leftovers import remove_leftovers
+from .commit.staged import remove_leftovers
 from .commit.staging_dirs import STAGING_NAME, remove_tree, staging_path
 from .commit.states import (ABSENT, ATTRIBUTE, CLAIM, COMMITTED, DAMAGED, FOREIGN, INCOMPLETE, ROOT, checkpoint_keys,
                             delete_own_keys, is_own_key, without_root)

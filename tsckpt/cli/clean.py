@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def leftover_line(path: str, items: list[Leftover] | None = None) -> str | None:
     """One line about leftovers of unfinished saves into ``path`` (``items``, or looked up), or None if none."""
-    from ..commit.publication import leftovers
+    from ..commit.protocol import leftovers
 
     items = leftovers(path) if items is None else items
     dead = [i for i in items if i.live is False]
@@ -43,7 +43,7 @@ def clean(
                        "save (claims on object stores, staging on filesystems without locks)"),
 ) -> None:
     """Remove leftovers of saves into PATH that did not finish; a committed checkpoint is never touched."""
-    from ..commit.publication import clean as run_clean
+    from ..commit.protocol import clean as run_clean
 
     removed = run_clean(path, force=force)
     remaining = leftover_line(path)

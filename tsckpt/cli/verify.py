@@ -36,7 +36,7 @@ def verify(
 ) -> None:
     """Check that every tensor's chunks exist, decode and pass their crc32c checksums."""
     from ..errors import TsckptError
-    from ..commit.publication import leftovers
+    from ..commit.protocol import leftovers
     from ..read.verify import verify as run_verify
     from .summary import verification
     from .clean import leftover_line

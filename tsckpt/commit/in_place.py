@@ -31,6 +31,7 @@ from .states import (
     Found,
     Survey,
     checkpoint_keys,
+    claim_fields,
     classify,
     delete_own_keys,
     is_own_key,
@@ -47,14 +48,8 @@ OWN_KEYS_ONLY = "own"
 
 
 class InPlaceTarget(SaveTarget):
-    """Write in place; fence with a claim object; commit with a conditional write of the root.
-
-    The claim is written only if the generation seen a moment before still
-    holds, so of two saves starting together one gets it and the other fails
-    before writing anything; the commit first turns it into a committing
-    claim, again only if it is still this save's. Overwriting deletes the old
-    root before the new data is written: not crash-safe on these stores.
-    """
+    """Write in place; fence with a claim object; commit with a conditional write of the root (see the module
+    docstring). The commit first turns the claim into a committing one, again only if it is still this save's."""
 
     def __init__(self, location: Location, save_id: str, overwrite: bool):
         super().__init__(location, save_id, overwrite)
@@ -82,7 +77,7 @@ class InPlaceTarget(SaveTarget):
         found = classify(kv, self.url, inside=self.overwrite, survey=survey)
         refuse(found, self.url, overwrite=self.overwrite, save_id=self.save_id)
         try:
-            doc = self._claim_document(keys=OWN_KEYS_ONLY if self._own_keys_only() else None)
+            doc = self._claim_document()
             written = kv.write(CLAIM, doc, if_equal=claim.stamp.generation).result()
             generation = written.generation or self._own_generation(kv, CLAIM)
             if not generation:
@@ -109,7 +104,7 @@ class InPlaceTarget(SaveTarget):
         it commits only after turning the claim it holds into a committing
         one, which a takeover never touches.
         """
-        holder, fields = describe_claim(raw), _claim_fields(raw)
+        holder, fields = describe_claim(raw), claim_fields(raw)
         command = f"`tsckpt clean --force {self.url}`"
         if fields.get("committing"):
             raise ConcurrentSaveError(f"{self.url}: {holder} is committing there; save {self.save_id} was refused "
@@ -128,8 +123,10 @@ class InPlaceTarget(SaveTarget):
             f"{self.save_id} wrote nothing (if no save is running there, {command} removes its claim)")
 
     def _claim_document(self, **fields: Any) -> bytes:
+        """The claim, saying ``fields`` and whether every key this save's ranks write carries its save id."""
+        fields["keys"] = OWN_KEYS_ONLY if self._own_keys_only() else None
         if self._started is None:
-            self._started = _now()
+            self._started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         given = {k: v for k, v in fields.items() if v is not None}
         return json.dumps({"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(),
                            "started": self._started, **given}).encode()
@@ -141,7 +138,7 @@ class InPlaceTarget(SaveTarget):
         said = self._own_keys_only()
         super().record_writes(prefixes)
         if self._claim_generation is not None and self._own_keys_only() != said:
-            self._rewrite_claim(keys=OWN_KEYS_ONLY if self._own_keys_only() else None)
+            self._rewrite_claim()
 
     def _own_keys_only(self) -> bool:
         """Whether every key this save's ranks write is known to carry its save id."""
@@ -167,7 +164,7 @@ class InPlaceTarget(SaveTarget):
     def begin_commit(self) -> None:
         """Turn this save's claim into a committing one, only if it still holds it: from then on no save
         takes the location over, so the nodes and the root document this save writes next are its own."""
-        self._rewrite_claim(keys=OWN_KEYS_ONLY if self._own_keys_only() else None, committing=True)
+        self._rewrite_claim(committing=True)
 
     def check_current(self, claim: ts.KvStore.ReadResult | None = None) -> None:
         """``claim``: the claim as just read, if it was."""
@@ -200,13 +197,8 @@ class InPlaceTarget(SaveTarget):
         found = read_key(kv, key, self.url)
         if found.state != "value":
             return None
-        owner = describe_root(found.value).save_id if key == ROOT else _claim_save_id(found.value)
+        owner = describe_root(found.value).save_id if key == ROOT else claim_fields(found.value).get("save_id")
         return found.stamp.generation if owner == self.save_id else None
-
-    def _release(self) -> None:
-        if self._claim_generation is not None:
-            self.kv.write(CLAIM, None, if_equal=self._claim_generation).result()
-            self._claim_generation = None
 
     def abort(self) -> str | None:
         """Delete the data this save wrote in place, then its claim; returns None once nothing of it is left.
@@ -261,7 +253,9 @@ class InPlaceTarget(SaveTarget):
 
     def _release_quietly(self) -> None:
         try:
-            self._release()
+            if self._claim_generation is not None:
+                self.kv.write(CLAIM, None, if_equal=self._claim_generation).result()
+                self._claim_generation = None
         except ValueError:
             pass  # the claim left behind is reported, and cleaned with --force
 
@@ -286,28 +280,11 @@ class InPlaceTarget(SaveTarget):
         return found
 
 
-def _claim_fields(raw: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _claim_save_id(raw: bytes) -> str | None:
-    save_id = _claim_fields(raw).get("save_id")
-    return save_id if isinstance(save_id, str) else None
-
-
 def describe_claim(raw: bytes) -> str:
+    doc = claim_fields(raw)
     try:
-        doc = json.loads(raw)
         return f"save {doc['save_id']} (started {doc['started']} by pid {doc['pid']} on {doc['host']})"
-    except (ValueError, KeyError, TypeError):
+    except KeyError:
         return "a save of unknown origin"
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from ..errors import FileInTheWayError
 from ..storage.localfs import fsync_dir, liveness
 from .staging_dirs import read_root, remove_tree, root_keys, staging_path
-from .states import CLAIM, ROOT, describe_root
+from .states import CLAIM, ROOT, claim_fields, describe_root
 
 
 def merge(staging: str, target: str, save_id: str, old_own: Callable[[str], bool] | None, url: str) -> list[str]:
@@ -144,11 +144,10 @@ def _claim(target: str) -> dict[str, object]:
     """The claim of a publication beside other files into ``target`` that has not finished ({} if none)."""
     try:
         with open(os.path.join(target, CLAIM), "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError):
+            doc = claim_fields(f.read())
+    except OSError:
         return {}
-    save_id = doc.get("save_id") if isinstance(doc, dict) else None
-    return doc if isinstance(save_id, str) and re.fullmatch(r"[0-9a-f]{32}", save_id) else {}
+    return doc if re.fullmatch(r"[0-9a-f]{32}", doc.get("save_id", "")) else {}
 
 
 def merging(target: str) -> str | None:

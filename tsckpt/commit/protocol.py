@@ -1,7 +1,12 @@
-"""The commit protocol: how a save becomes a visible checkpoint, and how loads check it.
+"""The commit protocol: how a save begins and becomes a visible checkpoint, and how loads check it.
 
-:func:`commit_checkpoint` assembles the metadata document and commits it, for
-the DCP writer and :class:`~tsckpt.conversion.builder.CheckpointBuilder` alike.
+:func:`begin_save` runs once per save, on its coordinator, before any data is
+written: it chooses the save's :class:`~tsckpt.commit.target.SaveTarget`
+(staged where the location can rename, in place elsewhere), which refuses a
+committed checkpoint (unless overwriting) and content tsckpt did not write,
+and removes leftovers of dead saves. :func:`commit_checkpoint` assembles the
+metadata document and commits it, for the DCP writer and
+:class:`~tsckpt.conversion.builder.CheckpointBuilder` alike.
 
 Ranks write only chunk values (a data file each, or files under array paths
 that hold no ``zarr.json`` yet), so while a save runs nothing it wrote is a
@@ -13,7 +18,8 @@ single write is the commit: a directory without it is an incomplete
 checkpoint and is refused.
 Where the save writes, and how the committed root becomes visible at the
 checkpoint's location (a rename of a staging directory, or a conditional
-write), is the save's :class:`~tsckpt.commit.target.SaveTarget`.
+write), is the target's; it re-checks the refusals, since another save may
+have committed meanwhile.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from ..errors import (
     NotACheckpointError,
 )
 from ..storage.context import DEFAULT_IO_CONCURRENCY
-from ..storage.location import LocationLike
+from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import encode_json, list_keys, read_json
 from ..format import checksums, dtypes, object_values, zarr_json
 from ..format import ocdbt
@@ -44,8 +50,11 @@ from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetada
 from ..format.names import parent_groups
 from ..format.reuse import Reuse
 from ..storage.store import Store
+from .in_place import InPlaceTarget
+from .staged import StagedTarget
+from .staging_dirs import hint
 from .states import ATTRIBUTE, FOREIGN, ROOT, is_data_file, without_root
-from .target import SaveTarget
+from .target import Leftover, SaveTarget
 
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
 
@@ -62,6 +71,45 @@ def tensor_attributes(key: str, entry: TensorEntry) -> dict[str, Any]:
 
 def blob_attributes(key: str) -> dict[str, Any]:
     return {ATTRIBUTE: {"kind": "object", "key": key, "encoding": object_values.TORCH}}
+
+
+def target_kind(location: Location) -> type[SaveTarget]:
+    """The kind of target for a location: staged where renames exist (local files), in place elsewhere."""
+    return StagedTarget if location.driver == "file" else InPlaceTarget
+
+
+def begin_save(location: LocationLike, *, save_id: str, overwrite: bool,
+               writes: tuple[str, ...] = ()) -> SaveTarget:
+    """Start a save into ``location``: checks, fencing and leftover removal; returns its target.
+
+    ``writes``: the key prefixes its ranks will write, where known before
+    planning (:meth:`~tsckpt.commit.target.SaveTarget.record_writes`).
+    """
+    loc = parse_location(location)
+    target = target_kind(loc)(loc, save_id, overwrite)
+    target.written = tuple(writes)
+    target.begin()
+    return target
+
+
+def leftovers(location: LocationLike) -> list[Leftover]:
+    """Leftovers of saves into ``location`` that did not finish (running saves' data included, marked live)."""
+    loc = parse_location(location)
+    return target_kind(loc).leftovers(loc)
+
+
+def clean(location: LocationLike, *, force: bool = False) -> list[Leftover]:
+    """Remove leftovers of dead saves into ``location``; returns what was removed.
+
+    Without ``force`` only what is known to be dead goes: staging directories
+    whose save's lock is free (local filesystems), after finishing a
+    publication that died half-way. ``force`` also removes what cannot be told
+    apart from a running save: claims on object stores (and, when no checkpoint
+    is committed there, the dead save's data), and staging directories on
+    filesystems without locks. A committed checkpoint is never touched.
+    """
+    loc = parse_location(location)
+    return target_kind(loc).clean(loc, force=force)
 
 
 def commit_checkpoint(
@@ -89,7 +137,7 @@ def commit_checkpoint(
     what each rank stored besides chunk keys (its data files, its digest
     table); ``stored`` where every chunk and blob value is, sorted by key, for
     layouts that index them (packed). ``target`` (from
-    :func:`~tsckpt.commit.publication.begin_save`) writes and publishes the root
+    :func:`begin_save`) writes and publishes the root
     document; without one it is written to ``store`` directly. If the commit
     fails, the target drops the save's staged data. ``content_hash`` names the
     algorithm of the ranks' digest tables; ``reuse`` says what an incremental
@@ -268,11 +316,7 @@ def _written_by_tsckpt(kv: ts.KvStore, keys: list[bytes]) -> bool:
 def _leftover_hint(kv: ts.KvStore) -> str:
     """For a missing local checkpoint: staging directories of saves into it that did not finish."""
     spec = kv.spec().to_json()
-    if spec.get("driver") != "file":
-        return ""
-    from .leftovers import hint  # local filesystems only
-
-    return hint(str(spec.get("path", "")).rstrip("/"))
+    return "" if spec.get("driver") != "file" else hint(str(spec.get("path", "")).rstrip("/"))
 
 
 def open_committed(location: LocationLike, *,

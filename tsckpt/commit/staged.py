@@ -13,7 +13,7 @@ staging directory from a dead one's. Publication is one atomic step:
 * where the exchange is not supported (not Linux, or a filesystem without it),
   the target is first renamed aside to ``.<name>.tsckpt-<save_id>.old``, then
   the staging directory into place. Between the two renames the target is
-  absent; if the save dies there, :func:`~tsckpt.commit.leftovers.recover` (run by the next save into the
+  absent; if the save dies there, :func:`recover` (run by the next save into the
   target and by ``tsckpt clean``) publishes the new checkpoint, which was
   complete before the first rename.
 * when the target holds other files (a run directory's configs and logs), the
@@ -21,7 +21,9 @@ staging directory from a dead one's. Publication is one atomic step:
   (:mod:`tsckpt.commit.merge`).
 
 Publications into one target take turns (an exclusive ``flock`` on it). The
-parent directory is fsynced after each publication.
+parent directory is fsynced after each publication. Saves that did not finish
+leave their directories beside the target: :func:`recover` finishes a
+publication that died half-way, :func:`remove_leftovers` removes dead ones.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ import tensorstore as ts
 
 from ..errors import ConcurrentSaveError, StorageError
 from ..storage.context import make_context, open_kvstore
-from ..storage.localfs import DirLock, Turn, exchange, fsync_dir
+from ..storage.localfs import DirLock, Turn, exchange, fsync_dir, liveness
 from ..storage.location import Location
 from ..wording import human_bytes
-from .leftovers import find_leftovers, recover, remove_leftovers
 from .merge import finish_merge, merge, merging
-from .staging_dirs import remove_tree, root_keys, settle, staging_path, target_path, tree_bytes
+from .staging_dirs import (committed, remove_tree, root_keys, settle, staging_dirs, staging_path, target_path,
+                           tree_bytes)
 from .states import ABSENT, COMMITTED, FILE, ROOT, Found, classify, refuse
 from .target import Leftover, SaveTarget, warn_committed
 
@@ -218,3 +220,66 @@ class StagedTarget(SaveTarget):
     @classmethod
     def clean(cls, location: Location, *, force: bool) -> list[Leftover]:
         return remove_leftovers(location, force=force)
+
+
+def recover(target: str) -> str | None:
+    """Finish a publication that died between its two renames, or beside other files (:func:`~tsckpt.commit.merge.finish_merge`);
+    returns the save id published, if any."""
+    if os.path.isdir(target):
+        with Turn(target) as turn:
+            return finish_merge(target) if turn else None
+    if os.path.lexists(target):
+        return None
+    for d in staging_dirs(target):
+        new = staging_path(target, d.save_id)
+        found = committed(new) if d.old else None
+        if found is not None and found.save_id == d.save_id and liveness(new) is False:
+            try:
+                os.rename(new, target)
+            except OSError:
+                return None
+            fsync_dir(os.path.dirname(target))
+            return d.save_id
+    return None
+
+
+def find_leftovers(loc: Location) -> list[Leftover]:
+    target = target_path(loc)
+    out = []
+    for d in staging_dirs(target):
+        if d.old:
+            # Filled while its save publishes beside other files: that save's until it is done.
+            live: bool | None = merging(target) == d.save_id and liveness(staging_path(target, d.save_id)) is True
+            what = f"the checkpoint replaced by save {d.save_id}, not yet deleted"
+        else:
+            live = liveness(d.path)
+            found = committed(d.path)
+            if found is None:
+                what = f"staging directory of save {d.save_id}"
+            elif found.save_id == d.save_id:
+                what = f"staging directory of save {d.save_id} (complete, not published)"
+            else:  # after an exchange the replaced checkpoint sits under the staging name
+                what = f"the checkpoint replaced by save {d.save_id}, not yet deleted"
+        out.append(Leftover(d.path, tree_bytes(d.path), live, what))
+    return out
+
+
+def remove_leftovers(loc: Location, *, force: bool = False, older_than: float | None = None) -> list[Leftover]:
+    """Finish an interrupted publication, then remove dead saves' directories (``force``: unknown ones too).
+
+    ``older_than`` (a ``time.time()``) spares directories modified since: a save
+    starting at this moment has created its directory but may not hold its lock yet.
+    """
+    recover(target_path(loc))
+    removed = []
+    for item in find_leftovers(loc):
+        if not (item.live is False or (force and item.live is None)):
+            continue
+        try:
+            if older_than is not None and os.stat(item.path).st_mtime >= older_than:
+                continue
+        except FileNotFoundError:
+            continue
+        remove_tree(item.path)
+        removed.append(item)
+    return removed

@@ -140,3 +140,17 @@ def settle(path: str, *, quiet: float = 0.25, limit: float = 10.0) -> None:
 def target_path(loc: Location) -> str:
     """The real path of a local location's target directory."""
     return os.path.realpath(str(loc.spec.get("path", "")).rstrip("/") or "/")
+
+
+def hint(path: str) -> str:
+    """What to tell a reader that finds nothing at ``path`` but staging directories beside it."""
+    dirs = staging_dirs(os.path.realpath(path))
+    if not dirs:
+        return ""
+    complete = [d for d in dirs if not d.old and committed(d.path) is not None]
+    if complete and any(d.old for d in dirs):
+        return (f"; a publication that did not finish left the new checkpoint in {complete[0].path}: "
+                f"`tsckpt clean {path}` finishes it")
+    many = len(dirs) != 1
+    return (f"; {len(dirs)} leftover staging director{'ies' if many else 'y'} of saves that did not finish "
+            f"{'are' if many else 'is'} beside it (`tsckpt clean {path}` removes dead ones)")

@@ -94,6 +94,16 @@ class Found:
     others: int = 0
 
 
+def claim_fields(raw: bytes) -> dict[str, Any]:
+    """What a claim says (:data:`CLAIM`: its ``save_id``...); empty where it is not a JSON object with a save id."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    valid = isinstance(doc, dict) and isinstance(doc.get("save_id"), str)
+    return doc if valid else {}
+
+
 def read_key(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
     return _result(kv.read(key), f"{url}: cannot read {key!r}")
 

@@ -10,7 +10,7 @@ A save never writes where readers look until it is complete and committed:
   object written with a conditional write fences off other saves, and the root
   document is committed with a conditional write (:mod:`tsckpt.commit.in_place`).
 
-Which kind a location gets, and the calls on it, are in :mod:`tsckpt.commit.publication`.
+Which kind a location gets, and the calls on it, are in :mod:`tsckpt.commit.protocol`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ..format.names import KeyPath, flat_key, parent_groups, zarr_path
 from ..format.plan import DEFAULT_INNER_CHUNK_BYTES, plan_tensor
 from ..storage.layouts import PACKED, default_layout
 from ..storage.store import Store
-from ..commit.publication import begin_save
+from ..commit.protocol import begin_save
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from ..dcp.merged_chunks import MergedChunks, stored_values

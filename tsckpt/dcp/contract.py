@@ -10,7 +10,7 @@ DCP runs a save as four collectives around the storage writer's methods. With
    out of the plan, :mod:`tsckpt.dcp.placed_writes`). The writer wraps it in the rank's
    :class:`~tsckpt.dcp.replica_writes.Holdings`, by which the coordinator finds replicas.
 3. ``planner.create_global_plan(plans)``, ``writer.prepare_global_plan(plans)`` -- the coordinator.
-   It begins the save (:func:`~tsckpt.commit.publication.begin_save`: refuses what must not be
+   It begins the save (:func:`~tsckpt.commit.protocol.begin_save`: refuses what must not be
    replaced, fences off other saves, chooses where the data goes), lays out every array
    (:class:`~tsckpt.dcp.global_layout.GlobalLayout`) and gives each rank a :class:`RankPlan`: the
    :class:`SaveOrders` and the layouts of the arrays *that rank* writes, pre-pickled

@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from ..base_chunks import BaseChoice, BaseChunks, choose_base, reuse_outcome
 from ..commit import protocol as commit
-from ..commit.publication import begin_save
+from ..commit.protocol import begin_save
 from ..commit.target import SaveTarget
 from ..errors import OptionError, PlanError
 from ..format import content_hashes, dtypes, object_values
