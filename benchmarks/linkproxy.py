@@ -136,6 +136,8 @@ class RequestSplitter:
 
     def __init__(self) -> None:
         self.state = "start"
+        #: Each request's line and Range header (``GET /b/k bytes=0-9``), in order, for whoever keeps them.
+        self.heads: list[str] = []
         self._head = bytearray()
         self._line = bytearray()
         self._left = 0  # body or chunk bytes still to come
@@ -188,12 +190,15 @@ class RequestSplitter:
 
     def _start_body(self, head: bytes) -> None:
         headers: dict[str, str] = {}
-        for line in head.split(b"\r\n")[1:]:
+        lines = head.split(b"\r\n")
+        for line in lines[1:]:
             name, sep, value = line.decode("latin-1").partition(":")
             if not sep:
                 self.state = "lost"
                 return
             headers[name.strip().lower()] = value.strip()
+        method, _, rest = lines[0].decode("latin-1").partition(" ")
+        self.heads.append(f"{method} {rest.rpartition(' ')[0]} {headers.get('range', '')}".rstrip())
         if "chunked" in headers.get("transfer-encoding", "").lower():
             self.state = "chunk_size"
             return
@@ -292,6 +297,9 @@ class _RankLink:
                         await dst.drain()
                 if requests.lost and not was_lost:
                     self.add("unparsed", 1)
+                if self.owner.heads is not None:
+                    self.owner.heads[self.rank].extend(requests.heads)
+                requests.heads.clear()
             if dst.can_write_eof():
                 dst.write_eof()
         except (OSError, asyncio.IncompleteReadError):
@@ -327,8 +335,11 @@ class Links:
     ``__exit__``, on an event loop in a daemon thread of this process.
     """
 
-    def __init__(self, upstream_port: int, link: Link, ranks: int, counts: Any = None):
+    def __init__(self, upstream_port: int, link: Link, ranks: int, counts: Any = None, heads: bool = False):
         self.upstream_port, self.link, self.ranks = upstream_port, link, ranks
+        #: With ``heads``, each rank's requests as :attr:`RequestSplitter.heads` words them, in order (to see
+        #: what a client asked for, not only how often).
+        self.heads: list[list[str]] | None = [[] for _ in range(ranks)] if heads else None
         self.counts = counts if counts is not None else counters(ranks)
         if len(self.counts) < ranks * len(FIELDS):
             raise ValueError(f"counters for {len(self.counts) // len(FIELDS)} ranks, {ranks} links asked for")

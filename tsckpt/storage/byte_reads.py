@@ -75,11 +75,12 @@ class ReadCost:
 #: Defaults: a local disk's page cache or NVMe answers in tens of microseconds at GB/s, an object store
 #: in tens of milliseconds at 25-200 MB/s per node.
 LOCAL_COST = ReadCost(latency_s=50e-6, bandwidth=2e9, max_request=8 << 20, max_inflight=64 << 20)
-#: An object store's requests are cut at 4 MiB, three on their way at once. On the benchmark's 60 MB/s, 10 ms
-#: links (``benchmarks/bench_s3_peers.py --phases reshard_fewer --reps 3``) a column reshard into 2 ranks took
-#: 3.04 s, against 3.12 s with 16 MiB requests all on their way together; 8 MiB with 24 MiB on their way, 3.04 s.
-OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=4 << 20, max_inflight=256 << 20,
-                             max_arriving=12 << 20)
+#: An object store's requests are cut at 8 MiB (as AWS's CRT client cuts its parts), three on their way at once.
+#: On the benchmark's 60 MB/s, 10 ms links (``benchmarks/bench_s3_peers.py --phases reshard_fewer --reps 3``) a
+#: column reshard into 2 ranks took 3.04 s so, as with 4 MiB requests, against 3.12 s with 16 MiB requests all on
+#: their way together; a same-topology load, which reads whole files, then makes half the requests.
+OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=8 << 20, max_inflight=256 << 20,
+                             max_arriving=24 << 20)
 MEMORY_COST = ReadCost(latency_s=0.0, bandwidth=1e10, max_request=1 << 30, max_inflight=1 << 30)
 #: The location member that overrides the model: ``{"read_cost": {"latency_s": 0.005, "bandwidth": 2e8}}``.
 COST_MEMBER = "read_cost"
@@ -239,15 +240,8 @@ class RangeBatch:
         requests: list[tuple[str, int, int, list[Slot]]] = []
         for key, slots in by_key.items():
             slots.sort(key=lambda s: (s.start, -s.stop))  # a range inside another joins it, whatever its length
-            start, stop, group = slots[0].start, slots[0].stop, [slots[0]]
-            for slot in slots[1:]:
-                if slot.stop <= stop or (slot.start - stop <= gap and slot.stop - start <= limit):
-                    stop = max(stop, slot.stop)
-                    group.append(slot)
-                    continue
-                requests.append((key, start, stop, group))
-                start, stop, group = slot.start, slot.stop, [slot]
-            requests.append((key, start, stop, group))
+            for run in _runs(slots, gap):
+                requests += _cut(key, run, limit)
         requests.sort(key=lambda r: min(order[id(s)] for s in r[3]))
         return requests
 
@@ -321,6 +315,38 @@ class RangeBatch:
                 _BUFFERS.give(request.buffer.base, self.cost)
             request.buffer, request._data = None, None
         self._pump()
+
+
+def _runs(slots: list[Slot], gap: int) -> list[list[Slot]]:
+    """Sorted ``slots`` in runs whose neighbours are at most ``gap`` bytes apart (or overlap)."""
+    runs, stop = [[slots[0]]], slots[0].stop
+    for slot in slots[1:]:
+        if slot.start - stop <= gap:
+            runs[-1].append(slot)
+        else:
+            runs.append([slot])
+        stop = max(stop, slot.stop)
+    return runs
+
+
+def _cut(key: str, run: list[Slot], limit: int) -> list[tuple[str, int, int, list[Slot]]]:
+    """One run of ranges as requests of at most ``limit`` bytes (a longer range alone), all about as long: a run
+    a little over a multiple of ``limit`` is not left a short last request, which would cost a request's
+    latency for a few bytes (a same-topology load reads whole files: a request per ``limit`` bytes, no more)."""
+    stop = max(s.stop for s in run)
+    pieces = -(-(stop - run[0].start) // limit)
+    target = -(-(stop - run[0].start) // pieces)
+    out: list[tuple[str, int, int, list[Slot]]] = []
+    start, end, group = run[0].start, run[0].stop, [run[0]]
+    for slot in run[1:]:
+        if slot.stop <= end or (slot.stop - start <= limit and slot.start - start < target):
+            end = max(end, slot.stop)
+            group.append(slot)
+            continue
+        out.append((key, start, end, group))
+        start, end, group = slot.start, slot.stop, [slot]
+    out.append((key, start, end, group))
+    return out
 
 
 def split(total: int, pieces: int) -> list[tuple[int, int]]:
