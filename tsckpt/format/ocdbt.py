@@ -118,9 +118,10 @@ class Entries:
         """The entries of the key runs numbered ``runs`` (in order)."""
         starts = self.keys.run_starts
         index = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in runs] or [np.zeros(0, np.int64)])
-        new = np.full(len(self), -1, np.int64)
-        new[index] = np.arange(len(index))
-        inline = {int(new[k]): v for k, v in self.inline.items() if new[k] >= 0}
+        # Where each inline value lands, looked up in the (sorted) picked positions: a column of every entry's
+        # new position would be gigabytes at scale, where the picked runs are a few documents.
+        at = np.searchsorted(index, np.asarray(list(self.inline), np.int64)).tolist()
+        inline = {a: v for a, (k, v) in zip(at, self.inline.items()) if a < len(index) and index[a] == k}
         return Entries(SortedKeys([self.keys.runs[r] for r in runs]), inline, self.file[index], self.offset[index],
                        self.length[index], self.files)
 
