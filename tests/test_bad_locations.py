@@ -109,7 +109,7 @@ def test_the_command_line_gives_up_on_an_unknown_host_within_a_few_retries():
 
 
 def test_s3_errors_name_the_endpoint_or_the_credentials_behind_them(tmp_path):
-    from tsckpt.storage.hints import hint
+    from tsckpt.storage.kvio import hint
 
     dns = "CURL error Could not resolve hostname: Could not resolve host: bucket.s3.amazonaws.com"
     assert hint(dns, {"AWS_ACCESS_KEY_ID": "k"}) == (

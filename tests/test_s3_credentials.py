@@ -21,7 +21,7 @@ import torch
 import tsckpt
 from s3server import CREDENTIALS
 from tsckpt.storage.credentials import on_ec2, resolve
-from tsckpt.storage.hints import hint
+from tsckpt.storage.kvio import hint
 
 BUCKET = "tsckpt-credentials"  # this module's bucket on the run's moto server (the s3 fixture, conftest.py)
 REFUSED = ("the store refused the request: check the credentials (none found: set AWS_ACCESS_KEY_ID and "

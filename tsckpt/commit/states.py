@@ -150,17 +150,10 @@ def without_root(keys: list[str]) -> Found:
     key and removes after its last; local saves write only in their own
     staging directories, never at the location itself.
     """
-    if not keys:
-        return Found(ABSENT)
     foreign = sorted(k for k in keys if not is_own_key(k))
     if foreign:
         return Found(FOREIGN, f"{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
-    if CLAIM in keys:
-        return Found(INCOMPLETE, f"{len(keys)} file(s) of a save that did not finish")
-    nodes = sorted(k for k in keys if k.removesuffix(LOCK_SUFFIX).rsplit("/", 1)[-1] == ROOT)
-    example = nodes[0] if nodes else sorted(keys)[0]
-    return Found(FOREIGN, f"Zarr data tsckpt did not write ({len(keys)} file(s), e.g. {example!r}, and no "
-                          f"root {ROOT} with tsckpt metadata nor a save's claim)")
+    return beside_others(keys)  # every key is named as a save's own: none is beside
 
 
 _NODE_OR_CHUNK = re.compile(r"^(?:zarr\.json|c|c(?:\.\d+)+|c(?:/\d+)+)$")

@@ -33,7 +33,7 @@ from ..commit.staged import StagedTarget
 from ..commit.states import ROOT, describe_root
 from ..commit.target import SaveTarget, warn_committed
 from ..storage.context import make_context, open_kvstore
-from ..storage.hints import hint
+from ..storage.kvio import hint
 from ..storage.location import Location
 from ..storage.kvio import one_line, problem
 from .contract import RankSummary
@@ -61,7 +61,7 @@ class RankFailure:
 
     @classmethod
     def of(cls, rank: int, error: BaseException) -> RankFailure:
-        """The failure ``error`` describes, with what to check (:func:`~tsckpt.storage.hints.hint`) for a
+        """The failure ``error`` describes, with what to check (:func:`~tsckpt.storage.kvio.hint`) for a
         refused or unreachable request, also one that is its cause."""
         if isinstance(error, TsckptError):
             text = one_line(error)
