@@ -344,6 +344,19 @@ def test_boxes_smaller_than_a_page_are_read_by_every_rank_that_needs_them():
     assert all(share is not None for share in shares)  # 4 KiB: shared
 
 
+def test_boxes_smaller_than_a_page_go_from_the_rank_that_saved_them_when_it_needs_them_too():
+    """A job resuming on the ranks that saved: each step count is passed on by the rank whose file holds it, which
+    reads that file anyway, instead of every other rank reading that rank's chunk table and the count."""
+    steps = [(f"step{k}", (), ()) for k in range(4)]
+    saved_by = {f"step{k}": 10 + k for k in range(4)}
+    shares = schedule(_plans([steps] * 4), lambda fqn: 4, DIM1, lambda region: saved_by[region[0]])
+    for share in shares:
+        assert share is not None and [t.owner for t in share.transfers()] == [10, 11, 12, 13]
+    # Saved by a rank that does not need them (or by several): read by every rank that does, as before.
+    for writer in (lambda region: 20, lambda region: None):
+        assert schedule(_plans([steps] * 4), lambda fqn: 4, DIM1, writer) == [None] * 4
+
+
 def test_the_share_of_a_rank_pickles_small():
     whole = [(name, (0, 0), SHAPE) for name in NAMES]
     small = schedule(_plans([whole] * 16), lambda fqn: 4, DIM1)

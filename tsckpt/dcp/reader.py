@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
 from . import collector
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
-from .replica_reads import RankNote, ReplicaShare, schedule
+from .replica_reads import MIN_SHARED_BYTES, RankNote, Region, ReplicaShare, schedule
 from .replica_transfers import ReplicaTransfers
 from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
 from .load_planner import DecodedValue
@@ -144,7 +145,9 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             assert self.metadata is not None
             md = self.metadata
             shares = schedule(plans, lambda fqn: dtypes.from_zarr(md.tensors[fqn].dtype).itemsize,
-                              lambda fqn: stripes_along(md.tensors[fqn].grid))
+                              lambda fqn: stripes_along(md.tensors[fqn].grid),
+                              # As many ranks as saved (a job resuming): rank k most likely reads file k anyway.
+                              functools.partial(_writer, md) if md.world_size == len(plans) else None)
             plans = [dataclasses.replace(p, storage_data=share) if share is not None or isinstance(
                 p.storage_data, RankNote) else p for p, share in zip(plans, shares)]
         return plans
@@ -164,11 +167,14 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         wanted = {i.storage_index.fqn for i in plan.items if i.type != LoadItemType.BYTE_IO}
         readers = {fqn: BoxReader(self.source, md.tensors[fqn], f"tensor {fqn!r} in {self.checkpoint_id}")
                    for fqn in wanted}
-        # Every chunk this rank reads, found at once: an index's nodes are read level by level for all of them.
-        self.source.locator.prefetch(key for i in plan.items if i.type != LoadItemType.BYTE_IO
-                                     for key in readers[i.storage_index.fqn].keys(i.storage_offsets, i.lengths))
         share = ReplicaShare.of(plan)
         transfers = share.transfers() if share is not None else []
+        # Every chunk this rank reads, found at once: an index's nodes are read level by level for all of them.
+        # What other ranks fetch for it is not looked up: that could read their chunk tables for nothing.
+        received = {t.item for t in transfers if t.owner != share.rank} if share is not None else set()
+        self.source.locator.prefetch(key for k, i in enumerate(plan.items) if i.type != LoadItemType.BYTE_IO
+                                     and k not in received
+                                     for key in readers[i.storage_index.fqn].keys(i.storage_offsets, i.lengths))
         buffers = CopyWindow(self.per_thread_copy_ahead)
         # With replicas waiting on this rank, a failure is kept until every transfer is done, then raised.
         failures: list[Exception] | None = None if share is None else []
@@ -187,7 +193,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
         # A few small reads of this rank's own (step counts, norms) start first, and are placed after the
         # shared regions: their requests' latency then overlaps the exchange instead of following it.
-        early = share is not None and self._few_small(alone, readers)
+        early = share is not None and (self._few_small(alone, readers) or self._few_small(
+            [plan.items[t.item] for t in transfers if t.owner == share.rank], readers, MIN_SHARED_BYTES * 64))
         try:
             if not early:
                 share_regions()
@@ -205,8 +212,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                          seconds=time.perf_counter() - self._started)
         return done(None)
 
-    def _few_small(self, items: list[ReadItem], readers: dict[str, BoxReader]) -> bool:
-        """Whether ``items`` are at most :data:`EARLY_OWN_READS` bytes of tensors and values held in the root."""
+    def _few_small(self, items: list[ReadItem], readers: dict[str, BoxReader], most: int = EARLY_OWN_READS) -> bool:
+        """Whether ``items`` are at most ``most`` bytes of tensors and values held in the root."""
         assert self.metadata is not None
         nbytes = 0
         for item in items:
@@ -216,7 +223,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                     return False
                 continue
             nbytes += readers[fqn].held_bytes(item.lengths, out=False)
-        return nbytes <= EARLY_OWN_READS
+        return nbytes <= most
 
     def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader],
                     first: Callable[[], None] | None = None) -> None:
@@ -300,3 +307,14 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         assert entry.path is not None
         return object_values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
                                        where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
+
+
+def _writer(md: CheckpointMetadata, region: Region) -> int | None:
+    """The one rank that saved every chunk of ``region`` (None: several, or the checkpoint does not say)."""
+    fqn, offsets, lengths = region
+    entry = md.tensors[fqn]
+    if entry.writers is None:
+        return None
+    chunks = entry.grid.chunks_overlapping([slice(o, o + n) for o, n in zip(offsets, lengths)])
+    ranks = {int(entry.writer_ranks(md.world_size, fqn)[entry.grid.flat_index(c)]) for c in chunks}
+    return ranks.pop() if len(ranks) == 1 else None

@@ -84,25 +84,31 @@ class ReplicaShare:
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]
 
-#: Boxes smaller than this (step counts, norms) are read by every rank that needs them: passing them on
-#: costs more than fetching them beside the ranks' own reads.
+#: Boxes smaller than this (step counts, norms) are read by every rank that needs them, unless the rank that
+#: saved them needs them too: passing them on costs more than fetching them beside the ranks' own reads, but
+#: less than reading another rank's chunk table and values, two requests, only for them.
 MIN_SHARED_BYTES = 4 << 10
 
 
 def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
-             cuts: Callable[[str], Sequence[tuple[int, int, int]]]) -> list[ReplicaShare | None]:
+             cuts: Callable[[str], Sequence[tuple[int, int, int]]],
+             writer: Callable[[Region], int | None] | None = None) -> list[ReplicaShare | None]:
     """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or has no :class:`RankNote`).
 
     ``itemsize(fqn)``: bytes per stored element; ``cuts(fqn)``: where a tensor's
     regions may be cut into stripes, best first, each ``(dim, chunk, extent)``
     (:func:`_cut` picks one). Regions not cut go whole, largest first, each to
     the member that has fetched the fewest bytes so far; ties rotate with the
-    region. Deterministic.
+    region. ``writer(region)``: the one rank that saved all of a region (None:
+    several, or unknown); a region under :data:`MIN_SHARED_BYTES` is shared only
+    when that rank needs it, and fetched by it (its own file, which it reads
+    anyway). Deterministic.
     """
     ranks = [p.storage_data.rank if isinstance(p.storage_data, RankNote) else None for p in plans]
     needers: dict[Region, list[tuple[int, int]]] = {}  # region -> [(plan index, item index)], in first-seen order
     sizes: dict[Region, int] = {}
     fetched = [0] * len(plans)
+    small: dict[Region, int] = {}  # small regions their writer needs -> the writer
     for r, plan in enumerate(plans):
         seen: set[Region] = set()
         for i, item in enumerate(plan.items):
@@ -111,12 +117,21 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
             fqn = item.storage_index.fqn
             nbytes = math.prod(item.lengths) * itemsize(fqn)
             region = (fqn, tuple(item.storage_offsets), tuple(item.lengths))
-            if ranks[r] is None or nbytes < MIN_SHARED_BYTES or region in seen:
+            if ranks[r] is None or region in seen or nbytes < MIN_SHARED_BYTES and writer is None:
                 fetched[r] += nbytes
                 continue
             seen.add(region)
             sizes[region] = nbytes
             needers.setdefault(region, []).append((r, i))
+            if nbytes < MIN_SHARED_BYTES and region not in small:
+                small[region] = -1 if (w := writer(region)) is None else w  # type: ignore[misc]
+    for region, w in small.items():
+        who = needers[region]
+        if len(who) > 1 and any(ranks[r] == w for r, _ in who):
+            continue
+        del needers[region]
+        for r, _ in who:
+            fetched[r] += sizes[region]
     shared = [region for region, who in needers.items() if len(who) > 1]
     for region, who in needers.items():
         if len(who) == 1:
@@ -128,7 +143,8 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
     whole = []
     for k, region in enumerate(shared):
         who = needers[region]
-        cut, stripes = _cut(region, cuts(region[0]) if region[2] else (), len(who))
+        cut, stripes = (None, None) if region in small else _cut(region, cuts(region[0]) if region[2] else (),
+                                                                  len(who))
         if stripes is None:
             whole.append(k)
             continue
@@ -142,6 +158,8 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
     for k in sorted(whole, key=lambda k: -sizes[shared[k]]):
         who = needers[shared[k]]
         _, owner = min((fetched[r], (n - k) % len(who), r) for n, (r, _) in enumerate(who))[1:]
+        if shared[k] in small:
+            owner = next(r for r, _ in who if ranks[r] == small[shared[k]])
         parts.append((shared[k], None))
         owners.append(owner)
         fetched[owner] += sizes[shared[k]]
