@@ -334,7 +334,7 @@ def _cut(key: str, run: list[Slot], limit: int) -> list[tuple[str, int, int, lis
     a little over a multiple of ``limit`` is not left a short last request, which would cost a request's
     latency for a few bytes (a same-topology load reads whole files: a request per ``limit`` bytes, no more)."""
     stop = max(s.stop for s in run)
-    pieces = -(-(stop - run[0].start) // limit)
+    pieces = max(1, -(-(stop - run[0].start) // limit))  # an empty value is still one request
     target = -(-(stop - run[0].start) // pieces)
     out: list[tuple[str, int, int, list[Slot]]] = []
     start, end, group = run[0].start, run[0].stop, [run[0]]
