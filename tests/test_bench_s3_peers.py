@@ -125,7 +125,7 @@ def test_link_settings_parse() -> None:
         Link.parse("fast")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)  # only stops a hang: 40 s here took over 240 s on a machine loaded 15 deep
 def test_benchmark_smoke_run(tmp_path: Any) -> None:
     """A tiny run of the benchmark end to end (about 40 s here): checked loads in both groups, table, JSON, figures.
 
@@ -138,7 +138,7 @@ def test_benchmark_smoke_run(tmp_path: Any) -> None:
     cmd = [sys.executable, os.path.join(BENCH, "bench_s3_peers.py"), "--gb", "0.002", "--states", "untuned",
            "--links", "1000:0", "--reps", "1", "--layouts", "plain", "--peers", "dcp-fsspec",
            "--phases", "load,reshard_fewer", "--out", str(out), "--plots", str(figures)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with open(out / "s3_peers.json") as f:
         results = json.load(f)
