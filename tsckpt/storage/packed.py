@@ -11,11 +11,10 @@ where its keys live changes. A packed checkpoint at ``BASE`` holds::
                                 digest table (on object stores: parts ``.<k>``, each one object)
 
 Saving: every rank writes its values into its own data file
-(:class:`~tsckpt.storage.sinks.RankFile`), so no two processes ever write one
-file, and reports where each landed. At commit the coordinator writes the
-B+tree over all of them and the manifest (:func:`write_index`,
-:mod:`tsckpt.format.ocdbt`), then the root ``zarr.json``: a location without
-it is an incomplete checkpoint exactly as in the plain layout.
+(:class:`~tsckpt.storage.sinks.Sink`), so no two processes write one file, and
+reports where each landed. At commit the coordinator writes the B+tree over all
+of them and the manifest (:func:`write_index`), then the root ``zarr.json``: a
+location without it is an incomplete checkpoint, as in the plain layout.
 
 Reading: tsckpt finds the root node through the root document
 (``data_files.index``) and reads only the nodes on the way to the keys it
