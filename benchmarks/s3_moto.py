@@ -132,9 +132,23 @@ def ranged_gets() -> None:
     S3Response.get_object, S3Response.key_response = get_object_ranged, key_response_whole
 
 
+def _exit_with_parent() -> None:
+    """End this server once the process that started it is gone: a benchmark killed by a timeout or a
+    signal cannot stop it, and a server left behind holds its port and memory until someone notices."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main() -> None:
     import moto.server
 
+    _exit_with_parent()
     ranged_gets()
 
     serve = moto.server.run_simple
