@@ -31,9 +31,11 @@ own ranks that way too.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import io
 import os
+import signal
 import socket
 import time
 import traceback
@@ -61,6 +63,7 @@ def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], forke
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that aborts, or is stopped with SIGABRT as hung, prints every thread's stack
     if forked:
         # What the forkserver imported is shared with it page by page until written: a garbage collection that
         # walked those objects would copy them all into this rank (seconds, at the atexit hooks' collections).
@@ -83,6 +86,18 @@ def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], forke
         dist.destroy_process_group()
         if forked:
             atexit._run_exitfuncs()
+
+
+def stop_hung(processes: list[Any]) -> None:
+    """Stop processes that hang: SIGABRT first, so that faulthandler prints where each one waits, then SIGKILL."""
+    for p in processes:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGABRT)
+    deadline = time.monotonic() + 10
+    for p in processes:
+        p.join(timeout=max(deadline - time.monotonic(), 0))
+        if p.is_alive():
+            p.kill()
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float | None = 300,
@@ -121,11 +136,12 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
             if procs.join(timeout=0.2):
                 break
             if deadline is not None and time.monotonic() > deadline:
-                for p in procs.processes:
-                    p.kill()
-                raise AssertionError(f"ranks did not finish within {timeout}s")
+                stop_hung(procs.processes)
+                raise AssertionError(f"ranks did not finish within {timeout}s (their stacks are on stderr); "
+                                     f"ranks that had returned: {sorted(results)}")
     except Exception as e:
         drain()
-        raise AssertionError("\n".join(errors) or str(e)) from None
+        finished = f" (ranks {sorted(results)} had returned their results)" if results else ""
+        raise AssertionError("\n".join(errors) or f"{e}{finished}") from None
     drain()
     return [results.get(r) for r in range(world_size)]

@@ -11,7 +11,9 @@ with zarr-python, and prints what it did. Run it with ``tsckpt demo``.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -165,6 +167,7 @@ def _free_port() -> int:
 
 def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
     warnings.simplefilter("ignore")  # torch's FSDP/DCP notices would drown the demo's output
+    faulthandler.enable()  # a rank that aborts, or is stopped as hung (_spawn), prints every thread's stack
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -175,6 +178,10 @@ def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: 
         raise
     finally:
         dist.destroy_process_group()
+
+
+#: How long a rank that has returned its results may take to exit before it is treated as hung.
+_EXIT_GRACE_S = 120.0
 
 
 def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -193,9 +200,22 @@ def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
             else:
                 failures.append(f"rank {rank}:\n{value}")
 
+    exit_deadline = None
     try:
         while not procs.join(timeout=0.2):
             drain()
+            if exit_deadline is None and len(results) == world:
+                exit_deadline = time.monotonic() + _EXIT_GRACE_S
+            elif exit_deadline is not None and time.monotonic() > exit_deadline:
+                hung = [r for r, p in enumerate(procs.processes) if p.is_alive()]
+                for r in hung:
+                    os.kill(procs.processes[r].pid, signal.SIGABRT)  # faulthandler prints where it waits
+                for r in hung:
+                    procs.processes[r].join(timeout=10)
+                    if procs.processes[r].is_alive():
+                        procs.processes[r].kill()
+                raise DemoError(f"{fn.__name__}: {count(len(hung), 'rank')} {hung} returned results but did not exit "
+                                f"within {_EXIT_GRACE_S:.0f} s; stopped, with their stacks printed above")
     except Exception as e:
         drain()
         raise DemoError(f"{fn.__name__} failed on {world} ranks:\n" + ("\n".join(failures) or str(e))) from None
