@@ -142,6 +142,38 @@ def test_a_rank_that_does_not_say_where_its_chunks_are_stops_the_commit():
         MergedChunks.merge([silent], [1], ["a"], "ckpt")
 
 
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_each_chunk_keeps_its_own_row_whether_a_column_holds_one_value_per_rank_or_not(seed, gathered):
+    # A column of one value per rank is taken by writer, any other is scattered: both must give each chunk its row.
+    rng = np.random.default_rng(seed)
+    world, nchunks = 12, [7, 0, 30, 5]
+    owner = [rng.integers(0, world - 1, n) for n in nchunks]  # the last rank writes nothing
+    summaries, expected = [], {}
+    for r in rng.permutation(world).tolist():  # gathered in any order
+        rows = [(t, c) for t, n in enumerate(nchunks) for c in range(n) if owner[t][c] == r]
+        files = tuple(f"d/s1-{r}-{k}" for k in range(1 + (seed % 2) * (r % 3)))
+        file = np.arange(len(rows), dtype=np.int32) % len(files)
+        offset = rng.integers(0, 1 << 20, len(rows)) * (1 << 33 if seed % 3 == 2 else 1)
+        length = np.full(len(rows), 10) if seed % 3 == 0 else rng.integers(1, 1 << 20, len(rows))
+        reused = rng.random(len(rows)) < 0.5 if seed % 3 == 1 else np.zeros(len(rows), bool)
+        summaries.append(RankSummary(r, "s1", np.array([t for t, _ in rows], np.int32),
+                                     np.array([c for _, c in rows], np.int64), file, offset, length, reused, files,
+                                     RankFiles(tuple(FileRef(f, 1 << 40) for f in files), None)))
+        for k, chunk in enumerate(rows):
+            expected[chunk] = (r, files[file[k]], int(offset[k]), int(length[k]), bool(reused[k]))
+    if gathered:
+        summaries = [pickle.loads(pickle.dumps(s)) for s in summaries]
+    merged = MergedChunks.merge(summaries, nchunks, ["a", "b", "c", "d"], "ckpt")
+    found = {}
+    for t, n in enumerate(nchunks):
+        at = merged.of(t)
+        for c in range(n):
+            found[t, c] = (int(at.writer[c]), merged.files[at.file[c]], int(at.offset[c]), int(at.length[c]),
+                           bool(at.reused[c]))
+    assert found == expected
+
 def test_contract_records_round_trip_through_pickle():
     def again(x):
         return pickle.loads(pickle.dumps(x))

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from tsckpt.format import ocdbt, ocdbt_keys, ocdbt_records, ocdbt_tree
+from tsckpt.format import ocdbt, ocdbt_keys, ocdbt_leaves, ocdbt_records, ocdbt_tree
 
 
 def _walk(tree: ocdbt_tree.Tree, ref: ocdbt.Ref, out: list) -> None:
@@ -97,3 +97,39 @@ def test_a_column_of_varints_is_each_value_encoded_alone(monkeypatch, block):
             assert data.tobytes() == b"".join(alone), top
             assert starts.tolist() == np.cumsum([0] + [len(v) for v in alone]).tolist()
             assert ocdbt_records.Reader(data.tobytes(), "test").varints(len(values)) == values
+
+
+@pytest.mark.parametrize("block", [7, 1 << 18])
+def test_a_column_of_varints_all_as_wide_is_each_value_encoded_alone(monkeypatch, block):
+    monkeypatch.setattr(ocdbt_records, "_BLOCK", block)
+    rng = np.random.default_rng(block)
+    for width in range(2, 9):
+        low, high = 1 << (7 * (width - 1)), 1 << (7 * width)
+        values = [low, high - 1] + rng.integers(low, high, 50, np.uint64).tolist()
+        data, starts = ocdbt_records.varint_column(np.asarray(values, np.uint64))
+        assert data.tobytes() == b"".join(ocdbt_records.varint(v) for v in values), width
+        assert starts.tolist() == list(range(0, width * (len(values) + 1), width))
+
+
+@pytest.mark.parametrize("top", [1 << 7, 1 << 20, 1 << 40])
+@pytest.mark.parametrize("as_wide", [False, True])
+def test_a_runs_leaves_are_byte_for_byte_the_leaves_encoded_key_by_key(top, as_wide):
+    rng = np.random.default_rng(top)
+    tails, _ = ocdbt_keys.sorted_tails([f"c/{i}/{j}".encode() for i in range(300) for j in range(2)])
+    files = [f"d/save-{r}" for r in range(50)]
+    file, length = rng.integers(0, len(files), len(tails)), rng.integers(1, 1 << 20, len(tails))
+    paths = ocdbt_leaves._Paths(files)
+    template = None
+    for head in (b"a/", b"b/"):  # the second run is encoded from the first's template
+        offset = rng.integers(top // 2 if as_wide else 0, top, len(tails))
+        run = ocdbt_keys.KeyRun(head, tails)
+        template = template or ocdbt_leaves._RunLeaves(run, file, length, paths, 2000)
+        out = bytearray(b"before")
+        written = template.write(out, run, offset)
+        entries = ocdbt.Entries(ocdbt_keys.SortedKeys([run]), {}, file, offset, length, files)
+        expected, firsts = bytearray(b"before"), []
+        for leaf in ocdbt_leaves.encode_leaves(entries, template.bounds, paths):
+            ocdbt_records.envelope_into(expected, ocdbt.BTREE_MAGIC, leaf.body)
+            firsts.append(leaf.first)
+        assert len(firsts) > 3 and out == expected
+        assert written.first == firsts and sum(written.length) == len(out) - written.at

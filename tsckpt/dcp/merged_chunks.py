@@ -21,7 +21,7 @@ from ..format import writers, zarr_json
 from ..format.data_files import RankFiles
 from ..format.metadata import TensorEntry
 from ..storage.packed import StoredValues
-from .summary import RankSummary, columns_of, expand
+from .summary import RankSummary, columns_of
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,11 @@ def _index_type(n: int) -> type:
     return np.int32 if n < 1 << 31 else np.int64
 
 
-def _place(tensor: np.ndarray, index: np.ndarray, source: np.ndarray, sizes: Sequence[int], names: Sequence[str],
-           unit: str, done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-tensor start offsets, and ``source`` (one value >= 0 per row) at each row's flat position; each
-    position exactly once. ``index`` (int64) becomes the flat positions, in place.
+def _place(tensor: np.ndarray, index: np.ndarray, ranks: np.ndarray, rows: np.ndarray, sizes: Sequence[int],
+           names: Sequence[str], unit: str, done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tensor start offsets, and the rank that wrote each position (``ranks``: each summary's, ``rows``: its
+    number of rows, one after the other); each position exactly once. ``index`` (int64) becomes the flat
+    positions, in place.
 
     As many rows as positions, every position reached: then each exactly once, and no row is outside its
     tensor's grid (it would have taken another row's position). So the common case makes one column of the
@@ -55,30 +56,78 @@ def _place(tensor: np.ndarray, index: np.ndarray, source: np.ndarray, sizes: Seq
     starts = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
     total = int(starts[-1])
-    if len(tensor) and (tensor.min() < 0 or tensor.max() >= len(sizes)):
-        raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
     flat = index
+    placed = np.full(total, -1, ranks.dtype)
+    ends = np.cumsum(rows)
+    whole = len(flat) == total
+    # One pass, block by block: each block's positions found, checked and its ranks placed while in cache. Each
+    # block's ranks are repeated there, not taken from a column of every row's rank (new pages, then a pass).
     for lo, hi in _blocks(len(flat)):
-        flat[lo:hi] += starts.take(tensor[lo:hi])
-    placed = np.full(total, -1, source.dtype)
-    if len(flat) == total and (not total or (flat.min() >= 0 and flat.max() < total)):
-        for lo, hi in _blocks(len(flat)):
-            placed[flat[lo:hi]] = source[lo:hi]
-        if not total or placed.min() >= 0:
-            return starts, placed
+        part = tensor[lo:hi]
+        if part.min() < 0 or part.max() >= len(sizes):
+            raise PlanError(f"saving {where}: a rank reported a tensor the coordinator did not lay out")
+        at = flat[lo:hi]
+        at += starts.take(part)
+        whole = whole and at.min() >= 0 and at.max() < total
+        if whole:
+            a, b = np.searchsorted(ends, [lo, hi - 1], side="right").tolist()
+            counts = np.minimum(ends[a:b + 1], hi) - np.maximum(ends[a:b + 1] - rows[a:b + 1], lo)
+            placed[at] = np.repeat(ranks[a:b + 1], counts)
+    if whole and (not total or placed.min() >= 0):
+        return starts, placed
     _refuse(tensor, flat - starts.take(tensor), starts, names, unit, done, where)
     raise AssertionError("unreachable")
 
 
+def _per_rank(values: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+    """Each summary's one value of ``values`` (its rows one summary after the other, ``rows`` each), or None if
+    some summary's rows hold more than one (0 for a summary of no rows)."""
+    some = np.flatnonzero(rows)
+    firsts = (np.cumsum(rows) - rows)[some]
+    for lo, hi in _blocks(len(values) - 1):
+        changed = np.flatnonzero(values[lo + 1:hi + 1] != values[lo:hi]) + (lo + 1)
+        # A value may change only where a summary's rows begin.
+        at = np.minimum(np.searchsorted(firsts, changed), len(firsts) - 1)
+        if (firsts[at] != changed).any():
+            return None
+    out = np.zeros(len(rows), values.dtype)
+    out[some] = values[firsts]
+    return out
+
+
+def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, ranks: np.ndarray | None,
+                    writer: np.ndarray) -> np.ndarray:
+    """``values`` (rows in the summaries' order) at the positions ``flat``.
+
+    A column that holds one value per rank (the data file of a packed save, a uniform chunk's length, whether a
+    chunk was reused) is taken from those values by each position's writer (``ranks``: each summary's, None if
+    some repeat), into its own array: a pass in order over pages already there, where a scatter reaches each
+    position at random (as many TLB misses as positions, at 100,000 ranks) and fills new pages.
+    """
+    one = _per_rank(values, rows) if ranks is not None and len(values) and values.flags.owndata else None
+    if one is None:
+        return _scattered(values, flat)
+    by_rank = np.zeros(int(ranks.max()) + 1, values.dtype)
+    by_rank[ranks] = one
+    for lo, hi in _blocks(len(values)):
+        np.take(by_rank, writer[lo:hi], out=values[lo:hi], mode="clip")  # writers are ranks: in range
+    return values
+
+
 def _scattered(values: np.ndarray, flat: np.ndarray) -> np.ndarray:
-    """``values`` at the positions ``flat`` (a permutation), block by block.
+    """``values`` at the positions ``flat`` (a permutation), block by block; int64 values that fit as int32.
 
     Scattered once, the columns are in chunk order: each array's values lie together, where gathering them
     from the ranks' order reads every rank's rows for every array (most of ``finish`` at 100 million chunks).
+    A scatter's cost is mostly the pages it reaches at random: half as many at half the width.
     """
-    out = np.empty(len(values), values.dtype)
+    narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
+    out = np.empty(len(values), np.int32 if narrow else values.dtype)
+    part = np.empty(min(len(values), _BLOCK), out.dtype)
     for lo, hi in _blocks(len(values)):
-        out[flat[lo:hi]] = values[lo:hi]
+        block = part[:hi - lo]
+        block[...] = values[lo:hi]
+        out[flat[lo:hi]] = block
     return out
 
 
@@ -139,15 +188,13 @@ class MergedChunks:
                 raise PlanError(f"saving {where}: rank {rank} did not say where its chunks are stored")
         flat = columns.pop("chunk")
         assert flat is not None and flat.dtype == np.int64
-        number = _index_type(len(summaries))
-        starts, source = _place(columns.pop("tensor"), flat, expand(np.arange(len(summaries), dtype=number), rows),
-                                nchunks, names, "chunk", "written", where)
-        writer = np.asarray([s.rank for s in summaries], number).take(source)
-        del source
+        ranks = np.asarray([s.rank for s in summaries], _index_type(len(summaries)))
+        starts, writer = _place(columns.pop("tensor"), flat, ranks, rows, nchunks, names, "chunk", "written", where)
         if columns["reused"] is None:
             columns["reused"] = np.zeros(len(flat), bool)
-        # One column at a time, each dropped once scattered.
-        file, offset, length, reused = (_scattered(columns.pop(name), flat)
+        distinct = ranks if len(np.unique(ranks)) == len(ranks) else None
+        # One column at a time, each dropped once placed.
+        file, offset, length, reused = (_in_chunk_order(columns.pop(name), flat, rows, distinct, writer)
                                         for name in ("file", "offset", "length", "reused"))
         return cls(starts, writer, reused, file, offset, length, tuple(files))
 

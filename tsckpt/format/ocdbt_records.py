@@ -67,53 +67,83 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
         return v.astype(np.uint8), np.arange(v.size + 1, dtype=np.int64)
     if top >= 1 << 56:
         return _wide_varints(v, top)
-    # Each value's bytes in one little-endian word (four bytes or eight), continuation bits included, then the
-    # bytes each needs kept: a few passes over words instead of one per byte. Block by block, so that the
-    # temporaries of a column of tens of millions stay a few megabytes, reused, instead of new pages each.
+    # Each value's bytes in one little-endian word (four bytes or eight), continuation bits included: a few
+    # passes over words instead of one per byte. Block by block, so that the temporaries of a column of tens
+    # of millions stay a few megabytes, reused, instead of new pages each.
     word = _WORD4 if top < 1 << 28 else _WORD8
     width = (top.bit_length() + 6) // 7
-    nbytes = np.empty(v.size, dtype=np.uint8)
     blocks = [(lo, min(v.size, lo + _BLOCK)) for lo in range(0, v.size, _BLOCK)]
+    # Narrower offsets where they fit.
+    index = np.int32 if v.size * word.size < 1 << 31 else np.int64
+    if int(v.min()) >> (7 * (width - 1)):
+        # Every value as wide as the widest (an array's offsets, at scale): each word stored whole, ``width``
+        # bytes after the one before, where picking each word's bytes by a mask cost several times the encoding.
+        # A word's bytes past its varint are made the next value's first bytes, so overlapping stores agree
+        # whatever order they land in.
+        data = np.empty(v.size * width + word.size - width, np.uint8)
+        into = np.ndarray((v.size,), word.type, data, 0, (width,))
+        for lo, hi in blocks:
+            words = _words(v[lo:hi + 1], word, width)
+            if width < word.size:
+                words[:-1] |= words[1:] << word.type(8 * width)
+            into[lo:hi] = words[:hi - lo]
+        return data[:v.size * width], np.arange(0, (v.size + 1) * width, width, dtype=index)
+    nbytes = np.empty(v.size, dtype=np.uint8)
     for lo, hi in blocks:
         count = nbytes[lo:hi]
         count[:] = 1
         for k in range(1, width):
             count += v[lo:hi] >= (1 << (7 * k))
-    # Narrower offsets where they fit.
-    starts = np.zeros(v.size + 1, dtype=np.int32 if v.size * word.size < 1 << 31 else np.int64)
+    starts = np.zeros(v.size + 1, dtype=index)
     np.cumsum(nbytes, out=starts[1:])
-    data = np.empty(int(starts[-1]), np.uint8)
+    # Room for the bytes the last values' planes write past the end (see _planes).
+    data = np.empty(int(starts[-1]) + width, np.uint8)
     for lo, hi in blocks:
-        data[starts[lo]:starts[hi]] = _encoded(v[lo:hi], nbytes[lo:hi], word, width)
-    return data, starts
+        _planes(v[lo:hi], nbytes[lo:hi], starts[lo:hi], word, width, data)
+    return data[:int(starts[-1])], starts
 
 
 #: Values encoded at once by :func:`varint_column`.
 _BLOCK = 1 << 18
 
 
-def _encoded(v: np.ndarray, nbytes: np.ndarray, word: _Word, width: int) -> np.ndarray:
-    """The varints of ``v``, of ``nbytes`` bytes each, back to back."""
+def _words(v: np.ndarray, word: _Word, width: int) -> np.ndarray:
+    """Each of ``v`` as the ``width`` bytes of its varint in a little-endian word (the bytes above them 0)."""
     w = v.astype(word.type)
     out = w & word.type(0x7F)
+    byte = np.empty_like(w)
     for k in range(1, width):
-        byte = w >> word.type(7 * k)
-        byte &= word.type(0x7F)
-        byte <<= word.type(8 * k)
+        np.left_shift(w, word.type(k), out=byte)
+        byte &= word.type(0x7F << (8 * k))
         out |= byte
-    out |= word.continued[nbytes]
-    return out.view(np.uint8)[word.kept[nbytes].view(bool)]
+    out |= word.continued[width]
+    return out
+
+
+def _planes(v: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, word: _Word, width: int,
+            data: np.ndarray) -> None:
+    """The varints of ``v`` (``nbytes`` each) into ``data`` at ``starts``: byte ``k`` of every value at once,
+    from the last byte to the first. Byte ``k`` of a value shorter than ``k + 1`` bytes lands on a later value's
+    byte ``j < k`` (or past the end), which a later pass writes over; no mask picks the bytes each value keeps."""
+    w = v.astype(word.type)
+    shifted, byte = np.empty_like(w), np.empty(len(v), np.uint8)
+    at = starts + (width - 1)
+    for k in range(width - 1, -1, -1):
+        np.right_shift(w, word.type(7 * k), out=shifted)
+        np.bitwise_and(shifted, word.type(0x7F), out=byte, casting="unsafe")
+        if k < width - 1:
+            byte |= (nbytes > k + 1).view(np.uint8) << 7
+        data[at] = byte
+        at -= 1
 
 
 class _Word:
-    """Per byte count ``n``: the continuation bits of an ``n``-byte varint in a little-endian word, and a word
-    whose first ``n`` bytes are 1 (viewed as bytes, a mask of those a varint keeps)."""
+    """Per byte count ``n``: the continuation bits of an ``n``-byte varint in a little-endian word."""
 
     def __init__(self, dtype: type):
         self.type = dtype
-        self.size = size = np.dtype(dtype).itemsize
-        self.continued = np.asarray([sum(0x80 << (8 * k) for k in range(n - 1)) for n in range(size + 1)], dtype)
-        self.kept = np.asarray([sum(1 << (8 * k) for k in range(n)) for n in range(size + 1)], dtype)
+        self.size = np.dtype(dtype).itemsize
+        self.continued = [dtype(sum(0x80 << (8 * k) for k in range(n - 1))) for n in range(self.size + 1)]
 
 
 _WORD4, _WORD8 = _Word(np.uint32), _Word(np.uint64)
