@@ -107,6 +107,9 @@ def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, rank
     one = _per_rank(values, rows) if ranks is not None and len(values) and values.flags.owndata else None
     if one is None:
         return _scattered(values, flat)
+    held = one[rows > 0]
+    if (held == held[0]).all():  # one value in all (no chunk reused, chunks of one size): so in any order
+        return values
     by_rank = np.zeros(int(ranks.max()) + 1, values.dtype)
     by_rank[ranks] = one
     for lo, hi in _blocks(len(values)):
