@@ -96,8 +96,8 @@ def _per_rank(values: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
 
 
 def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, ranks: np.ndarray | None,
-                    writer: np.ndarray) -> np.ndarray:
-    """``values`` (rows in the summaries' order) at the positions ``flat``.
+                    writer: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
+    """``values`` (rows in the summaries' order) at the positions ``flat`` (``spare``: as :func:`_scattered`).
 
     A column that holds one value per rank (the data file of a packed save, a uniform chunk's length, whether a
     chunk was reused) is taken from those values by each position's writer (``ranks``: each summary's, None if
@@ -106,7 +106,7 @@ def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, rank
     """
     one = _per_rank(values, rows) if ranks is not None and len(values) and values.flags.owndata else None
     if one is None:
-        return _scattered(values, flat)
+        return _scattered(values, flat, spare)
     held = one[rows > 0]
     if (held == held[0]).all():  # one value in all (no chunk reused, chunks of one size): so in any order
         return values
@@ -117,15 +117,22 @@ def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, rank
     return values
 
 
-def _scattered(values: np.ndarray, flat: np.ndarray) -> np.ndarray:
-    """``values`` at the positions ``flat`` (a permutation), block by block; int64 values that fit as int32.
+def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
+    """``values`` at the positions ``flat`` (a permutation), block by block; int64 values that fit as int32. Into
+    one of ``spare`` (columns no longer needed) of the same type and length if there is one, which it takes.
 
     Scattered once, the columns are in chunk order: each array's values lie together, where gathering them
     from the ranks' order reads every rank's rows for every array (most of ``finish`` at 100 million chunks).
-    A scatter's cost is mostly the pages it reaches at random: half as many at half the width.
+    A scatter's cost is mostly the pages it reaches at random: half as many at half the width; and new pages
+    cost as much again (a gigabyte a second), where a spare column's are there already.
     """
     narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
-    out = np.empty(len(values), np.int32 if narrow else values.dtype)
+    dtype = np.dtype(np.int32) if narrow else values.dtype
+    out = next((c for c in spare if c.dtype == dtype and len(c) == len(values)), None)
+    if out is None:
+        out = np.empty(len(values), dtype)
+    else:
+        spare.remove(out)
     part = np.empty(min(len(values), _BLOCK), out.dtype)
     for lo, hi in _blocks(len(values)):
         block = part[:hi - lo]
@@ -192,12 +199,16 @@ class MergedChunks:
         flat = columns.pop("chunk")
         assert flat is not None and flat.dtype == np.int64
         ranks = np.asarray([s.rank for s in summaries], _index_type(len(summaries)))
-        starts, writer = _place(columns.pop("tensor"), flat, ranks, rows, nchunks, names, "chunk", "written", where)
+        tensor = columns.pop("tensor")
+        starts, writer = _place(tensor, flat, ranks, rows, nchunks, names, "chunk", "written", where)
+        # Placed, the tensor numbers are not needed: their column may hold another.
+        spare = [tensor] if tensor.flags.owndata else []
+        del tensor
         if columns["reused"] is None:
             columns["reused"] = np.zeros(len(flat), bool)
         distinct = ranks if len(np.unique(ranks)) == len(ranks) else None
         # One column at a time, each dropped once placed.
-        file, offset, length, reused = (_in_chunk_order(columns.pop(name), flat, rows, distinct, writer)
+        file, offset, length, reused = (_in_chunk_order(columns.pop(name), flat, rows, distinct, writer, spare)
                                         for name in ("file", "offset", "length", "reused"))
         return cls(starts, writer, reused, file, offset, length, tuple(files))
 
