@@ -1,10 +1,11 @@
 """What the coordinator makes of every rank's summary (contract step 5): each chunk placed once, linearly.
 
-:class:`MergedChunks` puts every row of every rank's
+:class:`MergedChunks` puts the rank of every row of every rank's
 :class:`~tsckpt.dcp.contract.RankSummary` at its tensor's chunk position with
-one scatter, refusing a chunk written twice or never, and scatters where each
-is stored into chunk order. ``finish`` then reads each tensor's chunks in
-grid order, together.
+one scatter, refusing a chunk written twice or never, and brings where each
+is stored into chunk order: scattered, or, for a column of one value per rank,
+taken by writer. ``finish`` then reads each tensor's chunks in grid order,
+together.
 """
 
 from __future__ import annotations
@@ -126,11 +127,8 @@ def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) ->
     """
     narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
     dtype = np.dtype(np.int32) if narrow else values.dtype
-    out = next((c for c in spare if c.dtype == dtype and len(c) == len(values)), None)
-    if out is None:
-        out = np.empty(len(values), dtype)
-    else:
-        spare.remove(out)
+    at = next((i for i, c in enumerate(spare) if c.dtype == dtype and len(c) == len(values)), None)
+    out = np.empty(len(values), dtype) if at is None else spare.pop(at)
     part = np.empty(min(len(values), _BLOCK), out.dtype)
     for lo, hi in _blocks(len(values)):
         block = part[:hi - lo]
