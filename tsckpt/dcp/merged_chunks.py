@@ -1,11 +1,10 @@
 """What the coordinator makes of every rank's summary (contract step 5): each chunk placed once, linearly.
 
-:class:`MergedChunks` puts the rank of every row of every rank's
+:class:`MergedChunks` puts every row of every rank's
 :class:`~tsckpt.dcp.contract.RankSummary` at its tensor's chunk position with
-one scatter, refusing a chunk written twice or never, and brings where each
-is stored into chunk order: scattered, or, for a column of one value per rank,
-taken by writer. ``finish`` then reads each tensor's chunks in grid order,
-together.
+one scatter, refusing a chunk written twice or never, and scatters where each
+is stored into chunk order. ``finish`` then reads each tensor's chunks in
+grid order, together.
 """
 
 from __future__ import annotations
@@ -45,11 +44,10 @@ def _index_type(n: int) -> type:
 
 
 def _place(tensor: np.ndarray, index: np.ndarray, ranks: np.ndarray, rows: np.ndarray, sizes: Sequence[int],
-           names: Sequence[str], unit: str, done: str, where: str,
-           into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           names: Sequence[str], unit: str, done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Per-tensor start offsets, and the rank that wrote each position (``ranks``: each summary's, ``rows``: its
-    number of rows, one after the other; into ``into`` if given, a column no longer needed); each position
-    exactly once. ``index`` (int64) becomes the flat positions, in place.
+    number of rows, one after the other); each position exactly once. ``index`` (int64) becomes the flat
+    positions, in place.
 
     As many rows as positions, every position reached: then each exactly once, and no row is outside its
     tensor's grid (it would have taken another row's position). So the common case makes one column of the
@@ -59,11 +57,7 @@ def _place(tensor: np.ndarray, index: np.ndarray, ranks: np.ndarray, rows: np.nd
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
     total = int(starts[-1])
     flat = index
-    if into is not None and len(into) == total and into.dtype == ranks.dtype:
-        placed = into
-        placed.fill(-1)
-    else:
-        placed = np.full(total, -1, ranks.dtype)
+    placed = np.full(total, -1, ranks.dtype)
     ends = np.cumsum(rows)
     whole = len(flat) == total
     # One pass, block by block: each block's positions found, checked and its ranks placed while in cache. Each
@@ -101,11 +95,18 @@ def _per_rank(values: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     return out
 
 
-def _by_writer(values: np.ndarray, one: np.ndarray, ranks: np.ndarray, rows: np.ndarray,
-               writer: np.ndarray) -> np.ndarray:
-    """``values`` in chunk order, when each summary's rows hold one value, ``one`` (see :func:`_per_rank`): taken
-    by each position's writer into ``values`` itself (a pass in order over pages already there, where a scatter
-    reaches each position at random, as many TLB misses as positions at 100,000 ranks, and fills new pages)."""
+def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, ranks: np.ndarray | None,
+                    writer: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
+    """``values`` (rows in the summaries' order) at the positions ``flat`` (``spare``: as :func:`_scattered`).
+
+    A column that holds one value per rank (the data file of a packed save, a uniform chunk's length, whether a
+    chunk was reused) is taken from those values by each position's writer (``ranks``: each summary's, None if
+    some repeat), into its own array: a pass in order over pages already there, where a scatter reaches each
+    position at random (as many TLB misses as positions, at 100,000 ranks) and fills new pages.
+    """
+    one = _per_rank(values, rows) if ranks is not None and len(values) and values.flags.owndata else None
+    if one is None:
+        return _scattered(values, flat, spare)
     held = one[rows > 0]
     if (held == held[0]).all():  # one value in all (no chunk reused, chunks of one size): so in any order
         return values
@@ -127,8 +128,11 @@ def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) ->
     """
     narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
     dtype = np.dtype(np.int32) if narrow else values.dtype
-    at = next((i for i, c in enumerate(spare) if c.dtype == dtype and len(c) == len(values)), None)
-    out = np.empty(len(values), dtype) if at is None else spare.pop(at)
+    out = next((c for c in spare if c.dtype == dtype and len(c) == len(values)), None)
+    if out is None:
+        out = np.empty(len(values), dtype)
+    else:
+        spare.remove(out)
     part = np.empty(min(len(values), _BLOCK), out.dtype)
     for lo, hi in _blocks(len(values)):
         block = part[:hi - lo]
@@ -195,31 +199,17 @@ class MergedChunks:
         flat = columns.pop("chunk")
         assert flat is not None and flat.dtype == np.int64
         ranks = np.asarray([s.rank for s in summaries], _index_type(len(summaries)))
-        if columns["reused"] is None:
-            columns["reused"] = np.zeros(len(flat), bool)
-        stored = ("file", "offset", "length", "reused")
-        # Columns of one value per rank (a packed save's data file, a uniform chunk's length, whether a chunk was
-        # reused) are taken by writer once it is placed, the others scattered (see _by_writer).
-        distinct = len(flat) > 0 and len(np.unique(ranks)) == len(ranks)
-        one = {name: _per_rank(columns[name], rows) if distinct and columns[name].flags.owndata else None
-               for name in stored}
-        # A column whose value on each rank is the rank's own number (its one data file, the files numbered in
-        # rank order) is the writers' column: its buffer holds them, where they would fill new pages.
-        own = [name for name in stored if one[name] is not None and columns[name].dtype.kind in "iu"
-               and np.array_equal(one[name][rows > 0], ranks[rows > 0])]
         tensor = columns.pop("tensor")
-        starts, writer = _place(tensor, flat, ranks, rows, nchunks, names, "chunk", "written", where,
-                                into=next((columns[n] for n in own if columns[n].dtype == ranks.dtype), None))
+        starts, writer = _place(tensor, flat, ranks, rows, nchunks, names, "chunk", "written", where)
         # Placed, the tensor numbers are not needed: their column may hold another.
         spare = [tensor] if tensor.flags.owndata else []
         del tensor
-        placed = {}
-        for name in stored:  # one column at a time, each dropped once placed
-            values = columns.pop(name)
-            placed[name] = (writer if name in own else _scattered(values, flat, spare) if one[name] is None
-                            else _by_writer(values, one[name], ranks, rows, writer))
-            del values
-        file, offset, length, reused = (placed.pop(name) for name in stored)
+        if columns["reused"] is None:
+            columns["reused"] = np.zeros(len(flat), bool)
+        distinct = ranks if len(np.unique(ranks)) == len(ranks) else None
+        # One column at a time, each dropped once placed.
+        file, offset, length, reused = (_in_chunk_order(columns.pop(name), flat, rows, distinct, writer, spare)
+                                        for name in ("file", "offset", "length", "reused"))
         return cls(starts, writer, reused, file, offset, length, tuple(files))
 
     def writers(self, tensors: Mapping[str, TensorEntry]) -> dict[str, TensorEntry]:
