@@ -128,11 +128,9 @@ def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) ->
     """
     narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
     dtype = np.dtype(np.int32) if narrow else values.dtype
-    out = next((c for c in spare if c.dtype == dtype and len(c) == len(values)), None)
-    if out is None:
-        out = np.empty(len(values), dtype)
-    else:
-        spare.remove(out)
+    # By position: list.remove would compare arrays by value.
+    at = next((i for i, c in enumerate(spare) if c.dtype == dtype and len(c) == len(values)), None)
+    out = np.empty(len(values), dtype) if at is None else spare.pop(at)
     part = np.empty(min(len(values), _BLOCK), out.dtype)
     for lo, hi in _blocks(len(values)):
         block = part[:hi - lo]
