@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from tsckpt.base_chunks import BaseChoice
 from tsckpt.dcp.contract import ArrayTable, RankPlan, RankSummary, RankWrites, SaveOrders, WriteConfig
-from tsckpt.dcp.summary import columns_of
+from tsckpt.dcp import summary
+from tsckpt.dcp.summary import PerRank, columns_of, full
 from tsckpt.dcp.merged_chunks import MergedChunks
 from tsckpt.dcp.storage import TensorStoreWriter
 from tsckpt.errors import PlanError
@@ -122,7 +123,22 @@ def test_gathered_summaries_decode_together_to_what_each_rank_held(gathered):
     assert columns["rows"].tolist() == [3, 0, 300, 1]
     assert columns["tensor"].tolist() == [1, 0, 1, *range(300), 1]
     assert columns["offset"].tolist() == [11, 20, 10, *(k * 100_000 for k in range(300)), 12]
-    assert columns["reused"].tolist() == [0, 0, 0, *[0] * 300, 1]
+    # Sent as one value by every rank: kept as one value per rank, not a column of every row.
+    assert isinstance(columns["reused"], PerRank) and columns["reused"].values.tolist() == [0, 0, 0, 1]
+    assert full(columns["reused"], columns["rows"]).tolist() == [0, 0, 0, *[0] * 300, 1]
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_run_sent_as_one_difference_decodes_as_the_run(gathered):
+    # Rank 1 holds tensors 1 and 2 (differences 1, 1: one value sent) and every other column is one value too.
+    plain = [RankSummary(r, "s1", np.array(t, np.int32), np.zeros(len(t), np.int64), np.full(len(t), -1, np.int32),
+                         np.zeros(len(t), np.int64), np.zeros(len(t), np.int64), np.zeros(len(t), bool), (),
+                         RankFiles((), None)) for r, t in ((0, [0]), (1, [1, 2]))]
+    if gathered:
+        plain = [pickle.loads(pickle.dumps(s)) for s in plain]
+    assert columns_of(plain)["tensor"].tolist() == [0, 1, 2]
+    merged = MergedChunks.merge(plain, [1, 1, 1], ["a", "b", "c"], "ckpt")
+    assert merged.writer.tolist() == [0, 1, 1] and merged.file.tolist() == [-1, -1, -1]
 
 
 @pytest.mark.parametrize("summaries, message", [
@@ -201,3 +217,21 @@ def test_results_written_with_another_saves_orders_stop_the_commit():
         RankWrites.summary_of(results, "s2", "ckpt")
     with pytest.raises(PlanError, match="without tsckpt's summary"):
         RankWrites.summary_of([], "s2", "ckpt")
+
+
+@pytest.mark.parametrize("block", [7, 1 << 16])
+def test_columns_decode_to_each_ranks_rows_whether_a_block_holds_many_ranks_or_part_of_one(block, monkeypatch):
+    monkeypatch.setattr(summary, "_BLOCK", block)
+    rng = np.random.default_rng(block)
+    summaries, expected = [], {"tensor": [], "chunk": [], "offset": []}
+    for r in range(50):
+        n = int(rng.integers(0, 20))
+        rows = {"tensor": np.sort(rng.integers(0, 5, n)).astype(np.int32), "chunk": rng.integers(0, 1 << 40, n),
+                "offset": rng.integers(0, 1 << 35, n)}
+        summaries.append(pickle.loads(pickle.dumps(RankSummary(
+            r, "s1", rows["tensor"], rows["chunk"], np.zeros(n, np.int32), rows["offset"], np.full(n, 3),
+            np.zeros(n, bool), ("f",), None))))
+        for name, values in rows.items():
+            expected[name] += values.tolist()
+    columns = columns_of(summaries)
+    assert {name: columns[name].tolist() for name in expected} == expected

@@ -2,9 +2,9 @@
 
 :class:`MergedChunks` puts every row of every rank's
 :class:`~tsckpt.dcp.contract.RankSummary` at its tensor's chunk position with
-one scatter, refusing a chunk written twice or never, and scatters where each
-is stored into chunk order. ``finish`` then reads each tensor's chunks in
-grid order, together.
+one scatter, refusing a chunk written twice or never, and brings where each
+is stored into chunk order: scattered, or taken by writer where a rank sent
+one value. ``finish`` then reads each tensor's chunks in grid order, together.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..format import writers, zarr_json
 from ..format.data_files import RankFiles
 from ..format.metadata import TensorEntry
 from ..storage.packed import StoredValues
-from .summary import RankSummary, columns_of
+from .summary import PerRank, RankSummary, columns_of, full
 
 
 @dataclass(frozen=True)
@@ -79,42 +79,27 @@ def _place(tensor: np.ndarray, index: np.ndarray, ranks: np.ndarray, rows: np.nd
     raise AssertionError("unreachable")
 
 
-def _per_rank(values: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
-    """Each summary's one value of ``values`` (its rows one summary after the other, ``rows`` each), or None if
-    some summary's rows hold more than one (0 for a summary of no rows)."""
-    some = np.flatnonzero(rows)
-    firsts = (np.cumsum(rows) - rows)[some]
-    for lo, hi in _blocks(len(values) - 1):
-        changed = np.flatnonzero(values[lo + 1:hi + 1] != values[lo:hi]) + (lo + 1)
-        # A value may change only where a summary's rows begin.
-        at = np.minimum(np.searchsorted(firsts, changed), len(firsts) - 1)
-        if (firsts[at] != changed).any():
-            return None
-    out = np.zeros(len(rows), values.dtype)
-    out[some] = values[firsts]
-    return out
-
-
-def _in_chunk_order(values: np.ndarray, flat: np.ndarray, rows: np.ndarray, ranks: np.ndarray | None,
+def _in_chunk_order(column: np.ndarray | PerRank, flat: np.ndarray, rows: np.ndarray, ranks: np.ndarray | None,
                     writer: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
-    """``values`` (rows in the summaries' order) at the positions ``flat`` (``spare``: as :func:`_scattered`).
+    """``column`` (rows in the summaries' order) at the positions ``flat`` (``spare``: as :func:`_scattered`).
 
-    A column that holds one value per rank (the data file of a packed save, a uniform chunk's length, whether a
-    chunk was reused) is taken from those values by each position's writer (``ranks``: each summary's, None if
-    some repeat), into its own array: a pass in order over pages already there, where a scatter reaches each
-    position at random (as many TLB misses as positions, at 100,000 ranks) and fills new pages.
+    A column of one value per rank (the data file of a packed save, a uniform chunk's length, whether a chunk
+    was reused) is taken by each position's writer (``ranks``: each summary's, None if some repeat): a pass in
+    order, where a scatter reaches each position at random (as many TLB misses as positions at 100,000 ranks).
+    One value in all is that value at every position, in no memory; each rank's own number (its one data file,
+    files numbered in rank order) is the writers' column itself.
     """
-    one = _per_rank(values, rows) if ranks is not None and len(values) and values.flags.owndata else None
-    if one is None:
-        return _scattered(values, flat, spare)
-    held = one[rows > 0]
-    if (held == held[0]).all():  # one value in all (no chunk reused, chunks of one size): so in any order
-        return values
-    by_rank = np.zeros(int(ranks.max()) + 1, values.dtype)
-    by_rank[ranks] = one
-    for lo, hi in _blocks(len(values)):
-        np.take(by_rank, writer[lo:hi], out=values[lo:hi], mode="clip")  # writers are ranks: in range
-    return values
+    if not isinstance(column, PerRank) or ranks is None:
+        return _scattered(full(column, rows), flat, spare)
+    some = rows > 0
+    held = column.values[some]
+    if not len(held) or (held == held[0]).all():
+        return np.broadcast_to(held[:1] if len(held) else column.values[:0], (len(writer),))
+    if column.values.dtype.kind in "iu" and np.array_equal(held, ranks[some]):
+        return writer
+    by_rank = np.zeros(int(ranks.max()) + 1, column.values.dtype)
+    by_rank[ranks] = column.values
+    return np.take(by_rank, writer, out=_fresh(spare, by_rank.dtype, len(writer)), mode="clip")  # writers: ranks
 
 
 def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
@@ -128,15 +113,20 @@ def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) ->
     """
     narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
     dtype = np.dtype(np.int32) if narrow else values.dtype
-    # By position: list.remove would compare arrays by value.
-    at = next((i for i, c in enumerate(spare) if c.dtype == dtype and len(c) == len(values)), None)
-    out = np.empty(len(values), dtype) if at is None else spare.pop(at)
+    out = _fresh(spare, dtype, len(values))
     part = np.empty(min(len(values), _BLOCK), out.dtype)
     for lo, hi in _blocks(len(values)):
         block = part[:hi - lo]
         block[...] = values[lo:hi]
         out[flat[lo:hi]] = block
     return out
+
+
+def _fresh(spare: list[np.ndarray], dtype: np.dtype, n: int) -> np.ndarray:
+    """A column of ``n`` of ``dtype`` to write into: one of ``spare``, which it takes, if one fits."""
+    # By position: list.remove would compare arrays by value.
+    at = next((i for i, c in enumerate(spare) if c.dtype == dtype and len(c) == n), None)
+    return np.empty(n, dtype) if at is None else spare.pop(at)
 
 
 def _blocks(n: int) -> list[tuple[int, int]]:
@@ -170,7 +160,8 @@ class MergedChunks:
     chunks in row-major order). Per chunk: ``writer``, the rank that wrote it;
     ``reused``, whether it was taken from an incremental base;
     ``file``/``offset``/``length``, where it is stored (``file`` indexes
-    ``files``; -1 in the plain layout).
+    ``files``; -1 in the plain layout). Read-only: a column of one value in all is a view of that value, and
+    one that holds each chunk's writer may be ``writer`` itself.
     """
 
     starts: np.ndarray
@@ -203,7 +194,7 @@ class MergedChunks:
         spare = [tensor] if tensor.flags.owndata else []
         del tensor
         if columns["reused"] is None:
-            columns["reused"] = np.zeros(len(flat), bool)
+            columns["reused"] = PerRank(np.zeros(len(summaries), bool))
         distinct = ranks if len(np.unique(ranks)) == len(ranks) else None
         # One column at a time, each dropped once placed.
         file, offset, length, reused = (_in_chunk_order(columns.pop(name), flat, rows, distinct, writer, spare)

@@ -67,7 +67,7 @@ class RankSummary:
             return self
         columns = columns_of([self])
         return dataclasses.replace(self, packed=None, **{name: None if columns[name] is None else
-                                                         columns[name].astype(dtype)
+                                                         full(columns[name], columns["rows"]).astype(dtype)
                                                          for name, dtype in _COLUMNS.items()})
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -159,10 +159,25 @@ def expand(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.repeat(values, rows)
 
 
+@dataclass(frozen=True)
+class PerRank:
+    """A decoded column that holds one value on every row of each summary: ``values[i]`` for summary ``i`` (0 for
+    one of no rows). Kept so, not as a column of every row: at 100,000 ranks that column is hundreds of megabytes
+    of new pages, which merging reduces back to one value per rank."""
+
+    values: np.ndarray
+
+
+def full(column: np.ndarray | PerRank, rows: np.ndarray) -> np.ndarray:
+    """``column`` as one value per row (``rows``: each summary's number of rows)."""
+    return expand(column.values, rows) if isinstance(column, PerRank) else column
+
+
 def columns_of(summaries: Sequence[RankSummary],
-               file_numbers: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray | None]:
-    """Every summary's columns, one after the other (None for a column some summary lacks), and ``"rows"``: each
-    summary's number of rows. Decoded all at once: a few passes over every rank's rows instead of a few per rank.
+               file_numbers: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray | PerRank | None]:
+    """Every summary's columns, one after the other (None for a column some summary lacks; a :class:`PerRank`
+    for one that is not delta-coded and that no summary sent as an array), and ``"rows"``: each summary's number
+    of rows. Decoded all at once: a few passes over every rank's rows instead of a few per rank.
     ``file_numbers``: for each summary, the number each of its files gets (its ``file`` column is given in
     those; -1 stays -1). Each column comes in the narrowest type that holds what the ranks sent (see
     :func:`_decoded_type`): at scale a column is tens of millions of rows, each made afresh."""
@@ -190,12 +205,14 @@ def columns_of(summaries: Sequence[RankSummary],
             if name == "file" and file_numbers is not None:
                 values = np.append(file_numbers[i], -1)[values]  # -1 indexes the appended -1
             arrays[name].append((i, values))
-    out: dict[str, np.ndarray | None] = {"rows": rows}
+    out: dict[str, np.ndarray | PerRank | None] = {"rows": rows}
     for name in _COLUMNS:
         if sent[name] < len(summaries):
             out[name] = None
-            continue
-        out[name] = _joined(name, constants[name], arrays[name], rows)
+        elif arrays[name] or name in _DELTAS:  # a delta-coded constant is a run, not one value
+            out[name] = _joined(name, constants[name], arrays[name], rows)
+        else:
+            out[name] = PerRank(constants[name].astype(_decoded_type(name, constants[name], [])))
     return out
 
 
@@ -214,21 +231,34 @@ def _joined(name: str, constants: np.ndarray, arrays: list[tuple[int, np.ndarray
     """One column of every rank's rows: each rank's constant or its array of values (or, in ``_DELTAS``, of
     differences, summed here)."""
     dtype = _decoded_type(name, constants, [part for _, part in arrays])
-    if not arrays:
-        return expand(constants.astype(dtype), rows)
     values = np.empty(int(rows.sum()), dtype)
+    if not len(values):
+        return values
     parts = dict(arrays)
-    # Copied in one call: a slice assigned per rank is a few Python steps per rank, 100,000 ranks a column.
-    np.concatenate([parts[i] if i in parts else np.broadcast_to(constants[i:i + 1], (n,))
-                    for i, n in enumerate(rows.tolist()) if n], out=values, casting="unsafe")
-    if name in _DELTAS:
-        # One running sum over every rank's deltas, each rank's first less what the rank before summed to
-        # (sums in the column's type: they wrap as the running sum does).
-        first = (np.cumsum(rows) - rows)[rows > 0]
-        sums = np.add.reduceat(values, first, dtype=dtype)
-        values[first[1:]] -= sums[:-1]
-        np.cumsum(values, dtype=dtype, out=values)
+    pieces = [parts[i] if i in parts else np.broadcast_to(constants[i:i + 1], (n,))
+              for i, n in enumerate(rows.tolist()) if n]
+    ends = np.cumsum(rows[rows > 0])
+    # Block by block, whole ranks to a block of about _BLOCK rows: each block's parts copied in one call, and its
+    # running sums taken while it is in cache (over the whole column they were three more passes through memory).
+    a = 0
+    while a < len(pieces):
+        lo = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, lo + _BLOCK, side="right")))
+        block = values[lo:int(ends[b - 1])]
+        np.concatenate(pieces[a:b], out=block, casting="unsafe")
+        if name in _DELTAS:
+            # Each rank's running sum: its first difference less what the rank before summed to (in the column's
+            # type: the sums wrap as the running sum does).
+            first = np.concatenate(([0], ends[a:b - 1] - lo))
+            sums = np.add.reduceat(block, first, dtype=dtype)
+            block[first[1:]] -= sums[:-1]
+            np.cumsum(block, dtype=dtype, out=block)
+        a = b
     return values
+
+
+#: Rows decoded at once by :func:`_joined`: a block stays in cache for its running sums.
+_BLOCK = 1 << 16
 
 
 class SummaryBuilder:
