@@ -60,14 +60,16 @@ class Prepickled(Generic[T]):
 
     DCP pickles every rank's plan separately. It travels only within one save's
     process group (nothing read from a checkpoint is unpickled here); the
-    receiving rank unpickles it on first use.
+    receiving rank unpickles it on first use. Compressed: the coordinator copies
+    it once per rank (a table of every array, 178 KB at 2,000 arrays, is 17 KB so:
+    at 100,000 ranks the difference is 16 GB copied and sent).
     """
 
     __slots__ = ("_blob", "_value", "_loaded")
 
     def __init__(self, value: T):
         self._value, self._loaded = value, True
-        self._blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        self._blob = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_arrived, (self._blob,))
@@ -75,7 +77,7 @@ class Prepickled(Generic[T]):
     @property
     def value(self) -> T:
         if not self._loaded:
-            self._value, self._loaded = pickle.loads(self._blob), True
+            self._value, self._loaded = pickle.loads(zlib.decompress(self._blob)), True
         return self._value  # type: ignore[return-value]
 
 
