@@ -36,6 +36,21 @@ def test_a_tree_of_many_files_and_inline_values_reads_back_entry_for_entry(node_
     assert tree.height >= 2 if node_bytes < 1 << 20 else tree.height == 0
 
 
+@pytest.mark.parametrize("spill_bytes", [1, 3000])
+def test_a_tree_spilled_as_it_is_built_is_the_same_file(spill_bytes, monkeypatch):
+    rng = random.Random(spill_bytes)
+    keys = sorted({f"m{rng.randrange(20)}/c/{rng.randrange(500)}".encode() for _ in range(2000)})
+    values = [rng.randbytes(8) if rng.random() < 0.05 else ocdbt.Ref("d/s-0", rng.randrange(1 << 30), 64)
+              for _ in keys]
+    whole = ocdbt_tree.build_tree(ocdbt.Entries.of(keys, values), "d/index", 500, head=b"head")
+    monkeypatch.setattr(ocdbt_tree, "_SPILL_BYTES", spill_bytes)
+    spilled = bytearray()
+    tree = ocdbt_tree.build_tree(ocdbt.Entries.of(keys, values), "d/index", 500, head=b"head",
+                                 spill=spilled.extend)
+    assert len(spilled) > len(whole.nodes) // 2 and bytes(spilled + tree.nodes) == bytes(whole.nodes)
+    assert (tree.root, tree.height, tree.stats) == (whole.root, whole.height, whole.stats) and tree.height >= 2
+
+
 def test_runs_of_one_grid_make_the_same_columns_as_their_keys_one_by_one():
     tails, order = ocdbt_keys.sorted_tails([f"c/{i}/{j}".encode() for i in range(12) for j in range(3)])
     assert [tails.tails[k] for k in range(len(tails))] == sorted(tails.tails)

@@ -10,6 +10,7 @@ inserts keys through transactions. How each node is encoded is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,8 @@ from .ocdbt_leaves import cut, leaves
 
 @dataclass(frozen=True)
 class Tree:
-    """A B+tree encoded into one node file: its bytes, and the root the manifest points to."""
+    """A B+tree encoded into one node file: its bytes (those not yet handed to :func:`build_tree`'s ``spill``:
+    all of them without it), and the root the manifest points to."""
 
     nodes: bytes | bytearray
     root: Ref
@@ -28,23 +30,36 @@ class Tree:
     stats: Stats
 
 
-def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, head: bytes = b"") -> Tree:
+def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, head: bytes = b"",
+               spill: Callable[[bytearray], object] | None = None) -> Tree:
     """Every leaf, then every level of interior nodes up to the root, back to back in node file ``path``.
 
     Leaves and interior nodes are cut to stay under ``max_node_bytes``
     (estimated from the keys and inline values before encoding) and
     :data:`~tsckpt.format.ocdbt.MAX_NODE_ARITY` entries. ``head``: what the
-    file holds before the nodes (values stored there), the start of
-    :attr:`Tree.nodes`, which is the whole file.
+    file holds before the nodes (values stored there), the start of the file.
+    ``spill``: given, it is handed the file's bytes in order, a few megabytes
+    at a time, and :attr:`Tree.nodes` holds what is left.
     """
     if not len(entries):
         raise ValueError("an OCDBT tree of no keys has no root node")
-    # One buffer the nodes are appended to: at scale the file is hundreds of megabytes, which a list of nodes
-    # joined at the end would hold twice.
+    # One buffer the nodes are appended to: at scale the file is gigabytes, which a list of nodes joined at the
+    # end would hold twice. Spilled, the buffer's pages are reused (a file of gigabytes built in memory, then
+    # written, cost twice the new pages).
     out = bytearray(head)
+    base = 0  # bytes spilled before out
+
+    def spilled() -> None:
+        nonlocal base
+        if spill is not None and len(out) >= _SPILL_BYTES:
+            spill(out)
+            base += len(out)
+            del out[:]
+
     level = _Level()
     for written in leaves(entries, max_node_bytes, out):
-        level.extend(written.first, written.at, written.length, written.keys, written.held)
+        level.extend(written.first, base + written.at, written.length, written.keys, written.held)
+        spilled()
     height = 0
     while len(level.first) > 1:
         height += 1
@@ -56,11 +71,17 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
                                bounds=bounds)
         _, _, keys, tree_bytes, held = (np.add.reduceat(c, bounds[:-1]).tolist() for c in below)
         for i, (lo, node) in enumerate(zip(bounds[:-1], nodes)):
-            upper.add(level.first[lo], len(out), len(node), keys[i], tree_bytes[i] + len(node), held[i])
+            upper.add(level.first[lo], base + len(out), len(node), keys[i], tree_bytes[i] + len(node), held[i])
             out += node
+            spilled()
         level = upper
     root = Ref(path, level.offset[0], level.length[0])
     return Tree(out, root, height, Stats(level.keys[0], level.tree_bytes[0], level.held[0]))
+
+
+#: How much of the node file :func:`build_tree` holds before it spills (below glibc's largest mmap threshold,
+#: so the buffer's memory is reused, not returned and faulted in again).
+_SPILL_BYTES = 16 << 20
 
 
 class _Level:

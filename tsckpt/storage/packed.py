@@ -231,14 +231,17 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
             size = len(entries.inline.pop(k))
             entries.file[k], entries.offset[k], entries.length[k] = entries.files.index(path), at, size
             at += size
-    tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, head=head)
-    manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
-                              max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
     try:
-        nodes = (kv.write(path, tree.nodes) if local_root is None
-                 else _write_file(os.path.join(local_root, path), tree.nodes, sync))
+        if local_root is None:
+            tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, head=head)
+            nodes = kv.write(path, tree.nodes)
+        else:
+            tree, nodes = _write_file(os.path.join(local_root, path), sync, entries, path=path,
+                                      max_node_bytes=node_bytes, head=head)
     except OSError as e:
         raise storage_error(e, f"writing the packed index of {where} failed") from None
+    manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
+                              max_inline_value_bytes=MAX_INLINE_VALUE_BYTES, max_decoded_node_bytes=MAX_NODE_BYTES)
     try:
         fence()  # on an object store a round trip, overlapping the node file's
     except BaseException:
@@ -260,19 +263,21 @@ class _Written:
         return None
 
 
-def _write_file(full: str, nodes: bytearray, sync: bool) -> _Written:
-    """Write the node file ``full`` directly: TensorStore copies a value twice before it writes it (600 MB of
-    new pages for an index of 300 MB). The file is named by the save, so no one else writes or reads it before
-    the commit."""
+def _write_file(full: str, sync: bool, entries: ocdbt.Entries, **tree: Any) -> tuple[ocdbt_tree.Tree, _Written]:
+    """Build the B+tree of ``entries`` straight into node file ``full`` as it is encoded: TensorStore copies a
+    value twice before it writes it (600 MB of new pages for an index of 300 MB), and a whole file built in
+    memory first costs its pages twice. The file is named by the save, so no one else writes or reads it
+    before the commit."""
     os.makedirs(os.path.dirname(full), exist_ok=True)
     with open(full, "wb") as f:
-        f.write(nodes)
+        built = ocdbt_tree.build_tree(entries, spill=f.write, **tree)
+        f.write(built.nodes)
         if sync:
             f.flush()
             os.fsync(f.fileno())
     if sync:
         fsync_dir(os.path.dirname(full))
-    return _Written()
+    return built, _Written()
 
 
 # --- readers ------------------------------------------------------------------------
