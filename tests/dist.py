@@ -35,7 +35,6 @@ import faulthandler
 import gc
 import io
 import os
-import signal
 import socket
 import time
 import traceback
@@ -44,6 +43,8 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+from tsckpt.main_job import stop_hung
 
 #: Imported once by the forkserver, before it forks any rank. Names that do not import are skipped.
 #: torch._dynamo (200-odd modules, about 2 s) is otherwise imported by each rank the first time it
@@ -86,18 +87,6 @@ def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], forke
         dist.destroy_process_group()
         if forked:
             atexit._run_exitfuncs()
-
-
-def stop_hung(processes: list[Any]) -> None:
-    """Stop processes that hang: SIGABRT first, so that faulthandler prints where each one waits, then SIGKILL."""
-    for p in processes:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGABRT)
-    deadline = time.monotonic() + 10
-    for p in processes:
-        p.join(timeout=max(deadline - time.monotonic(), 0))
-        if p.is_alive():
-            p.kill()
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float | None = 300,

@@ -19,7 +19,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -184,6 +184,19 @@ def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: 
 _EXIT_GRACE_S = 120.0
 
 
+def stop_hung(processes: Sequence[Any]) -> None:
+    """Stop those of ``processes`` still alive: SIGABRT first, so that faulthandler prints where each one waits,
+    then, 10 s later, SIGKILL."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        os.kill(p.pid, signal.SIGABRT)
+    deadline = time.monotonic() + 10
+    for p in alive:
+        p.join(timeout=max(deadline - time.monotonic(), 0))
+        if p.is_alive():
+            p.kill()
+
+
 def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo CPU ranks; results by rank."""
     queue = mp.get_context("spawn").SimpleQueue()
@@ -208,12 +221,7 @@ def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
                 exit_deadline = time.monotonic() + _EXIT_GRACE_S
             elif exit_deadline is not None and time.monotonic() > exit_deadline:
                 hung = [r for r, p in enumerate(procs.processes) if p.is_alive()]
-                for r in hung:
-                    os.kill(procs.processes[r].pid, signal.SIGABRT)  # faulthandler prints where it waits
-                for r in hung:
-                    procs.processes[r].join(timeout=10)
-                    if procs.processes[r].is_alive():
-                        procs.processes[r].kill()
+                stop_hung(procs.processes)
                 raise DemoError(f"{fn.__name__}: {count(len(hung), 'rank')} {hung} returned results but did not exit "
                                 f"within {_EXIT_GRACE_S:.0f} s; stopped, with their stacks printed above")
     except Exception as e:
