@@ -71,8 +71,11 @@ def test_runs_out_of_order_are_refused():
         ocdbt_keys.SortedKeys([ocdbt_keys.KeyRun(b"a/", tails), ocdbt_keys.KeyRun(b"a/c/0")])
 
 
+@pytest.mark.parametrize("template_keys", [2, ocdbt_leaves.TEMPLATE_KEYS])
 @pytest.mark.parametrize("node_bytes", [300, 4000, 1 << 20])
-def test_arrays_sharing_a_template_read_back_with_their_own_keys_and_offsets(node_bytes):
+def test_arrays_sharing_a_template_read_back_with_their_own_keys_and_offsets(node_bytes, template_keys,
+                                                                             monkeypatch):
+    monkeypatch.setattr(ocdbt_leaves, "TEMPLATE_KEYS", template_keys)  # runs of 120 keys: templates or loose
     rng = np.random.default_rng(node_bytes)
     grid = [f"c/{i}/{j}".encode() for i in range(40) for j in range(3)]
     tails, order = ocdbt_keys.sorted_tails(grid)
