@@ -1,27 +1,9 @@
-"""TensorStore's OCDBT on-disk format: the manifest and B+tree nodes, encoded and decoded here.
-
-The packed layout keeps every key of a checkpoint's Zarr hierarchy in one
-OCDBT database, as TensorStore's ``ocdbt`` kvstore reads it, but writes the
-database itself: each rank's chunk values go back to back into one data file
-of its own, and the coordinator writes the B+tree over them (one node file)
-and the manifest. TensorStore's own writer commits through transactions that
-cost several times a raw write, and joins per-rank databases by copying their
-B+trees; the format is documented (``kvstore/ocdbt/index.rst`` in
-TensorStore), so a writer that knows where every value is can write it in one
-pass. Pure functions of bytes; no I/O. The varints, envelope and data file
-tables that manifests and nodes are made of are
-:mod:`tsckpt.format.ocdbt_records`; where a whole tree is cut into nodes is
-:mod:`tsckpt.format.ocdbt_tree`, its leaves encoded by
-:mod:`tsckpt.format.ocdbt_leaves` from keys in columns (:mod:`tsckpt.format.ocdbt_keys`).
-
-What is written, of what the format allows: manifest kind ``single`` with one
-version (generation 1) and no version tree nodes; nodes uncompressed; B+tree
-keys stored whole (``subtree_common_prefix_length`` 0), prefix-compressed
-within each node; every data file path relative to the database root, with
-an empty base path. The decoder reads what this module writes and refuses the
-rest (compressed nodes, other manifest kinds) with :class:`OcdbtFormatError`;
-databases written by TensorStore itself are read through TensorStore.
-"""
+"""TensorStore's OCDBT on-disk format (``kvstore/ocdbt/index.rst`` in TensorStore): the manifest and B+tree
+nodes, encoded and decoded. The packed layout writes the database itself, where TensorStore's writer commits
+through transactions and copies per-rank B+trees to join them. Written: a ``single`` manifest of one version,
+uncompressed nodes, keys stored whole (prefix-coded within each node), data file paths relative to the root;
+the decoder refuses anything else (:class:`OcdbtFormatError`). Records are built from
+:mod:`tsckpt.format.ocdbt_records`; the tree is cut into nodes by :mod:`tsckpt.format.ocdbt_tree`."""
 
 from __future__ import annotations
 
@@ -35,7 +17,7 @@ import numpy as np
 # OcdbtFormatError is re-exported: callers catch every refusal of the format as ocdbt.OcdbtFormatError.
 from .ocdbt_keys import SortedKeys
 from .ocdbt_records import (OcdbtFormatError, Reader, decode_file_table, encode_file_table,  # noqa: F401
-                            VarintColumn, envelope, open_envelope, prefix_lengths, varint, varints)
+                            VarintColumn, envelope, open_envelope, prefix_lengths, varint)
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -43,9 +25,6 @@ BTREE_MAGIC = 0x0CDB20DE
 MANIFEST_KEY = "manifest.ocdbt"
 #: TensorStore's limit on entries per node.
 MAX_NODE_ARITY = 1 << 20
-
-
-# --- key columns ---------------------------------------------------------------------
 
 
 def _read_keys(r: Reader, n: int, interior: bool) -> tuple[list[bytes], list[int]]:
@@ -67,9 +46,6 @@ def _read_keys(r: Reader, n: int, interior: bool) -> tuple[list[bytes], list[int
     return keys, subtree
 
 
-# --- B+tree nodes --------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Ref:
     """Where a value or node is stored: ``length`` bytes at ``offset`` of data file ``path``."""
@@ -86,10 +62,6 @@ class Stats:
     num_keys: int
     num_tree_bytes: int
     num_indirect_value_bytes: int
-
-    def __add__(self, other: Stats) -> Stats:
-        return Stats(self.num_keys + other.num_keys, self.num_tree_bytes + other.num_tree_bytes,
-                     self.num_indirect_value_bytes + other.num_indirect_value_bytes)
 
 
 @dataclass
@@ -136,38 +108,14 @@ class Entries:
                    np.asarray([v.length if isinstance(v, Ref) else 0 for v in values], dtype=np.int64), files)
 
 
-def encode_interior(height: int, keys: Sequence[bytes], children: Sequence[Ref],
-                    stats: Sequence[Stats]) -> tuple[bytes, Stats]:
-    """An interior node at ``height`` (>= 1): child ``i`` holds the keys from ``keys[i]`` up to ``keys[i + 1]``."""
-    if not len(keys) == len(children) == len(stats):
-        raise ValueError(f"an interior node holds one reference per child; got {len(keys)} keys, "
-                         f"{len(children)} children")
-    files = sorted({c.path for c in children})
-    number = {p: i for i, p in enumerate(files)}
-    node = interior_node(height, keys, files, [number[c.path] for c in children], [c.offset for c in children],
-                         [c.length for c in children], [s.num_keys for s in stats],
-                         [s.num_tree_bytes for s in stats], [s.num_indirect_value_bytes for s in stats])
-    total = sum(stats, Stats(0, 0, 0))
-    return node, Stats(total.num_keys, total.num_tree_bytes + len(node), total.num_indirect_value_bytes)
-
-
-def interior_node(height: int, keys: Sequence[bytes], files: Sequence[str], file: Sequence[int] | np.ndarray,
-                  offset: Sequence[int] | np.ndarray, length: Sequence[int] | np.ndarray,
-                  num_keys: Sequence[int] | np.ndarray, tree_bytes: Sequence[int] | np.ndarray,
-                  held: Sequence[int] | np.ndarray) -> bytes:
-    """:func:`encode_interior` from columns: child ``i`` is ``length[i]`` bytes at ``offset[i]`` of node file
-    ``files[file[i]]`` (``files`` sorted), and its subtree holds ``num_keys[i]`` keys in ``tree_bytes[i]``
-    bytes of nodes and ``held[i]`` bytes of values in data files."""
-    return next(interior_nodes(height, keys, files, file, offset, length, num_keys, tree_bytes, held,
-                               (0, len(keys))))
-
-
 def interior_nodes(height: int, keys: Sequence[bytes], files: Sequence[str], file: Sequence[int] | np.ndarray,
                    offset: Sequence[int] | np.ndarray, length: Sequence[int] | np.ndarray,
                    num_keys: Sequence[int] | np.ndarray, tree_bytes: Sequence[int] | np.ndarray,
                    held: Sequence[int] | np.ndarray, bounds: Sequence[int]) -> Iterator[bytes]:
-    """:func:`interior_node` of children ``bounds[i]:bounds[i + 1]`` of the columns, for each ``i``: a level of
-    the tree, its columns encoded once (a level of a large index has hundreds of thousands of children)."""
+    """The interior nodes at ``height`` (>= 1) of children ``bounds[i]:bounds[i + 1]``, for each ``i``: child ``k``
+    holds the keys from ``keys[k]`` on and is ``length[k]`` bytes at ``offset[k]`` of node file ``files[file[k]]``
+    (``files`` sorted); its subtree holds ``num_keys[k]`` keys in ``tree_bytes[k]`` bytes of nodes and
+    ``held[k]`` bytes of values in data files. The columns of a whole level are encoded once."""
     if not 1 <= height <= 255:
         raise ValueError(f"an interior node's height is 1 to 255, not {height}")
     prefix = prefix_lengths(keys)
@@ -198,7 +146,7 @@ class Node:
 
 
 def decode_node(data: bytes | memoryview, where: str) -> Node:
-    """A node as :func:`~tsckpt.format.ocdbt_leaves.encode_leaves` or :func:`encode_interior` writes it (any OCDBT node, uncompressed)."""
+    """A node as :mod:`~tsckpt.format.ocdbt_leaves` or :func:`interior_nodes` writes it (any uncompressed node)."""
     r = open_envelope(data, BTREE_MAGIC, where)
     height = r.byte()
     files = decode_file_table(r)
@@ -233,9 +181,6 @@ def decode_node(data: bytes | memoryview, where: str) -> Node:
         values = [refs[k] if kinds[k] else bytes(r.take(lengths[k])) for k in range(n)]
     r.done()
     return Node(height, keys, values)
-
-
-# --- the manifest -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,18 @@
-"""A B+tree's sorted keys in columns, built from runs that share a head: no Python object per key.
-
-A packed checkpoint's index holds one key per chunk (``<array path>/c/<i>/<j>``):
-millions at scale, most of them in runs that differ only in their chunk
-index. Every array of one chunk grid has the same tails in the same sorted
-order, so the tails are sorted and prefix-coded once per grid
-(:class:`Tails`) and each array's keys are its path followed by them
-(:class:`KeyRun`). A leaf's key columns are then slices of the whole
-index's (:class:`SortedKeys`). Pure functions of bytes; no I/O.
-"""
+"""A B+tree's sorted keys in columns, with no Python object per key. An index's keys (``<array path>/c.<i>.<j>``)
+are mostly runs that differ only in their chunk index, and every array of one chunk grid has the same tails:
+they are sorted and prefix-coded once per grid (:class:`Tails`), each array's keys are its path followed by
+them (:class:`KeyRun`), and a leaf's key columns are slices of the whole index's (:class:`SortedKeys`)."""
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .ocdbt_records import sorted_prefix_lengths
-
-
-def _common(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k
 
 
 class Tails:
@@ -35,8 +22,7 @@ class Tails:
         self.tails = list(tails)
         self.prefix, bad = sorted_prefix_lengths(self.tails)
         if bad is not None:
-            raise ValueError(f"key tails out of order or repeated: {self.tails[bad - 1]!r} before "
-                             f"{self.tails[bad]!r}")
+            raise ValueError(f"key tails out of order or repeated: {self.tails[bad - 1]!r} before {self.tails[bad]!r}")
         self.length = np.fromiter(map(len, self.tails), np.int64, len(self.tails))
         #: The bytes of every tail after its common prefix with the one before, from the second tail on:
         #: tail ``k``'s at ``rest[rest_starts[k]:rest_starts[k + 1]]`` (none for the first).
@@ -70,12 +56,9 @@ class KeyRun:
 class SortedKeys:
     """Sorted, distinct keys made of :class:`KeyRun` runs, as the columns a B+tree leaf cuts its own from.
 
-    ``prefix[k]``: key ``k``'s common prefix with key ``k - 1`` (0 for the
-    first); ``length[k]``: its length; ``rest[starts[k]:starts[k + 1]]``: its
-    bytes after that prefix (computed when first asked for: leaves of a whole
-    run are cut from its :class:`Tails` instead). Raises ``ValueError`` if the
-    runs are not in order (each run's first key after the run before's last).
-    """
+    ``prefix[k]``: key ``k``'s common prefix with key ``k - 1`` (0 for the first); ``length[k]``: its length;
+    ``rest[starts[k]:starts[k + 1]]``: its bytes after that prefix (computed when first asked for: leaves of a
+    whole run are cut from its :class:`Tails` instead). Raises ``ValueError`` if the runs are out of order."""
 
     def __init__(self, runs: Sequence[KeyRun]):
         self.runs = list(runs)
@@ -90,7 +73,7 @@ class SortedKeys:
             if before is not None:
                 if not before < first:
                     raise ValueError(f"keys out of order or repeated: {before!r} before {first!r}")
-                self.run_prefix[i] = _common(before, first)
+                self.run_prefix[i] = len(os.path.commonprefix((before, first)))
             before = r.last()
 
     @functools.cached_property
@@ -107,21 +90,10 @@ class SortedKeys:
         np.cumsum(length - prefix, out=starts[1:])
         return prefix, length, np.concatenate(rests) if rests else np.zeros(0, np.uint8), starts
 
-    @property
-    def prefix(self) -> np.ndarray:
-        return self._columns[0]
-
-    @property
-    def length(self) -> np.ndarray:
-        return self._columns[1]
-
-    @property
-    def rest(self) -> np.ndarray:
-        return self._columns[2]
-
-    @property
-    def starts(self) -> np.ndarray:
-        return self._columns[3]
+    prefix = property(lambda self: self._columns[0])
+    length = property(lambda self: self._columns[1])
+    rest = property(lambda self: self._columns[2])
+    starts = property(lambda self: self._columns[3])
 
     @classmethod
     def of(cls, keys: Sequence[bytes]) -> SortedKeys:

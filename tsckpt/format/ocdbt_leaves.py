@@ -1,23 +1,14 @@
-"""Every leaf of a B+tree encoded from columns of the whole index: per-leaf work is slicing, not per key.
-
-A packed checkpoint at scale indexes tens of millions of chunks, each in a
-data file of its own rank: every leaf lists hundreds of data files in its
-table. So each column a leaf is made of (key prefixes and suffixes, value
-lengths, data file numbers, offsets, and the data file tables themselves) is
-computed once for all entries in numpy, and a leaf is a concatenation of
-slices. The layout of a leaf is TensorStore's (``kvstore/ocdbt/index.rst``);
-:func:`tsckpt.format.ocdbt.decode_node` reads it back. Pure functions of
-bytes; no I/O.
-"""
+"""Every leaf of a B+tree encoded from columns of the whole index, so that per-leaf work is slicing, not per key:
+at scale tens of millions of chunks, every leaf listing hundreds of data files. Layout: TensorStore's
+(``kvstore/ocdbt/index.rst``); :func:`tsckpt.format.ocdbt.decode_node` reads it back."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-import numpy as np
-
 import crc32c as _crc32c
+import numpy as np
 import xxhash
 
 from .ocdbt import BTREE_MAGIC, MAX_NODE_ARITY, Entries
@@ -60,13 +51,10 @@ TEMPLATE_KEYS = 512
 def leaves(entries: Entries, limit: int, out: bytearray) -> Iterator[Written]:
     """Every leaf of ``entries`` in key order, each estimated under ``limit`` bytes, appended to ``out``.
 
-    A run of at least :data:`TEMPLATE_KEYS` keys whose values are all in
-    data files (an array's chunks) is cut on its own, from a template that every such run of the
-    same tails, head length, data files and value lengths shares (at scale,
-    every array of one shape and placement): only the first keys and the
-    offsets differ from one to the next. The keys between such runs (array
-    documents, single values) are cut together, key by key.
-    """
+    A run of at least :data:`TEMPLATE_KEYS` keys whose values are all in data files (an array's chunks) is cut on
+    its own, from a template shared by every such run of the same tails, head length, data files and value
+    lengths (at scale, every array of one shape and placement). The keys between such runs (array documents,
+    single values) are cut together, key by key."""
     keys = entries.keys
     paths = _Paths(entries.files)
     runs = range(len(keys.runs))
@@ -213,12 +201,8 @@ def _gather(buf: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
 
 
 class _RangeMin:
-    """Minimum of ``values[a:b]`` for many ranges at once (a sparse table: O(1) per range).
-
-    Row ``k`` of the table holds the minimum of each run of ``2**k`` values
-    (where the run fits); a range is two runs of the largest such length that
-    fits inside it, overlapping.
-    """
+    """Minimum of ``values[a:b]`` for many ranges at once, O(1) each: row ``k`` of a sparse table holds the
+    minimum of each run of ``2**k`` values; a range is two such runs, overlapping."""
 
     def __init__(self, values: np.ndarray):
         levels = [values.astype(np.int32)]
@@ -253,10 +237,8 @@ class _Paths:
 
 
 class _FileTables:
-    """The data file table of every leaf, as columns over all leaves (leaf ``i``'s rows ``rows[i]:rows[i + 1]``).
-
-    ``number``: for each value, its file's position in its leaf's table.
-    """
+    """The data file table of every leaf, as columns over all leaves (leaf ``i``'s rows ``rows[i]:rows[i + 1]``);
+    ``number``: for each value, its file's position in its leaf's table."""
 
     def __init__(self, paths: _Paths, file: np.ndarray, leaf: np.ndarray, nleaves: int):
         width = max(1, len(paths.position))

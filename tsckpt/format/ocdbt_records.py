@@ -1,17 +1,7 @@
-"""The pieces every OCDBT record is built from: varints, the envelope around a manifest or node, data file tables.
-
-A manifest and a B+tree node (:mod:`tsckpt.format.ocdbt`) are each one record:
-a header (magic, length, format version, compression), a body, and the
-crc32c of all before it. Their bodies are LEB128 varints, alone or in columns,
-and both name the data files they point into in the same table. Kept apart
-from the layouts of manifests and nodes so that those read as the format's
-documentation does, field by field, without the byte-level work beneath them,
-which is vectorised here because a leaf holds up to a million entries. Pure
-functions of bytes; no I/O.
-"""
+"""What every OCDBT record is built from: LEB128 varints (alone or in columns, vectorised: a leaf holds up to a
+million entries), the envelope around a manifest or node (header, body, crc32c), and data file tables."""
 
 from __future__ import annotations
-
 
 import struct
 from collections.abc import Sequence
@@ -26,9 +16,6 @@ class OcdbtFormatError(ValueError):
     """An OCDBT manifest or node that is damaged or not of the kind :mod:`tsckpt.format.ocdbt` writes."""
 
 
-# --- varints and columns -------------------------------------------------------
-
-
 def varint(n: int) -> bytes:
     """``n`` (unsigned) as LEB128."""
     out = bytearray()
@@ -39,11 +26,6 @@ def varint(n: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
-
-
-def varints(values: np.ndarray | Sequence[int]) -> bytes:
-    """A column of unsigned integers as LEB128, one after the other (vectorised: columns hold millions)."""
-    return bytes(varint_column(values)[0])
 
 
 class VarintColumn:
@@ -173,11 +155,8 @@ def prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> np.ndarray:
 
 
 def sorted_prefix_lengths(keys: Sequence[bytes], block: int = 1 << 16) -> tuple[np.ndarray, int | None]:
-    """:func:`prefix_lengths`, and the first key not greater than the one before it (None if none).
-
-    Keys hold no NUL byte (tsckpt's names escape it): as fixed-width rows, a
-    key that is a prefix of the next differs from it at a NUL of padding.
-    """
+    """:func:`prefix_lengths`, and the first key not greater than the one before it (None if none). Keys hold no
+    NUL byte (names escape it): as fixed-width rows, a key that is a prefix of the next differs at a NUL of padding."""
     n = len(keys)
     out = np.zeros(n, dtype=np.int64)
     for start in range(1, n, block):
@@ -256,22 +235,17 @@ class Reader:
             raise self.fail(f"{len(self.data) - self.at} bytes left over")
 
 
-# --- the common envelope of manifests and nodes ----------------------------------
-
-
 def envelope(magic: int, body: bytes | Sequence[bytes]) -> bytes:
-    """Header (magic, total length, version 0, uncompressed), ``body``, then the crc32c of all before it.
-
-    ``body`` may be given as its parts, which are then copied once, into the record.
-    """
+    """Header (magic, total length, version 0, uncompressed), ``body`` (or its parts), then the crc32c of all
+    before it."""
     out = bytearray()
     envelope_into(out, magic, (body,) if isinstance(body, (bytes, bytearray, memoryview)) else body)
     return bytes(out)
 
 
 def envelope_into(out: bytearray, magic: int, parts: Sequence[bytes | memoryview]) -> int:
-    """:func:`envelope` of the body made of ``parts``, appended to ``out``; returns its length. The index's
-    leaves are appended to the node file this way: a record of its own per leaf would copy every leaf twice."""
+    """:func:`envelope` of the body made of ``parts``, appended to ``out`` (a record of its own per leaf would copy
+    every leaf twice); returns its length."""
     length = _HEADER.size + 2 + sum(map(len, parts)) + 4
     head = magic.to_bytes(4, "big") + length.to_bytes(8, "little") + b"\x00\x00"
     crc = _crc32c.crc32c(head)
@@ -306,21 +280,15 @@ def open_envelope(data: bytes | memoryview, magic: int, where: str) -> Reader:
     return reader
 
 
-# --- data file tables --------------------------------------------------------------
-
-
 def encode_file_table(paths: Sequence[str]) -> bytes:
     """A data file table of ``paths`` (sorted, distinct; base paths empty)."""
     raw = [p.encode() for p in paths]
     if raw != sorted(set(raw)):
         raise ValueError("data file paths must be sorted and distinct")
-    return file_table(raw, prefix_lengths(raw).tolist())
-
-
-def file_table(raw: Sequence[bytes], prefixes: Sequence[int]) -> bytes:
-    """A data file table of sorted, distinct encoded paths, given each one's common prefix with the one before."""
-    return (varint(len(raw)) + varints(prefixes[1:]) + varints([len(p) - n for p, n in zip(raw, prefixes)])
-            + varints([0] * len(raw)) + b"".join(p[n:] for p, n in zip(raw, prefixes)))
+    prefixes = prefix_lengths(raw).tolist()
+    columns = (prefixes[1:], [len(p) - n for p, n in zip(raw, prefixes)], [0] * len(raw))
+    return (varint(len(raw)) + b"".join(bytes(varint_column(c)[0]) for c in columns)
+            + b"".join(p[n:] for p, n in zip(raw, prefixes)))
 
 
 def decode_file_table(r: Reader) -> list[str]:

@@ -1,12 +1,5 @@
-"""A B+tree of OCDBT nodes built from sorted entries: leaves cut by size, then interior levels up to one root.
-
-The coordinator of a packed save knows every key and where its value is
-(:class:`~tsckpt.format.ocdbt.Entries`), so it writes the whole tree in one
-pass, its nodes back to back in one file, where TensorStore's own writer
-inserts keys through transactions. How each node is encoded is
-:mod:`tsckpt.format.ocdbt_leaves` (leaves) and :mod:`tsckpt.format.ocdbt`
-(interior nodes); this module decides only where the tree is cut into nodes. Pure functions of bytes; no I/O.
-"""
+"""Where a B+tree of OCDBT nodes is cut: leaves by size, then interior levels up to one root, back to back in one
+node file. Leaves are encoded by :mod:`tsckpt.format.ocdbt_leaves`, interior nodes by :mod:`tsckpt.format.ocdbt`."""
 
 from __future__ import annotations
 
@@ -32,20 +25,14 @@ class Tree:
 
 def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, head: bytes = b"",
                spill: Callable[[bytearray], object] | None = None) -> Tree:
-    """Every leaf, then every level of interior nodes up to the root, back to back in node file ``path``.
-
-    Leaves and interior nodes are cut to stay under ``max_node_bytes``
-    (estimated from the keys and inline values before encoding) and
-    :data:`~tsckpt.format.ocdbt.MAX_NODE_ARITY` entries. ``head``: what the
-    file holds before the nodes (values stored there), the start of the file.
-    ``spill``: given, it is handed the file's bytes in order, a few megabytes
-    at a time, and :attr:`Tree.nodes` holds what is left.
-    """
+    """Every leaf, then every level of interior nodes up to the root, back to back in node file ``path``, each
+    node estimated under ``max_node_bytes`` and :data:`~tsckpt.format.ocdbt.MAX_NODE_ARITY` entries. ``head``: the
+    start of the file, before the nodes. ``spill``: handed the file's bytes in order, a few megabytes at a time;
+    :attr:`Tree.nodes` holds what is left."""
     if not len(entries):
         raise ValueError("an OCDBT tree of no keys has no root node")
     # One buffer the nodes are appended to: at scale the file is gigabytes, which a list of nodes joined at the
-    # end would hold twice. Spilled, the buffer's pages are reused (a file of gigabytes built in memory, then
-    # written, cost twice the new pages).
+    # end would hold twice; spilled, the buffer's pages are reused.
     out = bytearray(head)
     base = 0  # bytes spilled before out
 
@@ -95,14 +82,11 @@ class _Level:
         self.keys: list[int] = []
         self.tree_bytes: list[int] = []
         self.held: list[int] = []
+        self._columns = (self.first, self.offset, self.length, self.keys, self.tree_bytes, self.held)
 
     def add(self, first: bytes, offset: int, length: int, keys: int, tree_bytes: int, held: int) -> None:
-        self.first.append(first)
-        self.offset.append(offset)
-        self.length.append(length)
-        self.keys.append(keys)
-        self.tree_bytes.append(tree_bytes)
-        self.held.append(held)
+        for column, value in zip(self._columns, (first, offset, length, keys, tree_bytes, held)):
+            column.append(value)
 
     def extend(self, first: list[bytes], at: int, length: list[int], keys: list[int], held: list[int]) -> None:
         """Leaves appended back to back from ``at``: their bytes are their subtrees' bytes of nodes."""
