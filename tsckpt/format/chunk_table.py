@@ -1,10 +1,7 @@
-"""A rank's chunk table: where every value one rank saved is stored, and its content hash, beside its data.
-
-A loading rank finds a chunk in the table of the rank that wrote it (the tensor's ``writers``), so what
-it reads grows with the chunks it reads, not with ranks x tensors. The table is sorted by key
-``(array, chunk)`` (:func:`array_key` of the array's path, the outer chunk's flat index) and cut into
-blocks whose first keys and crc32c form a directory at the front: a reader of a few keys reads the
-directory and their blocks. Encoding: ``docs/format.md``, section 8. Pure functions of bytes; no I/O."""
+"""A rank's chunk table: where every value one rank saved is stored, and its content hash, beside its data. A
+loading rank reads the table of the rank that wrote a chunk (its ``writers``), so what it reads grows with the
+chunks it reads. Sorted by key ``(array_key(path), flat chunk index)`` and cut into blocks whose first keys
+and crc32c form a directory at the front (``docs/format.md``, section 8)."""
 
 from __future__ import annotations
 
@@ -48,9 +45,8 @@ def _record(located: bool, hashed: bool) -> np.dtype:
 
 @dataclass(frozen=True)
 class ChunkTable:
-    """Rows of a chunk table (all of them, or those a reader looked up), sorted by key: ``records`` of
-    :func:`_record`'s dtype, where ``files`` is empty for a table of no locations and ``hashed`` says
-    whether the rows hold digests."""
+    """Rows of a chunk table (all, or those a reader looked up), sorted by key, of :func:`_record`'s dtype;
+    ``files`` is empty for a table of no locations."""
 
     files: tuple[str, ...]
     hashed: bool
@@ -93,11 +89,11 @@ class ChunkTable:
         return front + struct.pack("<I", _crc32c.crc32c(front)) + self.records.tobytes()
 
     def get(self, path: str, chunk: int) -> np.void | None:
-        """The row of chunk ``chunk`` of array ``path``; None if the table has none."""
+        """The row of chunk ``chunk`` of array ``path``, or None."""
         return self.get_key(array_key(path), chunk)
 
     def get_key(self, key: int, chunk: int) -> np.void | None:
-        """The row of chunk ``chunk`` of the array whose key is ``key``; None if the table has none."""
+        """:meth:`get` by the array's :func:`array_key`."""
         at = int(np.searchsorted(self.records["array"], key))
         stop = int(np.searchsorted(self.records["array"], key, side="right"))
         rows = self.records[at:stop]
@@ -106,8 +102,7 @@ class ChunkTable:
 
 
 class _Front(NamedTuple):
-    """A chunk table's header and directory, parsed: its files, whether rows hold digests, rows a block, rows,
-    the directory, where the rows start, and their dtype."""
+    """A chunk table's header and directory, parsed."""
 
     files: tuple[str, ...]
     hashed: bool
@@ -119,10 +114,9 @@ class _Front(NamedTuple):
 
 
 class TableReader:
-    """A chunk table as a reader looks keys up in it: its front (header and directory) first, then only the
-    blocks it needs; a table of at most ``whole_up_to`` bytes is taken whole. No I/O: :meth:`wants` says
-    which spans it needs next, :meth:`take` hands them over, so a caller fetches those of many tables
-    together (:func:`look_up`). ``where`` names it in errors."""
+    """A chunk table as a reader looks keys up in it: its front (header and directory), then only the blocks it
+    needs; one of at most ``whole_up_to`` bytes is taken whole. :meth:`wants` says which spans it needs next,
+    :meth:`take` hands them over, so a caller fetches those of many tables together (:func:`look_up`)."""
 
     def __init__(self, length: int, where: str, whole_up_to: int = 0):
         self.length, self.where = length, where
@@ -130,7 +124,6 @@ class TableReader:
         self._head: bytes | None = None  # the bytes read from the table's start
         self._front: _Front | None = None
         self._blocks: dict[int, np.ndarray] = {}
-        #: Bytes read so far.
         self.bytes_read = 0
 
     def wants(self, keys: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -159,8 +152,7 @@ class TableReader:
             self._take_block((offset - f.start) // (f.block * f.record.itemsize), np.frombuffer(bytes(raw), np.uint8))
 
     def rows(self, keys: Iterable[tuple[int, int]]) -> ChunkTable:
-        """The blocks holding ``keys``, all read: every row of them, the keys' rows among them
-        (:meth:`ChunkTable.get`)."""
+        """Every row of the blocks holding ``keys`` (all read)."""
         front = self._parsed()
         parts = []
         for k in self._blocks_of(keys):
@@ -206,7 +198,7 @@ class TableReader:
         return size, header
 
     def _front_length(self) -> int:
-        """The bytes of header and directory (and their crc32c), as far as the bytes read so far tell."""
+        """The bytes of header, directory and crc32c, as far as the bytes read so far tell."""
         size, header = self._header()
         if not header:
             return _HEAD.size + size
@@ -218,8 +210,7 @@ class TableReader:
         n, block, record = header["count"], header["block"], _record(bool(files), hashed)
         front = self._front_length()
         if front + n * record.itemsize != self.length:
-            raise MetadataError(f"{self.where}: the chunk table holds another number of rows than the {n} it "
-                                "declares")
+            raise MetadataError(f"{self.where}: the chunk table holds another number of rows than the {n} it declares")
         head = self._head or b""
         if _crc32c.crc32c(head[:front - 4]) != struct.unpack("<I", head[front - 4:front])[0]:
             raise ChecksumError(f"{self.where}: the chunk table's directory does not match its crc32c (it was "
@@ -261,8 +252,7 @@ _FRONT = 64 << 10
 
 def look_up(wanted: Mapping[TableReader, Collection[tuple[int, int]]],
             read: ReadSpans) -> dict[TableReader, ChunkTable]:
-    """Find each table's keys, reading what every table needs next together, round after round (the fronts,
-    then the blocks): each table's rows that hold its keys."""
+    """Each table's rows that hold its keys, reading what every table needs next together, round after round."""
     while True:
         spans = {table: table.wants(keys) for table, keys in wanted.items()}
         spans = {table: s for table, s in spans.items() if s}

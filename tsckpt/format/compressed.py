@@ -1,9 +1,6 @@
-"""Outer chunks with a compressor (``compression="zstd"`` or ``"blosc"``): encoded and decoded here.
-
-The codec chain is the one :mod:`tsckpt.format.zarr_json` declares: each inner chunk (or the whole chunk)
-is its little-endian bytes, compressed, then its crc32c with the codec; with inner chunks the sharding
-index follows (``(offset, nbytes)`` per inner chunk, row-major, then its crc32c). Compressed inner chunks
-differ in size, so such chunks are read whole. numcodecs compresses, as in zarr-python. Pure functions."""
+"""Outer chunks with a compressor (``compression="zstd"`` or ``"blosc"``), in the codec chain
+:mod:`tsckpt.format.zarr_json` declares (``docs/format.md``, section 5). Compressed inner chunks differ in
+size, so such chunks are read whole. numcodecs compresses, as in zarr-python."""
 
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ def compressor(name: str, itemsize: int) -> Any:
 
 
 def _pieces(fmt: ShardFormat, data: np.ndarray) -> list[np.ndarray]:
-    """Every inner chunk of an outer chunk whose part inside the array is ``data``, in row-major grid order."""
+    """Every inner chunk of an outer chunk whose part inside the array is ``data``, row-major."""
     full = padded(data, [slice(0, c) for c in fmt.chunk])
     body = np.empty((*fmt.grid, *fmt.inner), dtype=data.dtype)
     tiles, pieces = tile_views(full, body, fmt.grid, fmt.inner)
@@ -40,7 +37,7 @@ def _pieces(fmt: ShardFormat, data: np.ndarray) -> list[np.ndarray]:
 
 @dataclass
 class CompressedChunk:
-    """One outer chunk, compressed: its stored bytes are computed when it is made (their size is not known before)."""
+    """One outer chunk, compressed when it is made (its size is not known before)."""
 
     fmt: ShardFormat
     data: np.ndarray
@@ -119,8 +116,8 @@ def decode(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray,
 def place(fmt: ShardFormat, name: str, stored: bytes | memoryview | np.ndarray, dtype: np.dtype, where: str,
           start: tuple[int, ...], shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
           out: np.ndarray) -> None:
-    """Decode the outer chunk starting at ``start`` (:func:`decode`) and copy what lies in the box
-    ``offsets``/``sizes`` of an array of ``shape`` into ``out``, the box's buffer."""
+    """Decode the outer chunk starting at ``start`` and copy what lies in the box ``offsets``/``sizes`` of an array
+    of ``shape`` into ``out``, the box's buffer."""
     full = decode(fmt, name, stored, dtype, where)
     a = tuple(max(s, o) for s, o in zip(start, offsets))
     b = tuple(min(s + c, o + n, e) for s, c, o, n, e in zip(start, fmt.chunk, offsets, sizes, shape))

@@ -1,6 +1,5 @@
 """Data files: where a checkpoint's bytes are beyond its Zarr keys, as the metadata document records them
-(``docs/format.md``, section 1): the files each rank wrote besides chunk keys and the packed layout's
-index, found from the root document alone; on object stores a replaced object is refused."""
+(``docs/format.md``, section 1): each rank's files and chunk table, and the packed layout's index."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from .names import check_relative_path
 
 @dataclass(frozen=True)
 class FileRef:
-    """A file (or object) of a checkpoint that readers find through the root document: its path and size, and on
-    object stores the generation the store gave the object when it was written (its ETag on S3), so that a
-    read of an object replaced since (truncated, rewritten) is refused, a partial read included."""
+    """A file (or object) readers find through the root document: its path and size, and on object stores the
+    generation it was written as (its ETag on S3), so that a read of an object replaced since is refused."""
 
     path: str
     size: int

@@ -1,9 +1,6 @@
-"""Chunk grids: from the regions ranks write to a regular Zarr grid each rank can write alone.
-
-Outer chunks ("shards" in Zarr's sharding codec) are aligned to every region boundary, so each lies inside
-one rank's region and no two ranks write the same file: along each dimension the chunk size is the gcd
-of the interior boundaries (the shard size itself for ``torch.chunk``-style splits; a finer grid for
-irregular ones). :class:`ChunkGrid` is the one place that walks a grid's chunks. Pure functions."""
+"""Chunk grids: from the regions ranks write to a regular Zarr grid each rank can write alone. Outer chunks
+are aligned to every region boundary (the gcd of the interior boundaries along each dimension), so each lies
+in one rank's region. :class:`ChunkGrid` is the one place that walks a grid's chunks."""
 
 from __future__ import annotations
 
@@ -29,10 +26,9 @@ FEW_BOXES = 32
 def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
     """Raise unless the non-empty boxes lie inside ``shape`` and cover it exactly once.
 
-    ``boxes``: ``(offsets, sizes)`` pairs, or (faster for thousands of ranks) an int array
-    ``(len(boxes), 2, ndim)``. The boxes' boundaries cut the shape into cells, each of which must be covered
-    once: counted with a difference array and a cumulative sum per dimension, never comparing two boxes.
-    """
+    ``boxes``: ``(offsets, sizes)`` pairs, or (faster for thousands of ranks) an int array ``(len(boxes), 2,
+    ndim)``. The boxes' boundaries cut the shape into cells, each covered once: counted with a difference array
+    and a cumulative sum per dimension, never comparing two boxes."""
     ndim = len(shape)
     if len(boxes) <= FEW_BOXES and _slabs_tile(shape, boxes):
         return
@@ -91,7 +87,7 @@ def check_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
 
 def _one_dimensional_cover(lo: np.ndarray, hi: np.ndarray, shape: Sequence[int]) -> bool:
     """Whether the boxes are slabs of one dimension that tile it end to end (FSDP's and Shard(d)'s case), by a
-    sort; False leaves the case to the general count."""
+    sort; False leaves it to the general count."""
     full = (lo == 0) & (hi == np.asarray(shape, dtype=np.int64))
     split = np.flatnonzero(~full.all(axis=0))
     if len(split) > 1:
@@ -155,8 +151,7 @@ class ChunkGrid:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None = None
 
-    # Cached: a save or load asks each array's grid for these thousands of times.
-    @functools.cached_property
+    @functools.cached_property  # cached: a save or load asks each array's grid thousands of times
     def grid_shape(self) -> tuple[int, ...]:
         """Number of chunks along each dimension."""
         return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
@@ -186,7 +181,8 @@ class ChunkGrid:
             flat = flat * g + i
         return flat
 
-    def chunks_within(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    def chunks_within(self, offsets: Sequence[int],
+                      sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
         """The chunks lying entirely inside a box (at the array's edge: once the box reaches the edge), each with
         its slice relative to the box."""
         if math.prod(sizes) == 0:

@@ -1,16 +1,12 @@
 """Inner chunks chosen so that loads into other topologies fetch little more than they need.
 
-An inner chunk (Zarr's ``sharding_indexed`` codec) is the smallest piece a read fetches and the piece
-each crc32c covers. Along each dimension the size is the largest for which no rank of a
-``torch.chunk``-style split into ``k`` in :data:`SPLITS` fetches more than :data:`TARGET_RATIO` times the
-extent it needs; if that is below the floor (the writer's ``min_bytes``, lowered for small outer chunks
-to a sixteenth of the chunk but never below :data:`MIN_PIECE_BYTES`, and at most :data:`MAX_PER_TENSOR`
-inner chunks per tensor), the sizes above the floor with the least worst ratio win.
-
-Along a dimension the saved regions cut, inner chunks divide the outer chunk those boundaries fix. Along
-an uncut one the outer chunk is free: with ``bands`` (packed saves to object stores) a sharded tensor's
-outer chunk is one inner chunk wide there (a band, :mod:`tsckpt.format.band_order`) if that is at least
-:data:`MIN_BAND_BYTES`; otherwise it is the dimension rounded up to whole inner chunks. Pure functions."""
+An inner chunk is the smallest piece a read fetches and the piece each crc32c covers. Along each dimension it
+is the largest size for which no rank of a ``torch.chunk``-style split into ``k`` in :data:`SPLITS` fetches
+more than :data:`TARGET_RATIO` times what it needs; below the floor (the writer's ``min_bytes``, lowered for
+small outer chunks, at most :data:`MAX_PER_TENSOR` per tensor), the sizes above it with the least worst ratio
+win. Along a dimension the saved regions cut, inner chunks divide the outer chunk; along an uncut one, with
+``bands``, a sharded tensor's outer chunk is one inner chunk wide (at least :data:`MIN_BAND_BYTES`), else the
+dimension rounded up to whole inner chunks."""
 
 from __future__ import annotations
 
@@ -24,8 +20,8 @@ import numpy as np
 SPLITS = (2, 3, 4, 8)
 #: The most a rank may fetch along a dimension, relative to what it needs (below the 1.3 documented for loads).
 TARGET_RATIO = 1.2
-#: An outer chunk smaller than this many times the writer's floor is cut into up to this many pieces of at
-#: least MIN_PIECE_BYTES instead.
+#: An outer chunk smaller than this many times the writer's floor is cut into up to this many pieces of at least
+#: MIN_PIECE_BYTES instead.
 SMALL_PIECES = 16
 MIN_PIECE_BYTES = 512
 #: The smallest band a sharded tensor is cut into (a page: below it a value's index and digest entries are no
@@ -100,8 +96,7 @@ def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_byt
 
     ``chunk``: the outer chunk aligned to the saved regions (:func:`~tsckpt.format.grid.aligned_chunk_shape`);
     ``min_bytes``: the smallest inner chunk worth a read of its own (0: no inner chunks); ``max_bytes``: the
-    largest; ``bands``: cut a sharded tensor's outer chunks into bands one inner chunk wide.
-    """
+    largest; ``bands``: cut a sharded tensor's outer chunks into bands one inner chunk wide."""
     return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes, bands)
 
 

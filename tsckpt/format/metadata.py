@@ -1,6 +1,6 @@
 """The checkpoint's metadata document (``attributes["tsckpt"]`` of the root ``zarr.json``): frozen dataclasses
 that round-trip JSON. ``from_dict`` validates everything a hostile or broken file could get wrong, so code
-past it can trust shapes, dtypes, paths and regions. Torch-free."""
+past it can trust shapes, dtypes, paths and regions."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from .reuse import Reuse
 from .versions import FORMAT, FORMAT_VERSION, refusal
 
 
-# Limits a reader enforces (docs/format.md, "Limits: what a reader refuses").
-#: Largest root ``zarr.json`` a reader parses; checked before reading it whole.
+#: Largest root ``zarr.json`` a reader parses, checked before reading it whole (``docs/format.md``, section 10).
 MAX_DOCUMENT_BYTES = 256 << 20
 
 
@@ -46,7 +45,6 @@ def _key_path(value: Any, what: str) -> tuple[str | int, ...]:
 
 
 def _content_hash(d: Mapping[str, Any], what: str) -> str | None:
-    """The document's content hash algorithm, when its ranks recorded content hashes."""
     name = optional_field(d, "content_hash", what, str)
     if name is not None and name != content_hashes.STORED_ALGORITHM:
         raise MetadataError(f"{what}: unknown content_hash {name!r}; expected {content_hashes.STORED_ALGORITHM!r}")
@@ -55,8 +53,8 @@ def _content_hash(d: Mapping[str, Any], what: str) -> str | None:
 
 @dataclass(frozen=True)
 class ArrayOptions:
-    """The codec choices shared by every tensor array of a checkpoint, recorded in the root document so readers
-    open each array from it alone, without reading (or trusting) its ``zarr.json``."""
+    """The codec choices shared by every tensor array, recorded so that readers open each array without reading
+    (or trusting) its ``zarr.json``."""
 
     crc32c_codec: bool = False
     compression: str | None = None
@@ -65,7 +63,8 @@ class ArrayOptions:
         if not isinstance(self.crc32c_codec, bool):
             raise MetadataError(f"crc32c_codec must be True or False, not {self.crc32c_codec!r}")
         if self.compression is not None and self.compression not in zarr_json.COMPRESSORS:
-            raise MetadataError(f"unknown compression {self.compression!r}: expected None or one of {sorted(zarr_json.COMPRESSORS)}")
+            raise MetadataError(f"unknown compression {self.compression!r}: expected None or one of "
+                                f"{sorted(zarr_json.COMPRESSORS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"crc32c_codec": self.crc32c_codec, "compression": self.compression}
@@ -94,9 +93,7 @@ class TensorEntry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.from_zarr(self.dtype).itemsize
 
-    # Cached (outside the dataclass's fields, so equality and to_dict ignore them): saves, loads and
-    # commits ask for an entry's grids per chunk.
-    @functools.cached_property
+    @functools.cached_property  # not a field: equality and to_dict ignore it
     def grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape, self.inner_chunk_shape)
 
@@ -143,33 +140,31 @@ class TensorEntry:
     def validate(self, what: str) -> None:
         if self.path != zarr_path(self.key_path):
             raise MetadataError(f"{what}: path {self.path!r} does not match key path {list(self.key_path)}")
-        ndim = len(self.shape)
+        ndim, shape, chunk, inner = len(self.shape), list(self.shape), list(self.chunk_shape), self.inner_chunk_shape
         if ndim > MAX_NDIM:
             raise MetadataError(f"{what}: shape has {ndim} dimensions; at most {MAX_NDIM} are supported")
         if self.nbytes > MAX_TENSOR_BYTES:
-            raise MetadataError(f"{what}: shape {list(self.shape)} holds more than 2**63 bytes")
-        if len(self.chunk_shape) != ndim:
-            raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} has the wrong rank for shape {list(self.shape)}")
-        inner = self.inner_chunk_shape
+            raise MetadataError(f"{what}: shape {shape} holds more than 2**63 bytes")
+        if len(chunk) != ndim:
+            raise MetadataError(f"{what}: chunk_shape {chunk} has the wrong rank for shape {shape}")
         if inner is not None:
             if len(inner) != ndim:
-                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {list(self.shape)}")
-            if any(i > c for c, i in zip(self.chunk_shape, inner)):
-                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {list(self.chunk_shape)}")
-            if any(i > max(n, 1) for i, n in zip(inner, self.shape)):
-                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than shape {list(self.shape)}")
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} has the wrong rank for shape {shape}")
+            if any(i > c for c, i in zip(chunk, inner)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than chunk_shape {chunk}")
+            if any(i > max(n, 1) for i, n in zip(inner, shape)):
+                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} is larger than shape {shape}")
         # Writers make each chunk at most the tensor (1 along empty dimensions), rounded up to
         # whole inner chunks; a larger one only makes readers allocate for elements that do not exist.
-        limit = [max(n, 1) if inner is None else -(-max(n, 1) // inner[d]) * inner[d] for d, n in enumerate(self.shape)]
-        if any(c > m for c, m in zip(self.chunk_shape, limit)):
-            raise MetadataError(f"{what}: chunk_shape {list(self.chunk_shape)} is larger than shape {list(self.shape)}")
-        if inner is not None:
-            if any(c % i for c, i in zip(self.chunk_shape, inner)):
-                raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {list(self.chunk_shape)}")
+        limit = [max(n, 1) if inner is None else -(-max(n, 1) // inner[d]) * inner[d] for d, n in enumerate(shape)]
+        if any(c > m for c, m in zip(chunk, limit)):
+            raise MetadataError(f"{what}: chunk_shape {chunk} is larger than shape {shape}")
+        if inner is not None and any(c % i for c, i in zip(chunk, inner)):
+            raise MetadataError(f"{what}: inner_chunk_shape {list(inner)} does not divide chunk_shape {chunk}")
         if isinstance(self.placement, ShardedTensorPlacement):
-            for offsets, sizes, _ in self.placement.shards:
-                if len(offsets) != ndim or len(sizes) != ndim or any(o + s > n for o, s, n in zip(offsets, sizes, self.shape)):
-                    raise MetadataError(f"{what}: shard at {list(offsets)} of size {list(sizes)} lies outside shape {list(self.shape)}")
+            for at, size, _ in self.placement.shards:
+                if len(at) != ndim or len(size) != ndim or any(o + s > n for o, s, n in zip(at, size, shape)):
+                    raise MetadataError(f"{what}: shard at {list(at)} of size {list(size)} lies outside shape {shape}")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,6 @@
-"""Where each state-dict entry lives inside the checkpoint's Zarr hierarchy.
-
-Each element of a key path (``("model", "layers.0.w")``) is one Zarr node name (``model/layers.0.w``),
-escaped so that no key can climb out of the checkpoint or collide with Zarr's files: every byte outside
-``[A-Za-z0-9._-]`` becomes ``%XX``, and reserved names (``zarr.json``, names starting with ``__`` or
-``.``, the empty name) get their first character encoded too. The mapping is injective."""
+"""Where each state-dict entry lives inside the checkpoint's Zarr hierarchy: each element of a key path is one
+node name, escaped so that no key can climb out of the checkpoint or collide with Zarr's files; the mapping is
+injective (``docs/format.md``, section 4)."""
 
 from __future__ import annotations
 
@@ -20,10 +17,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _RESERVED = {"zarr.json"}
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=65536)  # a save names each of thousands of keys several times
 def escape_name(name: str) -> str:
     """Encode one path element as a safe Zarr node name."""
-    # Cached and matched per name, not per character: a save names each of thousands of keys several times.
     out = _UNSAFE.sub(lambda m: _percent(m.group()), name)
     if out == "":
         return "%"

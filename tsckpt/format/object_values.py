@@ -1,10 +1,6 @@
-"""How non-tensor state-dict values (ints, lists, param_groups...) are stored.
-
-``json``: plain data (None, bool, int, float, str, lists, tuples and dicts of those), inline in the
-metadata document; tagged forms keep the round trip exact: ``{"$tuple": [...]}``, ``{"$dict": [[k, v],
-...]}`` (also for string keys starting with ``$``) and ``{"$float": "nan"}``. ``torch``: anything else,
-``torch.save``'d into a ``uint8`` array and restored with ``torch.load(weights_only=True)`` (which runs no
-code from the file); arbitrary pickled objects need an explicit opt-in."""
+"""How non-tensor state-dict values (ints, lists, param_groups...) are stored (``docs/format.md``, section 7):
+plain data as tagged JSON inline in the metadata document, anything else ``torch.save``'d into a ``uint8``
+array and restored with ``torch.load(weights_only=True)`` unless unpickling is explicitly allowed."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ ENCODINGS = (JSON, TORCH)
 
 
 class NotJsonable(TypeError):
-    pass
+    """A value :func:`to_json` cannot encode."""
 
 
 def to_json(value: Any) -> Any:

@@ -102,8 +102,7 @@ def _words(v: np.ndarray, word: _Word, width: int) -> np.ndarray:
     return out
 
 
-def _planes(v: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, word: _Word, width: int,
-            data: np.ndarray) -> None:
+def _planes(v: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, word: _Word, width: int, data: np.ndarray) -> None:
     """The varints of ``v`` (``nbytes`` each) into ``data`` at ``starts``: byte ``k`` of every value at once,
     from the last byte to the first. Byte ``k`` of a value shorter than ``k + 1`` bytes lands on a later value's
     byte ``j < k`` (or past the end), which a later pass writes over; no mask picks the bytes each value keeps."""
@@ -212,8 +211,7 @@ class Reader:
         """The next ``n`` varints at once, as ``uint64`` (vectorised: a leaf holds up to a million)."""
         if n <= 0:
             return np.zeros(0, dtype=np.uint64)
-        window = np.frombuffer(self.data, dtype=np.uint8, count=min(10 * n, len(self.data) - self.at),
-                               offset=self.at)
+        window = np.frombuffer(self.data, dtype=np.uint8, count=min(10 * n, len(self.data) - self.at), offset=self.at)
         ends = np.flatnonzero(window < 0x80)[:n]
         if len(ends) < n:
             raise self.fail(f"ends inside a column of {n} varints")

@@ -54,8 +54,7 @@ def build_tree(entries: Entries, path: str = "", max_node_bytes: int = 8 << 20, 
         below = level.columns()
         bounds = cut(np.fromiter(map(len, level.first), np.int64, len(level.first)) + 40, max_node_bytes,
                      least=2).tolist()
-        nodes = interior_nodes(height, level.first, [path], np.zeros(len(level.first), np.int64), *below,
-                               bounds=bounds)
+        nodes = interior_nodes(height, level.first, [path], np.zeros(len(level.first), np.int64), *below, bounds=bounds)
         _, _, keys, tree_bytes, held = (np.add.reduceat(c, bounds[:-1]).tolist() for c in below)
         for i, (lo, node) in enumerate(zip(bounds[:-1], nodes)):
             upper.add(level.first[lo], base + len(out), len(node), keys[i], tree_bytes[i] + len(node), held[i])

@@ -1,5 +1,5 @@
 """What an incremental save took from its base: the root document's ``reuse`` record (``docs/format.md``,
-section 8). Informative: every checkpoint stands alone, so no reader needs the base."""
+section 8), informative only."""
 
 from __future__ import annotations
 

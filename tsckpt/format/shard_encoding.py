@@ -1,13 +1,10 @@
 """Encoding outer chunks in the :class:`~tsckpt.format.shards.ShardFormat` layout, whole or streamed in parts.
 
-A stored outer chunk is its inner chunks in storage order, then the index. Its inner chunks split into
-*units*, those sharing their indices along the slowest few stored dimensions, about :data:`UNIT_BYTES`
-each: one contiguous run of stored bytes from one box of the chunk. :func:`encode_to` streams a chunk
-unit by unit through one reused buffer (a writer keeps a few cache-sized buffers, not a copy of every
-chunk); :func:`encode` fills one buffer, for TensorStore writes that may keep it.
-
-Both return the crc32c of every inner chunk holding any element inside the array, in row-major order of
-the chunk's inner grid, over those elements only. Pure functions; no I/O but the ``write`` callback."""
+An outer chunk's inner chunks split into *units* (those sharing their indices along the slowest few stored
+dimensions, about :data:`UNIT_BYTES` each, one contiguous run of stored bytes): :func:`encode_to` streams a
+chunk unit by unit through one reused buffer, :func:`encode` fills one buffer. Both return the crc32c of
+every inner chunk holding any element inside the array, in row-major order of the inner grid, over those
+elements only."""
 
 from __future__ import annotations
 
@@ -26,16 +23,12 @@ from .shards import ShardFormat, tile_views
 UNIT_BYTES = 2 << 20
 
 
+@functools.lru_cache(maxsize=1024)
 def unit_dims(fmt: ShardFormat, target: int | None = None) -> int:
     """How many of the slowest stored dimensions a unit fixes: the fewest that bring it to ``target`` bytes
     (:data:`UNIT_BYTES` by default)."""
-    return _unit_dims(fmt, UNIT_BYTES if target is None else target)
-
-
-@functools.lru_cache(maxsize=1024)
-def _unit_dims(fmt: ShardFormat, target: int) -> int:
     size, k = fmt.pieces * fmt.piece_bytes, 0
-    while size > target and k < len(fmt.order) and fmt.grid[fmt.order[k]] > 1:
+    while size > (UNIT_BYTES if target is None else target) and k < len(fmt.order) and fmt.grid[fmt.order[k]] > 1:
         size //= fmt.grid[fmt.order[k]]
         k += 1
     return k
@@ -53,9 +46,8 @@ def unit_bytes(fmt: ShardFormat, target: int | None = None) -> int:
 
 def encode(fmt: ShardFormat, data: np.ndarray, out: np.ndarray | None = None,
            unit: int | None = None) -> tuple[np.ndarray, list[int]]:
-    """The stored bytes (``fmt.nbytes``, in ``out`` or a new buffer) of an outer chunk whose part inside the
-    array is ``data``, and its crc32c values (see the module docstring). ``unit``: the units' target size
-    (:data:`UNIT_BYTES` by default); any gives the same bytes."""
+    """The stored bytes (in ``out`` or a new buffer) of an outer chunk whose part inside the array is ``data``, and
+    its crc32c values. ``unit``: the units' target size; any gives the same bytes."""
     if out is None:
         out = np.empty(fmt.nbytes, dtype=np.uint8)
     size, whole = unit_bytes(fmt, unit), []
@@ -67,9 +59,8 @@ def encode(fmt: ShardFormat, data: np.ndarray, out: np.ndarray | None = None,
 
 def encode_to(fmt: ShardFormat, data: np.ndarray, write: Callable[[memoryview], None],
               scratch: Callable[[int], np.ndarray], unit: int | None = None) -> list[int]:
-    """Pass the stored bytes of an outer chunk to ``write``, in order, in parts; its crc32c values. Each part is
-    encoded into ``scratch(n)`` (``n`` bytes, reused) and valid only during its ``write`` call; a chunk of one
-    contiguous inner chunk inside the array is written from ``data`` itself."""
+    """Pass the stored bytes of an outer chunk to ``write`` in parts, each encoded into ``scratch(n)`` (reused, valid
+    only during its ``write``) or ``data`` itself; return its crc32c values."""
     if fmt.pieces == 1 and tuple(data.shape) == fmt.chunk and data.flags.c_contiguous:
         flat = data.reshape(-1).view(np.uint8)
         crc = _crc32c.crc32c(flat)
@@ -88,8 +79,7 @@ def encode_to(fmt: ShardFormat, data: np.ndarray, write: Callable[[memoryview], 
 
 
 def _encode_unit(fmt: ShardFormat, data: np.ndarray, u: int, out: np.ndarray, unit: int | None) -> list[int]:
-    """Unit ``u`` of the chunk into ``out`` (:func:`unit_bytes` long); its inner chunks' crc32c, in storage order,
-    over every stored byte (padding included)."""
+    """Unit ``u`` of the chunk into ``out``; its inner chunks' crc32c in storage order, padding included."""
     k = unit_dims(fmt, unit)
     fixed = np.unravel_index(u, [fmt.grid[d] for d in fmt.order[:k]]) if k else ()
     box = [slice(0, c) for c in fmt.chunk]
@@ -113,7 +103,7 @@ def _encode_unit(fmt: ShardFormat, data: np.ndarray, u: int, out: np.ndarray, un
 
 
 def padded(data: np.ndarray, box: Sequence[slice]) -> np.ndarray:
-    """``box`` of the chunk whose part inside the array is ``data``: a view, or zero-padded past the array's edge."""
+    """``box`` of the chunk whose part inside the array is ``data``: a view, or zero-padded past the edge."""
     if all(s.stop <= n for s, n in zip(box, data.shape)):
         return data[tuple(box)]
     out = np.zeros([s.stop - s.start for s in box], dtype=data.dtype)
@@ -124,7 +114,7 @@ def padded(data: np.ndarray, box: Sequence[slice]) -> np.ndarray:
 
 
 def _crcs(fmt: ShardFormat, data: np.ndarray, whole: list[int]) -> list[int]:
-    """The crc32c values the checksum tables hold, from those of the stored inner chunks (storage order)."""
+    """The crc32c values :func:`encode` returns, from those of the stored inner chunks (storage order)."""
     if tuple(data.shape) == fmt.chunk:  # every inner chunk whole: its crc32c is the one just taken
         return [whole[p] for p in fmt.positions.tolist()]
     crcs = []
@@ -139,8 +129,7 @@ def _crcs(fmt: ShardFormat, data: np.ndarray, whole: list[int]) -> list[int]:
 
 @dataclass
 class EncodedChunk:
-    """One outer chunk in tsckpt's layout, as a value a sink stores (:mod:`tsckpt.storage.sinks`):
-    ``fmt.nbytes`` long, encoded part by part while it is written (:func:`encode_to`)."""
+    """One outer chunk as a value a sink stores (:mod:`tsckpt.storage.sinks`), encoded while it is written."""
 
     fmt: ShardFormat
     data: np.ndarray

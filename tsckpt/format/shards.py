@@ -1,12 +1,7 @@
-"""Zarr's ``sharding_indexed`` layout for raw inner chunks: the stored bytes of an outer chunk and its index.
-
-A shard is its inner chunks' bytes (each followed by its crc32c with the codec), then one little-endian
-``uint64`` pair ``(offset, nbytes)`` per inner chunk in row-major order of the inner grid (both
-:data:`MISSING` for one not stored), then the index's crc32c with the codec. tsckpt stores every inner
-chunk, in the order :attr:`ShardFormat.order` gives, so all outer chunks of an array have one size and
-a load split along one dimension reads a few byte ranges of each. tsckpt encodes chunks itself
-(:mod:`tsckpt.format.shard_encoding`): one transposing copy, where TensorStore's codec pays
-microseconds per inner chunk. Pure functions; no I/O."""
+"""Zarr's ``sharding_indexed`` layout for raw inner chunks: an outer chunk's stored bytes and index
+(``docs/format.md``, section 5). Every inner chunk is stored, in the order :attr:`ShardFormat.order` gives,
+so all outer chunks of an array have one size and a load split along one dimension reads a few ranges of
+each; :mod:`tsckpt.format.shard_encoding` encodes them with one transposing copy."""
 
 from __future__ import annotations
 
@@ -30,21 +25,19 @@ _CRC_BYTES = 4
 
 @dataclass(frozen=True)
 class ShardFormat:
-    """How one array's outer chunks are laid out: outer and inner chunk shapes, item size, crc32c codec.
-    ``indexed=False``: no sharding codec; the one piece is the whole chunk, followed by no index."""
+    """How one array's outer chunks are laid out. ``indexed=False``: no sharding codec, one piece, no index."""
 
     chunk: tuple[int, ...]
     inner: tuple[int, ...]
     itemsize: int
     crc32c_codec: bool = False
     indexed: bool = True
-    #: Dimensions stored slowest, ahead of the others (:attr:`order`): those no chunk boundary of the array
-    #: cuts, in an array that chunk boundaries cut along another dimension.
+    #: Dimensions stored slowest (:attr:`order`): those no chunk boundary cuts, where boundaries cut another.
     first: tuple[int, ...] = ()
 
     @functools.cached_property
     def grid(self) -> tuple[int, ...]:
-        """Inner chunks per outer chunk, along each dimension."""
+        """Inner chunks per outer chunk."""
         return tuple(c // i for c, i in zip(self.chunk, self.inner))
 
     @functools.cached_property
@@ -77,7 +70,7 @@ class ShardFormat:
         return out
 
     def grid_view(self, values: np.ndarray) -> np.ndarray:
-        """All inner chunks of an outer chunk, ``(pieces, *inner)`` in storage order, as a ``(*grid, *inner)`` view."""
+        """All inner chunks, ``(pieces, *inner)`` in storage order, as a ``(*grid, *inner)`` view."""
         ndim = len(self.grid)
         stored = values.reshape((*(self.grid[d] for d in self.order), *self.inner))
         back = [self.order.index(d) for d in range(ndim)]
@@ -89,7 +82,7 @@ class ShardFormat:
 
     @functools.cached_property
     def piece_bytes(self) -> int:
-        """Stored bytes of one inner chunk (its checksum included, with the codec)."""
+        """Stored bytes of one inner chunk, its crc32c included."""
         return math.prod(self.inner) * self.itemsize + (_CRC_BYTES if self.crc32c_codec else 0)
 
     @functools.cached_property
@@ -99,7 +92,7 @@ class ShardFormat:
         return 16 * self.pieces + (_CRC_BYTES if self.crc32c_codec else 0)
 
     def present(self, extent: Sequence[int]) -> np.ndarray:
-        """Which inner chunks hold any of an outer chunk whose part inside the array is ``extent``: a boolean grid."""
+        """Which inner chunks hold any of an outer chunk whose part inside the array is ``extent`` (a bool grid)."""
         ndim = len(self.grid)
         axes = [(np.arange(g) * i < e).reshape([-1 if d == k else 1 for k in range(ndim)])
                 for d, (g, i, e) in enumerate(zip(self.grid, self.inner, extent))]
@@ -107,12 +100,12 @@ class ShardFormat:
 
     @functools.cached_property
     def stored(self) -> np.ndarray:
-        """The storage positions of every inner chunk, in storage order (``0 .. pieces - 1``)."""
+        """``0 .. pieces - 1``: every inner chunk's storage position, in storage order."""
         return np.arange(self.pieces)
 
     @functools.cached_property
     def every(self) -> np.ndarray:
-        """The grid coordinates of every inner chunk, one row each, in row-major order."""
+        """The grid coordinates of every inner chunk, one row each, row-major."""
         return np.argwhere(np.ones(self.grid, dtype=bool))
 
     @functools.cached_property
@@ -125,8 +118,8 @@ class ShardFormat:
         return (self.pieces, *self.inner)
 
     def intact(self, data: np.ndarray) -> bool:
-        """Whether a whole stored outer chunk ``data`` (with the crc32c codec) carries tsckpt's index and every
-        inner chunk its crc32c: a fast yes or no; a no is for :func:`check_stored_codec` to name."""
+        """Whether a whole stored outer chunk (with the crc32c codec) is intact: a fast yes or no, for
+        :func:`check_stored_codec` to explain a no."""
         if not self.crc32c_codec or data[self.nbytes - self.index_bytes:].tobytes() != self.index_blob:
             return False
         step = self.piece_bytes
@@ -143,7 +136,7 @@ class ShardFormat:
 
     @functools.cached_property
     def index(self) -> np.ndarray:
-        """The index tsckpt writes at the end of every outer chunk (as ``uint8``), its entries in row-major order."""
+        """The index (``uint8``) that ends every outer chunk, its entries in row-major order."""
         if not self.indexed:
             return np.empty(0, dtype=np.uint8)
         entries = np.empty((self.pieces, 2), dtype=_ENTRY)
@@ -155,8 +148,8 @@ class ShardFormat:
         return np.concatenate([raw, np.frombuffer(checksums.crc32c(raw).to_bytes(4, "little"), dtype=np.uint8)])
 
     def parse_index(self, tail: bytes | memoryview, where: str) -> np.ndarray:
-        """The ``(pieces, 2)`` array of ``(offset, nbytes)`` from a shard's last :attr:`index_bytes` bytes; a
-        ``ValueError`` naming ``where`` when its crc32c fails or an entry does not describe one raw inner chunk."""
+        """The ``(pieces, 2)`` ``(offset, nbytes)`` of a shard's last :attr:`index_bytes` bytes; ``ValueError`` when
+        its crc32c fails or an entry does not describe one raw inner chunk."""
         raw = np.frombuffer(tail, dtype=np.uint8)
         if raw.size != self.index_bytes:
             raise ValueError(f"{where}: the shard index is {raw.size} bytes, expected {self.index_bytes}")
@@ -173,8 +166,8 @@ class ShardFormat:
 
 
 def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.ndarray, what: str) -> None:
-    """Check a whole outer chunk as stored: exactly :attr:`ShardFormat.nbytes` long, ending in tsckpt's index,
-    every inner chunk matching the crc32c stored after it; else :class:`ChecksumError` naming ``what``."""
+    """Raise :class:`ChecksumError` unless a whole stored outer chunk has :attr:`ShardFormat.nbytes`, ends in
+    tsckpt's index and every inner chunk matches the crc32c stored after it."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
     if raw.size != fmt.nbytes:
         raise ChecksumError(f"{what}: chunk {list(index)} is {raw.size} bytes, not the {fmt.nbytes} written "
@@ -193,8 +186,7 @@ def check_stored_codec(fmt: ShardFormat, index: Sequence[int], data: bytes | np.
 
 
 def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
-    """How every outer chunk of ``entry`` is laid out: with inner chunks (the sharding codec, indexed), or as
-    one piece; each piece followed by its crc32c when the codecs have one."""
+    """How every outer chunk of ``entry`` is laid out."""
     inner = entry.inner_chunk_shape
     # Cached per layout, so arrays laid out alike share one format's tables (positions, index).
     return _format(entry.chunk_shape, inner if inner is not None else entry.chunk_shape,
@@ -202,8 +194,7 @@ def value_format(entry: TensorEntry, options: ArrayOptions) -> ShardFormat:
 
 
 def uncut(entry: TensorEntry) -> tuple[int, ...]:
-    """The dimensions ``entry``'s inner chunks store first (:attr:`ShardFormat.first`): those one chunk spans
-    whole, where chunk boundaries cut another; none where no dimension is cut."""
+    """:attr:`ShardFormat.first` of ``entry``: the dimensions one chunk spans whole, where boundaries cut another."""
     whole = tuple(d for d, (n, c) in enumerate(zip(entry.shape, entry.chunk_shape)) if c >= n)
     return whole if len(whole) < len(entry.shape) else ()
 
@@ -213,10 +204,9 @@ _format = functools.lru_cache(maxsize=1024)(ShardFormat)
 
 def tile_views(full: np.ndarray, body: np.ndarray, grid: Sequence[int],
                inner: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Views of ``full`` (a box of whole inner chunks) and ``body`` (its inner chunks, shaped ``(*grid, *inner)``)
-    of one shape, so that copying either into the other tiles or untiles the box. Where both last axes are
-    contiguous, a row of an inner chunk is one numpy element, so the copy moves whole rows (several times
-    faster when rows are short)."""
+    """Views of ``full`` (a box of whole inner chunks) and ``body`` (them, ``(*grid, *inner)``) of one shape: copying
+    either into the other tiles or untiles the box. Where both last axes are contiguous a row of an inner chunk
+    is one numpy element (several times faster when rows are short)."""
     ndim = len(grid)
     if not ndim:  # a 0-d array: one element, one inner chunk
         return full, body.reshape(())

@@ -1,9 +1,6 @@
-"""Copying what a box wants of a block of inner chunks into place, with one copy for every whole inner chunk.
-
-A read fetches whole inner chunks, each stored contiguously: ``(*block, *inner)``. The inner chunks
-wholly inside the wanted box are untiled straight into the destination; only the rim (those the box
-cuts) goes through a small buffer, instead of untiling the whole block and copying the box out of it.
-Pure functions."""
+"""Copying what a box wants of a block of inner chunks (each stored contiguously: ``(*block, *inner)``) into
+place: the inner chunks wholly inside the box are untiled straight into the destination, only the rim goes
+through a small buffer."""
 
 from __future__ import annotations
 
@@ -38,8 +35,8 @@ def untile_into(values: np.ndarray, inner: Sequence[int], origin: Sequence[int],
 
 def _copy(values: np.ndarray, inner: Sequence[int], origin: Sequence[int], lo: Sequence[int], hi: Sequence[int],
           out: np.ndarray, out_origin: Sequence[int], ranges: list[Range], direct: bool) -> None:
-    """Copy what ``[lo, hi)`` wants of the inner chunks ``ranges`` of the block: untiled straight into ``out``
-    (``direct``: they lie wholly inside), or through a buffer of their own."""
+    """Copy what ``[lo, hi)`` wants of the inner chunks ``ranges`` of the block: straight into ``out``
+    (``direct``), or through a buffer."""
     if any(b <= a for a, b in ranges):
         return
     sub = values[tuple(slice(a, b) for a, b in ranges)]

@@ -1,7 +1,5 @@
-"""The format's name and version, and what a reader says of a checkpoint in another version.
-
-Until 1.0 tsckpt reads only the version it writes (``docs/format.md``, section 9); versions 1 to 5 are
-read by tsckpt 0.1, whose ``tsckpt convert`` turns them into safetensors files this release converts back."""
+"""The format's name and version, and what a reader says of a checkpoint in another version: until 1.0 tsckpt
+reads only the version it writes (``docs/format.md``, section 9); tsckpt 0.1 reads versions 1 to 5."""
 
 from __future__ import annotations
 

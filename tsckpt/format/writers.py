@@ -1,9 +1,5 @@
-"""Which rank saved each outer chunk of an array: the ``writers`` field of a tensor entry.
-
-A reader looks a chunk up in the chunk table of the rank that wrote it, so it must know that rank
-without any other rank's metadata. ``writers`` is the base64 of the zlib stream of one little-endian
-``int32`` per outer chunk (row-major), each the writer's rank minus the previous chunk's (the first's
-minus 0): regular layouts compress to a few bytes (``docs/format.md``, section 3). Pure functions."""
+"""Which rank saved each outer chunk of an array: the ``writers`` field of a tensor entry, so a reader finds a
+chunk's chunk table without any other rank's metadata. Encoding: ``docs/format.md``, section 3."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ import numpy as np
 
 from ..errors import MetadataError
 
-#: The most bytes a ``writers`` field may inflate to (four per chunk): a document that claims more is refused
-#: before it is inflated.
+#: The most chunks a ``writers`` field is inflated for (four bytes each).
 _MAX_CHUNKS = 1 << 28
 
 

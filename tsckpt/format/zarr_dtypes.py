@@ -1,18 +1,16 @@
 """zarr-python data types for bfloat16 and the float8 formats, backed by ml_dtypes.
 
-TensorStore writes these types (``bfloat16``, ``float8_e4m3fn``...), which zarr-python ships no data type
-for. Each class here is made by :func:`_ml_float` from one definition (:class:`_MLFloat`). They are
-declared as zarr's ``zarr.data_type`` entry points; zarr-python 3.1 lists but never loads those, so
-``import tsckpt`` also registers them (:func:`register`) where zarr has none of those names yet. Two-byte
-types carry an endianness (zarr's ``HasEndianness``, the one name taken from ``zarr.core``); one-byte
-types carry none, as the ``bytes`` codec must not declare one for them."""
+TensorStore writes these types, for which zarr-python ships none. They are declared as zarr's
+``zarr.data_type`` entry points; zarr-python 3.1 lists but never loads those, so ``import tsckpt`` also
+registers them (:func:`register`) where zarr has none of those names yet. Two-byte types carry an
+endianness (zarr's ``HasEndianness``); one-byte types none, as the ``bytes`` codec must not declare one."""
 
 from __future__ import annotations
 
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Self, TypeGuard
+from typing import Any, ClassVar, Literal, Self
 
 import ml_dtypes
 import numpy as np
@@ -35,8 +33,7 @@ def _native(name: str) -> np.dtype:
 
 
 def _float_from_json(data: Any) -> float | None:
-    """A JSON fill value as a float: a number, a numeric string or Zarr's ``"NaN"``, ``"Infinity"``,
-    ``"-Infinity"`` (which ``float`` reads too); None if it is none of them."""
+    """A JSON number or numeric string (Zarr's ``"NaN"``, ``"Infinity"`` included) as a float, else None."""
     if isinstance(data, bool) or not isinstance(data, (int, float, str)):
         return None
     try:
@@ -47,19 +44,15 @@ def _float_from_json(data: Any) -> float | None:
 
 @dataclass(frozen=True, kw_only=True)
 class _MLFloat(ZDType[np.dtype, np.generic]):
-    """Everything an ml_dtypes float needs; the classes made by :func:`_ml_float` only name the type. Scalars
-    travel as JSON numbers, ``"NaN"``/``"Infinity"``/``"-Infinity"``, or a ``"0x.."`` hex string of the raw
-    bits (Zarr v3's rule for floats; the only exact form for e8m0's unusual NaN)."""
+    """Everything an ml_dtypes float needs; :func:`_ml_float`'s classes only name the type. Scalars travel as JSON
+    numbers, ``"NaN"``/``"Infinity"``/``"-Infinity"``, or a ``"0x.."`` hex string of the raw bits (Zarr v3's
+    rule for floats; the only exact form for e8m0's unusual NaN)."""
 
     _zarr_v3_name: ClassVar[str]
 
     @classmethod
     def _scalar_type(cls) -> type[np.generic]:
         return getattr(ml_dtypes, cls._zarr_v3_name)
-
-    @classmethod
-    def _check_native_dtype(cls, dtype: Any) -> TypeGuard[np.dtype]:
-        return isinstance(dtype, np.dtype) and dtype.type is cls._scalar_type()
 
     @classmethod
     def from_native_dtype(cls, dtype: Any) -> Self:
@@ -151,8 +144,7 @@ class _TwoByteFloat(_MLFloat, HasEndianness):
 
 
 def _ml_float(class_name: str, zarr_name: str) -> type[_MLFloat]:
-    """The class of one ml_dtypes float, named so that an entry point (``tsckpt.format.zarr_dtypes:BFloat16``)
-    finds it."""
+    """The class of one ml_dtypes float, named for its entry point (``tsckpt.format.zarr_dtypes:BFloat16``)."""
     native = _native(zarr_name)
     base = _TwoByteFloat if native.itemsize > 1 else _MLFloat
     return type(class_name, (base,), {

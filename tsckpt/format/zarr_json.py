@@ -9,14 +9,12 @@ from typing import Any
 from . import dtypes
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
-# "." keeps every chunk file directly in its array's directory ("c.0.1"),
-# which halves the inodes a save creates compared with "c/0/1".
+# "." keeps every chunk file directly in its array's directory ("c.0.1"): half the inodes of "c/0/1".
 CHUNK_KEY_SEPARATOR = "."
 _CRC32C = {"name": "crc32c"}
 
 
-#: Optional compression, by the name a writer is given. Weights and optimizer
-#: moments barely compress (bf16/fp32 noise), so the default is none.
+#: Optional compression, by name. Weights and optimizer moments barely compress (bf16/fp32 noise): default none.
 COMPRESSORS: dict[str, Callable[[int], dict[str, Any]]] = {  # by item size
     "zstd": lambda itemsize: {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
     "blosc": lambda itemsize: {"name": "blosc", "configuration": {
@@ -61,8 +59,7 @@ def blob_metadata(nbytes: int, attributes: dict[str, Any] | None = None) -> dict
     return array_metadata([nbytes], "uint8", [max(nbytes, 1)], attributes=attributes)
 
 
-#: The codecs of every value blob: raw bytes and a crc32c, never compressed,
-#: so a blob's stored chunk is its length plus 4 bytes.
+#: The codecs of every value blob: raw bytes and a crc32c, never compressed (its length plus 4 bytes stored).
 BLOB_CODECS: list[dict[str, Any]] = blob_metadata(0)["codecs"]
 BLOB_CHECKSUM_BYTES = 4
 
