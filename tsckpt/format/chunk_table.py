@@ -121,7 +121,7 @@ class TableReader:
     def __init__(self, length: int, where: str, whole_up_to: int = 0):
         self.length, self.where = length, where
         self._whole_up_to = whole_up_to
-        self._head: bytes | None = None  # the bytes read from the table's start
+        self._head = b""  # the bytes read from the table's start
         self._front: _Front | None = None
         self._blocks: dict[int, np.ndarray] = {}
         self.bytes_read = 0
@@ -130,7 +130,7 @@ class TableReader:
         """The spans ``(offset, length)`` of the table to read next to find ``keys`` (``(array key, chunk)``
         pairs); none once everything they need is here."""
         if self._front is None:
-            have = len(self._head or b"")
+            have = len(self._head)
             if not have:
                 return [(0, self.length if self.length <= self._whole_up_to else min(self.length, _FRONT))]
             need = self._front_length()
@@ -146,7 +146,7 @@ class TableReader:
                 raise MetadataError(f"{self.where}: the chunk table is cut short (bytes {offset}+{length})")
             self.bytes_read += length
             if self._front is None:
-                self._head = (self._head or b"") + bytes(raw)
+                self._head += bytes(raw)
                 continue
             f = self._front
             self._take_block((offset - f.start) // (f.block * f.record.itemsize), np.frombuffer(bytes(raw), np.uint8))
@@ -158,7 +158,6 @@ class TableReader:
         for k in self._blocks_of(keys):
             if k not in self._blocks and self._in_head(k):
                 start, length = self._span(k)
-                assert self._head is not None
                 self._take_block(k, np.frombuffer(self._head[start:start + length], np.uint8))
             parts.append(self._blocks[k])
         return ChunkTable(front.files, front.hashed, np.concatenate(parts) if parts else np.zeros(0, front.record))
@@ -175,7 +174,7 @@ class TableReader:
         return self._front
 
     def _header(self) -> tuple[int, dict]:
-        head = self._head or b""
+        head = self._head
         fail = f"{self.where}: not a version-{VERSION} chunk table"
         if self.length < _HEAD.size + 4 or len(head) < _HEAD.size:
             raise MetadataError(f"{fail} ({self.length} bytes)")
@@ -211,7 +210,7 @@ class TableReader:
         front = self._front_length()
         if front + n * record.itemsize != self.length:
             raise MetadataError(f"{self.where}: the chunk table holds another number of rows than the {n} it declares")
-        head = self._head or b""
+        head = self._head
         if _crc32c.crc32c(head[:front - 4]) != struct.unpack("<I", head[front - 4:front])[0]:
             raise ChecksumError(f"{self.where}: the chunk table's directory does not match its crc32c (it was "
                                 "damaged)")
@@ -228,7 +227,7 @@ class TableReader:
 
     def _in_head(self, k: int) -> bool:
         start, length = self._span(k)
-        return start + length <= len(self._head or b"")
+        return start + length <= len(self._head)
 
     def _take_block(self, k: int, raw: np.ndarray) -> None:
         front = self._parsed()

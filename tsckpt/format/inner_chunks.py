@@ -100,10 +100,9 @@ def choose(shape: Sequence[int], chunk: Sequence[int], itemsize: int, *, min_byt
     return _choose(tuple(shape), tuple(chunk), itemsize, min_bytes, max_bytes, bands)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)  # a model's layers repeat a few shapes
 def _choose(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, min_bytes: int,
             max_bytes: int | None, bands: bool) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    # Cached: a model's layers repeat a few shapes, and planning runs once per save.
     if min_bytes <= 0 or not math.prod(shape) or math.prod(chunk) * itemsize <= min(min_bytes, MIN_PIECE_BYTES):
         return chunk, None
     cands = [_candidates(n, c) for n, c in zip(shape, chunk)]

@@ -59,8 +59,7 @@ def leaves(entries: Entries, limit: int, out: bytearray) -> Iterator[Written]:
     paths = _Paths(entries.files)
     runs = range(len(keys.runs))
     lo, hi = keys.run_starts[:-1], keys.run_starts[1:]
-    # A run is whole when it is long enough for a template and no inline value falls inside it (inline values
-    # are few: documents).
+    # A run is whole when it is long enough for a template and holds no inline value (those are few: documents).
     inline = np.asarray(sorted(entries.inline), np.int64)
     whole = (hi - lo >= TEMPLATE_KEYS) & (np.searchsorted(inline, lo) == np.searchsorted(inline, hi))
     # The runs between whole ones, all together: their leaves come from one pass, each cut within its stretch.
@@ -142,10 +141,9 @@ class _RunLeaves:
 
     def write(self, out: bytearray, run: KeyRun, offset: np.ndarray) -> Written:
         """Append the leaves of ``run``, whose values' offsets are ``offset``, to ``out``."""
-        # Encoded run by run: a column of the whole index's offsets would be a gigabyte of new pages at scale,
-        # a run's stays in cache. This runs once per leaf of the index (hundreds of thousands), so the leaves
-        # are joined at once and each crc32c taken in one call over its record: a call and a few Python steps
-        # per part of each leaf cost more than the checksums themselves.
+        # Encoded run by run: a column of the whole index's offsets would be a gigabyte of new pages at scale. The
+        # leaves are joined at once and each crc32c taken in one call over its record: per part of each leaf (of
+        # hundreds of thousands), a call and a few Python steps cost more than the checksums themselves.
         offsets = VarintColumn(offset)
         ends = offsets.starts[self.bounds]
         length = self.fixed + np.diff(ends)

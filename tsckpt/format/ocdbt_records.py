@@ -49,19 +49,16 @@ def varint_column(values: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.nd
         return v.astype(np.uint8), np.arange(v.size + 1, dtype=np.int64)
     if top >= 1 << 56:
         return _wide_varints(v, top)
-    # Each value's bytes in one little-endian word (four bytes or eight), continuation bits included: a few
-    # passes over words instead of one per byte. Block by block, so that the temporaries of a column of tens
-    # of millions stay a few megabytes, reused, instead of new pages each.
+    # Each value's bytes in one little-endian word (four bytes or eight), continuation bits included: a few passes
+    # over words instead of one per byte. Block by block, so that temporaries stay a few megabytes, reused.
     word = _WORD4 if top < 1 << 28 else _WORD8
     width = (top.bit_length() + 6) // 7
     blocks = [(lo, min(v.size, lo + _BLOCK)) for lo in range(0, v.size, _BLOCK)]
-    # Narrower offsets where they fit.
     index = np.int32 if v.size * word.size < 1 << 31 else np.int64
     if int(v.min()) >> (7 * (width - 1)):
-        # Every value as wide as the widest (an array's offsets, at scale): each word stored whole, ``width``
-        # bytes after the one before, where picking each word's bytes by a mask cost several times the encoding.
-        # A word's bytes past its varint are made the next value's first bytes, so overlapping stores agree
-        # whatever order they land in.
+        # Every value as wide as the widest (an array's offsets, at scale): each word stored whole, ``width`` bytes
+        # after the one before (picking each word's bytes by a mask cost several times more). A word's bytes past
+        # its varint are made the next value's first bytes, so overlapping stores agree in any order.
         data = np.empty(v.size * width + word.size - width, np.uint8)
         into = np.ndarray((v.size,), word.type, data, 0, (width,))
         for lo, hi in blocks:
