@@ -70,7 +70,8 @@ def from_torch_name(name: str) -> DType:
     try:
         return BY_TORCH_NAME[name]
     except (KeyError, TypeError):
-        raise UnsupportedDtypeError(f"torch dtype torch.{name} cannot be stored; supported: {sorted(BY_TORCH_NAME)}") from None
+        raise UnsupportedDtypeError(f"torch dtype torch.{name} cannot be stored; "
+                                    f"supported: {sorted(BY_TORCH_NAME)}") from None
 
 
 def to_torch_dtype(dt: DType) -> torch.dtype:
