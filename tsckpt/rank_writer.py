@@ -79,8 +79,6 @@ class RankWriter:
     def __init__(self, store: Store, rank: int, save_id: str, where: str, *, options: ArrayOptions,
                  checksums: bool, window: int | None, bound_host_sources: bool = False,
                  base: BaseChunks | None = None, sync: bool = True):
-        self.store = store
-        self.rank = rank
         self.where = where
         self.options = options
         self.checksums = checksums
@@ -104,7 +102,6 @@ class RankWriter:
         self._window = CopyWindow(window)
         self.base = base
         self._checks = CopyWindow(CHECK_WINDOW)
-        self.files: RankFiles | None = None
 
     def open(self, entries: Mapping[str, TensorEntry]) -> None:
         """Take the arrays of ``entries`` (flat key -> entry) this rank will write."""
@@ -219,16 +216,16 @@ class RankWriter:
         """Wait for every write, store the chunk table, make everything durable; what the rank's files hold."""
         self.flush()
         try:
-            self.files = self._sink.finish(self._collect)
+            files = self._sink.finish(self._collect)
         except WriteFailed as e:
             raise self._failed(e) from e
         except (OSError, ValueError) as e:
             raise StorageError(f"{problem(e)} making the rank's data durable"
                                + (f" in {self.where}" if self.where else "")) from e
         if self.base is not None:  # the base's data files this rank linked in are the new checkpoint's too
-            self.files = RankFiles(self.files.files + tuple(self.base.linked_files()), self.files.table)
+            files = RankFiles(files.files + tuple(self.base.linked_files()), files.table)
         self._held.clear()
-        return self.files
+        return files
 
     def _collect(self) -> bytes | None:
         """Once every value is written: where each is, its content hash, and so the chunk table (if any)."""
