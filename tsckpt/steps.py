@@ -82,15 +82,13 @@ class _Root:
         self.given = root
         self.location = parse_location(root)
         self.kv = open_kvstore(self.location, make_context(location=self.location))
-        if self._committed_here():
-            raise LocationError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
-                              "that holds the step checkpoints")
-
-    def _committed_here(self) -> bool:
         try:
-            return _is_tsckpt_root(read_json(self.kv, ROOT))
+            committed = _is_tsckpt_root(read_json(self.kv, ROOT))
         except ValueError:
-            return False
+            committed = False
+        if committed:
+            raise LocationError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
+                                "that holds the step checkpoints")
 
     def child(self, name: str) -> tuple[str | dict[str, Any], str]:
         """(location in the root's own form, text form) of entry ``name``."""

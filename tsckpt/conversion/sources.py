@@ -74,8 +74,7 @@ class Options:
 class Sink:
     """Where a target reports progress (bytes done) and what it could not hold."""
 
-    def __init__(self, advance: Callable[[int], None] = lambda n: None,
-                 warn: Callable[[str], None] = lambda m: None):
+    def __init__(self, advance: Callable[[int], None] = lambda n: None, warn: Callable[[str], None] = lambda m: None):
         self.advance, self.warn = advance, warn
         #: Entries the target could not hold and left out (after warning about them).
         self.skipped_tensors = self.skipped_objects = 0
