@@ -123,11 +123,6 @@ class BaseChunks:
         self._writers: dict[str, np.ndarray] = {}
         self._linked: dict[str, bool] = {}
 
-    @property
-    def mode(self) -> str:
-        assert self.choice.mode is not None
-        return self.choice.mode
-
     def digests(self, fqn: str, entry: TensorEntry) -> _Digests | None:
         """The base's content hash of each outer chunk of ``fqn`` (by flat index), if its array is laid out
         as ``entry``'s: same path, shape, data type, chunk shape and inner chunk shape."""
@@ -194,7 +189,7 @@ class BaseChunks:
         base's data file, linked into the new checkpoint), True (plain: its file linked), or None when it
         must be written instead (the filesystem cannot link it)."""
         data, where = reading.result()
-        if self.mode == PACKED:
+        if self.choice.mode == PACKED:
             if not self._link(where.file):
                 return None
             return Ref(where.file, where.offset, where.length if where.length is not None else len(data))
