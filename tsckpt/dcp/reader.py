@@ -59,22 +59,19 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     Args:
         path: checkpoint directory (or kvstore spec), or ``checkpoint_id=`` to ``dcp.load``.
-        _extension_registry: accepted in ``FileSystemReader``'s position and unused:
-            each array's ``zarr.json`` names its codecs, and TensorStore decodes them.
-        allow_pickle: restore non-tensor values that need arbitrary unpickling
-            (code from the checkpoint may run). Off by default.
+        _extension_registry: accepted in ``FileSystemReader``'s position and unused: each array's
+            ``zarr.json`` names its codecs, and TensorStore decodes them.
+        allow_pickle: restore non-tensor values that need arbitrary unpickling (code from the checkpoint may
+            run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        per_thread_copy_ahead: bytes of host buffers a rank reads ahead (for GPU
-            destinations, dtype casts, and encoded inner chunks before they are
-            checked); older reads complete before more start. Default 1 GiB;
-            0 reads one tensor at a time; ``None`` reads everything first.
-        replica_reads: when several ranks need the very same box of a tensor
-            (DDP replicas, the replica dimension of an HSDP mesh, ``Replicate``
-            placements), one of them fetches and checks it and sends it to the
-            others over the default process group, so storage serves one copy.
-            ``None`` (default): on for object stores (S3, GCS), off for
-            filesystems. If the rank fetching a region fails, every rank that
-            needed it raises.
+        per_thread_copy_ahead: bytes of host buffers a rank reads ahead (for GPU destinations, dtype casts, and
+            encoded inner chunks before they are checked); older reads complete before more start. Default
+            1 GiB; 0 reads one tensor at a time; ``None`` reads everything first.
+        replica_reads: when several ranks need the very same box of a tensor (DDP replicas, the replica
+            dimension of an HSDP mesh, ``Replicate`` placements), one of them fetches and checks it and sends
+            it to the others over the default process group, so storage serves one copy. ``None`` (default):
+            on for object stores (S3, GCS), off for filesystems. If the rank fetching a region fails, every
+            rank that needed it raises.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
@@ -231,8 +228,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         ranges merged per file; ``first`` runs once the first batch's requests have started."""
         batch = self.source.batch()
         pending: list[tuple[ReadItem, torch.Tensor, PlannedBox, bool]] = []
-        held = 0
-        limit = self.per_thread_copy_ahead
+        held, limit = 0, self.per_thread_copy_ahead
         scratch = Scratch()  # where values bound for a GPU (or another dtype) wait, reused batch after batch
 
         def flush() -> None:
@@ -282,7 +278,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return dtypes.to_torch_dtype(dtypes.from_zarr(self.metadata.tensors[fqn].dtype))
 
     def _result(self, fqn: str, dest: torch.Tensor, read: Callable[[], np.ndarray], copy: bool) -> np.ndarray:
-        """The checked values of one read, also copied into ``dest`` unless read in place; one clear error."""
+        """The checked values of one read, also copied into ``dest`` unless read in place."""
         with self._errors_of(fqn):
             data = read()
             if copy:
@@ -291,7 +287,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     @contextlib.contextmanager
     def _errors_of(self, fqn: str) -> Iterator[None]:
-        """A failed read of tensor ``fqn`` as one clear error (tsckpt's own as they are)."""
         try:
             yield
         except TsckptError:
@@ -306,7 +301,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             return object_values.from_json(entry.value)
         assert entry.path is not None
         return object_values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
-                                       where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
+                                              where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
 
 
 def _writer(md: CheckpointMetadata, region: Region) -> int | None:

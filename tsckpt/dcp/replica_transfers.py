@@ -1,14 +1,10 @@
 """Replicas read once, the bytes: an owner sends a region it fetched to the ranks that also need it.
 
-:mod:`tsckpt.dcp.replica_reads` decides what goes where; this module moves it
-with point-to-point messages on the default process group, one per receiver
-(an owner whose read failed still sends, so no receiver waits forever), then one
-status per receiver: whether every read made for it succeeded, else the first
-error, which the receiver raises. Every rank posts in the schedule's global
-order, as NCCL needs (it ignores tags and runs a pair's messages in posting
-order); receives that gloo carries (matched by sender and tag) are posted as
-soon as they are planned. The bytes travel in the stored dtype, straight from
-and into the destination where the backend carries it, through a buffer otherwise.
+Point-to-point messages on the default process group, one per receiver (an owner whose read failed still
+sends, so no receiver waits forever), then one status per receiver: success, or the first error, which the
+receiver raises. Every rank posts in the schedule's global order, as NCCL needs (it ignores tags and runs a
+pair's messages in posting order); receives gloo carries (matched by sender and tag) are posted when planned.
+Bytes travel in the stored dtype, straight from and into the destination where the backend carries it.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ STATUS_TAG = 0
 
 
 def _status(error: BaseException | None, device: torch.device) -> torch.Tensor:
-    """The status message for a read that raised ``error`` (None: succeeded)."""
     out = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
     if error is not None:
         out[0] = next((k + 1 for k, cls in enumerate(FAILURES) if isinstance(error, cls)), len(FAILURES))
@@ -42,7 +37,6 @@ def _status(error: BaseException | None, device: torch.device) -> torch.Tensor:
 
 
 def _relayed(status: torch.Tensor, owner: int, where: str) -> TsckptError | None:
-    """What the owner's status says it raised, with its text (None: it succeeded)."""
     status = status.cpu()
     code = int(status[0])
     if not code:
@@ -64,7 +58,6 @@ def _backends(backend: str) -> dict[str, str] | None:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as a flat uint8 view (every backend sends bytes)."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -74,18 +67,13 @@ MAX_COPIES_LEAVING = 64 << 20
 
 
 class ReplicaTransfers:
-    """One rank's sends and receives of shared regions during one ``read_data``.
-
-    ``stored(fqn)``: a tensor's stored torch dtype; ``max_copies``: bytes of sent
-    copies kept until they have left. Sends stay in flight until :meth:`finish`,
-    which every rank must reach, whatever failed before, and which exchanges the statuses.
-    """
+    """One rank's sends and receives of shared regions during one ``read_data``. ``stored(fqn)``: a tensor's
+    stored torch dtype. Sends stay in flight until :meth:`finish`, which every rank must reach, whatever failed
+    before, and which exchanges the statuses."""
 
     def __init__(self, rank: int, where: str, stored: Callable[[str], torch.dtype],
                  max_copies: int | None = MAX_COPIES_LEAVING):
-        self.rank = rank
-        self.where = where
-        self.stored = stored
+        self.rank, self.where, self.stored = rank, where, stored
         self.backends = _backends(dist.get_backend())
         self.max_copies = MAX_COPIES_LEAVING if max_copies is None else min(max_copies, MAX_COPIES_LEAVING)
         self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, what it sends: kept alive until sent)
@@ -109,8 +97,7 @@ class ReplicaTransfers:
 
     def direct(self, dest: torch.Tensor, fqn: str) -> bool:
         """Whether ``dest`` itself can be sent or received into."""
-        return (self.wire_device(dest) == dest.device and dest.dtype == self.stored(fqn)
-                and dest.is_contiguous())
+        return self.wire_device(dest) == dest.device and dest.dtype == self.stored(fqn) and dest.is_contiguous()
 
     def send(self, transfer: Transfer, payload: torch.Tensor, error: BaseException | None, copy: bool) -> None:
         """Send ``payload`` (contiguous, stored dtype, on the wire device) to the region's receivers; with
@@ -136,8 +123,7 @@ class ReplicaTransfers:
         return nbytes
 
     def receive(self, transfer: Transfer, into: torch.Tensor) -> Callable[[], None]:
-        """Start receiving the region into ``into``; returns its wait. Whether the owner's read succeeded is
-        known at :meth:`finish`."""
+        """Start receiving the region into ``into``; returns its wait (the owner's status comes at :meth:`finish`)."""
         work = dist.irecv(as_bytes(into), src=transfer.owner, tag=2 * transfer.seq + 1)
         self._owners.setdefault(transfer.owner, into.device)
         return work.wait

@@ -1,11 +1,11 @@
-"""Regions a rank shares with its replicas (:mod:`tsckpt.dcp.replica_reads`): fetched once by their owner and
-sent, or received, by every rank in one global order inside ``TensorStoreReader.read_data``. A failure never
-leaves a transfer undone: it is kept, and raised once every transfer is; a region whose read failed may
-already sit in its destination when the load raises.
+"""Regions a rank shares with its replicas (:mod:`tsckpt.dcp.replica_reads`), fetched once by their owner and
+sent or received in one global order. A failure never leaves a transfer undone: it is kept, and raised once
+every transfer is (a region whose read failed may already sit in its destination).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -28,8 +28,7 @@ T = TypeVar("T")
 
 
 class SharedReads:
-    """One rank's part in the shared regions of one load: ``reader`` is the rank's
-    :class:`~tsckpt.dcp.reader.TensorStoreReader` (its source, dtypes, checks and copy-ahead bound)."""
+    """One rank's part in the shared regions of one load (``reader``: its ``TensorStoreReader``)."""
 
     def __init__(self, reader: Any, plan: LoadPlan, planner: LoadPlanner, readers: dict[str, BoxReader],
                  moving: ReplicaTransfers, buffers: CopyWindow, failures: list[Exception]):
@@ -37,8 +36,7 @@ class SharedReads:
         self.moving, self.buffers, self.failures = moving, buffers, failures
 
     def run(self, transfers: list[Transfer], rank: int) -> None:
-        """Fetch and send, or receive, every region of ``transfers``, in order; the regions this rank fetches
-        are read in rounds of one batch each."""
+        """Fetch and send, or receive, every region of ``transfers`` in order, in rounds of one batch each."""
         targets = _Targets(transfers)
         items = self.plan.items
         # A receive posted when planned (gloo) is waited for after every send of its round (last of all if it
@@ -73,8 +71,8 @@ class SharedReads:
             wait()
 
     def _rounds(self, transfers: list[Transfer], rank: int) -> Iterator[list[Transfer]]:
-        """``transfers`` in order, cut into rounds whose regions fetched by ``rank`` hold at most
-        ``per_thread_copy_ahead`` bytes (or one region, if larger)."""
+        """``transfers`` in rounds whose regions fetched by ``rank`` hold at most ``per_thread_copy_ahead`` bytes
+        (or one region, if larger)."""
         limit, held, round_ = self.reader.per_thread_copy_ahead, 0, []
         for t in transfers:
             item = self.plan.items[t.item]
@@ -91,8 +89,8 @@ class SharedReads:
     def _share(self, item: ReadItem, transfer: Transfer, batch: RangeBatch,
                targets: _Targets) -> tuple[int, Callable[[], None], bool]:
         """Plan one shared region's fetch into ``batch`` (its owner) or its receive: the bytes it holds, the
-        step that sends or receives it (committing the item after its last stripe; a failure is raised after
-        the transfer), and whether it is a receive already posted."""
+        step that sends or receives it (committing the item after its last stripe), and whether it is a
+        receive already posted."""
         dest, error = targets.resolve(transfer.item, item, self.planner, self.reader._stored_dtype)
         offsets, lengths = transfer.box(item.storage_offsets, item.lengths)
         part = dest
@@ -119,7 +117,7 @@ class SharedReads:
     def _receive(self, item: _Box, transfer: Transfer, dest: torch.Tensor,
                  error: Exception | None) -> tuple[int, Callable[[], None], bool]:
         """Admit the buffer a received region needs (none when ``dest`` takes it): its bytes, the receive,
-        and whether it is posted already (see :mod:`~tsckpt.dcp.replica_transfers`)."""
+        and whether it is posted already."""
         fqn, moving = item.fqn, self.moving
         direct = moving.direct(dest, fqn)
         stored = self.reader._stored_dtype(fqn)
@@ -142,7 +140,7 @@ class SharedReads:
     def _fetch_and_send(self, item: _Box, transfer: Transfer, dest: torch.Tensor, error: Exception | None,
                         batch: RangeBatch) -> tuple[int, Callable[[], None]]:
         """Plan the checked read of a region this rank owns into ``batch``: its held bytes, and the step that
-        sends it after ``batch`` runs (even when the read failed, then raising the failure)."""
+        sends it after ``batch`` runs (even when the read failed, then raising)."""
         reader, moving = self.readers[item.fqn], self.moving
         in_place = readable_in_place(dest, reader.dtype)
         nbytes = reader.held_bytes(item.lengths, out=in_place)
@@ -177,8 +175,7 @@ class SharedReads:
 
 
 def guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any) -> T | None:
-    """Run ``step``; with ``failures`` (replicas depend on this rank), keep its error there instead of
-    raising (and give None)."""
+    """Run ``step``; with ``failures`` (replicas depend on this rank), keep its error there and give None."""
     if failures is None:
         return step(*args)
     try:
@@ -189,20 +186,16 @@ def guarded(failures: list[Exception] | None, step: Callable[..., T], *args: Any
 
 
 def stripes_along(grid: ChunkGrid) -> tuple[tuple[int, int, int], ...]:
-    """Where replicas may cut a tensor's shared regions, best first: the dimension, its outer chunk and its
-    extent."""
+    """Where replicas may cut a tensor's shared regions, best first: (dimension, outer chunk, extent)."""
     return tuple((d, grid.chunk_shape[d], grid.shape[d]) for d in band_order.stripe_dims(grid))
 
 
 def readable_in_place(dest: torch.Tensor, stored: np.dtype) -> bool:
-    """Whether a box can be read straight into ``dest``, with no host buffer."""
     return dest.device.type == "cpu" and dtypes.from_torch(dest.dtype).numpy == stored
 
 
 @dataclasses.dataclass(frozen=True)
 class _Box:
-    """What one transfer moves: a box of tensor ``fqn``, as stored."""
-
     fqn: str
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
@@ -212,14 +205,12 @@ class _Targets:
     """The destination of each shared item, resolved once, and how many of its transfers are still to come."""
 
     def __init__(self, transfers: list[Transfer]):
-        self.left: dict[int, int] = {}
-        for t in transfers:
-            self.left[t.item] = self.left.get(t.item, 0) + 1
+        self.left = collections.Counter(t.item for t in transfers)
         self._dests: dict[int, tuple[torch.Tensor, Exception | None]] = {}
 
     def resolve(self, index: int, item: ReadItem, planner: LoadPlanner,
                 stored: Callable[[str], torch.dtype]) -> tuple[torch.Tensor, Exception | None]:
-        """The item's destination (or, if the planner fails to give one, a scratch tensor and why)."""
+        """The item's destination (or, if the planner gives none, a scratch tensor and why)."""
         if index not in self._dests:
             try:
                 self._dests[index] = planner.resolve_tensor(item).detach(), None
