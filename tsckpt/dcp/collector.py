@@ -25,8 +25,7 @@ _was_enabled = False
 
 @contextlib.contextmanager
 def held_off() -> Iterator[None]:
-    """No automatic cycle collection inside (on any thread); as it was once every caller is out. Nothing changes
-    unless :data:`hold` is true and ``$TSCKPT_HOLD_GC`` is not 0."""
+    """No automatic cycle collection inside (on any thread) while :data:`hold`; as it was once every caller is out."""
     global _held, _was_enabled
     counted = hold and os.environ.get(HOLD_ENV, "").strip().lower() not in ("0", "false", "no", "off")
     with _lock:

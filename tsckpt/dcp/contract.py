@@ -217,8 +217,7 @@ class NewOrders:
 
 
 class RankWrites(list):
-    """One rank's answer to ``write_data``: a ``WriteResult`` list (empty: DCP only hands it to ``finish``),
-    with the rank's summary beside it."""
+    """One rank's answer to ``write_data``: an empty ``WriteResult`` list, with the rank's summary beside it."""
 
     def __init__(self, results: Sequence[WriteResult], summary: RankSummary):
         super().__init__(results)

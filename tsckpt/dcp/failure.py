@@ -51,8 +51,7 @@ class RankFailure:
 
     @classmethod
     def of(cls, rank: int, error: BaseException) -> RankFailure:
-        """The failure ``error`` describes, with what to check for a refused or unreachable request (also one
-        that is its cause)."""
+        """The failure ``error`` describes, with what to check for a refused or unreachable request."""
         if isinstance(error, TsckptError):
             text = one_line(error)
         elif isinstance(error, ValueError):  # how TensorStore reports a failed request
@@ -96,7 +95,7 @@ def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], li
         except KeyboardInterrupt:
             raise interruption(target.url, [rank], _outcome(target, settle=False)) from None
         except Exception as e:
-            if _committed_by(target):  # whatever failed after (a lost answer, a replaced checkpoint's clean-up)
+            if committed_at(target.location, target.save_id):  # whatever failed after (e.g. a lost answer)
                 warn_committed(target.url, target.save_id, [f"{RankFailure.of(rank, e).problem} after its commit"])
                 return
             if isinstance(e, TsckptError):
@@ -123,10 +122,8 @@ def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> S
     lines = [f"save to {url} failed on rank {first.rank}: {first.problem}"
              + (f" (and on {len(others)} other rank{'s' if len(others) > 1 else ''})" if others else "")]
     lines += [f"  rank {f.rank}: {f.problem}" for f in others]
-    if cleanup is None:
-        lines.append("nothing was committed; what the save had written was removed")
-    else:
-        lines.append(f"nothing was committed; what the save had written could not be removed: {cleanup}")
+    lines.append("nothing was committed; what the save had written "
+                 + ("was removed" if cleanup is None else f"could not be removed: {cleanup}"))
     return SaveFailedError("\n".join(lines))
 
 
@@ -166,23 +163,20 @@ def _interrupted_line(url: str, stopped: list[int], outcome: str) -> str:
 
 def _outcome(target: SaveTarget, *, settle: bool) -> str:
     """What an interrupted save left; ``settle``: wait for writes a rank stopped waiting for to land first."""
-    if _committed_by(target):
+    if committed_at(target.location, target.save_id):
         return f"it had committed: {target.url} is complete"
-    cleanup = _abort_interrupted(target, settle=settle)
-    return "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
-
-
-def _abort_interrupted(target: SaveTarget, *, settle: bool) -> str | None:
     try:
         if settle and isinstance(target, StagedTarget):  # a staging directory: waits for late writes itself
-            return target.abort_interrupted()
-        if settle:
-            _settle_keys(target)
-        return target.abort()
+            cleanup = target.abort_interrupted()
+        else:
+            if settle:
+                _settle_keys(target)
+            cleanup = target.abort()
     except (OSError, ValueError, TsckptError) as e:
-        return f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
+        cleanup = f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
     except KeyboardInterrupt:  # Ctrl-C once more: stop waiting, say what is there
-        return f"what it had staged may be left: `tsckpt clean {target.url}` removes it"
+        cleanup = f"what it had staged may be left: `tsckpt clean {target.url}` removes it"
+    return "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
 
 
 def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) -> None:
@@ -196,10 +190,6 @@ def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) 
         now = set(kv.list().result())
         if now != last:
             last, calm_since = now, time.monotonic()
-
-
-def _committed_by(target: SaveTarget) -> bool:
-    return committed_at(target.location, target.save_id)
 
 
 def committed_at(location: Location, save_id: str) -> bool:

@@ -107,8 +107,7 @@ def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str
 
 
 def resolve_compression(extensions: Sequence[Any] | None, compression: str | None) -> str | None:
-    """The compression codec from DCP's ``_extensions`` or ``compression``: ``ZStandard()`` becomes Zarr's
-    ``zstd``; other extensions are refused (stream transforms would make arrays Zarr readers cannot decode)."""
+    """``ZStandard()`` in DCP's ``_extensions`` is Zarr's ``zstd``; other extensions are refused (Zarr can't decode)."""
     codecs = []
     for ext in extensions or ():
         try:
@@ -184,8 +183,7 @@ def log_save(url: str, tensors: Mapping[str, TensorEntry], blob_paths: Sequence[
     arrays = [e.path for e in tensors.values()] + [p for p in blob_paths if p]
     nodes = len(arrays) + sum(1 for g in parent_groups(arrays) if g) + 1
     files = sum(e.grid.nchunks for e in tensors.values()) + len(blob_paths) + nodes
-    log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks,
-                 reuse=reuse)
+    log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks, reuse=reuse)
 
 
 def load_totals(metadata: CheckpointMetadata, plans: Sequence[Any]) -> tuple[int, int]:

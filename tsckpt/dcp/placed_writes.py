@@ -46,8 +46,8 @@ class Placed:
         dims = tuple(d % len(shape) if d != -1 else -1 for d in dims)
         sharded = [d for d in dims if d != -1]
         if len(set(sharded)) != len(sharded):
-            # One dimension split over several mesh dimensions: torch versions have placed uneven splits
-            # differently, so these stay in the plans, where DCP says where each shard is.
+            # One dimension split over several mesh dimensions: torch versions place uneven splits differently,
+            # so these stay in the plans, where DCP says where each shard is.
             return None
         return cls(tuple(int(n) for n in shape), int(itemsize), mesh_shape, dims)
 
@@ -111,10 +111,7 @@ def _piece_rows(placed: Placed, offsets: np.ndarray, sizes: np.ndarray, replicas
     if m < 2:
         return None
     edges = np.concatenate([offsets[:, 0], offsets[:, 0] + sizes[:, 0]])
-    inner = 0
-    for edge in np.unique(edges[(edges > 0) & (edges < placed.shape[0])]).tolist():
-        inner = math.gcd(inner, edge)
-    return row_step(inner, rows, m)
+    return row_step(math.gcd(*np.unique(edges[(edges > 0) & (edges < placed.shape[0])]).tolist()), rows, m)
 
 
 @dataclass(frozen=True)

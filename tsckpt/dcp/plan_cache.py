@@ -69,8 +69,7 @@ class CachedSave:
 
 
 class PlanCache:
-    """The coordinator's side of DCP's plan cache (thread-safe): full plans recalled, layouts and pickles kept,
-    one entry per cache key (a tsckpt planner class's, or :data:`RECALLED`)."""
+    """The coordinator's side of DCP's plan cache (thread-safe), one entry per cache key (or :data:`RECALLED`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -133,8 +132,7 @@ class PlanCache:
 
     def send(self, key: str, plans: list[SavePlan], sent: list[SavePlan], layout: GlobalLayout,
              rank_plans: list[RankPlan]) -> list[SavePlan]:
-        """Every rank's plan (``sent``, made from the full ``plans``) with its fresh storage data, its items
-        pickled at most once per cache entry."""
+        """Every rank's plan (``sent``) with fresh storage data, its items pickled at most once per cache entry."""
         with self._lock:
             entry = self._entries.get(key)
         if entry is not None and _same_objects(entry.global_plans, plans) and entry.sent is sent:

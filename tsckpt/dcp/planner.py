@@ -96,8 +96,7 @@ def describes(obj: Any, rank: int, meshes: MeshRecords | None = None) -> bool:
 
 
 def placement_records(planner: Any, rank: int, plain: bool = True) -> dict[str, dict[str, Any]]:
-    """The placement records of the tensors of ``planner.state_dict`` that ``rank`` describes; ``plain``: plain
-    tensors too."""
+    """The records of the tensors of ``planner.state_dict`` that ``rank`` describes (``plain``: plain ones too)."""
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
         return {}

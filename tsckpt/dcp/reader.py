@@ -31,8 +31,7 @@ from ..storage.location import LocationLike
 from . import collector
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
 from .replica_reads import MIN_SHARED_BYTES, RankNote, Region, ReplicaShare, schedule
-from .replica_transfers import ReplicaTransfers
-from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
+from .shared_reads import ReplicaTransfers, SharedReads, guarded, readable_in_place, stripes_along
 from .load_planner import DecodedValue
 from .planner import whole_tensor
 from .io import TensorStoreIO, done, load_totals, log_transfer, logging_on
@@ -166,8 +165,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                    for fqn in wanted}
         share = ReplicaShare.of(plan)
         transfers = share.transfers() if share is not None else []
-        # Every chunk this rank reads, found at once: an index's nodes are read level by level for all of them.
-        # What other ranks fetch for it is not looked up: that could read their chunk tables for nothing.
+        # Every chunk this rank reads, found at once (an index is read level by level for all of them); not what
+        # other ranks fetch for it: that could read their chunk tables for nothing.
         received = {t.item for t in transfers if t.owner != share.rank} if share is not None else set()
         self.source.locator.prefetch(key for k, i in enumerate(plan.items) if i.type != LoadItemType.BYTE_IO
                                      and k not in received
@@ -188,8 +187,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 started = True
                 SharedReads(self, plan, planner, readers, moving, buffers, failures).run(transfers, share.rank)
 
-        # A few small reads of this rank's own (step counts, norms) start first, and are placed after the
-        # shared regions: their requests' latency then overlaps the exchange instead of following it.
+        # A few small reads of this rank's own (step counts, norms) start first, placed after the shared regions:
+        # their latency then overlaps the exchange.
         early = share is not None and (self._few_small(alone, readers) or self._few_small(
             [plan.items[t.item] for t in transfers if t.owner == share.rank], readers, MIN_SHARED_BYTES * 64))
         try:
@@ -224,8 +223,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader],
                     first: Callable[[], None] | None = None) -> None:
-        """Read this rank's own items in batches of at most ``per_thread_copy_ahead`` bytes held, each batch's
-        ranges merged per file; ``first`` runs once the first batch's requests have started."""
+        """This rank's own items, in batches of ``per_thread_copy_ahead`` bytes; ``first`` once one has started."""
         batch = self.source.batch()
         pending: list[tuple[ReadItem, torch.Tensor, PlannedBox, bool]] = []
         held, limit = 0, self.per_thread_copy_ahead

@@ -4,7 +4,7 @@ The coordinator (``prepare_global_plan``) gives each region (tensor, offsets, si
 (DDP replicas, HSDP's replica dimension, ``Replicate``) to one of them, evening out the bytes each fetches, and
 tells every rank its part in one global order. A shared box is cut into stripes at its chunks along a dimension
 it is stored by (:func:`tsckpt.format.band_order.stripe_dims`), so each member reads one run of each file.
-Moving the bytes is :mod:`tsckpt.dcp.replica_transfers`.
+Fetching and moving the bytes is :mod:`tsckpt.dcp.shared_reads`.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ class ReplicaShare:
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 #: Boxes smaller than this (step counts, norms) are read by every rank that needs them, unless the rank that
-#: saved them needs them too: passing them on costs more than fetching them beside the ranks' own reads, but
-#: less than reading another rank's chunk table and values, two requests, only for them.
+#: saved them needs them too: passing them on costs more than fetching them, but less than reading another
+#: rank's chunk table and values, two requests, only for them.
 MIN_SHARED_BYTES = 4 << 10
 
 
@@ -128,15 +128,13 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
     for region, who in needers.items():
         if len(who) == 1:
             fetched[who[0][0]] += sizes[region]
-    # Large regions in stripes, stripe k to the k-th member (the same member takes the same stripe of each);
-    # the rest whole, largest first, each to the member that has fetched the fewest bytes so far.
+    # Large regions in stripes, stripe k to the k-th member; the rest whole, largest first, each to the least loaded.
     parts: list[tuple[Region, tuple[int, int, int] | None]] = []
     owners: list[int] = []
     whole = []
     for k, region in enumerate(shared):
         who = needers[region]
-        cut, stripes = (None, None) if region in small else _cut(region, cuts(region[0]) if region[2] else (),
-                                                                  len(who))
+        cut, stripes = (None, None) if region in small else _cut(region, cuts(region[0]) if region[2] else (), len(who))
         if stripes is None:
             whole.append(k)
             continue

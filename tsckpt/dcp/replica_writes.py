@@ -26,8 +26,8 @@ from ..format.inner_chunks import divisors
 
 #: No piece is cut smaller than this: below it, a piece costs more in files and requests than it balances.
 MIN_PIECE_BYTES = 1 << 20
-#: Items above this fraction of a member's even share of the group's bytes are cut into pieces:
-#: greedy assignment then ends within about this fraction of even.
+#: Items above this fraction of a member's even share of the group's bytes are cut into pieces (greedy
+#: assignment then ends within about this fraction of even).
 PIECE_FRACTION = 1 / 8
 
 
@@ -80,8 +80,7 @@ def piece_of(data: torch.Tensor, item: WriteItem, where: str) -> torch.Tensor:
 
 
 def spread(plans: Sequence[SavePlan]) -> list[SavePlan]:
-    """Every rank's plan (of the deduplicated global plans) with each replica group's tensor items cut and
-    balanced over the group; a rank without :class:`Holdings` equal to another's keeps its plan."""
+    """Every rank's plan with each replica group's tensor items cut and balanced over the group."""
     groups: dict[tuple[bytes, int], list[int]] = {}
     for r, p in enumerate(plans):
         held = Holdings.attached(p)

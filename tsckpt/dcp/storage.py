@@ -246,9 +246,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 for writer in writers:
                     writer.abandon()
                 raise
-            # The first Ctrl-C waits with the rest of this step: cut short, the wait would leave writes on their
-            # way to land after the clean-up. A second one stops it (CtrlC holds no second Ctrl-C): raised as it
-            # is, it reaches tsckpt.save, whose clean-up waits for the writes to land (failure.interrupted).
+            # The first Ctrl-C waits with this step (cut short, writes would land after the clean-up); a second
+            # stops it and reaches tsckpt.save, whose clean-up waits for the writes to land (failure.interrupted).
             waited = False
             try:
                 with CTRL_C.step():
@@ -318,8 +317,7 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
 
 def write_items(plan: SavePlan, planner: SavePlanner, writers: list[RankWriter], *, rank: int, where: str,
                 data_store: Callable[[Location, WriteConfig], Store], window: int | None) -> RankWrites:
-    """Write rank ``rank``'s items as its :class:`RankPlan` says, through a :class:`RankWriter` it adds to
-    ``writers`` (for the caller to abandon); ``window``: ``per_thread_copy_ahead``."""
+    """Write rank ``rank``'s items as its :class:`RankPlan` says, through a ``RankWriter`` added to ``writers``."""
     rank_plan = plan.storage_data
     if not isinstance(rank_plan, RankPlan):
         raise PlanError(f"saving {where}: rank {rank}'s plan carries no layout from the coordinator "
@@ -327,8 +325,8 @@ def write_items(plan: SavePlan, planner: SavePlanner, writers: list[RankWriter],
     orders = rank_plan.orders.value
     config, base = orders.config, orders.base
     store = data_store(orders.location, config)
-    arrays = rank_plan.entries(list(dict.fromkeys(i.index.fqn for i in plan.items if i.tensor_data is not None)),
-                               where)
+    tensors = dict.fromkeys(item.index.fqn for item in plan.items if item.tensor_data is not None)
+    arrays = rank_plan.entries(list(tensors), where)
     writer = RankWriter(store, rank, orders.save_id, "", options=config.array_options, checksums=config.checksums,
                         window=window, sync=config.sync_files,
                         base=BaseChunks(base, store) if base is not None and base.mode else None)
