@@ -59,10 +59,8 @@ def async_save(state_dict: dict[str, Any], path: LocationLike, *, process_group:
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
     with collector.held_off():
-        return dcp.async_save(
-            state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
-            async_checkpointer_type=async_checkpointer_type, async_stager=Stager(),
-        )
+        return dcp.async_save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
+                              async_checkpointer_type=async_checkpointer_type, async_stager=Stager())
 
 
 def load(state_dict: dict[str, Any], path: LocationLike, *, process_group: dist.ProcessGroup | None = None,

@@ -198,10 +198,6 @@ class RankPlan:
         out.update((f, placed[f]) for f in fqns if f in placed)
         return out
 
-    @property
-    def config(self) -> WriteConfig:
-        return self.orders.value.config
-
 
 @dataclass(frozen=True)
 class NewOrders:
