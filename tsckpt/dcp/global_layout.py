@@ -176,7 +176,6 @@ class _Columns:
         self.dims = dims
 
     def table(self, order: np.ndarray) -> ArrayTable:
-        """The table of arrays ``order`` (their numbers), in that order."""
         return ArrayTable(ids=order, ndims=self.ndims[order], dims=self.dims[order], sharded=self.sharded[order],
                           dtypes=tuple(self.listed[i].dtype for i in order),
                           key_paths=tuple(self.listed[i].key_path for i in order),

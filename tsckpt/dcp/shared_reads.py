@@ -309,7 +309,6 @@ class ReplicaTransfers:
         return self.backends is not None and self.backends.get(wire.type) == "gloo"
 
     def direct(self, dest: torch.Tensor, fqn: str) -> bool:
-        """Whether ``dest`` itself can be sent or received into."""
         return self.wire_device(dest) == dest.device and dest.dtype == self.stored(fqn) and dest.is_contiguous()
 
     def send(self, transfer: Transfer, payload: torch.Tensor, error: BaseException | None, copy: bool) -> None:

@@ -39,7 +39,7 @@ def get_element(root: Any, path: ObjectPath) -> Any:
 
 
 def set_element(root: MutableMapping[str, Any], path: ObjectPath, value: Any) -> None:
-    """Put ``value`` at ``path`` in the nested ``root``, making what is missing on the way, as DCP does does."""
+    """Put ``value`` at ``path`` in the nested ``root``, making what is missing on the way, as DCP does."""
     container: Any = root
     for step, following in zip(path, path[1:]):
         fresh: Any = {} if isinstance(following, str) else []
