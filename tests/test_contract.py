@@ -65,7 +65,8 @@ def test_each_rank_is_sent_the_coordinators_options_and_only_the_arrays_it_write
         got, _ = _received(plan)
         rank_plan = got.storage_data
         assert isinstance(rank_plan, RankPlan)
-        assert rank_plan.config == writer.config and rank_plan.config.array_options.compression == "zstd"
+        config = rank_plan.orders.value.config
+        assert config == writer.config and config.array_options.compression == "zstd"
         fqns = list(dict.fromkeys(i.index.fqn for i in got.items))
         arrays = rank_plan.arrays.value.entries(fqns, "here")
         assert set(arrays) == {f"stage{r}.layer{t}.weight" for t in range(3)} | {"embed.weight"}

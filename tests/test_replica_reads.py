@@ -371,7 +371,7 @@ def test_the_share_of_a_rank_pickles_small():
 def test_receives_are_posted_ahead_of_sends_only_where_gloo_carries_them():
     """gloo matches each message by sender and tag; NCCL runs a pair's messages in the order posted, so there a
     receive posted ahead of this rank's own sends could wait on a send queued behind the peer's receive."""
-    from tsckpt.dcp.replica_transfers import _backends
+    from tsckpt.dcp.shared_reads import _backends
 
     assert _backends("gloo") == {"cpu": "gloo"}
     assert _backends("nccl") == {"cuda": "nccl"}

@@ -1,28 +1,12 @@
 """The base of an incremental save: which of its chunks a rank may take instead of writing them.
 
-A save given a base (``tsckpt.save(..., base=B)``) compares each outer chunk it
-is about to write with the same chunk of the same array in ``B``: same path,
-shape, data type, chunk grid, inner chunks and codecs, and an equal 128-bit
-content hash (:mod:`tsckpt.format.content_hashes`, from ``B``'s ranks' digest
-tables). Such a chunk is taken from the base only after the base's stored copy
-is read back and still passes the checks every read of the base makes (its
-size, its shard index and the crc32c stored beside every inner chunk,
-:func:`tsckpt.format.shards.check_stored_codec`), so a damaged chunk of the base
-is written afresh instead.
-
-How a chunk is taken depends on where the checkpoints live, and in each case
-the new checkpoint stands alone (``docs/format.md``, section 8):
-
-* **packed layout, local filesystem**: the base's data file holding the chunk
-  is hard-linked into the new checkpoint under its own name (once), and the
-  new index refers to the chunk's bytes there. No bytes are copied; deleting
-  the base leaves the new checkpoint whole; files are never written in place,
-  so neither checkpoint can change the other.
-* **plain layout, local filesystem**: the base's chunk file is hard-linked
-  into the new checkpoint.
-* **object stores, memory, a base in another layout or in a format version
-  this tsckpt does not read**: nothing is taken (TensorStore has no
-  server-side copy); the save writes everything and says why.
+A save given a base (``tsckpt.save(..., base=B)``) takes an outer chunk from ``B`` when the same array there
+has the same path, shape, data type, chunk grid, inner chunks and codecs, and the chunk the same 128-bit
+content hash (:mod:`tsckpt.format.content_hashes`); only after ``B``'s stored copy is read back and passes
+the checks every read of ``B`` makes, so a damaged chunk of the base is written afresh. Taking a chunk
+hard-links ``B``'s file holding it (a data file, packed; a chunk file, plain) into the new checkpoint, which
+stands alone; on object stores, or with a base in another layout or format version, nothing is taken
+(``docs/format.md``, section 8).
 
 :func:`choose_base` runs once, on the coordinator; :class:`BaseChunks` on every rank.
 """
@@ -56,11 +40,8 @@ LINK, PACKED = "link", "packed"
 
 @dataclass(frozen=True)
 class BaseChoice:
-    """What the coordinator decided about a save's base; sent to every rank with its plan.
-
-    ``mode`` is :data:`LINK`, :data:`PACKED`, or None when nothing can be
-    taken from this base (``note`` says why).
-    """
+    """What the coordinator decided about a save's base, sent to every rank with its plan: ``mode`` is
+    :data:`LINK`, :data:`PACKED`, or None when nothing can be taken from it (``note`` says why)."""
 
     location: Location
     save_id: str | None
@@ -87,12 +68,8 @@ def previous(target: Location) -> Location | None:
 
 def choose_base(target: Location, base: LocationLike | None, *, incremental: bool, layout: str,
                 options: ArrayOptions, checksums_on: bool) -> BaseChoice | None:
-    """Coordinator, before any rank writes: the base of this save, checked to be a committed checkpoint.
-
-    ``base`` names it; ``incremental=True`` takes the newest committed
-    checkpoint beside ``target`` instead (none: a full save). Raises before
-    anything is written when ``base`` is not a committed checkpoint.
-    """
+    """Coordinator, before any rank writes: the base of this save (``base``, or with ``incremental=True`` the
+    newest committed checkpoint beside ``target``; None: a full save); raises if it is not a committed one."""
     if base is not None and incremental:
         raise OptionError(f"saving {target.url}: pass base= or incremental=True, not both")
     location = parse_location(base) if base is not None else previous(target) if incremental else None
@@ -130,14 +107,9 @@ def _unusable(target: Location, base: Location, md: CheckpointMetadata, layout: 
 
 
 class BaseChunks:
-    """One rank's view of the base: its arrays' content hashes, reads of its chunks, and links to them.
-
-    Made from the coordinator's :class:`BaseChoice` with a usable mode; the
-    rank reads the base's root document itself (one small read per rank), and
-    of the base's chunk tables (:mod:`tsckpt.format.chunk_table`) only the
-    blocks holding the chunks it may take, in the tables of the ranks that
-    wrote them (each tensor's ``writers``).
-    """
+    """One rank's view of the base (a :class:`BaseChoice` with a usable mode): its arrays' content hashes, reads
+    of its chunks, and links to them. Each rank reads the base's root document itself, and of its chunk tables
+    only the blocks holding the chunks it may take."""
 
     def __init__(self, choice: BaseChoice, into: Store):
         assert choice.mode is not None
@@ -147,15 +119,9 @@ class BaseChunks:
         self.source = ChunkSource.of(self.store, self.metadata)
         files = self.metadata.data_files
         assert files is not None, "a committed checkpoint lists its data files"
-        self._files = files
         self._sizes = {f.path: f.size for f in files.files}
         self._writers: dict[str, np.ndarray] = {}
         self._linked: dict[str, bool] = {}
-
-    @property
-    def mode(self) -> str:
-        assert self.choice.mode is not None
-        return self.choice.mode
 
     def digests(self, fqn: str, entry: TensorEntry) -> _Digests | None:
         """The base's content hash of each outer chunk of ``fqn`` (by flat index), if its array is laid out
@@ -188,14 +154,14 @@ class BaseChunks:
         key = f"{entry.path}/{zarr_json.chunk_key(index)}"
         found = self.source.locator.locate(key)
         if found is None or found.inline is not None:
-            return _Done(None)
+            return _Reading()
         length = found.length
         if length is None:  # a plain base's chunk file: its size is what the file holds (checked below)
             try:
                 length = os.path.getsize(os.path.join(_path(self.choice.location), found.file))
             except OSError:
-                return _Done(None)
-        return _Then(self.source.fetcher.fetch(found.file, found.offset, found.offset + length), found)
+                return _Reading()
+        return _Reading(self.source.fetcher.fetch(found.file, found.offset, found.offset + length), found)
 
     def sound(self, fqn: str, entry: TensorEntry, index: tuple[int, ...], reading: Any, digest: bytes) -> bool:
         """Whether the base's chunk that :meth:`read` started still holds what the base wrote: False when it
@@ -223,7 +189,7 @@ class BaseChunks:
         base's data file, linked into the new checkpoint), True (plain: its file linked), or None when it
         must be written instead (the filesystem cannot link it)."""
         data, where = reading.result()
-        if self.mode == PACKED:
+        if self.choice.mode == PACKED:
             if not self._link(where.file):
                 return None
             return Ref(where.file, where.offset, where.length if where.length is not None else len(data))
@@ -267,21 +233,15 @@ class _Digests:
         return self.base._lookup(self.entry, flat)
 
 
-class _Done:
-    def __init__(self, value: Any):
-        self.value = value
+class _Reading:
+    """A fetch of a base's chunk and where it is: its result is (bytes, where), or None if it is missing."""
 
-    def result(self) -> Any:
-        return self.value
-
-
-class _Then:
-    """A fetch of a base's chunk and where it is: its result is (bytes, where)."""
-
-    def __init__(self, fut: Any, where: Any):
+    def __init__(self, fut: Any = None, where: Any = None):
         self.fut, self.where = fut, where
 
     def result(self) -> Any:
+        if self.fut is None:
+            return None
         try:
             return self.fut.result(), self.where
         except ValueError as e:
@@ -296,10 +256,8 @@ def _path(location: Location) -> str:
 
 def reuse_outcome(choice: BaseChoice | None, tensors: Mapping[str, TensorEntry],
                   reused: Mapping[str, np.ndarray], blob_bytes: int) -> Reuse | None:
-    """Coordinator, at commit: the document's ``reuse`` record.
-
-    ``reused[fqn]`` marks, in row-major grid order, the chunks the ranks took from the base.
-    """
+    """Coordinator, at commit: the document's ``reuse`` record; ``reused[fqn]`` marks, in row-major grid order,
+    the chunks the ranks took from the base."""
     if choice is None:
         return None
     reused_bytes = reused_chunks = 0

@@ -1,14 +1,11 @@
-"""Exceptions raised by tsckpt.
+"""Exceptions raised by tsckpt, every class importable from ``tsckpt``.
 
-Every error a user can trigger with bad input or a broken checkpoint is a
-``TsckptError``, so callers can catch one class and show one clear line; each
-raise site uses the most specific class below, so callers can also tell a bad
-argument from a broken store from a damaged checkpoint. Every class is
-importable from ``tsckpt``.
+Every error a user can trigger with bad input or a broken checkpoint is a ``TsckptError``, so callers can catch
+one class and show one clear line; each raise site uses the most specific class below, so callers can also
+tell a bad argument from a broken store from a damaged checkpoint.
 
-Ctrl-C during a save stays a ``KeyboardInterrupt`` (so ``except Exception``
-does not swallow it, and an uncaught one ends the program as Ctrl-C does),
-whose message says what the save left where (:mod:`tsckpt.dcp.failure`).
+Ctrl-C during a save stays a ``KeyboardInterrupt`` (so ``except Exception`` does not swallow it), whose message
+says what the save left where (:mod:`tsckpt.dcp.failure`).
 """
 
 from __future__ import annotations
@@ -17,9 +14,8 @@ from __future__ import annotations
 class TsckptError(Exception):
     """Base class of every error tsckpt raises on purpose.
 
-    ``relayed_from``: for an error one rank raises for another (with replica
-    reads, the rank that fetched a region several ranks need sends its
-    failure to them), the rank where it happened; None for a rank's own errors.
+    ``relayed_from``: for an error one rank raises for another (with replica reads, the rank that fetched a
+    region several ranks need sends its failure to them), the rank where it happened; None for its own errors.
     """
 
     relayed_from: int | None = None
@@ -113,7 +109,6 @@ class ConversionError(TsckptError):
 class SaveFailedError(TsckptError):
     """A save failed on one or more ranks (an error there, or Ctrl-C on another rank); nothing was committed.
 
-    The first line names the location, the rank and the problem; the message
-    also says whether what the save had staged was removed, or what is left
-    where and the command that removes it.
+    The first line names the location, the rank and the problem; the message also says whether what the save
+    had staged was removed, or what is left where and the command that removes it.
     """

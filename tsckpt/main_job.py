@@ -1,12 +1,9 @@
-"""The main job: train a small FSDP2-sharded model on CPU ranks, save it, reload it elsewhere.
+"""The main job that ``tsckpt demo`` runs: train a small FSDP2-sharded model on CPU ranks, save it, reload it.
 
-``run(save_ranks, load_ranks, path)`` spawns ``save_ranks`` gloo processes that
-shard a tiny transformer with ``fully_shard``, train a few AdamW steps and save
-model, optimizer, step counter and RNG state with :func:`tsckpt.save`. Then
-``load_ranks`` fresh processes (another topology, other initial weights) load it
-with :func:`tsckpt.load` and ``set_state_dict``. Both sides gather every tensor to
-its full value; the parent compares them byte for byte, reads one array back
-with zarr-python, and prints what it did. Run it with ``tsckpt demo``.
+:func:`run` spawns ``save_ranks`` gloo processes that train a tiny transformer sharded with ``fully_shard`` a few
+AdamW steps and :func:`tsckpt.save` model, optimizer, step and RNG state; then ``load_ranks`` fresh processes
+(other initial weights) :func:`tsckpt.load` it. The parent compares every gathered tensor of both byte for byte,
+reads one array back with zarr-python, and prints what it did.
 """
 
 from __future__ import annotations
@@ -185,8 +182,7 @@ _EXIT_GRACE_S = 120.0
 
 
 def stop_hung(processes: Sequence[Any]) -> None:
-    """Stop those of ``processes`` still alive: SIGABRT first, so that faulthandler prints where each one waits,
-    then, 10 s later, SIGKILL."""
+    """Stop those of ``processes`` still alive: SIGABRT, so faulthandler prints where each waits; 10 s later SIGKILL."""
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
         os.kill(p.pid, signal.SIGABRT)
@@ -309,10 +305,8 @@ def where_it_stays(path: str, temporary: bool) -> str:
 
 
 def run(save_ranks: int = 4, load_ranks: int = 2, path: str | None = None) -> None:
-    """Save on ``save_ranks`` CPU ranks, reload on ``load_ranks``, check every tensor bit-exactly.
-
-    Raises :class:`DemoError` if a rank fails or anything reloads differently.
-    """
+    """Save on ``save_ranks`` CPU ranks, reload on ``load_ranks``, check every tensor bit-exactly; raises
+    :class:`DemoError` if a rank fails or anything reloads differently."""
     if save_ranks < 1 or load_ranks < 1:
         raise DemoError(f"need at least one rank to save and one to load, got {save_ranks} and {load_ranks}")
     path, temporary = _prepare_path(path)

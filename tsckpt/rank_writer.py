@@ -1,30 +1,18 @@
 """One rank's writes into a save: every outer chunk and value blob encoded once and stored through one sink.
 
-Both save pipelines write through :class:`RankWriter`: every rank of a DCP save
-(:class:`tsckpt.TensorStoreWriter`) and the one-process
-:class:`~tsckpt.conversion.builder.CheckpointBuilder`. What an array looks like
-(its path, grid and codecs) is decided before it gets here; this module only
-moves bytes and remembers what it wrote:
+Every rank of a DCP save (:class:`tsckpt.TensorStoreWriter`) and the one-process
+:class:`~tsckpt.conversion.builder.CheckpointBuilder` write through :class:`RankWriter`. An array's path, grid
+and codecs are decided before it gets here; this module moves bytes and remembers what it wrote:
 
-* each outer chunk of a region becomes one value in tsckpt's layout
-  (:class:`~tsckpt.format.shard_encoding.EncodedChunk`: inner chunks one after
-  the other, each followed by its crc32c, then the index), or compressed
-  (:class:`~tsckpt.format.compressed.CompressedChunk`); value blobs are their
-  bytes and a crc32c. Every value goes to the layout's
-  :class:`~tsckpt.storage.sinks.Sink` under its Zarr key: a rank's data file
-  (packed) or a file or object per key (plain);
-* every outer chunk gets its content hash (:mod:`tsckpt.format.content_hashes`),
-  kept in the rank's chunk table, which :meth:`RankWriter.finish` stores
-  beside the data (:mod:`tsckpt.format.chunk_table`);
-* given a base checkpoint (:class:`~tsckpt.base_chunks.BaseChunks`), a chunk
-  with the base's content hash is not written: the base's copy is read back,
-  checked, and taken; one that fails is written after all;
-* host copies of device tensors, and with ``bound_host_sources`` every source,
-  pass through one :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds
-  the host memory a rank holds while its sink writes; they are written as
-  they come. Sources that stay in host memory anyway are written at
-  :meth:`RankWriter.finish`, into a data file in the order of
-  :mod:`tsckpt.format.band_order` (the bands of all tensors band by band).
+* each outer chunk becomes one value (:class:`~tsckpt.format.shard_encoding.EncodedChunk`, or
+  :class:`~tsckpt.format.compressed.CompressedChunk`), a value blob its bytes and a crc32c, put into the
+  layout's :class:`~tsckpt.storage.sinks.Sink` under its Zarr key;
+* each outer chunk's content hash goes into the rank's chunk table (:mod:`tsckpt.format.chunk_table`);
+* a chunk with the base's content hash (:class:`~tsckpt.base_chunks.BaseChunks`) is read back from the base,
+  checked and taken instead of written; one that fails the check is written after all;
+* device copies, and with ``bound_host_sources`` every source, pass through one
+  :class:`~tsckpt.dcp.copy_window.CopyWindow`, which bounds a rank's host memory, and are written as they
+  come; other host sources are written at :meth:`RankWriter.finish`, in :mod:`tsckpt.format.band_order`.
 """
 
 from __future__ import annotations
@@ -60,8 +48,8 @@ CHECK_WINDOW = 256 << 20
 class WrittenChunks:
     """The outer chunks of one tensor this rank saved, by flat grid index, in the order they were saved.
 
-    ``refs[k]``: where chunk ``indices[k]`` is stored (after :meth:`RankWriter.finish`), in the packed
-    layout; ``reused[k]``: it was taken from the base instead of written.
+    ``refs[k]``: where chunk ``indices[k]`` is stored (packed, after :meth:`RankWriter.finish`); ``reused[k]``:
+    it was taken from the base instead of written.
     """
 
     indices: list[int] = field(default_factory=list)
@@ -71,11 +59,8 @@ class WrittenChunks:
 
 
 class RankWriter:
-    """Write one rank's chunks and blobs into ``store``; see the module docstring.
-
-    Call :meth:`open` with the arrays the rank will write, then :meth:`write`
-    and :meth:`write_blob` in any order, then :meth:`finish` once: it returns
-    when every write is durable, with what the rank's files hold.
+    """Write one rank's chunks and blobs into ``store``: :meth:`open` the arrays, then :meth:`write` and
+    :meth:`write_blob` in any order, then :meth:`finish` once, which returns when every write is durable.
 
     Args:
         store: where this save's data goes (its staging location, or in place).
@@ -83,22 +68,17 @@ class RankWriter:
         save_id: the save, which names the rank's files.
         where: the checkpoint, as named in errors; empty where the caller names it.
         options: the codecs of every tensor array.
-        checksums: record each outer chunk's content hash (the crc32c of every
-            inner chunk is part of the codecs, ``options.crc32c_codec``).
+        checksums: record each outer chunk's content hash (the inner chunks' crc32c is a codec).
         window: bytes of host data kept in flight (:class:`CopyWindow`'s limit; None: no bound).
-        bound_host_sources: pass CPU sources through the window too, releasing
-            each once written (a converter that must not hold every tensor);
-            otherwise CPU sources stay referenced until :meth:`finish`.
-        base: the base checkpoint of an incremental save, whose equal chunks are
-            taken instead of written.
+        bound_host_sources: pass CPU sources through the window too, releasing each once written (a converter
+            that must not hold every tensor); otherwise CPU sources stay referenced until :meth:`finish`.
+        base: the base of an incremental save, whose equal chunks are taken instead of written.
         sync: make the data durable (fsync) before :meth:`finish` returns.
     """
 
     def __init__(self, store: Store, rank: int, save_id: str, where: str, *, options: ArrayOptions,
                  checksums: bool, window: int | None, bound_host_sources: bool = False,
                  base: BaseChunks | None = None, sync: bool = True):
-        self.store = store
-        self.rank = rank
         self.where = where
         self.options = options
         self.checksums = checksums
@@ -122,7 +102,6 @@ class RankWriter:
         self._window = CopyWindow(window)
         self.base = base
         self._checks = CopyWindow(CHECK_WINDOW)
-        self.files: RankFiles | None = None
 
     def open(self, entries: Mapping[str, TensorEntry]) -> None:
         """Take the arrays of ``entries`` (flat key -> entry) this rank will write."""
@@ -134,9 +113,8 @@ class RankWriter:
     def write(self, fqn: str, offsets: Sequence[int], data: Any) -> int:
         """Store ``data`` (a torch tensor or numpy array) at ``offsets`` of tensor ``fqn``; its byte count.
 
-        The data must not change until :meth:`finish` returns. A device tensor
-        is copied to host memory first, within the window.
-        """
+        The data must not change until :meth:`finish` returns; a device tensor is copied to host memory first,
+        within the window."""
         nbytes, copied = self._host_bytes(data)
         windowed = copied or self.bound_host_sources
         if windowed:
@@ -193,11 +171,8 @@ class RankWriter:
             raise self._failed(e) from e
 
     def _check_then_take(self, fqn: str, index: tuple[int, ...], position: int, part: np.ndarray) -> None:
-        """Read the base's chunk back; take it if it is still sound, else write ``part`` after all.
-
-        The reads run on the reading threads while this rank goes on; each is
-        checked once the window of reads in flight is full, or at the end.
-        """
+        """Read the base's chunk back; take it if it is still sound, else write ``part`` after all. The reads run
+        on the reading threads; each is checked once the window of reads in flight is full, or at the end."""
         assert self.base is not None
         self._checks.admit(part.nbytes)
         reading = self.base.read(fqn, index)
@@ -241,16 +216,16 @@ class RankWriter:
         """Wait for every write, store the chunk table, make everything durable; what the rank's files hold."""
         self.flush()
         try:
-            self.files = self._sink.finish(self._collect)
+            files = self._sink.finish(self._collect)
         except WriteFailed as e:
             raise self._failed(e) from e
         except (OSError, ValueError) as e:
             raise StorageError(f"{problem(e)} making the rank's data durable"
                                + (f" in {self.where}" if self.where else "")) from e
         if self.base is not None:  # the base's data files this rank linked in are the new checkpoint's too
-            self.files = RankFiles(self.files.files + tuple(self.base.linked_files()), self.files.table)
+            files = RankFiles(files.files + tuple(self.base.linked_files()), files.table)
         self._held.clear()
-        return self.files
+        return files
 
     def _collect(self) -> bytes | None:
         """Once every value is written: where each is, its content hash, and so the chunk table (if any)."""

@@ -1,29 +1,26 @@
 """Step checkpoints under one root: find the newest committed one, prune all but the last k.
 
-Training loops save to ``ROOT/step_1000``, ``ROOT/step_2000``...; ``ROOT`` is a local directory or
-an object-store prefix, read without loading anything.
+Training loops save to ``ROOT/step_1000``, ``ROOT/step_2000``...; ``ROOT`` is a local directory or an
+object-store prefix, read without loading anything.
 
-An entry directly under the root is a candidate when its name *ends with* an integer, its step
-(``step_1000``, ``ckpt-000500``, ``epoch3_step_1000`` -> 1000), compared as a number. A name with
-anything after its last digit (``step_5_async``, ``step_5.old``) names something beside step 5, not a
-step: :func:`latest` never returns it and :func:`prune` never counts or touches it.
+An entry directly under the root is a candidate when its name *ends with* an integer, its step (``step_1000``,
+``ckpt-000500``, ``epoch3_step_1000`` -> 1000), compared as a number. A name with anything after its last digit
+(``step_5_async``, ``step_5.old``) names something beside step 5, not a step: :func:`latest` never returns it
+and :func:`prune` never counts or touches it.
 
 A candidate is in one of four states:
 
 ``committed``
-    its root ``zarr.json`` carries the tsckpt metadata: the commit happened,
-    the checkpoint loads.
+    its root ``zarr.json`` carries the tsckpt metadata: the commit happened, the checkpoint loads.
 ``incomplete``
-    a tsckpt save that has not committed on an object store: a save still
-    running, or one that died (or a prune that died). Recognised by its
-    save's claim object and nothing but keys a save writes; local saves are
-    staged in hidden directories, so a local entry is never incomplete.
+    a tsckpt save that has not committed: a save still running, or one that died (or a prune that died).
+    On an object store, recognised by its save's claim object and nothing but keys a save writes; on a local
+    disk, a save stages in a hidden directory beside the entry, which is incomplete while it has only that.
 ``damaged``
     its root ``zarr.json`` exists but is not readable JSON.
 ``foreign``
-    anything else: another tool's directory, Zarr arrays or groups tsckpt did
-    not write, an empty directory, a symbolic link. Never returned by :func:`latest`, never
-    touched by :func:`prune`.
+    anything else: another tool's directory, Zarr arrays or groups tsckpt did not write, an empty directory,
+    a symbolic link. Never returned by :func:`latest`, never touched by :func:`prune`.
 
 Torch-free.
 """
@@ -68,9 +65,8 @@ class StepCheckpoint:
     step: int
     #: ``committed``, ``incomplete``, ``damaged`` or ``foreign`` (see the module docstring).
     state: str
-    #: Where it is, in the form the root was given: a path or URL string for a
-    #: string root, a kvstore spec dict for a dict root. Accepted by
-    #: ``tsckpt.open`` / ``tsckpt.load``.
+    #: Where it is, in the form the root was given (a path or URL string, or a kvstore spec dict), as
+    #: ``tsckpt.open`` / ``tsckpt.load`` take it.
     location: str | dict[str, Any]
     #: The same place as text (a path or URL), for messages.
     url: str
@@ -86,15 +82,13 @@ class _Root:
         self.given = root
         self.location = parse_location(root)
         self.kv = open_kvstore(self.location, make_context(location=self.location))
-        if self._committed_here():
-            raise LocationError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
-                              "that holds the step checkpoints")
-
-    def _committed_here(self) -> bool:
         try:
-            return _is_tsckpt_root(read_json(self.kv, ROOT))
+            committed = _is_tsckpt_root(read_json(self.kv, ROOT))
         except ValueError:
-            return False
+            committed = False
+        if committed:
+            raise LocationError(f"{self.location.url} is itself a checkpoint; pass the directory or prefix "
+                                "that holds the step checkpoints")
 
     def child(self, name: str) -> tuple[str | dict[str, Any], str]:
         """(location in the root's own form, text form) of entry ``name``."""
@@ -112,12 +106,8 @@ class _Root:
         return joined, joined
 
     def entries(self) -> Iterator[tuple[str, Callable[[], list[str]] | None]]:
-        """(name, a call listing the keys below it) for each directory-like entry of the root.
-
-        On a local disk, saves that have not published stage in hidden
-        directories beside their target: each target name with one and no
-        directory of its own comes with None instead of a listing.
-        """
+        """(name, a call listing the keys below it) for each directory-like entry of the root; on a local disk,
+        None for a name with only a hidden staging directory of a save (beside it) and no directory of its own."""
         if self.location.driver == "file":
             yield from _local_entries(str(self.location.spec["path"]), self.location.url)
             return
@@ -160,14 +150,11 @@ class _Root:
     def remove(self, entry: StepCheckpoint) -> None:
         """Delete a step checkpoint so that a prune dying half-way leaves a recognisable leftover.
 
-        On a local disk the entry is first renamed aside, atomically, to the
-        hidden name of a replaced checkpoint (``.<name>.tsckpt-<id>.old``),
-        which ``tsckpt clean`` and the next save into the entry remove. On
-        object stores a claim goes down first, then the root document (the
-        entry no longer loads), then the rest, the claim last: until then
-        the entry reads as an incomplete save. Only what a tsckpt save may
-        have written is deleted; a file someone put beside the checkpoint
-        stays (and the entry then reads as foreign).
+        On a local disk the entry is first renamed aside, atomically, to the hidden name of a replaced checkpoint
+        (``.<name>.tsckpt-<id>.old``), which ``tsckpt clean`` and the next save into the entry remove. On object
+        stores a claim goes down first, then the root document (the entry no longer loads), then the rest, the
+        claim last: until then the entry reads as an incomplete save. Only what a tsckpt save may have written is
+        deleted; a file someone put beside the checkpoint stays (and the entry then reads as foreign).
         """
         prefix = f"{entry.name}/"
         try:
@@ -249,10 +236,9 @@ def _entry(root: _Root, step: int, name: str, state: str) -> StepCheckpoint:
 def scan(root: LocationLike) -> list[StepCheckpoint]:
     """Every candidate entry directly under ``root`` with its state, oldest step first.
 
-    ``root`` is a path, URL or kvstore spec of the directory or prefix holding
-    the step checkpoints; a root that does not exist has none. On object
-    stores this lists every key under ``root`` (S3 has no directories), so
-    its cost grows with the total number of objects there.
+    ``root`` is a path, URL or kvstore spec of the directory or prefix holding the step checkpoints; a root that
+    does not exist has none. On object stores this lists every key under ``root`` (S3 has no directories), so its
+    cost grows with the total number of objects there.
     """
     return _scan(_Root(root))
 
@@ -278,8 +264,8 @@ def latest(root: LocationLike) -> str | dict[str, Any] | None:
         if path is not None:
             tsckpt.load(state, path)
 
-    Reads one small ``zarr.json`` per entry, newest first, until a committed
-    one is found (plus the listing of ``root``).
+    Reads one small ``zarr.json`` per entry, newest first, until a committed one is found (plus the listing
+    of ``root``).
     """
     r = _Root(root)
     for step, name, _ in reversed(_candidates(r)):
@@ -295,9 +281,8 @@ def latest(root: LocationLike) -> str | dict[str, Any] | None:
 def run_directory_error(location: LocationLike, error: TsckptError) -> TsckptError:
     """``error``, or when ``location`` holds step checkpoints rather than being one, the error that says so.
 
-    Loading or opening a run directory (``ckpt`` instead of ``ckpt/step_1000``)
-    finds no committed root document there and would be reported as an
-    incomplete checkpoint; the message names the newest committed step and
+    Loading or opening a run directory (``ckpt`` instead of ``ckpt/step_1000``) finds no committed root document
+    there and would be reported as an incomplete checkpoint; the message names the newest committed step and
     :func:`latest` instead, keeping ``error``'s class.
     """
     try:
@@ -312,29 +297,23 @@ def run_directory_error(location: LocationLike, error: TsckptError) -> TsckptErr
                        f"{step}, which tsckpt.latest({shown!r}) returns (`tsckpt latest {shown}` in a shell)")
 
 
-def prune(root: LocationLike, keep: int, *, dry_run: bool = False,
-          remove_incomplete: bool = False) -> list[str]:
+def prune(root: LocationLike, keep: int, *, dry_run: bool = False, remove_incomplete: bool = False) -> list[str]:
     """Delete all but the ``keep`` newest committed checkpoints under ``root``; return what went.
 
     Args:
         root: the directory or prefix holding the step checkpoints.
-        keep: how many committed checkpoints to keep, newest first; at least 1,
-            so the newest committed checkpoint is never deleted.
+        keep: how many committed checkpoints to keep, newest first; at least 1, so the newest committed
+            checkpoint is never deleted.
         dry_run: only report what would be deleted.
-        remove_incomplete: also delete incomplete saves (no commit) whose step is
-            *below* the newest committed one: leftovers of saves that died.
-            Off by default because an older step can also be a save running
-            right now (a run restarted from an older checkpoint re-saves its
-            steps); turn it on where no such save can be running, e.g. from
-            the training job itself after its own save returned. Incomplete
-            saves at or above the newest committed step are never deleted:
-            they are the saves being written.
+        remove_incomplete: also delete incomplete saves (no commit) whose step is *below* the newest committed
+            one: leftovers of saves that died. Off by default because an older step can also be a save running
+            right now (a run restarted from an older checkpoint re-saves its steps); turn it on where no such
+            save can be running, e.g. from the training job itself after its own save returned. Incomplete
+            saves at or above the newest committed step are never deleted: they are the saves being written.
 
-    Damaged and foreign entries are never touched. Each checkpoint is
-    un-committed (its root ``zarr.json`` deleted) before its other files, so
-    an interrupted prune never leaves a checkpoint that loads with data
-    missing. Returns the removed (or, with ``dry_run``, the doomed) entries'
-    paths or URLs, oldest first.
+    Damaged and foreign entries are never touched. Each checkpoint is un-committed (its root ``zarr.json``
+    deleted) before its other files, so an interrupted prune never leaves a checkpoint that loads with data
+    missing. Returns the removed (or, with ``dry_run``, the doomed) entries' paths or URLs, oldest first.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise OptionError(f"prune: keep must be an integer >= 1 (the newest checkpoint is always kept), got {keep!r}")

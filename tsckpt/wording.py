@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-def count(n: int, noun: str, plural: str | None = None) -> str:
-    """``n`` and ``noun``, in the plural (``noun + "s"`` unless given) unless ``n`` is 1."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, with an "s" unless ``n`` is 1."""
+    return f"{n} {noun if n == 1 else noun + 's'}"
 
 
 def human_bytes(n: int | None) -> str:
@@ -13,8 +13,8 @@ def human_bytes(n: int | None) -> str:
     if n is None:
         return "?"
     size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
             return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.1f} TiB"

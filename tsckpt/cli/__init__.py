@@ -12,9 +12,8 @@ import typer
 
 from .base import INTERRUPTED, app, flag, for_cli
 
-#: How often the command line retries a failed S3 request unless ``$TSCKPT_S3_RETRIES`` says otherwise:
-#: a person waits at the terminal, and an unreachable store or a wrong endpoint should say so in seconds,
-#: not after the library's minute of retries.
+#: How often the command line retries a failed S3 request unless ``$TSCKPT_S3_RETRIES`` says otherwise: a person
+#: waits at the terminal, and an unreachable store should say so in seconds, not after the library's minute.
 CLI_S3_RETRIES = 2
 
 #: Distributions whose versions decide how a checkpoint is written and read.
@@ -64,10 +63,8 @@ from . import verify, inspect, convert, step_chores, clean, refs  # noqa: E402,F
 
 
 def main() -> None:
-    """Entry point: a tsckpt error is one line on stderr and exit status 2, never a traceback.
-
-    Ctrl-C is one line too (what a command that writes left where, when it says so) and exit status 130.
-    """
+    """Entry point: a tsckpt error is one line on stderr and exit status 2, never a traceback; Ctrl-C is one line
+    too (what a command that writes left where, when it says so) and exit status 130."""
     from ..storage.kvio import S3_RETRIES_ENV
 
     os.environ.setdefault(S3_RETRIES_ENV, str(CLI_S3_RETRIES))

@@ -1,9 +1,7 @@
 """What every ``tsckpt`` command shares: the app, flags, exit statuses, error lines and wide tables.
 
-The library's messages name Python keywords ("pass overwrite=True to replace
-it"); at the command line the same advice is a flag (``--overwrite``), which
-:func:`for_cli` substitutes. A :class:`~tsckpt.errors.TsckptError` that a
-command raises is one line on stderr (:func:`failed`) and exit status 2.
+A :class:`~tsckpt.errors.TsckptError` that a command raises is one line on stderr (:func:`failed`) and exit
+status 2, with the Python keywords it names ("pass overwrite=True") given as flags (``--overwrite``).
 """
 
 from __future__ import annotations

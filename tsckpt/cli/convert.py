@@ -37,7 +37,7 @@ def convert_cmd(
                                           ".safetensors, .pt/.pth/.bin, else tsckpt)"),
     max_shard_size: str = typer.Option("", help="safetensors shard limit, e.g. 5GB: writes an HF directory"),
     trust_pickle: bool = flag(False, "--trust-pickle",
-                                      help="allow unpickling SRC (needed for DCP .metadata); can run code from it"),
+                              help="allow unpickling SRC (needed for DCP .metadata); can run code from it"),
     overwrite: bool = flag(False, "--overwrite", help="replace what is at DST"),
     layout: str = typer.Option("", "--layout",
                                help="tsckpt target storage: plain (a file per chunk) or packed (few large files); "

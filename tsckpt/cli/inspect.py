@@ -46,7 +46,7 @@ def ls(
             pass
         raise e from None
     if as_json:
-        _print_json(summary.listing(ck))
+        print(json.dumps(summary.listing(ck), indent=1, allow_nan=False))
         return
     print_wide(_tree_table(ck, list(ck), title=ck.url), out)
     out.print(f"{count(len(ck.metadata.tensors), 'tensor')}, {human_bytes(ck.nbytes)}; "
@@ -87,10 +87,6 @@ def _tree_table(ck: Any, keys: list[str], title: str) -> Table:
             shown_value = _short(ck[key]) if entry.encoding == "json" else "(torch-serialized value)"
             table.add_row(label, "", "value", "", shown_value)
     return table
-
-
-def _print_json(doc: Any) -> None:
-    print(json.dumps(doc, indent=1, allow_nan=False))
 
 
 def _stats(a: np.ndarray) -> dict[str, str]:
@@ -160,7 +156,7 @@ def info(
 
     ck = checkpoint.open(path)
     if as_json:
-        _print_json(summary.information(ck))
+        print(json.dumps(summary.information(ck), indent=1, allow_nan=False))
         return
     md = ck.metadata
     files, stored = ck.storage_stats()

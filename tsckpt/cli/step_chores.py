@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 @app.command("latest")
 def latest_cmd(
     root: str = typer.Argument(..., help="directory or URL holding step checkpoints (ckpt/step_1000, ...)"),
-    as_json: bool = flag(False, "--json", help="print every step entry with its state, and the latest, "
-                                                       "as JSON"),
+    as_json: bool = flag(False, "--json", help="print every step entry with its state, and the latest, as JSON"),
 ) -> None:
     """Print the newest committed checkpoint under ROOT; exit 1 when there is none.
 
@@ -138,9 +137,8 @@ def list_steps(root: str, as_json: bool) -> bool:
 def _leftovers(root: str, entry: StepCheckpoint) -> str | None:
     """What saves into ``entry`` that did not finish left, and the command that removes it; None if nothing.
 
-    Local saves stage in hidden directories beside their target, which the
-    table does not show: an interrupted save of a new step is listed as
-    ``incomplete``, one that was replacing a committed step not at all.
+    Local saves stage in hidden directories beside their target, which the table does not show: an interrupted
+    save of a new step is listed as ``incomplete``, one that was replacing a committed step not at all.
     """
     from ..commit.staging_dirs import staging_dirs
     from ..errors import TsckptError

@@ -1,11 +1,8 @@
 """``tsckpt verify PATH``: read every chunk and check it; exit 1 with a report of what is damaged.
 
-The report names each damaged file or object once, with what is wrong with it
-and how many tensors and values it holds, rather than every tensor it took
-down with it; damage inside an intact file is named by tensor and chunk.
-``--details`` lists every problem of every entry, ``--json`` everything.
-Lines are printed as they are, never wrapped at a console width, so a piped
-report keeps one problem per line.
+The report names each damaged file or object once, with what is wrong with it and how many tensors and values it
+holds, rather than every tensor it took down with it; damage inside an intact file is named by tensor and chunk.
+Lines are printed as they are, never wrapped at a console width, so a piped report keeps one problem per line.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ _NAMED_PER_FILE = 3
 def verify(
     path: str = typer.Argument(..., help="checkpoint directory or file:// URL"),
     progress: bool = flag(None, "--progress/--no-progress",
-                                  help="progress bar (default: on for large checkpoints in a terminal)"),
+                          help="progress bar (default: on for large checkpoints in a terminal)"),
     details: bool = flag(False, "--details", help="list every problem of every damaged tensor and value"),
     as_json: bool = flag(False, "--json", help="print the full report as JSON (keys: see tsckpt.cli.summary)"),
 ) -> None:
@@ -71,8 +68,7 @@ def _holdings(entries: list[EntryReport]) -> str:
 
 
 def damaged_files(report: VerifyReport) -> dict[str, list[str]]:
-    """The data files, tables and index found damaged as files (missing, cut short, unreadable), with their
-    problems."""
+    """The data files, tables and index found damaged as whole files (missing, cut short, unreadable): problems."""
     found: dict[str, list[str]] = defaultdict(list)
     if report.files is not None:
         for n, problem in enumerate(report.files.problems):

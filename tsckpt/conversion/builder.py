@@ -1,10 +1,6 @@
-"""Write a tsckpt checkpoint from one process, one tensor at a time, for producers that never hold the
-whole state dict (format converters).
-
-:class:`CheckpointBuilder` writes what a single-process ``tsckpt.save`` of plain tensors and values would,
-through the same planning (:func:`tsckpt.format.plan.plan_tensor`), rank writer and commit
-(:func:`tsckpt.commit.protocol.commit_checkpoint`); like a save, it publishes nothing before the commit.
-"""
+"""Write a tsckpt checkpoint from one process, one tensor at a time, for producers that never hold the whole
+state dict (format converters): what a one-process ``tsckpt.save`` would write, through the same planning, rank
+writer and commit."""
 
 from __future__ import annotations
 
@@ -76,19 +72,11 @@ class CheckpointBuilder:
             ``None``: ``$TSCKPT_LAYOUT``, else packed.
     """
 
-    def __init__(
-        self,
-        location: LocationLike,
-        *,
-        overwrite: bool = False,
-        inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-        io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-        extra: Mapping[str, Any] | None = None,
-        checksums: bool = True,
-        crc32c_codec: bool = False,
-        layout: str | None = None,
-    ):
+    def __init__(self, location: LocationLike, *, overwrite: bool = False,
+                 inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+                 extra: Mapping[str, Any] | None = None, checksums: bool = True, crc32c_codec: bool = False,
+                 layout: str | None = None):
         self.checksums = checksums
         self.array_options = ArrayOptions(crc32c_codec=checksums or crc32c_codec)
         self.save_id = uuid.uuid4().hex
@@ -211,8 +199,7 @@ class CheckpointBuilder:
         packed = self.store.layout.name == PACKED
         md = commit.commit_checkpoint(
             self.store, save_id=self.save_id, world_size=1, tensors=written.writers(self._tensors),
-            objects=self._objects,
-            blob_sizes=self._blob_sizes, ranks=[stored],
+            objects=self._objects, blob_sizes=self._blob_sizes, ranks=[stored],
             stored=stored_values(self._tensors, written, blobs) if packed else None,
             extra={**self.extra, "save_id": self.save_id}, options=self.array_options, target=self.target,
             content_hash=content_hashes.STORED_ALGORITHM if self.checksums else None)

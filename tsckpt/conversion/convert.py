@@ -1,12 +1,7 @@
-"""Convert a checkpoint from one format to another, one tensor at a time.
+"""Convert a checkpoint from one format to another (:mod:`tsckpt.conversion.sources`), one tensor at a time.
 
-Formats (see :mod:`tsckpt.conversion.sources`): tsckpt, DCP FileSystemWriter
-directories, ``torch.save`` files, safetensors files and Hugging Face sharded
-safetensors directories. One tensor of the source is in memory at a time (plus
-bounded write-behind for tsckpt targets), so checkpoints larger than RAM convert.
-
-Reading a DCP checkpoint unpickles its ``.metadata``; that, and restoring
-values that ``torch.load(weights_only=True)`` refuses, needs ``trust_pickle=True``.
+One tensor of the source is in memory at a time (plus bounded write-behind for tsckpt targets), so
+checkpoints larger than RAM convert.
 """
 
 from __future__ import annotations
@@ -47,18 +42,9 @@ class ConvertResult:
         return self.nbytes / 1e6 / self.seconds if self.seconds > 0 else math.inf
 
 
-def convert(
-    src: Any,
-    dst: Any,
-    *,
-    to: str | None = None,
-    source_format: str | None = None,
-    trust_pickle: bool = False,
-    overwrite: bool = False,
-    max_shard_size: int | None = None,
-    progress: bool = False,
-    layout: str | None = None,
-) -> ConvertResult:
+def convert(src: Any, dst: Any, *, to: str | None = None, source_format: str | None = None,
+            trust_pickle: bool = False, overwrite: bool = False, max_shard_size: int | None = None,
+            progress: bool = False, layout: str | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
     Args:
@@ -96,10 +82,8 @@ def convert(
         total = sum(i.nbytes for i in source.tensors.values())
         _make_parent(dst)
         with progress_bar(progress, total, f"{source.format} -> {to}") as advance:
-            opts = Options(overwrite=overwrite, trust_pickle=trust_pickle, max_shard_size=max_shard_size,
-                           layout=layout)
             sink = Sink(advance=advance, warn=warn)
-            TARGETS[to](source, dst, opts, sink)
+            TARGETS[to](source, dst, Options(overwrite, trust_pickle, max_shard_size, layout), sink)
         return ConvertResult(source.format, to, len(source.tensors) - sink.skipped_tensors,
                              len(source.objects) - sink.skipped_objects, total, time.perf_counter() - start,
                              tuple(notes))
@@ -107,10 +91,7 @@ def convert(
 
 def _make_parent(dst: Any) -> None:
     """Create the directory a local ``dst`` goes in, as ``tsckpt.save`` does for its target."""
-    if isinstance(dst, Mapping):
-        return
-    text = os.fspath(dst)
-    if "://" in text:
+    if isinstance(dst, Mapping) or "://" in (text := os.fspath(dst)):
         return
     parent = os.path.dirname(os.path.abspath(text))
     try:

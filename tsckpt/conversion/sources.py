@@ -1,25 +1,17 @@
 """Checkpoint formats that tsckpt converts between: detection and sources.
 
-A :class:`Source` opens a checkpoint and lists every entry up front (key path,
-shape and dtype of each tensor; non-tensor values, which are small, loaded
-eagerly) without reading tensor data; :meth:`Source.read` then returns one
-whole tensor. Targets (:mod:`tsckpt.conversion.targets`) consume a source one tensor at a time, so a conversion
-holds about one tensor in memory, never the whole checkpoint:
+A :class:`Source` lists every entry up front (key path, shape and dtype of each tensor; non-tensor values,
+which are small, loaded eagerly) and :meth:`Source.read` returns one whole tensor, so a conversion holds about
+one tensor in memory. How each format is read, and written (:mod:`tsckpt.conversion.targets`):
 
-- tsckpt: one TensorStore read of one array per tensor; written through
-  :class:`~tsckpt.conversion.builder.CheckpointBuilder` (a bounded byte budget in flight).
-- DCP FileSystemWriter: read with one ``dcp.load`` per key (the reader loads
-  only the saved chunks of that key); written by ``dcp.save`` with meta-tensor
-  placeholders whose data the planner's ``resolve_data`` reads from the source
-  when the writer asks for it (one file per tensor: FileSystemWriter keeps every
-  tensor of one file alive until that file is finished).
-- torch.save: read with ``torch.load(mmap=True)`` (file-backed pages the kernel
-  can drop); written as a skeleton by ``torch.save`` under
-  ``torch.serialization.skip_data`` with fake tensors, then filled in place
-  through a shared mmap, one tensor at a time, and the zip CRCs fixed up.
-- safetensors: read with ``safe_open``; written by a streaming writer (header
-  first, then each tensor's bytes). Sharded HF directories are read through
-  ``model.safetensors.index.json`` and written with one.
+- tsckpt: one TensorStore read per tensor; written by :class:`~tsckpt.conversion.builder.CheckpointBuilder`.
+- DCP FileSystemWriter: one ``dcp.load`` per key; written by ``dcp.save`` with meta-tensor placeholders whose
+  data the planner's ``resolve_data`` reads when the writer asks for it (one file per tensor: FileSystemWriter
+  keeps every tensor of a file alive until that file is finished).
+- torch.save: ``torch.load(mmap=True)``; written as a skeleton by ``torch.save`` under ``skip_data`` with fake
+  tensors, filled in place through a shared mmap one tensor at a time, and the zip CRCs fixed up.
+- safetensors: ``safe_open``; written header first, then each tensor's bytes. Sharded HF directories are read
+  through ``model.safetensors.index.json`` and written with one.
 """
 
 from __future__ import annotations
@@ -82,8 +74,7 @@ class Options:
 class Sink:
     """Where a target reports progress (bytes done) and what it could not hold."""
 
-    def __init__(self, advance: Callable[[int], None] = lambda n: None,
-                 warn: Callable[[str], None] = lambda m: None):
+    def __init__(self, advance: Callable[[int], None] = lambda n: None, warn: Callable[[str], None] = lambda m: None):
         self.advance, self.warn = advance, warn
         #: Entries the target could not hold and left out (after warning about them).
         self.skipped_tensors = self.skipped_objects = 0
@@ -128,10 +119,9 @@ class TsckptSource(Source):
         super().__init__(path, trust_pickle=trust_pickle)
         self._store, self.metadata = commit.open_committed(path)
         self._source = ChunkSource.of(self._store, self.metadata)
-        for key, e in self.metadata.tensors.items():
-            self.tensors[key] = TensorInfo(e.key_path, e.shape, dtypes.to_torch_dtype(dtypes.from_zarr(e.dtype)))
-        for key, o in self.metadata.objects.items():
-            self.objects[key] = (o.key_path, self._object(key, o))
+        self.tensors = {key: TensorInfo(e.key_path, e.shape, dtypes.to_torch_dtype(dtypes.from_zarr(e.dtype)))
+                        for key, e in self.metadata.tensors.items()}
+        self.objects = {key: (o.key_path, self._object(key, o)) for key, o in self.metadata.objects.items()}
         header = self.metadata.extra.get("source_header")
         if isinstance(header, dict):
             self.header = {str(k): str(v) for k, v in header.items()}

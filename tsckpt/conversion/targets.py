@@ -1,7 +1,5 @@
-"""Conversion targets: write a :class:`~tsckpt.conversion.sources.Source` one tensor at a time.
-
-How each target bounds memory is described in :mod:`tsckpt.conversion.sources`.
-"""
+"""Conversion targets: write a :class:`~tsckpt.conversion.sources.Source` one tensor at a time (how each bounds
+memory: :mod:`tsckpt.conversion.sources`)."""
 
 from __future__ import annotations
 

@@ -59,10 +59,8 @@ def async_save(state_dict: dict[str, Any], path: LocationLike, *, process_group:
     """
     writer = TensorStoreWriter(path, overwrite=overwrite, **writer_options)
     with collector.held_off():
-        return dcp.async_save(
-            state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
-            async_checkpointer_type=async_checkpointer_type, async_stager=Stager(),
-        )
+        return dcp.async_save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
+                              async_checkpointer_type=async_checkpointer_type, async_stager=Stager())
 
 
 def load(state_dict: dict[str, Any], path: LocationLike, *, process_group: dist.ProcessGroup | None = None,
@@ -99,8 +97,7 @@ class _SaveInterrupts:
     """What a save does when Ctrl-C stops it on some rank (:func:`tsckpt.dcp.failure.interrupted`)."""
 
     def __init__(self, writer: TensorStoreWriter, path: LocationLike, process_group: dist.ProcessGroup | None):
-        self.writer, self.process_group = writer, process_group
-        self.shown = _shown(path)
+        self.writer, self.process_group, self.shown = writer, process_group, _shown(path)
 
     def rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
@@ -116,9 +113,7 @@ class _SaveInterrupts:
 
     def own(self, error: TsckptError) -> BaseException:
         """``error`` as this rank raises it: a ``KeyboardInterrupt`` where Ctrl-C was pressed."""
-        if self.rank() in failure.interrupted_ranks(error):
-            return KeyboardInterrupt(str(error))
-        return error
+        return KeyboardInterrupt(str(error)) if self.rank() in failure.interrupted_ranks(error) else error
 
 
 def _shown(path: LocationLike) -> str:
@@ -136,13 +131,10 @@ _TENSORSTORE_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
 
 
 def _plain(e: BaseException, doing: str, interrupts: _SaveInterrupts | None = None) -> BaseException:
-    """What tsckpt's functions raise instead of ``e``, DCP's CheckpointException or a KeyboardInterrupt.
-
-    The first rank's TsckptError as itself (its own before one relayed by replica reads), without DCP's
-    wrapping; a TensorStore error as a StorageError naming ``doing`` and the rank; Ctrl-C, with
-    ``interrupts`` (a save), as the line that says what the save left (a ``KeyboardInterrupt`` where it was
-    pressed). Anything else is ``e``, unchanged.
-    """
+    """What tsckpt's functions raise instead of ``e``, DCP's CheckpointException or a KeyboardInterrupt: the
+    first rank's TsckptError as itself, without DCP's wrapping; a TensorStore error as a StorageError naming
+    ``doing`` and the rank; Ctrl-C in a save (``interrupts``) as the line that says what the save left.
+    Anything else is ``e``, unchanged."""
     if isinstance(e, KeyboardInterrupt):  # outside DCP's wrapping: between its steps
         if interrupts is None or e.args:  # no save, or already the line that says what it left
             return e

@@ -1,11 +1,8 @@
 """Python's cycle collector held off while a save or load runs: the one place tsckpt touches ``gc``.
 
-Planning and moving a checkpoint allocate thousands of objects per rank and no
-lasting cycles, and a full collection walks a training process's whole heap
-(0.13-0.31 s over ~310k objects, on the coordinator, where every rank waits);
-PyTorch's ``get_state_dict`` holds it off too. ``tsckpt.save``, ``load`` and
-``async_save`` hold it off for the whole call, ``TensorStoreReader`` while it
-plans and reads; ``TSCKPT_HOLD_GC=0`` or :data:`hold` = False leaves it alone.
+Planning and moving a checkpoint allocate thousands of objects and no lasting cycles, and a full collection
+walks a training process's whole heap (0.13-0.31 s over ~310k objects, on the coordinator, where every rank
+waits); PyTorch's ``get_state_dict`` holds it off too. ``TSCKPT_HOLD_GC=0`` or :data:`hold` = False leaves it.
 """
 
 from __future__ import annotations
@@ -28,10 +25,7 @@ _was_enabled = False
 
 @contextlib.contextmanager
 def held_off() -> Iterator[None]:
-    """No automatic cycle collection inside (on any thread of the process); as it was once every caller is out.
-
-    Nothing changes unless :data:`hold` is true and ``$TSCKPT_HOLD_GC`` is not 0.
-    """
+    """No automatic cycle collection inside (on any thread) while :data:`hold`; as it was once every caller is out."""
     global _held, _was_enabled
     counted = hold and os.environ.get(HOLD_ENV, "").strip().lower() not in ("0", "false", "no", "off")
     with _lock:

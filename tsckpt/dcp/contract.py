@@ -1,33 +1,22 @@
 """The coordinator <-> rank contract of a save: what each side hands the other, beyond DCP's own plan items.
 
-DCP runs a save as four collectives around the storage writer's methods. With
-``TensorStoreWriter`` (and, optionally, tsckpt's :class:`~tsckpt.dcp.planner.SavePlanner`):
+DCP runs a save as collectives around the storage writer's methods; with ``TensorStoreWriter``:
 
-1. ``reset``, ``storage_meta``, ``set_up_storage_writer`` -- every rank. Nothing is written yet.
-2. ``planner.create_local_plan()``, ``writer.prepare_local_plan(plan)`` -- every rank; the plans are
-   **gathered** to the coordinator. tsckpt's planner puts :class:`PlannerNotes` in ``storage_data``
-   (placement records; the records of DTensors whose placements give their layout, which it leaves
-   out of the plan, :mod:`tsckpt.dcp.placed_writes`). The writer wraps it in the rank's
-   :class:`~tsckpt.dcp.replica_writes.Holdings`, by which the coordinator finds replicas.
-3. ``planner.create_global_plan(plans)``, ``writer.prepare_global_plan(plans)`` -- the coordinator.
-   It begins the save (:func:`~tsckpt.commit.protocol.begin_save`: refuses what must not be
-   replaced, fences off other saves, chooses where the data goes), lays out every array
+1. ``reset``, ``storage_meta``, ``set_up_storage_writer``: every rank; nothing is written yet.
+2. ``create_local_plan``, ``prepare_local_plan``: every rank; plans **gathered**. tsckpt's planner puts
+   :class:`PlannerNotes` in ``storage_data`` (placement records; the DTensors laid out from their placements,
+   :mod:`tsckpt.dcp.placed_writes`); the writer wraps it in its :class:`~tsckpt.dcp.replica_writes.Holdings`.
+3. ``create_global_plan``, ``prepare_global_plan``: the coordinator begins the save
+   (:func:`~tsckpt.commit.protocol.begin_save`), lays out every array
    (:class:`~tsckpt.dcp.global_layout.GlobalLayout`) and gives each rank a :class:`RankPlan`: the
-   :class:`SaveOrders` and the layouts of the arrays *that rank* writes, pre-pickled
-   (:class:`Prepickled`) once per distinct set, plus one :class:`PlacedArrays` table for all ranks.
-   With DCP's plan caching, see :mod:`tsckpt.dcp.plan_cache` (:class:`GlobalPlans`, :class:`NewOrders`).
-4. The plans are **scattered**; every rank runs ``planner.finish_plan(plan)``, then
-   ``writer.write_data(plan, planner)``, writing only what its plan lists, where and as its
-   ``RankPlan`` says (not as its own writer's options say). It returns :class:`RankWrites`: no
-   ``WriteResult``, and a columnar :class:`RankSummary` of what it wrote.
-5. The results are **gathered**; ``writer.finish(metadata, results)`` on the coordinator checks
-   that every rank wrote with this save's orders, merges the summaries
-   (:class:`~tsckpt.dcp.merged_chunks.MergedChunks`), checks that every chunk was written exactly
-   once, writes every node and then the root document: the commit.
-6. DCP **broadcasts** the metadata; every rank returns from ``dcp.save``.
-
-What grows with the world size stays on the coordinator; what a rank receives
-grows with what it writes.
+   :class:`SaveOrders` and the layouts of the arrays that rank writes, each :class:`Prepickled` once per
+   distinct set, plus one :class:`PlacedArrays` table. Plan caching: :mod:`tsckpt.dcp.plan_cache`.
+4. Plans **scattered**; ``finish_plan``, then ``write_data`` writes what the plan lists, as its ``RankPlan``
+   says, and returns :class:`RankWrites` (no ``WriteResult``; a columnar :class:`RankSummary`).
+5. Results **gathered**; ``finish`` on the coordinator checks every rank wrote with this save's orders,
+   merges the summaries (:class:`~tsckpt.dcp.merged_chunks.MergedChunks`), checks every chunk was written
+   exactly once, writes every node, then the root document: the commit.
+6. DCP **broadcasts** the metadata. What grows with the world size stays on the coordinator.
 """
 
 from __future__ import annotations
@@ -58,11 +47,9 @@ T = TypeVar("T")
 class Prepickled(Generic[T]):
     """A value pickled once on the coordinator and shared by many ranks' plans, which then only copy its bytes.
 
-    DCP pickles every rank's plan separately. It travels only within one save's
-    process group (nothing read from a checkpoint is unpickled here); the
-    receiving rank unpickles it on first use. Compressed: the coordinator copies
-    it once per rank (a table of every array, 178 KB at 2,000 arrays, is 17 KB so:
-    at 100,000 ranks the difference is 16 GB copied and sent).
+    It travels only within one save's process group (nothing read from a checkpoint is unpickled here) and is
+    unpickled on first use. Compressed, as it is copied once per rank: a table of 2,000 arrays is 17 KB, not
+    178 KB (16 GB less copied and sent at 100,000 ranks).
     """
 
     __slots__ = ("_blob", "_value", "_loaded")
@@ -82,7 +69,6 @@ class Prepickled(Generic[T]):
 
 
 def _arrived(blob: bytes) -> Prepickled[Any]:
-    """A :class:`Prepickled` as a rank receives it: its bytes, unpickled on first use."""
     obj: Prepickled[Any] = Prepickled.__new__(Prepickled)
     obj._blob, obj._value, obj._loaded = blob, None, False
     return obj
@@ -105,12 +91,9 @@ class WriteConfig:
 
 @dataclass(frozen=True)
 class PlannerNotes:
-    """What tsckpt's planner adds to a rank's local plan, in ``storage_data`` (step 2).
-
-    ``placements``: the placement record of each tensor this rank describes; ``arrays``: of those, each one no
-    plan lists (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}`` (+ ``"world"``, for a
-    plain tensor every rank holds).
-    """
+    """What tsckpt's planner adds to a rank's local plan, in ``storage_data`` (step 2): ``placements``, the
+    placement record of each tensor this rank describes; ``arrays``, of those, each one no plan lists
+    (:mod:`tsckpt.dcp.placed_writes`): ``{"shape", "dtype", "key_path"}`` (+ ``"world"``: a plain tensor)."""
 
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     arrays: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -121,19 +104,15 @@ class PlannerNotes:
 
     @staticmethod
     def found(plan: SavePlan) -> PlannerNotes | None:
-        """The notes tsckpt's planner put in the plan (under the writer's :class:`Holdings`), if it did."""
         data = Holdings.unwrapped(plan.storage_data)
         return data if isinstance(data, PlannerNotes) else None
 
 
 @dataclass(frozen=True, eq=False)
 class GlobalPlans:
-    """What tsckpt's caching planner hands the writer in step 3, on the coordinator, in every plan's ``storage_data``.
-
-    ``plans``: every rank's full plan (DCP's ``global_plan``, where the plans it
-    returns leave out unchanged ones); ``cache_key``: the planner's class, whose
-    saves share one cache in DCP. The writer replaces it before the plans are scattered.
-    """
+    """What tsckpt's caching planner hands the writer in step 3, in every plan's ``storage_data``: ``plans``,
+    every rank's full plan (DCP's ``global_plan``; the plans it returns leave out unchanged ones); ``cache_key``,
+    the planner's class, whose saves share one cache in DCP."""
 
     plans: list[SavePlan]
     cache_key: str
@@ -154,20 +133,16 @@ def fqn_digest(fqns: Sequence[str]) -> int:
 
 @dataclass(frozen=True)
 class ArrayTable:
-    """The layouts of the arrays one rank writes, in columns, in the order the rank's plan first names them.
-
-    ``dims[i]``: shape, chunk shape and inner chunk shape of array ``i`` (padded); ``sharded[i]``: whether it
-    has inner chunks; ``digest``: :func:`fqn_digest` of the keys, checked against the rank's plan.
-    """
+    """The layouts of the arrays one rank writes, in columns, in the order the rank's plan first names them;
+    ``digest``: :func:`fqn_digest` of the keys, checked against the rank's plan."""
 
     ids: np.ndarray  # int32 [n]
     ndims: np.ndarray  # uint8 [n]
-    dims: np.ndarray  # int32 or int64 [n, 3, max ndim]
-    sharded: np.ndarray  # bool [n]
+    dims: np.ndarray  # int32 or int64 [n, 3, max ndim]: shape, chunk shape, inner chunk shape (padded)
+    sharded: np.ndarray  # bool [n]: has inner chunks
     dtypes: tuple[str, ...]  # Zarr data type names
     key_paths: tuple[tuple[str | int, ...], ...]
     digest: int
-
 
     def entries(self, fqns: Sequence[str], where: str) -> dict[str, tuple[int, TensorEntry]]:
         """Each of ``fqns`` (the rank's tensors in plan order) with its coordinator number and array layout."""
@@ -193,7 +168,6 @@ class PlacedArrays:
     table: ArrayTable
 
     def entries(self) -> dict[str, tuple[int, TensorEntry]]:
-        """Each array's key, with its coordinator number and layout."""
         return self.table.entries(self.names, "the placed arrays")
 
 
@@ -210,12 +184,8 @@ class SaveOrders:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What the coordinator tells one rank (step 3): the save's orders and the arrays this rank writes.
-
-    ``orders`` and ``placed`` (:class:`PlacedArrays`) are the same object in every
-    rank's plan; ``arrays`` is shared by ranks that write the same tensors;
-    ``objects``: path of each non-tensor value this rank writes.
-    """
+    """What the coordinator tells one rank (step 3). ``orders`` and ``placed`` are the same object in every
+    rank's plan; ``arrays`` is shared by ranks that write the same tensors; ``objects``: path of each value."""
 
     orders: Prepickled[SaveOrders]
     arrays: Prepickled[ArrayTable]
@@ -223,15 +193,10 @@ class RankPlan:
     placed: Prepickled[PlacedArrays] | None = None
 
     def entries(self, fqns: Sequence[str], where: str) -> dict[str, tuple[int, TensorEntry]]:
-        """Each tensor of the rank's plan (in plan order) with its coordinator number and array layout."""
         placed = self.placed.value.entries() if self.placed is not None else {}
         out = self.arrays.value.entries([f for f in fqns if f not in placed], where)
         out.update((f, placed[f]) for f in fqns if f in placed)
         return out
-
-    @property
-    def config(self) -> WriteConfig:
-        return self.orders.value.config
 
 
 @dataclass(frozen=True)
@@ -242,15 +207,13 @@ class NewOrders:
     orders: Prepickled[SaveOrders]
 
     def applied_to(self, cached: SavePlan) -> SavePlan | None:
-        """The rank's cached plan with these orders; None if it holds no :class:`RankPlan` to update."""
         if not isinstance(cached.storage_data, RankPlan):
             return None
         return dataclasses.replace(cached, storage_data=dataclasses.replace(cached.storage_data, orders=self.orders))
 
 
 class RankWrites(list):
-    """One rank's answer to ``write_data``: a ``WriteResult`` list (empty: DCP only hands it to ``finish``),
-    with the rank's summary beside it."""
+    """One rank's answer to ``write_data``: an empty ``WriteResult`` list, with the rank's summary beside it."""
 
     def __init__(self, results: Sequence[WriteResult], summary: RankSummary):
         super().__init__(results)
@@ -258,7 +221,6 @@ class RankWrites(list):
 
     @staticmethod
     def summary_of(results: Sequence[WriteResult], save_id: str, where: str) -> RankSummary:
-        """The summary of one rank's results, checked to be this save's."""
         summary = getattr(results, "summary", None)
         if not isinstance(summary, RankSummary):
             raise PlanError(f"saving {where}: a rank returned write results without tsckpt's summary "

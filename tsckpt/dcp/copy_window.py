@@ -1,10 +1,5 @@
-"""Host copies in flight: the bound on a rank's extra host memory.
-
-GPU tensors are saved from host copies and loaded through host buffers; inner
-chunks are encoded into copies and read as stored bytes before they are checked.
-Unbounded, a rank would hold a copy of its whole state; the writer and the
-reader pass every such copy through one :class:`CopyWindow`.
-"""
+"""Host copies in flight (GPU tensors' host copies, encoded inner chunks, stored bytes before their check):
+the writer and the reader pass each through one :class:`CopyWindow`, which bounds a rank's extra host memory."""
 
 from __future__ import annotations
 
@@ -17,15 +12,13 @@ import numpy as np
 
 from ..errors import OptionError
 
-#: Default bytes of host copies a rank keeps in flight (``per_thread_copy_ahead``).
-#: On an H100 host (``benchmarks/bench_cuda.py``, 6 GB of bf16), 1 GiB loaded
-#: in 6.1 s against 7.3 s with 256 MiB and 5.3 s unbounded, with a host peak of
-#: 2.5 GB against 4.7 GB unbounded; small next to a GPU host's memory.
+#: Default bytes of host copies a rank keeps in flight (``per_thread_copy_ahead``). On an H100 host
+#: (``benchmarks/bench_cuda.py``, 6 GB of bf16), 1 GiB loaded in 6.1 s against 7.3 s with 256 MiB and 5.3 s
+#: unbounded, with a host peak of 2.5 GB against 4.7 GB unbounded.
 DEFAULT_COPY_AHEAD = 1 << 30
 
 
 def check_copy_ahead(per_thread_copy_ahead: int | None) -> int | None:
-    """``per_thread_copy_ahead`` as given, or a one-line error: bytes >= 0, or None for no bound."""
     if per_thread_copy_ahead is not None and (
             isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int)
             or per_thread_copy_ahead < 0):
@@ -36,15 +29,13 @@ def check_copy_ahead(per_thread_copy_ahead: int | None) -> int | None:
 class CopyWindow:
     """At most ``limit`` bytes of host copies whose transfer still runs, plus the one being admitted.
 
-    ``admit(n)`` before making an ``n``-byte copy finishes the oldest transfers
-    until ``n`` more fit; ``add(n, finish, hold)`` records it (``hold`` stays
-    referenced until ``finish()`` ran); ``drain()`` finishes the rest. ``limit``
-    None never waits; 0 moves one tensor at a time.
+    ``admit(n)`` before making an ``n``-byte copy finishes the oldest transfers until ``n`` more fit;
+    ``add(n, finish, hold)`` records it (``hold`` referenced until ``finish()`` ran); ``drain()`` finishes the
+    rest. ``limit`` None never waits; 0 moves one tensor at a time.
     """
 
     def __init__(self, limit: int | None):
-        self.limit = limit
-        self.bytes = 0
+        self.limit, self.bytes = limit, 0
         self.inflight: collections.deque[tuple[int, Callable[[], None], Any]] = collections.deque()
 
     def admit(self, nbytes: int) -> None:
@@ -66,20 +57,16 @@ class CopyWindow:
 
 
 class Scratch:
-    """Host buffers for values on their way to a destination they cannot be read into (a GPU tensor, or
-    another dtype), carved out of one allocation that is reused batch after batch.
-
-    Fresh memory costs a page fault every 4 KiB. :meth:`take` hands out views
-    until the allocation is full, then fresh arrays; :meth:`reset` (every view
-    done with) grows it to the largest batch seen, so later batches reuse it.
-    """
+    """Host buffers for values bound for a destination they cannot be read into (a GPU tensor, another dtype),
+    carved out of one allocation reused batch after batch (fresh memory costs a page fault every 4 KiB).
+    :meth:`take` hands out views until it is full, then fresh arrays; :meth:`reset` (every view done with)
+    grows it to the largest batch seen."""
 
     _ALIGN = 64
 
     def __init__(self) -> None:
         self._buffer = np.empty(0, dtype=np.uint8)
-        self._used = 0
-        self._wanted = 0
+        self._used = self._wanted = 0
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         nbytes = math.prod(shape) * dtype.itemsize

@@ -1,19 +1,11 @@
 """A save that failed on some rank: what the rank reports, and the one error every rank then raises.
 
-DCP never calls the writer's ``finish`` once a rank's ``write_data`` raised, so
-what the save staged would stay. So a rank that fails waits for every write it
-started, then reports the failure as its summary (:func:`failed_summary`); the
-coordinator's ``finish`` removes what the save staged and raises
-:class:`~tsckpt.errors.SaveFailedError` (:func:`save_failed`), which DCP raises
-on every rank and ``tsckpt.save`` raises as itself:
-
-    save to /data/ck failed on rank 3: no space left on device writing 'model.w'
-
-Ctrl-C is reported the same way (:func:`interruption`; ``tsckpt.save`` raises a
-``KeyboardInterrupt`` where it was pressed). While a rank starts writes, waits for
-them after a failure, or commits, Ctrl-C is held until the step ends (:class:`CtrlC`),
-so that no write lands after the clean-up. Where Ctrl-C stops a save elsewhere (a
-second Ctrl-C, or in DCP's collectives), ``tsckpt.save`` calls :func:`interrupted`.
+DCP never calls ``finish`` once a rank's ``write_data`` raised, so what the save staged would stay. So a rank
+that fails waits for every write it started, then reports the failure as its summary (:func:`failed_summary`);
+the coordinator's ``finish`` removes what was staged and raises one
+:class:`~tsckpt.errors.SaveFailedError` (:func:`save_failed`) on every rank. Ctrl-C is reported the same way
+(:func:`interruption`), and held while a rank starts writes, waits for them or commits (:class:`CtrlC`), so
+that no write lands after the clean-up; elsewhere ``tsckpt.save`` calls :func:`interrupted`.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,20 +25,18 @@ from ..commit.staged import StagedTarget
 from ..commit.states import ROOT, describe_root
 from ..commit.target import SaveTarget, warn_committed
 from ..storage.context import make_context, open_kvstore
-from ..storage.kvio import hint
+from ..storage.kvio import hint, one_line, problem
 from ..storage.location import Location
-from ..storage.kvio import one_line, problem
 from .contract import RankSummary
+
 
 @dataclass(frozen=True)
 class RankFailure:
     """Why one rank could not write its part of a save."""
 
     rank: int
-    #: One line: what failed and on what, e.g. "no space left on device writing 'model.w'".
-    problem: str
-    #: Ctrl-C stopped the rank (once the writes it had started ended), rather than an error.
-    interrupted: bool = False
+    problem: str  # one line, e.g. "no space left on device writing 'model.w'"
+    interrupted: bool = False  # by Ctrl-C, rather than an error
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "problem": self.problem, "interrupted": self.interrupted}
@@ -61,37 +51,25 @@ class RankFailure:
 
     @classmethod
     def of(cls, rank: int, error: BaseException) -> RankFailure:
-        """The failure ``error`` describes, with what to check (:func:`~tsckpt.storage.kvio.hint`) for a
-        refused or unreachable request, also one that is its cause."""
+        """The failure ``error`` describes, with what to check for a refused or unreachable request."""
         if isinstance(error, TsckptError):
             text = one_line(error)
         elif isinstance(error, ValueError):  # how TensorStore reports a failed request
             text = problem(error)
         else:
             text = f"{type(error).__name__}: {one_line(error)}"
-        remedy = next((h for e in _causes(error) if (h := hint(str(e))) is not None), None)
+        chain: list[BaseException] = []
+        at: BaseException | None = error
+        while at is not None and at not in chain:  # error and what it was raised from
+            chain.append(at)
+            at = at.__cause__
+        remedy = next((h for e in chain if (h := hint(str(e))) is not None), None)
         return cls(rank, text if remedy is None or remedy in text else f"{text}; {remedy}")
 
 
-def _causes(error: BaseException) -> list[BaseException]:
-    """``error`` and the exceptions it was raised from."""
-    chain: list[BaseException] = []
-    at: BaseException | None = error
-    while at is not None and at not in chain:
-        chain.append(at)
-        at = at.__cause__
-    return chain
-
-
 def failed_summary(rank: int, save_id: str, failure: RankFailure) -> RankSummary:
-    """What a failing rank returns instead of raising: an empty summary that carries the failure to ``finish``."""
+    """What a failing rank returns instead of raising: an empty summary carrying the failure to ``finish``."""
     return RankSummary(rank, save_id, np.zeros(0, np.int32), np.zeros(0, np.int64), None, failure=failure.to_dict())
-
-
-def failures_in(summaries: Iterable[RankSummary]) -> list[RankFailure]:
-    """The failures the ranks reported, by rank."""
-    found = [RankFailure.from_dict(s.failure) for s in summaries if s.failure is not None]
-    return sorted(found, key=lambda f: f.rank)
 
 
 def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], list[RankSummary]],
@@ -104,7 +82,8 @@ def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], li
         except BaseException:
             clean_up(target)
             raise
-        failures = failures_in(given)
+        failures = sorted((RankFailure.from_dict(s.failure) for s in given if s.failure is not None),
+                          key=lambda f: f.rank)
         stopped = [f.rank for f in failures if f.interrupted]
         if stopped:
             raise interruption(target.url, stopped, _outcome(target, settle=False))
@@ -116,19 +95,14 @@ def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], li
         except KeyboardInterrupt:
             raise interruption(target.url, [rank], _outcome(target, settle=False)) from None
         except Exception as e:
-            if _committed_by(target):
-                # Its root document is at the location: committed, whatever failed after that (a request
-                # whose answer was lost after it took effect, the clean-up of a replaced checkpoint).
+            if committed_at(target.location, target.save_id):  # committed; what failed came after (a lost answer?)
                 warn_committed(target.url, target.save_id, [f"{RankFailure.of(rank, e).problem} after its commit"])
                 return
             if isinstance(e, TsckptError):
                 clean_up(target)
                 raise
-            # How TensorStore reports a failed request: ValueError.
-            cleanup = clean_up(target)
-            reason = RankFailure.of(rank, e)
-            raise save_failed(target.url, [RankFailure(rank, f"{reason.problem} (while committing)")],
-                              cleanup) from None
+            reason = f"{RankFailure.of(rank, e).problem} (while committing)"  # e.g. TensorStore's ValueError
+            raise save_failed(target.url, [RankFailure(rank, reason)], clean_up(target)) from None
         except BaseException:
             clean_up(target)
             raise
@@ -148,22 +122,17 @@ def save_failed(url: str, failures: list[RankFailure], cleanup: str | None) -> S
     lines = [f"save to {url} failed on rank {first.rank}: {first.problem}"
              + (f" (and on {len(others)} other rank{'s' if len(others) > 1 else ''})" if others else "")]
     lines += [f"  rank {f.rank}: {f.problem}" for f in others]
-    if cleanup is None:
-        lines.append("nothing was committed; what the save had written was removed")
-    else:
-        lines.append(f"nothing was committed; what the save had written could not be removed: {cleanup}")
+    lines.append("nothing was committed; what the save had written "
+                 + ("was removed" if cleanup is None else f"could not be removed: {cleanup}"))
     return SaveFailedError("\n".join(lines))
 
 
 def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | None,
                 committed: Callable[[], bool] | None = None) -> BaseException:
-    """What rank ``rank`` raises after Ctrl-C stopped the save to ``url`` on the ranks ``stopped`` outside
-    its writers' steps (a second Ctrl-C, or one in DCP's collectives).
-
-    ``target`` is the coordinator's (None elsewhere): it removes what the save
-    staged once the writes still running have landed. Other ranks name the
-    command that removes it, or say the save is complete if ``committed()``.
-    """
+    """What rank ``rank`` raises after Ctrl-C stopped the save on the ranks ``stopped`` outside its writers'
+    steps (a second Ctrl-C, or one in DCP's collectives). With ``target`` (the coordinator) it removes what was
+    staged once the writes still running have landed; other ranks name the command that removes it, or say
+    the save is complete if ``committed()``."""
     if target is not None:
         outcome = _outcome(target, settle=True)
     elif committed is not None and committed():
@@ -175,15 +144,14 @@ def interrupted(url: str, rank: int, stopped: list[int], target: SaveTarget | No
 
 
 def interruption(url: str, stopped: list[int], outcome: str) -> SaveFailedError:
-    """The one error of a save that Ctrl-C stopped on the ranks ``stopped``, raised on every rank through DCP;
-    ``tsckpt.save`` raises its line as a ``KeyboardInterrupt`` on those ranks (:func:`interrupted_ranks`)."""
+    """The one error of a save that Ctrl-C stopped on the ranks ``stopped``, raised on every rank through DCP
+    (``tsckpt.save`` raises its line as a ``KeyboardInterrupt`` on those ranks)."""
     error = SaveFailedError(_interrupted_line(url, stopped, outcome))
     error.interrupted_ranks = list(stopped)  # type: ignore[attr-defined] - kept by pickling, as DCP sends it
     return error
 
 
 def interrupted_ranks(error: BaseException) -> list[int]:
-    """The ranks where Ctrl-C was pressed, for an error made by :func:`interruption`; else none."""
     return list(getattr(error, "interrupted_ranks", None) or [])
 
 
@@ -195,23 +163,20 @@ def _interrupted_line(url: str, stopped: list[int], outcome: str) -> str:
 
 def _outcome(target: SaveTarget, *, settle: bool) -> str:
     """What an interrupted save left; ``settle``: wait for writes a rank stopped waiting for to land first."""
-    if _committed_by(target):
+    if committed_at(target.location, target.save_id):
         return f"it had committed: {target.url} is complete"
-    cleanup = _abort_interrupted(target, settle=settle)
-    return "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
-
-
-def _abort_interrupted(target: SaveTarget, *, settle: bool) -> str | None:
     try:
         if settle and isinstance(target, StagedTarget):  # a staging directory: waits for late writes itself
-            return target.abort_interrupted()
-        if settle:
-            _settle_keys(target)
-        return target.abort()
+            cleanup = target.abort_interrupted()
+        else:
+            if settle:
+                _settle_keys(target)
+            cleanup = target.abort()
     except (OSError, ValueError, TsckptError) as e:
-        return f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
+        cleanup = f"what it had staged could not be removed ({problem(e)}): `tsckpt clean {target.url}` removes it"
     except KeyboardInterrupt:  # Ctrl-C once more: stop waiting, say what is there
-        return f"what it had staged may be left: `tsckpt clean {target.url}` removes it"
+        cleanup = f"what it had staged may be left: `tsckpt clean {target.url}` removes it"
+    return "nothing was committed; " + ("what it had staged was removed" if cleanup is None else cleanup)
 
 
 def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) -> None:
@@ -227,13 +192,7 @@ def _settle_keys(target: SaveTarget, *, quiet: float = 0.3, limit: float = 5.0) 
             last, calm_since = now, time.monotonic()
 
 
-def _committed_by(target: SaveTarget) -> bool:
-    """Whether the root document at the target is this save's (the interrupt came after the commit)."""
-    return committed_at(target.location, target.save_id)
-
-
 def committed_at(location: Location, save_id: str) -> bool:
-    """Whether the root document at ``location`` commits save ``save_id``."""
     try:
         kv = open_kvstore(location, make_context(location=location))
         raw = kv.read(ROOT).result()
@@ -245,18 +204,16 @@ def committed_at(location: Location, save_id: str) -> bool:
 class CtrlC:
     """Ctrl-C on a rank's main thread, held while the rank starts writes and raised when that step ends.
 
-    :meth:`watched` puts this object's handler in place of the program's (where
-    that is a Python handler); Ctrl-C during a :meth:`step` is held until the
-    step ends, then handed to the program's handler. Outside steps, and for a
-    second Ctrl-C in the same watch, the program's handler runs at once.
+    :meth:`watched` puts this object's handler in place of the program's Python handler; Ctrl-C during a
+    :meth:`step` is handed to it when the step ends. Outside steps, and for a second Ctrl-C in the same watch,
+    the program's handler runs at once.
     """
 
     def __init__(self) -> None:
         self._previous: Any = None
         self._depth = 0
         self._held: tuple[int, Any] | None = None
-        #: A Ctrl-C came while watched: the next one is a second Ctrl-C, not held even in a later step.
-        self._pressed = False
+        self._pressed = False  # a Ctrl-C came while watched: the next is a second one, never held
 
     @contextlib.contextmanager
     def watched(self) -> Iterator[None]:

@@ -1,10 +1,5 @@
-"""The coordinator's decision: which array each tensor of a save becomes, and which arrays each rank writes.
-
-Made once per save from every rank's full plan (or kept while DCP's plan cache
-says nothing changed, :mod:`tsckpt.dcp.plan_cache`); each tensor is laid out by
-:func:`~tsckpt.format.plan.plan_tensor`. Ranks that write the same tensors share
-one pre-pickled :class:`~tsckpt.dcp.contract.ArrayTable`.
-"""
+"""The coordinator's decision: which array each tensor of a save becomes (:func:`~tsckpt.format.plan.plan_tensor`),
+and which arrays each rank writes (ranks writing the same tensors share one pre-pickled ``ArrayTable``)."""
 
 from __future__ import annotations
 
@@ -37,10 +32,8 @@ class GlobalLayout:
     tables: list[Prepickled[ArrayTable]]  # per rank
     objects: list[dict[str, str]]  # per rank: the values it writes, with their paths
     inner_chunk_bytes: int
-    #: Whether sharded tensors are cut into bands (the layout's choice for the location).
-    bands: bool
-    #: The arrays of DTensors laid out from their placements, the same for every rank (numbered after the others).
-    placed: Prepickled[PlacedArrays] | None = None
+    bands: bool  # whether sharded tensors are cut into bands (the layout's choice for the location)
+    placed: Prepickled[PlacedArrays] | None = None  # the arrays of DTensors laid out from their placements
 
     @property
     def nchunks(self) -> list[int]:
@@ -60,7 +53,6 @@ class GlobalLayout:
     @classmethod
     def plan(cls, plans: Sequence[SavePlan], inner_chunk_bytes: int, where: str, *,
              bands: bool = False) -> GlobalLayout:
-        """Lay out every array from all ranks' full plans (one per rank, in rank order)."""
         placements: dict[str, Mapping[str, Any]] = {}
         placed_records: dict[str, Mapping[str, Any]] = {}
         for p in plans:
@@ -110,10 +102,8 @@ class GlobalLayout:
                                        inner_chunk_bytes=inner_chunk_bytes, bands=bands)
         columns = _Columns(entries)
         tables = _rank_tables(columns, rank_ids)
-        placed_table = None
-        if placed:
-            placed_table = Prepickled(PlacedArrays(tuple(placed), columns.table(np.arange(len(placed),
-                                                                                          dtype=np.int32))))
+        placed_ids = np.arange(len(placed), dtype=np.int32)
+        placed_table = Prepickled(PlacedArrays(tuple(placed), columns.table(placed_ids))) if placed else None
         blobs = {fqn: zarr_path(key_paths[fqn]) for objs in rank_objects for fqn in objs}
         check_unique_paths([e.path for e in entries.values()] + list(blobs.values()), where)
         return cls(entries=entries, blobs=blobs, key_paths=key_paths, placements=placements,
@@ -123,8 +113,7 @@ class GlobalLayout:
 
 def _placed_entries(records: Mapping[str, Mapping[str, Any]], placements: Mapping[str, Mapping[str, Any]],
                     inner_chunk_bytes: int, bands: bool, where: str) -> dict[str, TensorEntry]:
-    """The arrays of the DTensors no plan lists, each laid out from its placement alone (each distinct layout
-    planned once, the others copying it under their own path)."""
+    """The arrays of the DTensors no plan lists, laid out from their placements (each distinct layout once)."""
     out: dict[str, TensorEntry] = {}
     planned: dict[tuple[Placed, str], TensorEntry] = {}
     for fqn, record in records.items():
@@ -156,7 +145,6 @@ def key_path_of(planner_data: Any, fqn: str) -> KeyPath:
 
 
 def _rank_tables(columns: _Columns, rank_ids: Sequence[Sequence[int]]) -> list[Prepickled[ArrayTable]]:
-    """Each rank's table of the arrays it writes; ranks writing the same tensors in the same order share one."""
     shared: dict[bytes, Prepickled[ArrayTable]] = {}
     out = []
     for ids in rank_ids:
@@ -188,7 +176,6 @@ class _Columns:
         self.dims = dims
 
     def table(self, order: np.ndarray) -> ArrayTable:
-        """The table of arrays ``order`` (their numbers), in that order."""
         return ArrayTable(ids=order, ndims=self.ndims[order], dims=self.dims[order], sharded=self.sharded[order],
                           dtypes=tuple(self.listed[i].dtype for i in order),
                           key_paths=tuple(self.listed[i].key_path for i in order),

@@ -1,13 +1,7 @@
-"""What the DCP writer and reader share.
-
-* :class:`TensorStoreIO`: a checkpoint location whose store is opened on first
-  use (and dropped when the writer is pickled, by ``dcp.async_save``'s process mode).
-* DCP's ``FileSystemWriter``/``FileSystemReader`` arguments, which both classes
-  take (torch 2.13 to 2.15) in the same positions, turned into tsckpt's options
-  or refused with a message that says why (``resolve_*``, ``check_*``, ``refuse_*``).
-* The one INFO line tsckpt logs per save and per load, on the coordinator, to
-  the standard ``logging`` logger ``"tsckpt"`` (no handler of its own: nothing
-  is printed until the application configures logging).
+"""What the DCP writer and reader share: :class:`TensorStoreIO` (a location whose store is opened on first use,
+and dropped when pickled by ``dcp.async_save``'s process mode); DCP's ``FileSystemWriter``/``Reader`` arguments
+(torch 2.13 to 2.15) turned into tsckpt's options or refused with why; the one INFO line per save and load, on
+the coordinator, to the ``logging`` logger ``"tsckpt"`` (no handler of its own).
 """
 
 from __future__ import annotations
@@ -92,7 +86,6 @@ EXTENSION_CODECS: Mapping[str, str] = {"stream.zstd": "zstd"}
 
 
 def resolve_io_concurrency(thread_count: int | None, io_concurrency: int | None) -> int:
-    """The per-rank I/O concurrency from DCP's ``thread_count`` or tsckpt's ``io_concurrency``."""
     for name, value in (("thread_count", thread_count), ("io_concurrency", io_concurrency)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise OptionError(f"{name}={value!r}: expected a whole number >= 1")
@@ -103,7 +96,6 @@ def resolve_io_concurrency(thread_count: int | None, io_concurrency: int | None)
 
 
 def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str:
-    """The storage layout from DCP's ``single_file_per_rank`` or tsckpt's ``layout``."""
     wanted = layout
     if single_file_per_rank is not None:
         implied = PACKED if single_file_per_rank else PLAIN
@@ -115,14 +107,13 @@ def resolve_layout(single_file_per_rank: bool | None, layout: str | None) -> str
 
 
 def resolve_compression(extensions: Sequence[Any] | None, compression: str | None) -> str | None:
-    """The compression codec from DCP's ``_extensions`` or tsckpt's ``compression``.
-
-    ``ZStandard()`` becomes the Zarr ``zstd`` codec; any other extension is
-    refused (arbitrary stream transforms would make arrays Zarr readers cannot decode).
-    """
+    """``ZStandard()`` in DCP's ``_extensions`` is Zarr's ``zstd``; other extensions are refused (Zarr can't decode)."""
     codecs = []
     for ext in extensions or ():
-        name = _registry_name(ext)
+        try:
+            name = str(ext.registry_name())
+        except Exception:
+            name = None
         if name not in EXTENSION_CODECS:
             raise OptionError(
                 f"_extensions: tsckpt cannot honour {type(ext).__name__} (registry name {name!r}); "
@@ -136,13 +127,6 @@ def resolve_compression(extensions: Sequence[Any] | None, compression: str | Non
         raise OptionError(f"_extensions={[type(e).__name__ for e in extensions or ()]} means compression={implied!r}, "
                           f"but compression={compression!r} was given; give one of them")
     return implied or compression
-
-
-def _registry_name(ext: Any) -> str | None:
-    try:
-        return str(ext.registry_name())
-    except Exception:
-        return None
 
 
 def check_serialization_format(serialization_format: Any) -> None:
@@ -171,18 +155,14 @@ logger.addHandler(logging.NullHandler())
 
 
 def logging_on() -> bool:
-    """Whether the line would be emitted (so callers skip counting when it would not)."""
     return logger.isEnabledFor(logging.INFO)
 
 
 def log_transfer(verb: str, url: str, *, nbytes: int, seconds: float, files: int, ranks: int,
                  reuse: Reuse | None = None) -> None:
-    """``saved 1203765248 bytes to ckpt/step_1000 in 1.310 s (0.919 GB/s), 412 files, 4 ranks``.
-
-    An incremental save adds ``; wrote 12582912 bytes, reused 1191182336 bytes (96 chunks) of
-    ckpt/step_900``. The same figures ride on the record as ``record.tsckpt`` (a dict), for
-    handlers that want fields.
-    """
+    """``saved 1203765248 bytes to ckpt/step_1000 in 1.310 s (0.919 GB/s), 412 files, 4 ranks``; an incremental
+    save adds ``; wrote 12582912 bytes, reused 1191182336 bytes (96 chunks) of ckpt/step_900``. The figures
+    ride on the record as ``record.tsckpt`` (a dict)."""
     rate = nbytes / 1e9 / seconds if seconds > 0 else 0.0
     fields: dict[str, Any] = {"op": verb, "path": url, "bytes": nbytes, "seconds": seconds, "gb_per_s": rate,
                               "files": files, "ranks": ranks}
@@ -191,10 +171,9 @@ def log_transfer(verb: str, url: str, *, nbytes: int, seconds: float, files: int
         fields |= {"base": reuse.base, "bytes_written": reuse.bytes_written, "bytes_reused": reuse.bytes_reused}
         tail = (f"; wrote {reuse.bytes_written} bytes, reused {reuse.bytes_reused} bytes "
                 f"({reuse.chunks_reused} chunks) of {reuse.base}" + (f" ({reuse.note})" if reuse.note else ""))
-    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %s, %s%s",
-                verb, nbytes, "to" if verb == "saved" else "from", url, seconds, rate, count(files, "file"),
-                count(ranks, "rank"), tail,
-                extra={"tsckpt": fields})
+    where = "to" if verb == "saved" else "from"
+    logger.info("%s %d bytes %s %s in %.3f s (%.3f GB/s), %s, %s%s", verb, nbytes, where, url, seconds, rate,
+                count(files, "file"), count(ranks, "rank"), tail, extra={"tsckpt": fields})
 
 
 def log_save(url: str, tensors: Mapping[str, TensorEntry], blob_paths: Sequence[str | None],
@@ -204,8 +183,7 @@ def log_save(url: str, tensors: Mapping[str, TensorEntry], blob_paths: Sequence[
     arrays = [e.path for e in tensors.values()] + [p for p in blob_paths if p]
     nodes = len(arrays) + sum(1 for g in parent_groups(arrays) if g) + 1
     files = sum(e.grid.nchunks for e in tensors.values()) + len(blob_paths) + nodes
-    log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks,
-                 reuse=reuse)
+    log_transfer("saved", url, nbytes=nbytes + sum(blob_sizes), seconds=seconds, files=files, ranks=ranks, reuse=reuse)
 
 
 def load_totals(metadata: CheckpointMetadata, plans: Sequence[Any]) -> tuple[int, int]:

@@ -1,10 +1,5 @@
-"""DCP load planning: tsckpt's ``LoadPlanner``, DCP's default with checked shapes, dtypes and values.
-
-It refuses, in one error that names every key, what would load wrongly: a key
-the checkpoint does not have, a tensor where a value was saved (or the
-reverse), another shape, a lossy dtype cast. Non-tensor values come back as the
-reader decoded them or through ``torch.load(weights_only=True)``.
-"""
+"""DCP load planning: tsckpt's ``LoadPlanner`` refuses, in one error naming every key, what would load wrongly
+(a missing key, a tensor where a value was saved or the reverse, another shape, a lossy dtype cast)."""
 
 from __future__ import annotations
 
@@ -47,15 +42,12 @@ class Mismatch(NamedTuple):
     """One way a state dict does not match the checkpoint."""
 
     key: str
-    #: What is wrong, naming the key: "tensor 'model.w': checkpoint shape [4, 3] does not match ...".
-    text: str
-    #: The argument of ``tsckpt.load`` that allows it, or "".
-    allowed_by: str = ""
+    text: str  # naming the key: "tensor 'model.w': checkpoint shape [4, 3] does not match ..."
+    allowed_by: str = ""  # the argument of ``tsckpt.load`` that allows it
 
 
 def mismatch_message(problems: list[Mismatch]) -> str:
-    """The error for every way a state dict does not match the checkpoint: one line, or a first line naming
-    the keys (the first :data:`MISMATCHES_SHOWN`), then one line for each."""
+    """One line, or a first line naming the keys (the first :data:`MISMATCHES_SHOWN`), then one line each."""
     allows = "; ".join(_ALLOWS[a] for a in dict.fromkeys(p.allowed_by for p in problems) if a)
     if len(problems) == 1:
         return problems[0].text + (f"; {allows}" if allows else "")

@@ -1,11 +1,6 @@
-"""What the coordinator makes of every rank's summary (contract step 5): each chunk placed once, linearly.
-
-:class:`MergedChunks` puts every row of every rank's
-:class:`~tsckpt.dcp.contract.RankSummary` at its tensor's chunk position with
-one scatter, refusing a chunk written twice or never, and brings where each
-is stored into chunk order: scattered, or taken by writer where a rank sent
-one value. ``finish`` then reads each tensor's chunks in grid order, together.
-"""
+"""What the coordinator makes of every rank's summary (contract step 5): :class:`MergedChunks` puts every row at
+its tensor's chunk position with one scatter, refusing a chunk written twice or never, and brings where each is
+stored into chunk order, so that ``finish`` reads each tensor's chunks in grid order, together."""
 
 from __future__ import annotations
 
@@ -26,11 +21,8 @@ from .summary import PerRank, RankSummary, columns_of, full
 
 @dataclass(frozen=True)
 class TensorChunks:
-    """One tensor's chunks in row-major grid order, as :meth:`MergedChunks.of` returns them.
-
-    ``file`` (an index into :attr:`MergedChunks.files`, -1 where chunks are keys of their own), ``offset``
-    and ``length``: where each is stored.
-    """
+    """One tensor's chunks in row-major grid order; ``file`` (into :attr:`MergedChunks.files`, -1 where chunks
+    are keys of their own), ``offset`` and ``length``: where each is stored."""
 
     writer: np.ndarray
     reused: np.ndarray
@@ -46,12 +38,10 @@ def _index_type(n: int) -> type:
 def _place(tensor: np.ndarray, index: np.ndarray, ranks: np.ndarray, rows: np.ndarray, sizes: Sequence[int],
            names: Sequence[str], unit: str, done: str, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Per-tensor start offsets, and the rank that wrote each position (``ranks``: each summary's, ``rows``: its
-    number of rows, one after the other); each position exactly once. ``index`` (int64) becomes the flat
-    positions, in place.
+    number of rows); each position exactly once. ``index`` (int64) becomes the flat positions, in place.
 
     As many rows as positions, every position reached: then each exactly once, and no row is outside its
-    tensor's grid (it would have taken another row's position). So the common case makes one column of the
-    whole, block by block, and a refusal works out what was wrong.
+    tensor's grid. So the common case makes one column, block by block, and a refusal works out what was wrong.
     """
     starts = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, np.int64), out=starts[1:])
@@ -60,8 +50,8 @@ def _place(tensor: np.ndarray, index: np.ndarray, ranks: np.ndarray, rows: np.nd
     placed = np.full(total, -1, ranks.dtype)
     ends = np.cumsum(rows)
     whole = len(flat) == total
-    # One pass, block by block: each block's positions found, checked and its ranks placed while in cache. Each
-    # block's ranks are repeated there, not taken from a column of every row's rank (new pages, then a pass).
+    # Each block's positions found, checked and its ranks placed (repeated here, not from a column of every
+    # row's rank: new pages, then a pass) while in cache.
     for lo, hi in _blocks(len(flat)):
         part = tensor[lo:hi]
         if part.min() < 0 or part.max() >= len(sizes):
@@ -83,11 +73,9 @@ def _in_chunk_order(column: np.ndarray | PerRank, flat: np.ndarray, rows: np.nda
                     writer: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
     """``column`` (rows in the summaries' order) at the positions ``flat`` (``spare``: as :func:`_scattered`).
 
-    A column of one value per rank (the data file of a packed save, a uniform chunk's length, whether a chunk
-    was reused) is taken by each position's writer (``ranks``: each summary's, None if some repeat): a pass in
-    order, where a scatter reaches each position at random (as many TLB misses as positions at 100,000 ranks).
-    One value in all is that value at every position, in no memory; each rank's own number (its one data file,
-    files numbered in rank order) is the writers' column itself.
+    A column of one value per rank is taken by each position's writer (``ranks``: each summary's, None if some
+    repeat): a pass in order, where a scatter reaches each position at random (a TLB miss each). One value in
+    all is a view of it; each rank's own number (its one data file) is the writers' column itself.
     """
     if not isinstance(column, PerRank) or ranks is None:
         return _scattered(full(column, rows), flat, spare)
@@ -103,13 +91,12 @@ def _in_chunk_order(column: np.ndarray | PerRank, flat: np.ndarray, rows: np.nda
 
 
 def _scattered(values: np.ndarray, flat: np.ndarray, spare: list[np.ndarray]) -> np.ndarray:
-    """``values`` at the positions ``flat`` (a permutation), block by block; int64 values that fit as int32. Into
-    one of ``spare`` (columns no longer needed) of the same type and length if there is one, which it takes.
+    """``values`` at the positions ``flat`` (a permutation), block by block, int64 that fit as int32, into one
+    of ``spare`` (columns no longer needed) of the same type and length if there is one.
 
-    Scattered once, the columns are in chunk order: each array's values lie together, where gathering them
-    from the ranks' order reads every rank's rows for every array (most of ``finish`` at 100 million chunks).
-    A scatter's cost is mostly the pages it reaches at random: half as many at half the width; and new pages
-    cost as much again (a gigabyte a second), where a spare column's are there already.
+    In chunk order each array's values lie together (gathering from the ranks' order was most of ``finish`` at
+    100 million chunks). A scatter costs mostly the pages it reaches at random, half as many at half the width;
+    new pages cost as much again, where a spare column's are there already.
     """
     narrow = values.dtype == np.int64 and len(values) and values.min() >= -1 << 31 and values.max() < 1 << 31
     dtype = np.dtype(np.int32) if narrow else values.dtype
@@ -133,7 +120,7 @@ def _blocks(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + _BLOCK)) for lo in range(0, n, _BLOCK)]
 
 
-#: Rows placed at once: the temporaries stay a few megabytes, reused, where a whole column would be new pages.
+#: Rows placed at once: the temporaries stay a few megabytes, reused (a whole column would be new pages).
 _BLOCK = 1 << 18
 
 
@@ -153,15 +140,10 @@ def _refuse(tensor: np.ndarray, index: np.ndarray, starts: np.ndarray, names: Se
 
 @dataclass(frozen=True)
 class MergedChunks:
-    """Every chunk of every tensor as the ranks reported it (step 5): their rows one rank after the other, and
-    where each chunk of each tensor is among them.
-
-    Tensor ``t`` owns positions ``starts[t]:starts[t+1]`` of every column (its
-    chunks in row-major order). Per chunk: ``writer``, the rank that wrote it;
-    ``reused``, whether it was taken from an incremental base;
-    ``file``/``offset``/``length``, where it is stored (``file`` indexes
-    ``files``; -1 in the plain layout). Read-only: a column of one value in all is a view of that value, and
-    one that holds each chunk's writer may be ``writer`` itself.
+    """Every chunk of every tensor as the ranks reported it: tensor ``t`` owns positions ``starts[t]:starts[t+1]``
+    of every column (its chunks in row-major order). Per chunk: ``writer``, the rank that wrote it; ``reused``,
+    taken from an incremental base; ``file``/``offset``/``length``, where it is stored (``file`` indexes
+    ``files``; -1 in the plain layout). Read-only: a column may be a view of one value, or ``writer`` itself.
     """
 
     starts: np.ndarray
@@ -176,7 +158,7 @@ class MergedChunks:
     def merge(cls, summaries: Sequence[RankSummary], nchunks: Sequence[int], names: Sequence[str],
               where: str) -> MergedChunks:
         """Place every rank's rows, in time linear in the number of chunks; refuse a missing or doubled chunk."""
-        # Each rank numbers the files it names; their numbers in the merged list, one table per rank.
+        # Each rank numbers the files it names: their numbers in the merged list, one table per rank.
         files: dict[str, int] = {}
         tables = [np.asarray([files.setdefault(p, len(files)) for p in s.files], np.int32) for s in summaries]
         columns = columns_of(summaries, tables)
@@ -220,16 +202,14 @@ class MergedChunks:
         return slice(int(self.starts[t]), int(self.starts[t + 1]))
 
     def of(self, t: int) -> TensorChunks:
-        """Tensor ``t``'s chunks, one row each in row-major grid order."""
         at = self.rows_of(t)
         return TensorChunks(self.writer[at], self.reused[at], self.file[at], self.offset[at], self.length[at])
 
 
 def stored_values(tensors: Mapping[str, TensorEntry], written: MergedChunks,
                   blobs: Mapping[str, tuple[str, Sequence[int]]]) -> StoredValues:
-    """Where every chunk of ``tensors`` (in the coordinator's order, as merged) and every value blob
-    (``blobs``: array path -> (data file, [offset, length])) is stored. The merged columns are taken as they
-    are, in chunk order: the index gathers each array's into key order."""
+    """Where every chunk of ``tensors`` (as merged) and every value blob (``blobs``: array path -> (data file,
+    [offset, length])) is stored; the index gathers each array's chunks into key order."""
     numbers = {p: i for i, p in enumerate(written.files)}
     refs = [(f"{path}/{zarr_json.chunk_key((0,))}", numbers.setdefault(f, len(numbers)), int(r[0]), int(r[1]))
             for path, (f, r) in blobs.items()]

@@ -1,11 +1,9 @@
 """Which rank writes which box of a DTensor, computed from its placements alone, the same on every rank.
 
-A DTensor placed by ``Shard(d)`` and ``Replicate()`` tells every rank each mesh
-coordinate's shard (split as DTensor splits) and which coordinates hold the same
-one. So it never travels in a save plan: one rank sends its record, the
-coordinator lays out its array from :func:`pieces`, and each rank finds its own
-writes with :func:`own_boxes`, replicas sharing the writing in row pieces
-aligned with the chunk grid. Pure functions of shapes, placements and keys.
+A DTensor placed by ``Shard(d)`` and ``Replicate()`` tells every rank each mesh coordinate's shard and which
+coordinates hold the same one. So it never travels in a save plan: one rank sends its record, the coordinator
+lays out its array from :func:`pieces`, and each rank finds its own writes with :func:`own_boxes`, replicas
+sharing the writing in row pieces aligned with the chunk grid.
 """
 
 from __future__ import annotations
@@ -48,21 +46,19 @@ class Placed:
         dims = tuple(d % len(shape) if d != -1 else -1 for d in dims)
         sharded = [d for d in dims if d != -1]
         if len(set(sharded)) != len(sharded):
-            # One dimension split over several mesh dimensions: torch versions have placed uneven splits
-            # differently, so these stay in the plans, where DCP says where each shard is.
+            # One dimension split over several mesh dimensions: torch versions place uneven splits differently,
+            # so these stay in the plans, where DCP says where each shard is.
             return None
         return cls(tuple(int(n) for n in shape), int(itemsize), mesh_shape, dims)
 
 
 @dataclass(frozen=True)
 class Pieces:
-    """Every box a placed tensor is written as (``boxes``: int64 ``[n, 2, ndim]``, none empty); ``shard``: the
-    row-major mesh index of the first replica holding each box's shard (replicating mesh dimensions at 0);
-    ``replica_offsets[j]``: what replica ``j``'s coordinate adds to that index."""
+    """Every box a placed tensor is written as, and who holds it."""
 
-    boxes: np.ndarray
-    shard: np.ndarray
-    replica_offsets: np.ndarray
+    boxes: np.ndarray  # int64 [n, 2, ndim], none empty
+    shard: np.ndarray  # row-major mesh index of the first replica holding each box's shard
+    replica_offsets: np.ndarray  # what replica j's coordinate adds to that index
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,8 +102,7 @@ def pieces(placed: Placed) -> Pieces:
 
 
 def _piece_rows(placed: Placed, offsets: np.ndarray, sizes: np.ndarray, replicas: int) -> int | None:
-    """Rows per piece when the shards are cut for their replicas (as :func:`~tsckpt.dcp.replica_writes.row_step`
-    cuts); None when they are written whole."""
+    """Rows per piece when the shards are cut for their replicas (as ``replica_writes`` cuts); None: whole."""
     if replicas < 2 or not placed.shape or not len(sizes):
         return None
     rows = int(sizes[:, 0].max())
@@ -116,10 +111,7 @@ def _piece_rows(placed: Placed, offsets: np.ndarray, sizes: np.ndarray, replicas
     if m < 2:
         return None
     edges = np.concatenate([offsets[:, 0], offsets[:, 0] + sizes[:, 0]])
-    inner = 0
-    for edge in np.unique(edges[(edges > 0) & (edges < placed.shape[0])]).tolist():
-        inner = math.gcd(inner, edge)
-    return row_step(inner, rows, m)
+    return row_step(math.gcd(*np.unique(edges[(edges > 0) & (edges < placed.shape[0])]).tolist()), rows, m)
 
 
 @dataclass(frozen=True)
@@ -133,13 +125,9 @@ class Held:
 
 
 def own_boxes(held: Sequence[Held]) -> dict[str, np.ndarray]:
-    """The boxes this rank writes of each tensor it holds: int64 ``[n, 2, ndim]`` per key.
-
-    A shard without replicas is written whole by its holder. The pieces of
-    replicated shards are balanced per replica group: largest first (ties by
-    key and position), each to the least loaded replica (ties: the first), so
-    every member computes the same assignment from what it holds alone.
-    """
+    """The boxes this rank writes of each tensor it holds: int64 ``[n, 2, ndim]`` per key. The pieces of
+    replicated shards are balanced per replica group: largest first (ties by key and position), each to the
+    least loaded replica (ties: the first), so every member computes the same assignment from what it holds."""
     groups: dict[tuple[int, ...], list[tuple[str, np.ndarray, int]]] = {}
     me: dict[tuple[int, ...], int] = {}
     out: dict[str, np.ndarray] = {}

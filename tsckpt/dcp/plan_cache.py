@@ -1,16 +1,12 @@
 """DCP's save-plan caching, for a writer whose plans name a new data location on every save.
 
-With ``DefaultSavePlanner(enable_plan_caching=True)`` a rank whose plan did not
-change gets an empty, ``usable=False`` plan and writes with its last one, storage
-data (the last save's location and options) included. So the coordinator needs
-every rank's full plan, and sends every rank a usable plan on every save: its
-cached items, pickled once (:class:`PrepickledPlan`), with fresh storage data;
-tsckpt's own planner instead applies this save's orders to the plan each rank
-holds (:class:`~tsckpt.dcp.contract.NewOrders`). The full plans come from
-tsckpt's planner (:class:`~tsckpt.dcp.contract.GlobalPlans`), or from another
-planner's public ``global_plan``, noted by weak reference (:meth:`PlanCache.note`);
-two live sets for as many ranks cannot be told apart, and the save is refused.
-DCP's cache behaviour is checked in :mod:`tsckpt.dcp.torch_private`.
+With ``enable_plan_caching=True`` a rank whose plan did not change gets an empty, ``usable=False`` plan and
+writes with its last one, storage data (the last save's location) included. So the coordinator sends every rank
+a usable plan on every save: its cached items, pickled once (:class:`PrepickledPlan`), with fresh storage data;
+with tsckpt's own planner, only this save's orders (:class:`~tsckpt.dcp.contract.NewOrders`). The full plans
+come from tsckpt's planner (:class:`~tsckpt.dcp.contract.GlobalPlans`), or from another planner's
+``global_plan``, noted by weak reference (:meth:`PlanCache.note`); two live sets for as many ranks cannot be
+told apart, and the save is refused.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ RECALLED = "recalled"
 class PrepickledPlan(SavePlan):
     """A rank's plan whose items were pickled before: DCP's scatter copies their bytes, then adds the storage data."""
 
-    #: The plan without its storage data, pickled when it was first sent.
-    pickled: Prepickled[SavePlan] | None = None
+    pickled: Prepickled[SavePlan] | None = None  # the plan without its storage data, pickled when first sent
 
     @classmethod
     def of(cls, plan: SavePlan, pickled: Prepickled[SavePlan], storage_data: Any) -> PrepickledPlan:
@@ -53,11 +48,6 @@ class PrepickledPlan(SavePlan):
 
 def _with_storage_data(pickled: Prepickled[SavePlan], storage_data: Any) -> SavePlan:
     return dataclasses.replace(pickled.value, storage_data=storage_data)
-
-
-def _bare(plan: SavePlan) -> SavePlan:
-    """What is pickled once: the plan without its storage data, which changes with every save."""
-    return SavePlan(items=plan.items, planner_data=plan.planner_data)
 
 
 def _same_objects(a: list[SavePlan], b: list[SavePlan]) -> bool:
@@ -79,10 +69,7 @@ class CachedSave:
 
 
 class PlanCache:
-    """The coordinator's side of DCP's plan cache (thread-safe): full plans recalled, layouts and pickles kept.
-
-    One entry per cache key: a tsckpt planner class's, or :data:`RECALLED` for other planners.
-    """
+    """The coordinator's side of DCP's plan cache (thread-safe), one entry per cache key (or :data:`RECALLED`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -100,12 +87,8 @@ class PlanCache:
 
     def _held(self) -> list[list[SavePlan]]:
         """The noted sets of plans still alive, as strong references (under the lock)."""
-        out = []
-        for refs in self._noted:
-            plans = [r() for r in refs]
-            if all(p is not None for p in plans):
-                out.append(plans)
-        return out
+        alive = ([r() for r in refs] for refs in self._noted)
+        return [plans for plans in alive if all(p is not None for p in plans)]
 
     def full_plans(self, plans: list[SavePlan], where: str) -> tuple[list[SavePlan], str | None]:
         """Every rank's full plan from what DCP's global planning returned (unusable where DCP's cache found a
@@ -134,8 +117,7 @@ class PlanCache:
 
     @staticmethod
     def ranks_keep_their_plans(plans: list[SavePlan]) -> bool:
-        """Whether DCP found no plan changed and tsckpt's planner made them: its ``finish_plan`` then applies
-        :class:`~tsckpt.dcp.contract.NewOrders` to the plan each rank holds."""
+        """Whether DCP found no plan changed and tsckpt's planner made them (which take ``NewOrders``)."""
         return GlobalPlans.found(plans) is not None and not any(p.usable for p in plans)
 
     def layout(self, key: str | None, plans: list[SavePlan], inner_chunk_bytes: int,
@@ -150,20 +132,18 @@ class PlanCache:
 
     def send(self, key: str, plans: list[SavePlan], sent: list[SavePlan], layout: GlobalLayout,
              rank_plans: list[RankPlan]) -> list[SavePlan]:
-        """Every rank's plan (``sent``, made from the full ``plans``) with its fresh storage data, its items
-        pickled at most once per cache entry."""
+        """Every rank's plan (``sent``) with fresh storage data, its items pickled at most once per cache entry."""
         with self._lock:
             entry = self._entries.get(key)
         if entry is not None and _same_objects(entry.global_plans, plans) and entry.sent is sent:
             pickled = entry.pickled
         else:
-            pickled = [Prepickled(_bare(p)) for p in sent]
+            pickled = [Prepickled(SavePlan(items=p.items, planner_data=p.planner_data)) for p in sent]
         with self._lock:
             self._entries[key] = CachedSave(plans, pickled, layout, sent)
         return [PrepickledPlan.of(p, b, rp) for p, b, rp in zip(sent, pickled, rank_plans)]
 
     def clear(self) -> None:
-        """Forget every entry and noted plan (their memory back)."""
         with self._lock:
             self._entries.clear()
             self._noted.clear()

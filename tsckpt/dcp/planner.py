@@ -1,14 +1,7 @@
-"""DCP save planning: what each rank saves, and how it is described.
-
-This module turns DTensors, ShardedTensors and plain values into write items
-annotated with JSON placement records (:class:`~tsckpt.dcp.contract.PlannerNotes`);
-the storage layer never sees a DTensor. On top of DCP's default planning,
-tsckpt's planner stores plain values as readable JSON and keeps every DTensor
-whose placements give its layout out of the gathered plans
-(:mod:`tsckpt.dcp.placed_writes`). Each distributed tensor is described by one
-rank (the lowest of its mesh, or the holder of its first shard), so what the
-coordinator gathers does not grow with ranks x tensors. Loading is
-:mod:`tsckpt.dcp.load_planner`.
+"""DCP save planning: write items with JSON placement records (:class:`~tsckpt.dcp.contract.PlannerNotes`),
+plain values as readable JSON, and DTensors whose placements give their layout kept out of the gathered plans
+(:mod:`tsckpt.dcp.placed_writes`). Each distributed tensor is described by one rank (the lowest of its mesh,
+or the holder of its first shard), so what the coordinator gathers does not grow with ranks x tensors.
 """
 
 from __future__ import annotations
@@ -57,15 +50,13 @@ def whole_tensor(dtype: torch.dtype, shape: Any) -> TensorStorageMetadata:
 
 
 class MeshRecords:
-    """JSON records of the device meshes a state dict's DTensors live on, one per mesh object:
-    ``DeviceMesh.mesh`` rebuilds its rank tensor on every access (about 0.2 ms), and a shared record pickles once.
-    """
+    """JSON records of the device meshes of a state dict's DTensors, one per mesh object: ``DeviceMesh.mesh``
+    rebuilds its rank tensor on every access (about 0.2 ms), and a shared record pickles once."""
 
     def __init__(self) -> None:
         self._records: dict[int, tuple[dict[str, Any], int]] = {}
 
     def record(self, mesh: Any) -> dict[str, Any]:
-        """The mesh's record: shape, dimension names, device type and ranks in row-major order."""
         return self._get(mesh)[0]
 
     def lowest_rank(self, mesh: Any) -> int:
@@ -105,8 +96,7 @@ def describes(obj: Any, rank: int, meshes: MeshRecords | None = None) -> bool:
 
 
 def placement_records(planner: Any, rank: int, plain: bool = True) -> dict[str, dict[str, Any]]:
-    """The placement records of the tensors ``rank`` describes (:func:`describes`), read from
-    ``planner.state_dict`` (none without one); ``plain``: plain tensors too."""
+    """The records of the tensors of ``planner.state_dict`` that ``rank`` describes (``plain``: plain ones too)."""
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
         return {}
@@ -123,18 +113,14 @@ def placement_records(planner: Any, rank: int, plain: bool = True) -> dict[str, 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planning plus placement records and JSON-readable values.
 
-    Takes ``DefaultSavePlanner``'s arguments. Its plans leave out every
-    DTensor placed by ``Shard``/``Replicate`` alone (:mod:`tsckpt.dcp.placed_writes`).
-    ``create_local_plan`` and ``finish_plan`` run on every rank,
+    Takes ``DefaultSavePlanner``'s arguments. Its plans leave out every DTensor placed by ``Shard``/``Replicate``
+    alone (:mod:`tsckpt.dcp.placed_writes`). ``create_local_plan`` and ``finish_plan`` run on every rank,
     ``create_global_plan`` on the coordinator between them.
 
-    ``values_group``: the save's process group (``tsckpt.save`` passes it).
-    ``create_local_plan`` then checks with one ``all_gather`` of a digest that
-    every rank holds alike plain values; if so, plain tensors are written like
-    DTensors replicated over the group, other values by its first rank. Leave
-    it out where plain values may differ or a collective may not run
-    (``dcp.async_save`` plans in a background thread).
-
+    ``values_group``: the save's process group (``tsckpt.save`` passes it). ``create_local_plan`` then checks
+    with one ``all_gather`` of a digest that every rank holds alike plain values; if so, plain tensors are
+    written like DTensors replicated over the group, other values by its first rank. Leave it out where plain
+    values may differ or a collective may not run (``dcp.async_save`` plans in a background thread).
     With ``enable_plan_caching=True``, see :mod:`tsckpt.dcp.plan_cache`.
     """
 
@@ -233,7 +219,7 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class EncodedValue(io.BytesIO):
-    """A non-tensor value (DCP's ``BYTE_IO`` item) this planner serialized, tagged with the encoding to record."""
+    """A non-tensor value this planner serialized, tagged with the encoding to record."""
 
     def __init__(self, data: bytes, encoding: str):
         super().__init__(data)
@@ -241,11 +227,8 @@ class EncodedValue(io.BytesIO):
 
 
 def encode_bytes(data: io.BytesIO) -> tuple[str, Any]:
-    """How the writer stores a value: ``(JSON, tagged value)`` or ``(TORCH, torch.save bytes)``.
-
-    A tagged :class:`EncodedValue` is taken as it is; DCP's default planner's ``torch.save`` bytes are
-    loaded with ``weights_only=True`` and stored as JSON if plain data, else as they are.
-    """
+    """How the writer stores a value: ``(JSON, tagged value)`` or ``(TORCH, torch.save bytes)``. DCP's default
+    planner's ``torch.save`` bytes are loaded with ``weights_only=True`` and stored as JSON if plain data."""
     raw = data.getvalue()
     if isinstance(data, EncodedValue):
         return data.encoding, json.loads(raw) if data.encoding == object_values.JSON else raw
@@ -257,9 +240,8 @@ def encode_bytes(data: io.BytesIO) -> tuple[str, Any]:
 
 
 class HeldShards:
-    """A rank's items of the tensors whose layout their placements give (DTensors placed by ``Shard``/
-    ``Replicate``; with ``world``, (rank, world size), plain tensors too), kept back from the gathered plan in
-    ``create_local_plan``; ``finish_plan`` turns each into what :func:`~tsckpt.dcp.placed_writes.own_boxes` gives."""
+    """A rank's items of the tensors laid out from their placements (with ``world``, (rank, world size), plain
+    tensors too), kept back from the gathered plan; ``finish_plan`` turns them into :func:`own_boxes`'s."""
 
     def __init__(self, items: list[WriteItem], held: dict[str, Held]):
         self.items, self._held = items, held
@@ -285,7 +267,6 @@ class HeldShards:
         return fqn in self._held
 
     def record(self, fqn: str, obj: torch.Tensor, key_path: list[Any]) -> dict[str, Any]:
-        """What the coordinator lays out ``obj``'s array from, beside its placement record."""
         out = {"shape": list(obj.shape), "dtype": dtypes.torch_name(obj.dtype), "key_path": key_path}
         if not isinstance(obj, DTensor):
             out["world"] = self._held[fqn].placed.mesh_shape[0]

@@ -31,8 +31,7 @@ from ..storage.location import LocationLike
 from . import collector
 from .copy_window import DEFAULT_COPY_AHEAD, CopyWindow, Scratch, check_copy_ahead
 from .replica_reads import MIN_SHARED_BYTES, RankNote, Region, ReplicaShare, schedule
-from .replica_transfers import ReplicaTransfers
-from .shared_reads import SharedReads, guarded, readable_in_place, stripes_along
+from .shared_reads import ReplicaTransfers, SharedReads, guarded, readable_in_place, stripes_along
 from .load_planner import DecodedValue
 from .planner import whole_tensor
 from .io import TensorStoreIO, done, load_totals, log_transfer, logging_on
@@ -59,22 +58,19 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     Args:
         path: checkpoint directory (or kvstore spec), or ``checkpoint_id=`` to ``dcp.load``.
-        _extension_registry: accepted in ``FileSystemReader``'s position and unused:
-            each array's ``zarr.json`` names its codecs, and TensorStore decodes them.
-        allow_pickle: restore non-tensor values that need arbitrary unpickling
-            (code from the checkpoint may run). Off by default.
+        _extension_registry: accepted in ``FileSystemReader``'s position and unused: each array's
+            ``zarr.json`` names its codecs, and TensorStore decodes them.
+        allow_pickle: restore non-tensor values that need arbitrary unpickling (code from the checkpoint may
+            run). Off by default.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        per_thread_copy_ahead: bytes of host buffers a rank reads ahead (for GPU
-            destinations, dtype casts, and encoded inner chunks before they are
-            checked); older reads complete before more start. Default 1 GiB;
-            0 reads one tensor at a time; ``None`` reads everything first.
-        replica_reads: when several ranks need the very same box of a tensor
-            (DDP replicas, the replica dimension of an HSDP mesh, ``Replicate``
-            placements), one of them fetches and checks it and sends it to the
-            others over the default process group, so storage serves one copy.
-            ``None`` (default): on for object stores (S3, GCS), off for
-            filesystems. If the rank fetching a region fails, every rank that
-            needed it raises.
+        per_thread_copy_ahead: bytes of host buffers a rank reads ahead (for GPU destinations, dtype casts, and
+            encoded inner chunks before they are checked); older reads complete before more start. Default
+            1 GiB; 0 reads one tensor at a time; ``None`` reads everything first.
+        replica_reads: when several ranks need the very same box of a tensor (DDP replicas, the replica
+            dimension of an HSDP mesh, ``Replicate`` placements), one of them fetches and checks it and sends
+            it to the others over the default process group, so storage serves one copy. ``None`` (default):
+            on for object stores (S3, GCS), off for filesystems. If the rank fetching a region fails, every
+            rank that needed it raises.
     """
 
     def __init__(self, path: LocationLike | None = None, _extension_registry: Any = None, *,
@@ -169,8 +165,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                    for fqn in wanted}
         share = ReplicaShare.of(plan)
         transfers = share.transfers() if share is not None else []
-        # Every chunk this rank reads, found at once: an index's nodes are read level by level for all of them.
-        # What other ranks fetch for it is not looked up: that could read their chunk tables for nothing.
+        # Every chunk this rank reads, found at once (an index is read level by level for all of them); not what
+        # other ranks fetch for it: that could read their chunk tables for nothing.
         received = {t.item for t in transfers if t.owner != share.rank} if share is not None else set()
         self.source.locator.prefetch(key for k, i in enumerate(plan.items) if i.type != LoadItemType.BYTE_IO
                                      and k not in received
@@ -191,8 +187,8 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
                 started = True
                 SharedReads(self, plan, planner, readers, moving, buffers, failures).run(transfers, share.rank)
 
-        # A few small reads of this rank's own (step counts, norms) start first, and are placed after the
-        # shared regions: their requests' latency then overlaps the exchange instead of following it.
+        # A few small reads of this rank's own (step counts, norms) start first, placed after the shared regions:
+        # their latency then overlaps the exchange.
         early = share is not None and (self._few_small(alone, readers) or self._few_small(
             [plan.items[t.item] for t in transfers if t.owner == share.rank], readers, MIN_SHARED_BYTES * 64))
         try:
@@ -227,12 +223,10 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     def _read_alone(self, items: list[ReadItem], planner: LoadPlanner, readers: dict[str, BoxReader],
                     first: Callable[[], None] | None = None) -> None:
-        """Read this rank's own items in batches of at most ``per_thread_copy_ahead`` bytes held, each batch's
-        ranges merged per file; ``first`` runs once the first batch's requests have started."""
+        """This rank's own items, in batches of ``per_thread_copy_ahead`` bytes; ``first`` once one has started."""
         batch = self.source.batch()
         pending: list[tuple[ReadItem, torch.Tensor, PlannedBox, bool]] = []
-        held = 0
-        limit = self.per_thread_copy_ahead
+        held, limit = 0, self.per_thread_copy_ahead
         scratch = Scratch()  # where values bound for a GPU (or another dtype) wait, reused batch after batch
 
         def flush() -> None:
@@ -282,7 +276,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
         return dtypes.to_torch_dtype(dtypes.from_zarr(self.metadata.tensors[fqn].dtype))
 
     def _result(self, fqn: str, dest: torch.Tensor, read: Callable[[], np.ndarray], copy: bool) -> np.ndarray:
-        """The checked values of one read, also copied into ``dest`` unless read in place; one clear error."""
+        """The checked values of one read, also copied into ``dest`` unless read in place."""
         with self._errors_of(fqn):
             data = read()
             if copy:
@@ -291,7 +285,6 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
 
     @contextlib.contextmanager
     def _errors_of(self, fqn: str) -> Iterator[None]:
-        """A failed read of tensor ``fqn`` as one clear error (tsckpt's own as they are)."""
         try:
             yield
         except TsckptError:
@@ -306,7 +299,7 @@ class TensorStoreReader(TensorStoreIO, StorageReader):
             return object_values.from_json(entry.value)
         assert entry.path is not None
         return object_values.load_torch_value(self.source.read_blob(fqn, entry.path), key=fqn,
-                                       where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
+                                              where=str(self.checkpoint_id), allow_pickle=self.allow_pickle)
 
 
 def _writer(md: CheckpointMetadata, region: Region) -> int | None:

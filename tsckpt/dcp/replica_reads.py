@@ -1,13 +1,10 @@
 """Replicas read once: which rank fetches each region that several ranks of a load need, and whom it feeds.
 
-DDP replicas, HSDP's replica dimension and ``Replicate`` placements make several
-ranks ask for the very same box. The coordinator (``prepare_global_plan``) gives
-each region (tensor, offsets, sizes) of at least :data:`MIN_SHARED_BYTES` that
-two or more ranks need to one of them, evening out the bytes each fetches, and
-tells every rank its part in one global order. A shared box of a sharded tensor
-is cut into stripes at its chunks along a dimension it is stored by
-(:func:`tsckpt.format.band_order.stripe_dims`), so each member reads one run of
-each file. Moving the bytes is :mod:`tsckpt.dcp.replica_transfers`.
+The coordinator (``prepare_global_plan``) gives each region (tensor, offsets, sizes) that several ranks need
+(DDP replicas, HSDP's replica dimension, ``Replicate``) to one of them, evening out the bytes each fetches, and
+tells every rank its part in one global order. A shared box is cut into stripes at its chunks along a dimension
+it is stored by (:func:`tsckpt.format.band_order.stripe_dims`), so each member reads one run of each file.
+Fetching and moving the bytes is :mod:`tsckpt.dcp.shared_reads`.
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from .contract import Prepickled
 
 @dataclass(frozen=True)
 class RankNote:
-    """A rank's local plan says it takes part in replica reads, with its rank in the default process group
-    (where the transfers run; DCP numbers plans by the group it was given)."""
+    """A rank's local plan takes part in replica reads, with its rank in the default process group (where the
+    transfers run; DCP numbers plans by the group it was given)."""
 
     rank: int
 
@@ -39,11 +36,9 @@ class Transfer:
     item: int
     owner: int
     receivers: tuple[int, ...]
-    #: The stripe ``(dim, start, stop)`` of the item: ``[start, stop)`` along ``dim``; None: the whole item.
-    part: tuple[int, int, int] | None = None
+    part: tuple[int, int, int] | None = None  # (dim, start, stop) of the item; None: the whole item
 
     def box(self, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The box this transfer moves, of an item at ``offsets`` of size ``lengths``."""
         offsets, lengths = tuple(offsets), tuple(lengths)
         if self.part is None:
             return offsets, lengths
@@ -85,8 +80,8 @@ class ReplicaShare:
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 #: Boxes smaller than this (step counts, norms) are read by every rank that needs them, unless the rank that
-#: saved them needs them too: passing them on costs more than fetching them beside the ranks' own reads, but
-#: less than reading another rank's chunk table and values, two requests, only for them.
+#: saved them needs them too: passing them on costs more than fetching them, but less than reading another
+#: rank's chunk table and values, two requests, only for them.
 MIN_SHARED_BYTES = 4 << 10
 
 
@@ -94,15 +89,12 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
              cuts: Callable[[str], Sequence[tuple[int, int, int]]],
              writer: Callable[[Region], int | None] | None = None) -> list[ReplicaShare | None]:
     """Each plan's :class:`ReplicaShare` (None where a rank shares nothing or has no :class:`RankNote`).
+    Deterministic.
 
-    ``itemsize(fqn)``: bytes per stored element; ``cuts(fqn)``: where a tensor's
-    regions may be cut into stripes, best first, each ``(dim, chunk, extent)``
-    (:func:`_cut` picks one). Regions not cut go whole, largest first, each to
-    the member that has fetched the fewest bytes so far; ties rotate with the
-    region. ``writer(region)``: the one rank that saved all of a region (None:
-    several, or unknown); a region under :data:`MIN_SHARED_BYTES` is shared only
-    when that rank needs it, and fetched by it (its own file, which it reads
-    anyway). Deterministic.
+    ``cuts(fqn)``: where a tensor's regions may be cut into stripes, best first, each ``(dim, chunk, extent)``.
+    Regions not cut go whole, largest first, each to the member that has fetched the fewest bytes so far (ties
+    rotate with the region). ``writer(region)``: the one rank that saved all of a region (None: several, or
+    unknown); a region under :data:`MIN_SHARED_BYTES` is shared only when that rank needs it, and fetched by it.
     """
     ranks = [p.storage_data.rank if isinstance(p.storage_data, RankNote) else None for p in plans]
     needers: dict[Region, list[tuple[int, int]]] = {}  # region -> [(plan index, item index)], in first-seen order
@@ -136,15 +128,13 @@ def schedule(plans: Sequence[LoadPlan], itemsize: Callable[[str], int],
     for region, who in needers.items():
         if len(who) == 1:
             fetched[who[0][0]] += sizes[region]
-    # Large regions in stripes, stripe k to the k-th member (the same member takes the same stripe of each);
-    # the rest whole, largest first, each to the member that has fetched the fewest bytes so far.
+    # Large regions in stripes, stripe k to the k-th member; the rest whole, largest first, each to the least loaded.
     parts: list[tuple[Region, tuple[int, int, int] | None]] = []
     owners: list[int] = []
     whole = []
     for k, region in enumerate(shared):
         who = needers[region]
-        cut, stripes = (None, None) if region in small else _cut(region, cuts(region[0]) if region[2] else (),
-                                                                  len(who))
+        cut, stripes = (None, None) if region in small else _cut(region, cuts(region[0]) if region[2] else (), len(who))
         if stripes is None:
             whole.append(k)
             continue

@@ -1,14 +1,10 @@
 """Replicated tensors written by all their replicas: the coordinator spreads each replica group's bytes evenly.
 
-DCP gives each replicated write item whole to the plan with the fewest bytes so
-far, and forgets who else held it. So each rank's writer attaches its
-:class:`Holdings` (a digest of the boxes it holds) to its local plan (contract,
-step 2); on the coordinator, ranks with equal holdings form a replica group, and
-:func:`spread` cuts the group's large items into row pieces and gives items and
-pieces to the members longest first, each to the least loaded (LPT). A piece
-keeps its item's ``index`` and has the sub-box as its chunk; the writer writes
-that view (:func:`piece_of`). Chunks are aligned to the pieces
-(:mod:`tsckpt.format.plan`), so no two ranks write one chunk.
+DCP gives each replicated item whole to the plan with the fewest bytes so far, and forgets who else held it.
+So each rank's writer attaches its :class:`Holdings` to its local plan; ranks with equal holdings form a
+replica group, and :func:`spread` cuts the group's large items into row pieces and gives them to the members
+longest first, each to the least loaded (LPT). A piece keeps its item's ``index`` with the sub-box as its
+chunk (:func:`piece_of`); chunks are aligned to the pieces (:mod:`tsckpt.format.plan`).
 """
 
 from __future__ import annotations
@@ -30,16 +26,15 @@ from ..format.inner_chunks import divisors
 
 #: No piece is cut smaller than this: below it, a piece costs more in files and requests than it balances.
 MIN_PIECE_BYTES = 1 << 20
-#: Items above this fraction of a member's even share of the group's bytes are cut into pieces:
-#: greedy assignment then ends within about this fraction of even.
+#: Items above this fraction of a member's even share of the group's bytes are cut into pieces (greedy
+#: assignment then ends within about this fraction of even).
 PIECE_FRACTION = 1 / 8
 
 
 @dataclass(frozen=True)
 class Holdings:
-    """What a rank's full local plan holds, attached by its writer around the planner's ``storage_data``
-    (``notes``). ``digest``: BLAKE2b of its sorted tensor boxes; ``nbytes``: their bytes. Ranks with equal
-    holdings are replicas of each other."""
+    """What a rank's full local plan holds (``digest``: BLAKE2b of its sorted tensor boxes), wrapped around the
+    planner's ``storage_data`` (``notes``). Ranks with equal holdings are replicas of each other."""
 
     digest: bytes
     nbytes: int
@@ -63,16 +58,13 @@ class Holdings:
 
     @staticmethod
     def unwrapped(storage_data: Any) -> Any:
-        """The planner's own storage data, with or without holdings around it."""
         return storage_data.notes if isinstance(storage_data, Holdings) else storage_data
 
 
 def box_bytes(item: WriteItem) -> int:
     """Bytes of an item's box (DCP's ``tensor_storage_size`` counts the whole tensor's)."""
     td = item.tensor_data
-    if td is None:
-        return 0
-    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+    return 0 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 def piece_of(data: torch.Tensor, item: WriteItem, where: str) -> torch.Tensor:
@@ -88,11 +80,7 @@ def piece_of(data: torch.Tensor, item: WriteItem, where: str) -> torch.Tensor:
 
 
 def spread(plans: Sequence[SavePlan]) -> list[SavePlan]:
-    """Every rank's plan with each replica group's tensor items cut and balanced over the group.
-
-    ``plans`` are the coordinator's deduplicated global plans, one per rank;
-    a rank without :class:`Holdings` (or with none equal to another's) keeps its plan.
-    """
+    """Every rank's plan with each replica group's tensor items cut and balanced over the group."""
     groups: dict[tuple[bytes, int], list[int]] = {}
     for r, p in enumerate(plans):
         held = Holdings.attached(p)
@@ -154,11 +142,9 @@ def _row_steps(plans: Sequence[SavePlan], counts: dict[str, int]) -> dict[str, i
 
 
 def row_step(inner_gcd: int, rows: int, m: int) -> int:
-    """Rows per piece when items of up to ``rows`` rows are cut into about ``m`` pieces (the last may be shorter).
-
-    ``ceil(rows / m)`` with no region boundary inside dim 0 (``inner_gcd`` 0), else a multiple of the
-    largest divisor of the boundaries' gcd that fits, so the chunk grid is cut no finer.
-    """
+    """Rows per piece when items of up to ``rows`` rows are cut into about ``m`` pieces: ``ceil(rows / m)`` with
+    no region boundary inside dim 0 (``inner_gcd`` 0), else a multiple of the largest divisor of the boundaries'
+    gcd that fits, so the chunk grid is cut no finer."""
     target = -(-rows // m)
     if not inner_gcd:
         return target
@@ -168,7 +154,6 @@ def row_step(inner_gcd: int, rows: int, m: int) -> int:
 
 
 def _cut(item: WriteItem, step: int) -> list[WriteItem]:
-    """``item`` as row pieces of ``step`` rows (the last shorter), each with the same index and its own box."""
     chunk = item.tensor_data.chunk
     lo, rows = chunk.offsets[0], chunk.sizes[0]
     pieces = []
@@ -185,11 +170,7 @@ def _assign(plans: Sequence[SavePlan], ranks: Sequence[int], wanted: dict[tuple[
     """Each member's items: its non-tensor items, then the group's tensor items and pieces it was given (LPT)."""
     units: list[tuple[int, int, WriteItem]] = []  # (bytes, order, item)
     for i, item in enumerate(_tensor_items(plans, ranks)):
-        key = (item.index.fqn, i)
-        pieces = [item]
-        if key in wanted:
-            pieces = _cut(item, steps[item.index.fqn])
-        for piece in pieces:
+        for piece in _cut(item, steps[item.index.fqn]) if (item.index.fqn, i) in wanted else [item]:
             units.append((box_bytes(piece), len(units), piece))
     units.sort(key=lambda u: (-u[0], u[1]))
     loads = [(0, position) for position in range(len(ranks))]  # a heap of (bytes so far, member)

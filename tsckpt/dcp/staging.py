@@ -1,12 +1,5 @@
-"""Staging for ``async_save``: one plain copy of the state dict's tensor data.
-
-``dcp.async_save`` returns once the state dict is staged. DCP's default stager
-deep-copies the object graph; this one copies only tensor bytes into fresh CPU
-memory and rebuilds the thin DTensor / ShardedTensor wrappers around them.
-Non-tensor values are deep-copied. With ``cache_staged_state_dict=True`` the
-copies are kept and refilled while the state dict keeps its structure, shapes
-and dtypes.
-"""
+"""Staging for ``async_save``: DCP's default stager deep-copies the object graph; this one copies only tensor
+bytes into CPU memory and rebuilds the thin DTensor / ShardedTensor wrappers around them."""
 
 from __future__ import annotations
 
@@ -23,13 +16,14 @@ from .torch_private import LocalShard, ShardedTensor, sharded_tensor_like
 class Stager(AsyncStager):
     """An ``AsyncStager`` that copies tensors to CPU memory synchronously.
 
-    Pass it as ``dcp.async_save(..., async_stager=tsckpt.Stager())``;
-    :func:`tsckpt.async_save` and ``TensorStoreWriter`` (one itself) need not.
-    Tensors that share storage (tied weights) share one staged copy.
+    Pass it as ``dcp.async_save(..., async_stager=tsckpt.Stager())``; :func:`tsckpt.async_save` and
+    ``TensorStoreWriter`` (one itself) need not. Tensors that share storage (tied weights) share one staged
+    copy; non-tensor values are deep-copied.
 
     Args:
-        cache_staged_state_dict: keep the staged copies and refill them on the
-            next call (DCP's option): wait for the previous save before staging the next.
+        cache_staged_state_dict: keep the staged copies and refill them on the next call while the state dict
+            keeps its structure, shapes and dtypes (DCP's option): wait for the previous save before staging
+            the next.
     """
 
     _synchronize_after_execute: bool = False
@@ -60,8 +54,7 @@ class Stager(AsyncStager):
         return {**self.__dict__, "_staged": None}
 
 
-#: Where a value has no staged copy to refill.
-_FRESH: Any = object()
+_FRESH: Any = object()  # where a value has no staged copy to refill
 
 
 class _Changed(Exception):
@@ -115,9 +108,8 @@ def _copy_tensor(t: torch.Tensor, memo: dict[tuple[Any, ...], torch.Tensor]) -> 
     key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
     if t.numel() and key in memo:
         return memo[key]
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out = memo[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     out.copy_(t)
-    memo[key] = out
     return out
 
 

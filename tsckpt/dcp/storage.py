@@ -1,10 +1,5 @@
-"""DCP storage writer: ``TensorStoreWriter`` moves a state dict's bytes into Zarr v3 arrays, as
-:mod:`tsckpt.dcp.contract` describes; it knows regions, dtypes and paths, never DTensors.
-
-Each rank writes its items (:func:`write_items`) into the chunks of the arrays the coordinator laid out,
-through a :class:`~tsckpt.rank_writer.RankWriter` made with the save's orders; other values are stored as
-JSON in the rank's summary, or as blobs.
-"""
+"""DCP storage writer: ``TensorStoreWriter`` writes a state dict into Zarr v3 arrays as
+:mod:`tsckpt.dcp.contract` describes; it knows regions, dtypes and paths, never DTensors."""
 
 from __future__ import annotations
 
@@ -59,56 +54,45 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         path: checkpoint directory (or a kvstore spec), or ``checkpoint_id=`` to ``dcp.save``.
         single_file_per_rank: ``True`` means ``layout="packed"``, ``False`` ``"plain"``;
             ``None`` (the default here) leaves the choice to ``layout``.
-        sync_files: ``False`` skips every fsync and records ``"synced": false``
-            in the metadata's ``extra``: faster, but a power loss may leave a
-            committed checkpoint whose files are not on disk.
-        thread_count: concurrent file operations per rank (TensorStore's I/O
-            concurrency); the same as ``io_concurrency``.
-        per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to
-            host memory ahead of their writes (older writes finish before more
-            are copied). Default 1 GiB; 0 copies one tensor at a time; ``None``
-            copies everything first. CPU tensors are written in place.
-        cache_staged_state_dict: with ``dcp.async_save``, refill the staged CPU
-            copies on the next save (:class:`~tsckpt.dcp.staging.Stager`).
-        overwrite: replace a tsckpt checkpoint already at ``path`` (the
-            default, as in DCP); ``False`` refuses with
-            :class:`~tsckpt.errors.CheckpointExistsError` ("Checkpoint already
-            exists ..."), before any data is written. Other files there are kept;
-            Zarr data tsckpt did not write is refused either way
-            (:class:`~tsckpt.errors.ForeignContentError`). On a local filesystem
-            the old checkpoint stays loadable until the new one is complete; on
-            object stores and ``memory://`` it is un-committed before the new data
-            is written (docs/publication.md).
+        sync_files: ``False`` skips every fsync and records ``"synced": false`` in the metadata's ``extra``:
+            faster, but a power loss may leave a committed checkpoint whose files are not on disk.
+        thread_count: concurrent file operations per rank (TensorStore's I/O concurrency); the same as
+            ``io_concurrency``.
+        per_thread_copy_ahead: bytes of device (GPU) tensors a rank copies to host memory ahead of their writes
+            (older writes finish before more are copied). Default 1 GiB; 0 copies one tensor at a time;
+            ``None`` copies everything first. CPU tensors are written in place.
+        cache_staged_state_dict: with ``dcp.async_save``, refill the staged CPU copies on the next save
+            (:class:`~tsckpt.dcp.staging.Stager`).
+        overwrite: replace a tsckpt checkpoint already at ``path`` (the default, as in DCP); ``False`` refuses
+            with :class:`~tsckpt.errors.CheckpointExistsError` ("Checkpoint already exists ..."), before any
+            data is written. Other files there are kept; Zarr data tsckpt did not write is refused either way
+            (:class:`~tsckpt.errors.ForeignContentError`). On a local filesystem the old checkpoint stays
+            loadable until the new one is complete; on object stores and ``memory://`` it is un-committed
+            before the new data is written (docs/publication.md).
         _extensions: ``[ZStandard()]`` means ``compression="zstd"``; other extensions are refused.
         serialization_format: DCP's default (``TORCH_SAVE``) is accepted; ``SAFETENSORS`` is refused.
-        layout: the storage layout, ``"plain"`` (one file or object per chunk;
-            any Zarr reader opens it) or ``"packed"`` (one data file per rank and
-            an OCDBT index of every key, written at commit; read through
-            :func:`tsckpt.zarr_store`). ``None``: ``$TSCKPT_LAYOUT`` if set, else
-            packed. Only the coordinator's choice counts in a multi-rank save.
-        inner_chunk_bytes: the smallest inner chunk (Zarr's sharding codec) a
-            save cuts outer chunks into, default 16 KiB (``docs/format.md``,
-            section 5); 0 disables them.
+        layout: the storage layout, ``"plain"`` (one file or object per chunk; any Zarr reader opens it) or
+            ``"packed"`` (one data file per rank and an OCDBT index of every key, written at commit; read
+            through :func:`tsckpt.zarr_store`). ``None``: ``$TSCKPT_LAYOUT`` if set, else packed. Only the
+            coordinator's choice counts in a multi-rank save.
+        inner_chunk_bytes: the smallest inner chunk (Zarr's sharding codec) a save cuts outer chunks into,
+            default 16 KiB (``docs/format.md``, section 5); 0 disables them.
         io_concurrency: TensorStore file I/O concurrency per rank.
-        checksums: store a crc32c after every inner chunk (Zarr's ``crc32c``
-            codec) and a content hash of every outer chunk; every read checks each
-            inner chunk it touches before returning any of it. On by default.
-            Missing and truncated chunks are detected either way.
-        crc32c_codec: store Zarr's ``crc32c`` codec with every chunk even with
-            ``checksums=False``, for other readers to check data by.
+        checksums: store a crc32c after every inner chunk (Zarr's ``crc32c`` codec) and a content hash of every
+            outer chunk; every read checks each inner chunk it touches before returning any of it. On by
+            default. Missing and truncated chunks are detected either way.
+        crc32c_codec: store Zarr's ``crc32c`` codec with every chunk even with ``checksums=False``, for other
+            readers to check data by.
         compression: ``None`` (default), ``"zstd"`` or ``"blosc"``.
-        base: make this save incremental against a committed checkpoint (a
-            path, URL, kvstore spec, or what :func:`tsckpt.latest` returns):
-            every chunk equal to the base's is linked instead of written
+        base: make this save incremental against a committed checkpoint (a path, URL, kvstore spec, or what
+            :func:`tsckpt.latest` returns): every chunk equal to the base's is linked instead of written
             (:mod:`tsckpt.base_chunks`); deleting the base later changes nothing.
-        incremental: ``True`` takes as base the newest committed checkpoint
-            beside ``path`` (the previous save of a training loop), if any.
+        incremental: ``True`` takes as base the newest committed checkpoint beside ``path`` (the previous save
+            of a training loop), if any.
 
-    In a multi-rank save the coordinator's options decide how every rank writes;
-    other ranks' writers give only ``thread_count``/``io_concurrency`` and
-    ``per_thread_copy_ahead``.
-
-    ``dcp.save(..., use_collectives=False)`` is refused on more than one rank.
+    In a multi-rank save the coordinator's options decide how every rank writes; other ranks' writers give only
+    ``thread_count``/``io_concurrency`` and ``per_thread_copy_ahead``. ``dcp.save(..., use_collectives=False)``
+    is refused on more than one rank.
     """
 
     def __init__(self, path: LocationLike | None = None, single_file_per_rank: bool | None = None,
@@ -183,8 +167,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                                      options=self.array_options, checksums_on=self.checksums)
 
     def _begin(self) -> SaveTarget:
-        """Coordinator, once every rank has planned (so that a rank stopped while planning leaves nothing
-        begun): refuse, or claim the location. Ctrl-C comes once it is claimed, and removes it."""
+        """Coordinator, once every rank has planned (a rank stopped while planning leaves nothing begun):
+        refuse, or claim the location; Ctrl-C once it is claimed removes it."""
         assert self.location is not None
         with CTRL_C.watched():
             target = None
@@ -241,12 +225,9 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
         return CACHE.send(key, full, sent, layout, rank_plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items as its :class:`RankPlan` says (contract, step 4).
-
-        A failure, or Ctrl-C, is reported in the summary, not raised, once every
-        write this rank started has ended (:mod:`tsckpt.dcp.failure`): only the
-        coordinator's ``finish`` can remove what the save staged.
-        """
+        """Write this rank's items as its :class:`RankPlan` says (contract, step 4). A failure, or Ctrl-C, is
+        reported in the summary, not raised, once every write this rank started has ended
+        (:mod:`tsckpt.dcp.failure`): only the coordinator's ``finish`` can remove what the save staged."""
         writers: list[RankWriter] = []
         if self.is_coordinator and not isinstance(planner, TsckptSavePlanner):
             CACHE.note(planner)  # its full plans, for the next save DCP's plan cache finds unchanged
@@ -265,9 +246,8 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                 for writer in writers:
                     writer.abandon()
                 raise
-            # The first Ctrl-C waits with the rest of this step: cut short, the wait would leave writes on their
-            # way to land after the clean-up. A second one stops it (CtrlC holds no second Ctrl-C): raised as it
-            # is, it reaches tsckpt.save, whose clean-up waits for the writes to land (failure.interrupted).
+            # The first Ctrl-C waits with this step (cut short, writes would land after the clean-up); a second
+            # stops it and reaches tsckpt.save, whose clean-up waits for the writes to land (failure.interrupted).
             waited = False
             try:
                 with CTRL_C.step():
@@ -290,7 +270,6 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
                            lambda summaries: self._commit(metadata, summaries))
 
     def _commit(self, metadata: Metadata, summaries: list[RankSummary]) -> None:
-        """Merge every rank's summary into the arrays' documents, then commit and publish."""
         where = str(self.checkpoint_id)
         layout = self._layout
         assert layout is not None and self._target is not None, "finish runs on the coordinator, after planning"
@@ -338,21 +317,18 @@ class TensorStoreWriter(TensorStoreIO, StorageWriter, Stager):
 
 def write_items(plan: SavePlan, planner: SavePlanner, writers: list[RankWriter], *, rank: int, where: str,
                 data_store: Callable[[Location, WriteConfig], Store], window: int | None) -> RankWrites:
-    """Write rank ``rank``'s items as its :class:`RankPlan` says, through a :class:`RankWriter` it adds to
-    ``writers`` (so that the caller can abandon it); ``data_store`` opens where the coordinator said to write,
-    ``window`` is the host-copy window (``per_thread_copy_ahead``)."""
+    """Write rank ``rank``'s items as its :class:`RankPlan` says, through a ``RankWriter`` added to ``writers``."""
     rank_plan = plan.storage_data
     if not isinstance(rank_plan, RankPlan):
         raise PlanError(f"saving {where}: rank {rank}'s plan carries no layout from the coordinator "
                         f"(was the global plan made by another storage writer?)")
     orders = rank_plan.orders.value
-    config = orders.config
+    config, base = orders.config, orders.base
     store = data_store(orders.location, config)
-    tensors = [item.index.fqn for item in plan.items if item.tensor_data is not None]
-    arrays = rank_plan.entries(list(dict.fromkeys(tensors)), where)
-    base = orders.base
-    writer = RankWriter(store, rank, orders.save_id, "", options=config.array_options,
-                        checksums=config.checksums, window=window, sync=config.sync_files,
+    tensors = dict.fromkeys(item.index.fqn for item in plan.items if item.tensor_data is not None)
+    arrays = rank_plan.entries(list(tensors), where)
+    writer = RankWriter(store, rank, orders.save_id, "", options=config.array_options, checksums=config.checksums,
+                        window=window, sync=config.sync_files,
                         base=BaseChunks(base, store) if base is not None and base.mode else None)
     writers.append(writer)
     writer.open({fqn: entry for fqn, (_, entry) in arrays.items()})

@@ -1,10 +1,6 @@
-"""What one rank of a save wrote, as the coordinator learns it: :class:`RankSummary` (contract step 4).
-
-Columns of numbers, so that gathering every rank's summary costs bytes
-linear in chunks and nothing per Python object. Torch-free: the one-process
-:class:`~tsckpt.conversion.builder.CheckpointBuilder` summarises its writes
-the same way.
-"""
+"""What one rank of a save wrote, as the coordinator learns it: :class:`RankSummary` (contract step 4), in
+columns, so that gathering every rank's costs bytes linear in chunks and nothing per Python object. Torch-free:
+:class:`~tsckpt.conversion.builder.CheckpointBuilder` summarises its writes the same way."""
 
 from __future__ import annotations
 
@@ -24,17 +20,13 @@ from ..rank_writer import WrittenChunks as SavedChunks
 
 @dataclass(frozen=True)
 class RankSummary:
-    """What one rank wrote (step 4), in columns: one row per outer chunk, numbered as the coordinator numbered tensors.
+    """What one rank wrote, in columns: one row per outer chunk, numbered as the coordinator numbered tensors.
 
-    ``file``/``offset``/``length``: where each chunk is stored in the packed
-    layout (``file`` indexes ``files``: the rank's own data files and those of
-    an incremental save's base it took chunks from); -1 in the plain layout,
-    whose chunks are keys of their own. ``reused`` marks the chunks taken from
-    the base instead of written. ``stored``: the rank's data files and digest
-    table (:class:`~tsckpt.format.data_files.RankFiles`). ``objects``: each
-    value's recorded encoding (and its JSON value, or blob size and, packed,
-    where it is stored). ``placements``: with DCP's own planner, whose plans
-    carry none, the placement records of the tensors this rank describes.
+    ``file``/``offset``/``length``: where each chunk is stored in the packed layout (``file`` indexes ``files``:
+    the rank's own data files and those of an incremental save's base); -1 in the plain layout. ``reused``: taken
+    from the base. ``stored``: the rank's data files and digest table. ``objects``: each value's encoding (and
+    its JSON value, or blob size and, packed, where it is stored). ``placements``: with DCP's own planner, whose
+    plans carry none, the placement records of the tensors this rank describes.
     """
 
     rank: int
@@ -49,20 +41,16 @@ class RankSummary:
     stored: RankFiles | None = None
     objects: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     placements: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: Why this rank could not write its part (:class:`tsckpt.dcp.failure.RankFailure` as a dict); None if it did.
-    failure: Mapping[str, Any] | None = None
-    #: The columns as they were gathered (the columns above are then None): decoded with every other rank's at
-    #: once by :func:`columns_of`, not one rank at a time as they arrive.
+    failure: Mapping[str, Any] | None = None  # why this rank could not write its part (a RankFailure's dict)
+    #: The columns as gathered (those above are then None), decoded with every rank's at once by :func:`columns_of`.
     packed: PackedColumns | None = None
 
     def has(self, name: str) -> bool:
-        """Whether this rank sent column ``name``."""
         if self.packed is not None:
             return any(n == name for n, _, _ in self.packed.layout)
         return getattr(self, name) is not None
 
     def decoded(self) -> RankSummary:
-        """This summary with its columns decoded."""
         if self.packed is None:
             return self
         columns = columns_of([self])
@@ -71,9 +59,8 @@ class RankSummary:
                                                          for name, dtype in _COLUMNS.items()})
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Gathered from every rank: its columns travel delta-coded (a regular layout's offsets, lengths and
-        # numbers are runs), a column of one value as that value, the others in the narrowest integers that hold
-        # them, compressed; the coordinator keeps the bytes until it decodes every rank's at once.
+        # Columns travel delta-coded (a regular layout's offsets and numbers are runs), a column of one value as
+        # that value, the others in the narrowest integers that hold them, compressed.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in _COLUMNS and f.name != "packed"}
         return (_unpacked, (fields, self.packed or self._pack()))
@@ -140,8 +127,8 @@ def _unpacked(fields: dict[str, Any], packed: PackedColumns) -> RankSummary:
 
 @dataclass(frozen=True)
 class PackedColumns:
-    """A gathered summary's columns as they travelled: per column its name and either its dtype (its values in
-    ``data``, in layout order) or None and the one value all its rows hold; ``rows`` rows; zlib."""
+    """A gathered summary's columns as they travelled: per column its name and either its dtype (values in
+    ``data``, zlib) or None and the one value all its rows hold."""
 
     layout: tuple[tuple[str, str | None, int], ...]
     rows: int
@@ -149,9 +136,8 @@ class PackedColumns:
 
 
 def expand(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Each of ``values`` repeated its number of ``rows``; when every rank that has rows has as many, several
-    times faster than a repeat by counts (the common case: every rank holds a shard of every tensor, and the
-    ranks past the last row of a row-sharded world hold none)."""
+    """Each of ``values`` repeated its number of ``rows``; several times faster than a repeat by counts when every
+    rank that has rows has as many (the common case)."""
     some = rows > 0
     counts = rows[some]
     if len(counts) and (counts == counts[0]).all():
@@ -161,26 +147,23 @@ def expand(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PerRank:
-    """A decoded column that holds one value on every row of each summary: ``values[i]`` for summary ``i`` (0 for
-    one of no rows). Kept so, not as a column of every row: at 100,000 ranks that column is hundreds of megabytes
-    of new pages, which merging reduces back to one value per rank."""
+    """A decoded column of one value per summary (0 for one of no rows); as a column of every row it would be
+    hundreds of megabytes of new pages at 100,000 ranks, which merging reduces back to one value per rank."""
 
     values: np.ndarray
 
 
 def full(column: np.ndarray | PerRank, rows: np.ndarray) -> np.ndarray:
-    """``column`` as one value per row (``rows``: each summary's number of rows)."""
     return expand(column.values, rows) if isinstance(column, PerRank) else column
 
 
 def columns_of(summaries: Sequence[RankSummary],
                file_numbers: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray | PerRank | None]:
     """Every summary's columns, one after the other (None for a column some summary lacks; a :class:`PerRank`
-    for one that is not delta-coded and that no summary sent as an array), and ``"rows"``: each summary's number
-    of rows. Decoded all at once: a few passes over every rank's rows instead of a few per rank.
-    ``file_numbers``: for each summary, the number each of its files gets (its ``file`` column is given in
-    those; -1 stays -1). Each column comes in the narrowest type that holds what the ranks sent (see
-    :func:`_decoded_type`): at scale a column is tens of millions of rows, each made afresh."""
+    for one not delta-coded that no summary sent as an array), and ``"rows"``: each summary's number of rows.
+    Decoded all at once, each in the narrowest type that holds what the ranks sent: a few passes over tens of
+    millions of rows instead of a few per rank. ``file_numbers``: per summary, the number each of its files
+    gets (-1 stays -1)."""
     rows = np.asarray([s.packed.rows if s.packed is not None else len(s.tensor) for s in summaries], np.int64)
     # A column that holds one value on a rank (most do, in a regular layout) costs that rank no array.
     constants = {name: np.zeros(len(summaries), np.int64) for name in _COLUMNS}
@@ -188,8 +171,7 @@ def columns_of(summaries: Sequence[RankSummary],
     sent = dict.fromkeys(_COLUMNS, 0)
     counts = rows.tolist()
     for i, s in enumerate(summaries):
-        # A summary made in this process decodes as one that travelled: one path for both.
-        packed = s.packed or s._pack()
+        packed = s.packed or s._pack()  # one made in this process decodes as one that travelled
         raw, at = zlib.decompress(packed.data), 0
         for name, dtype, constant in packed.layout:
             sent[name] += 1
@@ -218,8 +200,7 @@ def columns_of(summaries: Sequence[RankSummary],
 
 def _decoded_type(name: str, constants: np.ndarray, parts: Sequence[np.ndarray]) -> np.dtype:
     """The type column ``name`` is decoded to. Running sums are exact in a type that holds every value summed to
-    (intermediate sums may wrap): a rank's tensor numbers are int32, its chunks and offsets any int64. Other
-    columns are their values, as wide as the widest a rank sent or the constants need."""
+    (intermediate sums may wrap); other columns as wide as the widest a rank sent or the constants need."""
     if name == "reused":
         return np.dtype(bool)
     if name in _DELTAS:
@@ -228,7 +209,7 @@ def _decoded_type(name: str, constants: np.ndarray, parts: Sequence[np.ndarray])
 
 
 def _joined(name: str, constants: np.ndarray, arrays: list[tuple[int, np.ndarray]], rows: np.ndarray) -> np.ndarray:
-    """One column of every rank's rows: each rank's constant or its array of values (or, in ``_DELTAS``, of
+    """One column of every rank's rows: each rank's constant or its array of values (in ``_DELTAS``: of
     differences, summed here)."""
     dtype = _decoded_type(name, constants, [part for _, part in arrays])
     values = np.empty(int(rows.sum()), dtype)
@@ -238,8 +219,7 @@ def _joined(name: str, constants: np.ndarray, arrays: list[tuple[int, np.ndarray
     pieces = [parts[i] if i in parts else np.broadcast_to(constants[i:i + 1], (n,))
               for i, n in enumerate(rows.tolist()) if n]
     ends = np.cumsum(rows[rows > 0])
-    # Block by block, whole ranks to a block of about _BLOCK rows: each block's parts copied in one call, and its
-    # running sums taken while it is in cache (over the whole column they were three more passes through memory).
+    # Whole ranks to a block of about _BLOCK rows: each block copied in one call, its running sums taken in cache.
     a = 0
     while a < len(pieces):
         lo = int(ends[a - 1]) if a else 0
@@ -247,8 +227,7 @@ def _joined(name: str, constants: np.ndarray, arrays: list[tuple[int, np.ndarray
         block = values[lo:int(ends[b - 1])]
         np.concatenate(pieces[a:b], out=block, casting="unsafe")
         if name in _DELTAS:
-            # Each rank's running sum: its first difference less what the rank before summed to (in the column's
-            # type: the sums wrap as the running sum does).
+            # Each rank's first difference less what the rank before summed to (wrapping as the running sum does).
             first = np.concatenate(([0], ends[a:b - 1] - lo))
             sums = np.add.reduceat(block, first, dtype=dtype)
             block[first[1:]] -= sums[:-1]
@@ -262,7 +241,7 @@ _BLOCK = 1 << 16
 
 
 class SummaryBuilder:
-    """Collects a rank's :class:`RankSummary` from what its :class:`~tsckpt.rank_writer.RankWriter` saved."""
+    """Collects a rank's :class:`RankSummary` from what its ``RankWriter`` saved."""
 
     def __init__(self, rank: int, save_id: str):
         self.rank, self.save_id = rank, save_id
@@ -282,7 +261,6 @@ class SummaryBuilder:
         return self.files.setdefault(ref.path, len(self.files)), ref.offset, ref.length
 
     def add(self, tensor_id: int, chunks: SavedChunks) -> None:
-        """Record the outer chunks of tensor ``tensor_id`` this rank saved: indices, where stored, reuse."""
         self.chunk += chunks.indices
         self.tensor += [tensor_id] * len(chunks.indices)
         self.reused += chunks.reused or [False] * len(chunks.indices)
@@ -297,7 +275,6 @@ class SummaryBuilder:
             else {"encoding": encoding, "nbytes": nbytes}
 
     def place_object(self, fqn: str, ref: Ref | None) -> None:
-        """Where blob ``fqn`` is stored (packed layout)."""
         if ref is not None:
             self.objects[fqn]["ref"] = [self._where(ref)[0], ref.offset, ref.length]
 

@@ -1,17 +1,10 @@
-"""The parts of PyTorch tsckpt relies on that PyTorch does not promise to keep, in one module;
-``tests/test_torch_private.py`` checks each against the installed torch.
-
-* :data:`ShardedTensor`, :data:`LocalShard`, :func:`sharded_tensor_like` (``torch.distributed._shard``):
-  staging rebuilds a ShardedTensor around copied shards with its private constructor.
-* :data:`StridedShard` (``placement_types._StridedShard``): recorded by ``dim`` and ``split_factor``.
-* :data:`flatten_state_dict`, :data:`unflatten_state_dict` (``checkpoint._nested_dict``): a converted
-  ``torch.save`` file's keys are the ones ``dcp.save`` gives.
-* :data:`FakeTensorMode` (``torch._subclasses``): shaped tensors without storage, for ``skip_data``.
-* :func:`get_element`, :func:`set_element`: walks of DCP's object paths (a planner's ``mappings``).
-* DCP's plan cache: :func:`plan_caching_asked` reads ``enable_plan_caching`` from ``DefaultSavePlanner``'s
-  arguments. With it on, a rank whose plan did not change sends ``SavePlan(usable=False)``, gets back an
-  unusable plan with the writer's storage data, ``finish_plan`` returns its last plan, and
-  ``global_plan`` holds every rank's full plan.
+"""The parts of PyTorch tsckpt relies on that PyTorch does not promise to keep, each checked against the
+installed torch by ``tests/test_torch_private.py``: ``torch.distributed._shard``'s ShardedTensor (staging
+rebuilds one with its private constructor), ``_StridedShard``, ``checkpoint._nested_dict`` (a converted
+``torch.save`` file's keys are the ones ``dcp.save`` gives), ``FakeTensorMode`` (for ``skip_data``), DCP's
+object paths (a planner's ``mappings``), and DCP's plan cache: with ``enable_plan_caching``, a rank whose plan
+did not change sends ``SavePlan(usable=False)``, gets back an unusable plan with the writer's storage data,
+``finish_plan`` returns its last plan, and ``global_plan`` holds every rank's full plan.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 __all__ = ["FakeTensorMode", "LocalShard", "ShardedTensor", "StridedShard", "flatten_state_dict", "get_element",
            "plan_caching_asked", "set_element", "sharded_tensor_like", "unflatten_state_dict"]
 
-#: A DCP object path: where a flattened key's value sits in the nested state dict.
-ObjectPath = tuple[str | int, ...]
+ObjectPath = tuple[str | int, ...]  # where a flattened key's value sits in the nested state dict
 
 
 def sharded_tensor_like(shards: list[Any], like: ShardedTensor) -> ShardedTensor:
@@ -41,15 +33,13 @@ def sharded_tensor_like(shards: list[Any], like: ShardedTensor) -> ShardedTensor
 
 
 def get_element(root: Any, path: ObjectPath) -> Any:
-    """The value at ``path`` in the nested ``root``."""
     for step in path:
         root = root[step]
     return root
 
 
 def set_element(root: MutableMapping[str, Any], path: ObjectPath, value: Any) -> None:
-    """Put ``value`` at ``path`` in the nested ``root``, making the dicts and lists on the way that are missing
-    (lists grown with None), as DCP's own unflattening does."""
+    """Put ``value`` at ``path`` in the nested ``root``, making what is missing on the way, as DCP does."""
     container: Any = root
     for step, following in zip(path, path[1:]):
         fresh: Any = {} if isinstance(following, str) else []
