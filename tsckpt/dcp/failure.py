@@ -95,7 +95,8 @@ def commit_or_clean_up(target: SaveTarget, rank: int, summaries: Callable[[], li
         except KeyboardInterrupt:
             raise interruption(target.url, [rank], _outcome(target, settle=False)) from None
         except Exception as e:
-            if committed_at(target.location, target.save_id):  # committed; what failed came after (a lost answer?)
+            # Its root document is there: committed, whatever failed after (a request whose answer was lost).
+            if committed_at(target.location, target.save_id):
                 warn_committed(target.url, target.save_id, [f"{RankFailure.of(rank, e).problem} after its commit"])
                 return
             if isinstance(e, TsckptError):
