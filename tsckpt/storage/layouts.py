@@ -26,24 +26,21 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 import tensorstore as ts
 
 from ..errors import MetadataError, OptionError
-from ..format import ocdbt
 from ..format.data_files import Span
 from ..format.metadata import CheckpointMetadata
-from . import packed, sinks
+from . import packed, packed_index, sinks
 from .context import OpenedLocation
 from .kvio import storage_error
 from .localfs import unsynced_nodes
+from .location import Location
 from .locator import Located, Locator
 from .packed_locator import PackedLocator
-from .location import Location
 
 PLAIN = "plain"
 PACKED = "packed"
@@ -218,9 +215,9 @@ class PackedLayout(KvLayout):
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         assert values is not None, "a packed checkpoint indexes its values"
-        entries = packed.merged_entries(docs, values)
-        return packed.write_index(store.kvstore, save_id, entries, store.url, fence,
-                                  local_root=_local_root(store.location), sync=store.sync), None
+        entries = packed_index.merged_entries(docs, values)
+        return packed_index.write_index(store.kvstore, save_id, entries, store.url, fence,
+                                        local_root=_local_root(store.location), sync=store.sync), None
 
     def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
         return PackedLocator(store, metadata)
