@@ -1,17 +1,9 @@
 """Byte ranges of a checkpoint's files, planned by cost: merged where a request costs more than the gap.
 
-Every read of tensor data ends here. A reader asks a :class:`RangeBatch` for
-the byte ranges it needs (:meth:`RangeBatch.want`), from any number of files,
-then runs the batch once: per file, the ranges are sorted and two neighbours
-are fetched by one request when the bytes between them cost less to fetch than
-a request does (:class:`ReadCost`: latency x bandwidth), large requests are
-split so several are in flight, and requests run concurrently, a bounded
-number of bytes of them at once, in the order the reader uses them. Each range
-then gives its bytes as a view into the request's buffer, which is reused
-once every range in it has been used.
-
-How files are fetched is a :class:`~tsckpt.storage.fetchers.Fetcher`
-(:mod:`tsckpt.storage.fetchers`).
+Every read of tensor data ends here: a reader asks a :class:`RangeBatch` for ranges, then runs it once. Per file,
+neighbouring ranges are fetched by one request when the bytes between cost less than a request
+(:class:`ReadCost`), large requests are split, and requests run concurrently, a bounded number of bytes at once,
+in the order the reader uses them; each range is a view into its request's buffer, reused once all are used.
 """
 
 from __future__ import annotations
@@ -34,12 +26,9 @@ from .pools import ReadBuffers
 class ReadCost:
     """What one request costs a rank, as seconds of waiting and bytes it could have fetched meanwhile.
 
-    A gap between two wanted ranges of one file is read through (one request)
-    when fetching it takes less time than a request's latency:
-    ``gap <= latency_s * bandwidth``. ``max_request``: longer requests are cut
-    into pieces about this long, fetched concurrently (a slow link is filled by
-    several requests at once). ``max_arriving``: bytes of requests on their way
-    at once (started, not yet arrived).
+    A gap between two wanted ranges of one file is read through when ``gap <= latency_s * bandwidth``.
+    ``max_request``: longer requests are cut into pieces about this long, fetched concurrently (a slow link is
+    filled by several requests at once).
     """
 
     latency_s: float
@@ -96,8 +85,6 @@ def read_cost(location: Location) -> ReadCost:
 
 #: Requests this large or larger read into reused buffers (:class:`~tsckpt.storage.pools.ReadBuffers`).
 _POOLED = 256 << 10
-
-
 _BUFFERS = ReadBuffers()
 
 
@@ -118,7 +105,6 @@ class _Request:
         self._begun = threading.Event()
 
     def begin(self, buffer: np.ndarray | None) -> None:
-        """Start fetching, into ``buffer`` (a reused one) if given, in pieces of at most ``max_request``."""
         try:
             self._begin(buffer)
         except BaseException as e:
@@ -154,7 +140,7 @@ class _Request:
 
     def data(self) -> np.ndarray:
         if self.futures is None:
-            self.batch._begin_up_to(self)
+            self.batch._pump(self)
             self._begun.wait()
         if self._data is None and self._error is None:
             assert self.futures is not None
@@ -201,11 +187,8 @@ class Slot:
 class RangeBatch:
     """Byte ranges read together: wanted first, then fetched in turn, merged by :class:`ReadCost`.
 
-    Requests start in the order their ranges were wanted (the order a reader
-    uses them), with at most ``cost.max_inflight`` bytes of them unreleased and
-    ``cost.max_arriving`` on their way;
-    a range used before its request started starts it at once. Buffers of
-    released requests (local files) are reused for the next ones.
+    Requests start in the order their ranges were wanted, with at most ``cost.max_inflight`` bytes of them
+    unreleased and ``cost.max_arriving`` on their way; a range used before its request started starts it at once.
     """
 
     fetcher: Fetcher
@@ -246,9 +229,8 @@ class RangeBatch:
         return requests
 
     def run(self) -> None:
-        """Start fetching the wanted ranges and return: each range's :attr:`Slot.bytes` waits for its own
-        request, so what arrives first is used first. A request that failed raises its failure to each of
-        its ranges, so each reader reports its own."""
+        """Start fetching the wanted ranges and return: each range's :attr:`Slot.bytes` waits for its own request
+        (and raises its failure, so each reader reports its own)."""
         requests = self.plan()
         for key, start, stop, group in requests:
             request = _Request(self, key, start, stop, len(group))
@@ -295,9 +277,6 @@ class RangeBatch:
         if stalled:
             self._pump()
 
-    def _begin_up_to(self, request: _Request) -> None:
-        self._pump(request)
-
     def _buffer(self, size: int) -> np.ndarray | None:
         """A reused buffer for a request of ``size`` bytes into local files (None: the fetcher makes its own:
         object stores hand over bytes of their own, and small requests are cheap to allocate)."""
@@ -318,7 +297,6 @@ class RangeBatch:
 
 
 def _runs(slots: list[Slot], gap: int) -> list[list[Slot]]:
-    """Sorted ``slots`` in runs whose neighbours are at most ``gap`` bytes apart (or overlap)."""
     runs, stop = [[slots[0]]], slots[0].stop
     for slot in slots[1:]:
         if slot.start - stop <= gap:
@@ -330,9 +308,8 @@ def _runs(slots: list[Slot], gap: int) -> list[list[Slot]]:
 
 
 def _cut(key: str, run: list[Slot], limit: int) -> list[tuple[str, int, int, list[Slot]]]:
-    """One run of ranges as requests of at most ``limit`` bytes (a longer range alone), all about as long: a run
-    a little over a multiple of ``limit`` is not left a short last request, which would cost a request's
-    latency for a few bytes (a same-topology load reads whole files: a request per ``limit`` bytes, no more)."""
+    """One run of ranges as requests of at most ``limit`` bytes (a longer range alone), all about as long: a short
+    last request would cost a request's latency for a few bytes."""
     stop = max(s.stop for s in run)
     pieces = max(1, -(-(stop - run[0].start) // limit))  # an empty value is still one request
     target = -(-(stop - run[0].start) // pieces)

@@ -1,25 +1,10 @@
 """Storage layouts: where a checkpoint's Zarr keys live under its location, registered by name.
 
-A layout decides only where each array's ``zarr.json`` and chunk keys are
-stored; the arrays, their chunk grids and codecs are the same in every layout,
-and every TensorStore spec is still built by :mod:`tsckpt.storage.store`.
-
-* ``"packed"`` (the default): every key in one OCDBT database whose values
-  are one data file per rank (:mod:`tsckpt.storage.packed`). Zarr readers
-  open it through :func:`tsckpt.zarr_store`, TensorStore through its
-  ``ocdbt`` kvstore.
-* ``"plain"``: each array under its own path below the location, one file (or
-  object) per chunk. Any Zarr v3 reader opens it directly.
-
-A layout subclasses :class:`KvLayout` and is decorated with
-:func:`register_layout`; a checkpoint's metadata names its layout and
-:func:`layout_for` selects it.
-
-Which method runs where, in a save: :meth:`KvLayout.sink` on every rank while
-it writes; :meth:`KvLayout.write_nodes` once, on the coordinator, after every
-rank's data is durable and before the root document is written. When reading,
-:meth:`KvLayout.locator` once per process, :meth:`Locator.prefetch` with the keys a read needs, then
-:meth:`Locator.locate` per chunk.
+The arrays, chunk grids and codecs are the same in every layout; only where keys are stored differs:
+``"packed"`` (the default), every key in one OCDBT database over one data file per rank
+(:mod:`tsckpt.storage.packed`), or ``"plain"``, one file (or object) per chunk, which any Zarr v3 reader opens.
+A save calls :meth:`KvLayout.sink` on every rank, then :meth:`KvLayout.write_nodes` once on the coordinator
+before the root document; a reader :meth:`KvLayout.locator` once per process.
 """
 
 from __future__ import annotations
@@ -83,11 +68,9 @@ class KvLayout(ABC):
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         """Coordinator: store every array's and group's ``zarr.json`` (``docs``, by key) and, for layouts that
-        index them, where every value is (``values``, sorted by key). Returns the index written (if any)
-        and a call that makes it all durable, run before the root document is written.
-
-        ``fence`` (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`) must return before any key that
-        another save could also write is written; keys of this save's own may be on their way meanwhile."""
+        index them, where every value is. Returns the index written (if any) and a call that makes it all durable,
+        run before the root document is written. ``fence`` (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`)
+        must return before any key that another save could also write is written."""
 
     @abstractmethod
     def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
@@ -98,30 +81,16 @@ class KvLayout(ABC):
         return store.kvstore
 
 
-LAYOUTS: dict[str, KvLayout] = {}
-
-
-def register_layout(cls: type[KvLayout]) -> type[KvLayout]:
-    """Class decorator: make a layout available by its ``name``."""
-    LAYOUTS[cls.name] = cls()
-    return cls
-
-
 def get_layout(name: str) -> KvLayout:
     try:
-        layout = LAYOUTS[name]
+        return LAYOUTS[name]
     except KeyError:
         raise OptionError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
-    return layout
 
 
 def default_layout() -> str:
-    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"packed"``.
-
-    A cluster-wide choice belongs in the job's environment rather than in every
-    training script. In a multi-rank save only the coordinator's choice counts:
-    it is sent to every rank with the plan.
-    """
+    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"packed"`` (in a multi-rank save the
+    coordinator's, sent to every rank with the plan)."""
     name = os.environ.get(LAYOUT_ENV, "").strip() or PACKED
     if name not in LAYOUTS:
         raise OptionError(f"{LAYOUT_ENV}={name!r}: unknown storage layout; expected one of {sorted(LAYOUTS)}")
@@ -149,7 +118,6 @@ class _KeysAsFiles(Locator):
         return Located(key)
 
 
-@register_layout
 class PlainLayout(KvLayout):
     """Each array under its own path below the location: the Zarr hierarchy as files or objects."""
 
@@ -169,7 +137,6 @@ class PlainLayout(KvLayout):
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         fence()  # every document here is a key another save writes too
-        # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
         fast = unsynced_nodes(store.location)
         kv, flush = fast if fast is not None else (store.kvstore, None)
         try:
@@ -183,7 +150,6 @@ class PlainLayout(KvLayout):
         return _KeysAsFiles(store.kvstore)
 
 
-@register_layout
 class PackedLayout(KvLayout):
     """Every key in one OCDBT database over one data file per rank (:mod:`tsckpt.storage.packed`)."""
 
@@ -231,4 +197,7 @@ def _open(spec: dict[str, Any], store: OpenedLocation) -> ts.KvStore:
         return ts.KvStore.open(spec, context=store.context).result()
     except ValueError as e:
         raise storage_error(e, f"cannot open the packed database of {store.url}") from None
+
+
+LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (PlainLayout(), PackedLayout())}
 

@@ -1,8 +1,6 @@
 """Where a committed checkpoint's values are: what a layout's locator answers (:meth:`KvLayout.locator
-<tsckpt.storage.layouts.KvLayout.locator>`).
-
-A reader asks :meth:`Locator.prefetch` for every key it is about to read,
-then :meth:`Locator.locate` for each: which file holds the value, and where.
+<tsckpt.storage.layouts.KvLayout.locator>`): :meth:`Locator.prefetch` with every key a read needs, then
+:meth:`Locator.locate` for each.
 """
 
 from __future__ import annotations
@@ -44,13 +42,12 @@ class Locator(ABC):
         """Where ``key`` (relative to the checkpoint) is stored; None if the checkpoint has no such key."""
 
     def prefetch(self, keys: Iterable[str]) -> None:
-        """Find ``keys`` together, so that each :meth:`locate` of them after reads nothing more (the tables
-        or index nodes they are in, read for all the keys at once). A failed lookup is raised by
-        :meth:`locate` of each key it was for, never here."""
+        """Find ``keys`` together, so that each :meth:`locate` of them after reads nothing more. A failed lookup is
+        raised by :meth:`locate` of each key it was for, never here."""
 
     def bind(self, read: ReadSpans, whole_up_to: int, tables: RankTables | None = None) -> None:
-        """Read what locating needs (``tables``, index nodes) through ``read``, merged with the reader's
-        other ranges; a table or index of at most ``whole_up_to`` bytes is read whole, at once."""
+        """Read what locating needs (``tables``, index nodes) through ``read``, merged with the reader's other
+        ranges (a table or index of at most ``whole_up_to`` bytes whole)."""
 
     def everything(self) -> Mapping[str, Located]:
         """Every key of an index and where its value is, every node read and checked (``verify``)."""

@@ -1,13 +1,9 @@
 """Where a packed checkpoint's values are, as tsckpt reads them: in the chunk tables of the ranks that wrote them.
 
-A chunk's writer is in its tensor's ``writers`` (a blob's in its object's
-``writer``), so a reader reads only the tables of the ranks whose chunks it
-reads, and in each only the blocks holding them
-(:mod:`tsckpt.format.chunk_table`): what a loading rank reads grows with
-the chunks it loads, never with the checkpoint's ranks x tensors. The
-B+tree that TensorStore and zarr-python read (:mod:`tsckpt.storage.packed`)
-answers the other keys (array and group documents), walked down from its
-root node, and ``verify`` reads all of it.
+A chunk's writer is in its tensor's ``writers`` (a blob's in its object's ``writer``), so a reader reads only the
+blocks of the tables holding the chunks it reads (:mod:`tsckpt.format.chunk_table`), never anything that grows
+with ranks x tensors. The B+tree (:mod:`tsckpt.storage.packed`) answers the other keys (array and group
+documents), and ``verify`` reads all of it.
 """
 
 from __future__ import annotations
@@ -28,11 +24,14 @@ from .rank_tables import RankTables
 
 def _chunk_index(name: str) -> tuple[int, ...] | None:
     """The grid index a chunk key's last part names (``c``, ``c.1.0``); None for any other name."""
-    if name == "c":
-        return ()
-    if not name.startswith("c.") or not all(p.isdigit() for p in name[2:].split(".")):
+    parts = name.split(".")
+    if parts[0] != "c" or not all(p.isdigit() for p in parts[1:]):
         return None
-    return tuple(int(p) for p in name[2:].split("."))
+    return tuple(int(p) for p in parts[1:])
+
+
+def _located(v: bytes | ocdbt.Ref) -> Located:
+    return Located(v.path, v.offset, v.length) if isinstance(v, ocdbt.Ref) else Located("", inline=v)
 
 
 class PackedLocator(Locator):
@@ -61,8 +60,7 @@ class PackedLocator(Locator):
         self._index = None
 
     def prefetch(self, keys: Iterable[str]) -> None:
-        """Look ``keys`` up: chunks and blobs in their writers' tables, documents in the index. Never raises: a key
-        whose lookup failed raises that failure from :meth:`locate`."""
+        """Look ``keys`` up: chunks and blobs in their writers' tables, documents in the index."""
         wanted: dict[int, dict[str, tuple[int, int]]] = {}  # rank -> key -> (array key, chunk)
         documents = []
         decoded: dict[str, np.ndarray] = {}
@@ -89,8 +87,7 @@ class PackedLocator(Locator):
                 self._found[key] = None
                 continue
             wanted.setdefault(rank, {})[key] = (chunk_table.array_key(path), flat)
-        # A lookup that fails is the failure of every key it was for: each raises it where it is located, so
-        # that the reader that wanted it names its tensor.
+        # A failed lookup is raised where each key it was for is located, so that its reader names its tensor.
         if wanted:
             try:
                 self._look_up(wanted)
@@ -111,17 +108,13 @@ class PackedLocator(Locator):
 
     def everything(self) -> Mapping[str, Located]:
         index = self._tree()
-        found = index.everything() if index is not None else {}
-        return {k: Located(v.path, v.offset, v.length) if isinstance(v, ocdbt.Ref) else Located("", inline=v)
-                for k, v in found.items()}
+        return {k: _located(v) for k, v in (index.everything() if index is not None else {}).items()}
 
     def sizes(self) -> Mapping[str, int]:
         return {f.path: f.size for f in self.files.files}
 
     def generations(self) -> Mapping[str, bytes]:
         return {f.path: bytes.fromhex(f.generation) for f in self.files.files if f.generation is not None}
-
-    # --- inside -------------------------------------------------------------------
 
     def _look_up(self, wanted: Mapping[int, Mapping[str, tuple[int, int]]]) -> None:
         found = self.tables.look_up({rank: list(keys.values()) for rank, keys in wanted.items()})
@@ -144,10 +137,7 @@ class PackedLocator(Locator):
             self._found.update((k, None) for k in documents)
             return
         index.lookup(documents)
-        for k in documents:
-            value = index.values[k]
-            self._found[k] = (None if value is None else Located(value.path, value.offset, value.length)
-                              if isinstance(value, ocdbt.Ref) else Located("", inline=value))
+        self._found.update((k, None if index.values[k] is None else _located(index.values[k])) for k in documents)
 
     def _tree(self) -> BTreeIndex | None:
         if self._index is None and self.files.index is not None:

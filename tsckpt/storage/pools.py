@@ -1,13 +1,9 @@
 """Thread pools, each owned by the one writer or fetcher that uses it, and the read buffers loads share.
 
-A :class:`ThreadPool` is sized by the ``io_concurrency`` (DCP's
-``thread_count``) its owner was opened with, makes its threads as work comes,
-and ends them with :meth:`ThreadPool.shutdown` or, at the latest, when its
-owner is freed: an executor nothing refers to lets its idle threads go.
-
-A pool used before a fork is not its forked child's: the child's copy counts
-idle threads that do not exist there, and its first task would wait forever.
-So a pool notices it is in another process and makes its threads anew.
+A :class:`ThreadPool` makes its threads as work comes and ends them with :meth:`ThreadPool.shutdown` or, at the
+latest, when its owner is freed. A pool used before a fork is not its forked child's: the child's copy counts idle
+threads that do not exist there, and its first task would wait forever; so a pool notices it is in another
+process and makes its threads anew.
 """
 
 from __future__ import annotations
@@ -56,17 +52,11 @@ class ThreadPool:
 class ReadBuffers:
     """Read buffers of local files, kept for the next batch of this process, load after load.
 
-    A buffer's pages are faulted in by the kernel the first time a read fills
-    them, and a batch keeps up to ``max_inflight`` bytes of requests in flight:
-    a process that made its buffers anew for every load (or every round of
-    replica reads) paid that again each time: with buffers of each load's own,
-    a repeated load of 64 MiB from the page cache took 0.09-0.14 s, not 0.06-0.07 s. Buffers come in sizes of powers
-    of two up to ``max_request``, so a request takes one at most twice its
-    length: with one size only, a batch of requests far shorter than
-    ``max_request`` held many more buffers than a few of its size, and made
-    most of them anew (a column reshard of a local checkpoint: about 100 at
-    once, under a tenth of each used). At most ``max_inflight`` bytes, plus
-    two of the largest buffers, are kept; the buffers kept longest go first.
+    A buffer's pages are faulted in the first time a read fills them: with buffers of each load's own, a repeated
+    load of 64 MiB from the page cache took 0.09-0.14 s, not 0.06-0.07 s. Sizes are powers of two up to
+    ``max_request``, so a request takes one at most twice its length (with one size only, a column reshard held
+    about 100 at once, under a tenth of each used). At most ``max_inflight`` bytes, plus two of the largest
+    buffers, are kept; the buffers kept longest go first.
     """
 
     def __init__(self) -> None:
@@ -81,8 +71,8 @@ class ReadBuffers:
         return min(1 << max(nbytes - 1, 0).bit_length(), max(cost.max_request, nbytes))
 
     def take(self, nbytes: int, cost: Any) -> np.ndarray:
-        """A buffer of :meth:`size_for` ``nbytes`` bytes (``cost``: a
-        :class:`~tsckpt.storage.byte_reads.ReadCost`): a kept one if any."""
+        """A buffer of :meth:`size_for` ``nbytes`` bytes (``cost``: a :class:`~tsckpt.storage.byte_reads.ReadCost`),
+        a kept one if any."""
         size = self.size_for(nbytes, cost)
         with self._lock:
             free = self._free.get(size)

@@ -1,9 +1,5 @@
-"""Each rank's chunk table of one checkpoint, as this process reads it: only the blocks it looks up.
-
-One :class:`RankTables` per open checkpoint (:class:`~tsckpt.storage.chunk_source.ChunkSource`),
-shared by its locator (where packed values are) and by what reads content
-hashes (``verify``, handles' ``writers()``); the format is
-:mod:`tsckpt.format.chunk_table`.
+"""Each rank's chunk table of one checkpoint (:mod:`tsckpt.format.chunk_table`), as this process reads it: only
+the blocks it looks up. One per open checkpoint, shared by its locator and by what reads content hashes.
 """
 
 from __future__ import annotations

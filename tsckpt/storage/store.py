@@ -1,21 +1,9 @@
 """An opened checkpoint location (:class:`Store`), and the TensorStore specs of the arrays it reads.
 
-tsckpt writes chunks through its own sinks (:mod:`tsckpt.storage.sinks`) and
-reads tensors by byte range (:mod:`tsckpt.storage.box_reader`); TensorStore
-opens value blobs for ``verify``, with the options every tsckpt array has:
-
-* ``store_data_equal_to_fill_value``: every chunk is stored, even all-zero ones,
-  so a missing chunk file always means damage;
-* ``fill_missing_data_reads: false``: a missing chunk is an error naming the
-  chunk, never zeros;
-* reads state the data type and codecs tsckpt writes, so an array whose
-  ``zarr.json`` disagrees (a crafted one declaring huge chunks or a
-  decompression bomb) fails to open before any chunk is read;
-* one TensorStore context made from the location's own resources.
-
-Where an array's keys live is the store's :class:`~tsckpt.storage.layouts.KvLayout`
-(one file per chunk, or a packed OCDBT database): the layout gives the kvstore
-spec, this module everything around it.
+tsckpt writes and reads chunks itself (:mod:`tsckpt.storage.sinks`, :mod:`tsckpt.storage.box_reader`);
+TensorStore opens value blobs for ``verify``, with the options every tsckpt array has (:data:`ALWAYS`: a missing
+chunk is an error, never zeros) and the data type and codecs tsckpt writes stated, so an array whose ``zarr.json``
+disagrees (a crafted one declaring huge chunks) fails to open before any chunk is read.
 """
 
 from __future__ import annotations
@@ -27,18 +15,15 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import StorageError, TsckptError
-from .context import DEFAULT_IO_CONCURRENCY, OpenedLocation, make_context, open_kvstore
-from .location import LocationLike, parse_location
 from ..format import zarr_json
-from .layouts import PACKED, KvLayout, get_layout, layout_for
-from .kvio import problem, storage_error
 from ..format.metadata import CheckpointMetadata
+from .context import DEFAULT_IO_CONCURRENCY, OpenedLocation, make_context, open_kvstore
+from .kvio import problem, storage_error
+from .layouts import PACKED, KvLayout, get_layout, layout_for
+from .location import LocationLike, parse_location
 
-#: Options every tsckpt array is opened with.
+#: Options every tsckpt array is opened with: every chunk is stored, even all-zero ones, so a missing one is damage.
 ALWAYS: Mapping[str, Any] = {"store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
-
-
-# --- specs --------------------------------------------------------------------
 
 
 def blob_read_spec(kvstore: Mapping[str, Any]) -> dict[str, Any]:
@@ -49,12 +34,9 @@ def blob_read_spec(kvstore: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_blob(array: ts.TensorStore) -> ts.Future:
-    """A future of ``array`` once its single chunk is known to hold all the bytes ``zarr.json`` declares.
-
-    Blob codecs are pinned to raw bytes plus a 4-byte crc32c, so the stored
-    chunk is exactly ``n + 4`` bytes: probing one byte stops a crafted
-    ``zarr.json`` that declares a huge length from making the reader allocate it.
-    """
+    """A future of ``array`` once its single chunk is known to hold all the bytes ``zarr.json`` declares: the
+    chunk is exactly ``n + 4`` bytes, and probing one byte stops a crafted ``zarr.json`` that declares a huge
+    length from making the reader allocate it."""
     n = array.shape[0]
     if array.chunk_layout.write_chunk.shape != (max(n, 1),):
         raise ValueError(f"a value blob is one chunk of its whole length {n}, "
@@ -103,16 +85,10 @@ def then(first: ts.Future, step: Callable[[Any], Any]) -> ts.Future:
     return out
 
 
-# --- an opened location -----------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class Store(OpenedLocation):
-    """A checkpoint location opened in this process: one context, its root kvstore, its layout.
-
-    Make one with :meth:`open`; after reading the metadata, :meth:`for_checkpoint`
-    switches to the layout the checkpoint was written with.
-    """
+    """A checkpoint location opened in this process: one context, its root kvstore, its layout (after reading the
+    metadata, :meth:`for_checkpoint` switches to the layout the checkpoint was written with)."""
 
     layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PACKED))
 
