@@ -34,12 +34,11 @@ class ReadCost:
     latency_s: float
     bandwidth: float  # bytes per second
     max_request: int
-    #: Bytes of requests in flight at once: enough to keep the link busy, few enough that read buffers
-    #: are reused rather than made anew (fresh memory costs the kernel a page fault every 4 KiB).
+    #: Bytes of requests unreleased at once: enough to keep the link busy, few enough that read buffers are
+    #: reused rather than made anew (fresh memory costs a page fault every 4 KiB).
     max_inflight: int
-    #: A link shared by every request in flight delivers each of them late, all together at the end; a few
-    #: at a time, enough to cover a request's latency, arrive in the order the reader uses them, so it
-    #: checks and places (or sends to replicas) one while the next is on its way. None: no bound of its own.
+    #: Bytes of requests on their way at once (None: no bound of its own). A link shared by every request
+    #: delivers them all late, together; a few at a time arrive in the order the reader uses them.
     max_arriving: int | None = None
 
     @property
@@ -56,18 +55,17 @@ class ReadCost:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
                    for m, v in values.items() if v is not None or m != "max_arriving"):
             raise OptionError(f"read_cost: every member is a number >= 0, not {dict(d)!r}")
+        arriving = values["max_arriving"]
         return cls(float(values["latency_s"]), float(values["bandwidth"]), max(int(values["max_request"]), 1),
-                   max(int(values["max_inflight"]), 1),
-                   None if values["max_arriving"] is None else max(int(values["max_arriving"]), 1))
+                   max(int(values["max_inflight"]), 1), None if arriving is None else max(int(arriving), 1))
 
 
 #: Defaults: a local disk's page cache or NVMe answers in tens of microseconds at GB/s, an object store
 #: in tens of milliseconds at 25-200 MB/s per node.
 LOCAL_COST = ReadCost(latency_s=50e-6, bandwidth=2e9, max_request=8 << 20, max_inflight=64 << 20)
-#: An object store's requests are cut at 8 MiB (as AWS's CRT client cuts its parts), three on their way at once.
-#: On the benchmark's 60 MB/s, 10 ms links (``benchmarks/bench_s3_peers.py --phases reshard_fewer --reps 3``) a
-#: column reshard into 2 ranks took 3.04 s so, as with 4 MiB requests, against 3.12 s with 16 MiB requests all on
-#: their way together; a same-topology load, which reads whole files, then makes half the requests.
+#: An object store's requests are cut at 8 MiB (as AWS's CRT client cuts its parts), three on their way at once:
+#: on 60 MB/s, 10 ms links a column reshard took 3.04 s so (as with 4 MiB), 3.12 s with 16 MiB all on their way
+#: together (``benchmarks/bench_s3_peers.py --phases reshard_fewer``).
 OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=8 << 20, max_inflight=256 << 20,
                              max_arriving=24 << 20)
 MEMORY_COST = ReadCost(latency_s=0.0, bandwidth=1e10, max_request=1 << 30, max_inflight=1 << 30)
@@ -106,30 +104,27 @@ class _Request:
 
     def begin(self, buffer: np.ndarray | None) -> None:
         try:
-            self._begin(buffer)
+            size, limit = self.stop - self.start, self.batch.cost.max_request
+            pieces = -(-size // limit)
+            if buffer is None and pieces > 1:
+                buffer = np.empty(size, dtype=np.uint8)
+            self.buffer = buffer
+            fetch = self.batch.fetcher.fetch
+            if buffer is None:
+                self.futures = [fetch(self.key, self.start, self.stop)]
+            else:
+                self.futures = [fetch(self.key, self.start + a, self.start + b, buffer[a:b])
+                                for a, b in split(size, pieces)]
+            self.batch.requests += len(self.futures)
+            self.pieces_left = len(self.futures)
+            for future in list(self.futures):
+                future.add_done_callback(self._piece_arrived)
         except BaseException as e:
             if self.futures is None:
                 self._error, self.futures = e, []
             raise
         finally:
             self._begun.set()
-
-    def _begin(self, buffer: np.ndarray | None) -> None:
-        size, limit = self.stop - self.start, self.batch.cost.max_request
-        pieces = -(-size // limit)
-        if buffer is None and pieces > 1:
-            buffer = np.empty(size, dtype=np.uint8)
-        self.buffer = buffer
-        fetch = self.batch.fetcher.fetch
-        if buffer is None:
-            self.futures = [fetch(self.key, self.start, self.stop)]
-        else:
-            self.futures = [fetch(self.key, self.start + a, self.start + b, buffer[a:b])
-                            for a, b in split(size, pieces)]
-        self.batch.requests += len(self.futures)
-        self.pieces_left = len(self.futures)
-        for future in list(self.futures):
-            future.add_done_callback(self._piece_arrived)
 
     def _piece_arrived(self, _: Any) -> None:
         with self.batch._lock:
@@ -158,8 +153,8 @@ class _Request:
 
 @dataclass
 class Slot:
-    """One wanted range; once its batch runs, :attr:`bytes` waits for its request and gives them (or raises
-    why they could not be read). :meth:`release` says they are no longer needed (their buffer is reused)."""
+    """One wanted range: once its batch runs, :attr:`bytes` waits for its request and gives them (or raises why
+    not); :meth:`release` lets their buffer be reused."""
 
     key: str
     start: int
@@ -201,9 +196,7 @@ class RangeBatch:
 
     def __post_init__(self) -> None:
         self._queue: list[_Request | None] = []
-        self._next = 0
-        self._held = 0
-        self._arriving = 0
+        self._next = self._held = self._arriving = 0
         self._stalled = False  # the pump stopped at max_arriving: the next arrival restarts it
         self._lock = threading.Lock()
 
@@ -278,8 +271,8 @@ class RangeBatch:
             self._pump()
 
     def _buffer(self, size: int) -> np.ndarray | None:
-        """A reused buffer for a request of ``size`` bytes into local files (None: the fetcher makes its own:
-        object stores hand over bytes of their own, and small requests are cheap to allocate)."""
+        """A reused buffer for a request of ``size`` bytes into local files (None: the fetcher makes its own; object
+        stores hand over bytes of their own, and small requests are cheap to allocate)."""
         if not isinstance(self.fetcher, LocalFiles) or not _POOLED <= size <= self.cost.max_request:
             return None
         return _BUFFERS.take(size, self.cost)[:size]

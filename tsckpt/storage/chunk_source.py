@@ -18,8 +18,7 @@ from ..format import zarr_json
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from .byte_reads import RangeBatch, ReadCost, read_cost
 from .fetchers import Fetcher, KvFiles, LocalFiles
-from .layouts import Locator
-from .rank_tables import RankTables
+from .locator import Locator, RankTables
 from .store import Store, read_error
 
 

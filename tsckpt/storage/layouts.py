@@ -24,8 +24,7 @@ from .context import OpenedLocation
 from .kvio import storage_error
 from .localfs import unsynced_nodes
 from .location import Location
-from .locator import Located, Locator
-from .packed_locator import PackedLocator
+from .locator import Located, Locator, PackedLocator
 
 PLAIN = "plain"
 PACKED = "packed"

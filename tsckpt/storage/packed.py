@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
@@ -20,7 +20,9 @@ from ..errors import ChecksumError, MetadataError
 from ..format import ocdbt
 from ..format.data_files import Span
 from .kvio import kv_name, storage_error
-from .locator import ReadSpans
+
+if TYPE_CHECKING:
+    from .locator import ReadSpans  # which imports this module
 
 #: The database's manifest, at the checkpoint's root.
 MANIFEST = ocdbt.MANIFEST_KEY
