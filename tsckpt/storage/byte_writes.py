@@ -23,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import localfs
-from .pools import ThreadPool
+from .context import ThreadPool
 
 #: A writer's scratch buffers: ``get(n)`` returns ``n`` reusable bytes.
 Scratch = Callable[[int], np.ndarray]

@@ -1,4 +1,5 @@
-"""The TensorStore context every kvstore and array of a rank is opened with: I/O pools, credentials, retries.
+"""What a rank's I/O runs with: the TensorStore context every kvstore and array is opened with (I/O pools,
+credentials, retries), and the thread pools of tsckpt's own writers and fetchers.
 
 One context per rank (:func:`make_context`), a child of one process-wide context; a location opened with it is
 an :class:`OpenedLocation`. Which credentials an ``s3://`` location takes is :mod:`tsckpt.storage.credentials`.
@@ -10,6 +11,8 @@ import atexit
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import tensorstore as ts
@@ -115,3 +118,40 @@ class OpenedLocation:
     @property
     def url(self) -> str:
         return self.location.url
+
+
+class ThreadPool:
+    """A ``ThreadPoolExecutor`` of at most ``max_workers`` threads, made by the first :meth:`submit`, owned by the one
+    writer or fetcher that uses it and ended by :meth:`shutdown` or, at the latest, when its owner is freed.
+
+    A pool used before a fork is not its forked child's: the child's copy counts idle threads that do not exist
+    there, and its first task would wait forever; so a pool notices it is in another process and starts anew.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str):
+        if max_workers < 1:
+            raise ValueError(f"a thread pool needs at least 1 thread, not {max_workers}")
+        self.max_workers, self.thread_name_prefix = max_workers, thread_name_prefix
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._pid != os.getpid():
+            # A forked child: the parent's threads are not here, and its lock may have been held at the fork.
+            self._executor, self._lock, self._pid = None, threading.Lock(), os.getpid()
+        executor = self._executor
+        if executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.max_workers, self.thread_name_prefix)
+                executor = self._executor
+        return executor.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """End the threads once the work submitted is done (waiting for it with ``wait``); a later
+        :meth:`submit` makes new ones."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None and self._pid == os.getpid():
+            executor.shutdown(wait=wait)

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .context import DEFAULT_IO_CONCURRENCY
-from .pools import ThreadPool
+from .context import DEFAULT_IO_CONCURRENCY, ThreadPool
 
 
 class Fetcher(ABC):
