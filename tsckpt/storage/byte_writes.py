@@ -102,10 +102,8 @@ def settle(futures: list[Any]) -> None:
     """After a failure: wait for every write in ``futures`` so that none outlives its source, ignoring their
     errors (the failure that got here is the one reported)."""
     for f in futures:
-        try:
+        with contextlib.suppress(Exception):
             f.result()
-        except Exception:  # noqa: BLE001 - see above
-            pass
 
 
 class Files:

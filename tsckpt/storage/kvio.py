@@ -48,13 +48,12 @@ def problem(e: Exception | str) -> str:
     """What went wrong in a TensorStore I/O error, in a few words: "no space left on device" for an operating-system
     error (the file it names tells a user nothing the tensor's name does not); "gave up after 6 retries
     (SlowDown: ...)" for a request that kept failing; else the error's first line without annotations."""
-    if isinstance(e, OSError) and e.errno is not None:  # tsckpt's own file calls (byte_writes)
-        reason = os.strerror(e.errno)
-        return reason[:1].lower() + reason[1:]
     text = str(e)
     code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
-    if code:
-        reason = os.strerror(int(code.group(1)))
+    # tsckpt's own file calls (byte_writes) raise OSError; TensorStore's name the error code.
+    number = e.errno if isinstance(e, OSError) and e.errno is not None else int(code.group(1)) if code else None
+    if number is not None:
+        reason = os.strerror(number)
         return reason[:1].lower() + reason[1:]
     retries = _RETRIES.search(text)
     if retries:

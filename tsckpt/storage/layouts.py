@@ -45,9 +45,10 @@ class KvLayout(ABC):
         """The context every array of a location is opened with (a layout may add resources)."""
         return parent
 
-    @abstractmethod
     def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         """Where rank ``rank`` stores its values in save ``save_id`` (``hashed``: taking their content hashes)."""
+        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=self.name == PACKED,
+                               sync=sync, hashed=hashed, threads=store.io_concurrency)
 
     def bands(self, location: Location) -> bool:
         """Whether saves to ``location`` cut sharded tensors into bands stored band by band across tensors
@@ -125,10 +126,6 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=False, sync=sync,
-                               hashed=hashed, threads=store.io_concurrency)
-
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (*(f"{p}/" for p in paths), f"d/{save_id}")
 
@@ -160,10 +157,6 @@ class PackedLayout(KvLayout):
     def context(self, parent: ts.Context) -> ts.Context:
         return packed.reader_context(parent)
 
-    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=True, sync=sync,
-                               hashed=hashed, threads=store.io_concurrency)
-
     def bands(self, location: Location) -> bool:
         # Bands turn a column-resharded load's ranges into one per data file, which pays where a request
         # costs tens of milliseconds. On a local disk a request costs microseconds, while bands scatter a
@@ -188,14 +181,10 @@ class PackedLayout(KvLayout):
         return PackedLocator(store, metadata)
 
     def hierarchy(self, store: OpenedLocation) -> ts.KvStore:
-        return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
-
-
-def _open(spec: dict[str, Any], store: OpenedLocation) -> ts.KvStore:
-    try:
-        return ts.KvStore.open(spec, context=store.context).result()
-    except ValueError as e:
-        raise storage_error(e, f"cannot open the packed database of {store.url}") from None
+        try:
+            return ts.KvStore.open(packed.read_kvstore(dict(store.location.spec), ""), context=store.context).result()
+        except ValueError as e:
+            raise storage_error(e, f"cannot open the packed database of {store.url}") from None
 
 
 LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (PlainLayout(), PackedLayout())}

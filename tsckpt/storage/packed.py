@@ -49,10 +49,10 @@ def read_kvstore(base: Mapping[str, Any], path: str) -> dict[str, Any]:
     return {"driver": "ocdbt", "base": {**base, "path": root}, "cache_pool": NODE_CACHE, "path": _prefix(path)}
 
 
-def reader_context(parent: ts.Context, cache_bytes: int = NODE_CACHE_BYTES) -> ts.Context:
+def reader_context(parent: ts.Context) -> ts.Context:
     """A child of ``parent`` that defines :data:`NODE_CACHE`, which reader specs refer to: open every array of a
     reader with it, and the decoded B+tree nodes are read once, not once per chunk."""
-    return ts.Context({NODE_CACHE: {"total_bytes_limit": cache_bytes}}, parent=parent)
+    return ts.Context({NODE_CACHE: {"total_bytes_limit": NODE_CACHE_BYTES}}, parent=parent)
 
 
 def is_packed(kv: ts.KvStore) -> bool:

@@ -100,9 +100,8 @@ def _take(values: np.ndarray, order: np.ndarray, into: np.ndarray, scratch: dict
     into[:] = buffer[:len(order)]
 
 
-def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str,
-                fence: Callable[[], None] = lambda: None, node_bytes: int = NODE_BYTES, *,
-                local_root: str | None = None, sync: bool = True) -> Span | None:
+def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str, fence: Callable[[], None], *,
+                local_root: str | None, sync: bool) -> Span | None:
     """Write the B+tree over ``entries`` as node file :func:`index_file` and the manifest pointing at it.
 
     ``entries``: every key of the checkpoint but the root document, sorted, each with its value inline or its
@@ -127,10 +126,10 @@ def write_index(kv: ts.KvStore, save_id: str, entries: ocdbt.Entries, where: str
             at += size
     try:
         if local_root is None:
-            tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, head=head)
+            tree = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=NODE_BYTES, head=head)
             nodes = kv.write(path, tree.nodes)
         else:
-            tree, nodes = _write_file(os.path.join(local_root, path), sync, entries, path, node_bytes, head)
+            tree, nodes = _write_file(os.path.join(local_root, path), sync, entries, path, head)
     except OSError as e:
         raise storage_error(e, f"writing the packed index of {where} failed") from None
     manifest = ocdbt.Manifest(ocdbt.new_uuid(), tree.root, tree.height, tree.stats, time.time_ns(),
@@ -156,7 +155,7 @@ class _Written:
         return None
 
 
-def _write_file(full: str, sync: bool, entries: ocdbt.Entries, path: str, node_bytes: int,
+def _write_file(full: str, sync: bool, entries: ocdbt.Entries, path: str,
                 head: bytes) -> tuple[ocdbt_tree.Tree, _Written]:
     """Build the B+tree of ``entries`` (node file ``path``) straight into file ``full`` as it is encoded:
     TensorStore copies a value twice before it writes it (600 MB of new pages for an index of 300 MB), and a
@@ -164,7 +163,7 @@ def _write_file(full: str, sync: bool, entries: ocdbt.Entries, path: str, node_b
     writes or reads it before the commit."""
     os.makedirs(os.path.dirname(full), exist_ok=True)
     with open(full, "wb") as f:
-        built = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=node_bytes, head=head, spill=f.write)
+        built = ocdbt_tree.build_tree(entries, path=path, max_node_bytes=NODE_BYTES, head=head, spill=f.write)
         f.write(built.nodes)
         if sync:
             f.flush()
