@@ -1,10 +1,8 @@
 """Reading a box of one tensor: byte ranges planned per file, every value checked before it is placed.
 
-A box is read as the whole checksummed pieces it touches (inner chunks, or outer chunks without them):
-:meth:`BoxReader.plan` finds where each is stored and asks a :class:`~tsckpt.storage.byte_reads.RangeBatch` for
-its bytes, so the ranges of many boxes are merged per file; the returned call checks every piece (its stored
-crc32c) and only then copies what the box wants of it. Compressed chunks are fetched whole and decoded
-(:mod:`tsckpt.format.compressed`).
+A box is read as the whole checksummed pieces it touches (inner chunks, or outer chunks without them), its
+ranges merged per file with those of other boxes (:class:`~tsckpt.storage.byte_reads.RangeBatch`); each piece is
+checked against its stored crc32c before any of it is copied out. Compressed chunks are fetched whole and decoded.
 """
 
 from __future__ import annotations

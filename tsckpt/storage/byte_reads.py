@@ -1,9 +1,8 @@
 """Byte ranges of a checkpoint's files, planned by cost: merged where a request costs more than the gap.
 
-Every read of tensor data ends here: a reader asks a :class:`RangeBatch` for ranges, then runs it once. Per file,
-neighbouring ranges are fetched by one request when the bytes between cost less than a request
-(:class:`ReadCost`), large requests are split, and requests run concurrently, a bounded number of bytes at once,
-in the order the reader uses them; each range is a view into its request's buffer, reused once all are used.
+Every read of tensor data ends here. Per file, neighbouring ranges are fetched by one request when the bytes
+between cost less than a request (:class:`ReadCost`); requests run concurrently, a bounded number of bytes at once,
+in the order the reader uses them, into buffers reused once their ranges are used (:class:`ReadBuffers`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which AWS credentials an ``s3://`` location is opened with: one source, named to TensorStore.
 
-Left to itself, TensorStore's S3 driver asks the AWS SDK's default chain, whose every empty source (absent
-``~/.aws`` files, an instance metadata service that does not answer) logs an error line to stderr: 9 lines per
-store opened on a machine without credentials. :func:`resolve` finds the source that chain would settle on, in
-its order, from the environment and local files alone (the order is in docs/object-storage.md), and names it as
-the ``aws_credentials`` context resource, the only one then asked. A location's own resource wins.
+Left to itself, TensorStore's S3 driver asks the AWS SDK's default chain, whose every empty source logs an error
+line to stderr (9 per store opened on a machine without credentials). :func:`resolve` finds the source that chain
+would settle on, in its order (docs/object-storage.md), from the environment and local files alone.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Reading a location's kvstore: JSON documents, key listings, and failures as one-line errors.
-
-TensorStore reports a failed request with its status, the driver's words and bracketed annotations (request
-ids, whole HTTP response bodies). A user needs one line that says what failed, where, and what to change;
-for an object store :func:`hint` names the setting to look at (an endpoint, or credentials and where tsckpt
-found them).
+"""Reading a location's kvstore: JSON documents, key listings, and failures as one-line errors that say what
+failed, where, and (:func:`hint`, for an object store) which setting to look at, rather than TensorStore's status
+with its annotations (request ids, whole HTTP response bodies).
 """
 
 from __future__ import annotations

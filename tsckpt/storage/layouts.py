@@ -1,10 +1,6 @@
-"""Storage layouts: where a checkpoint's Zarr keys live under its location, registered by name.
-
-The arrays, chunk grids and codecs are the same in every layout; only where keys are stored differs:
-``"packed"`` (the default), every key in one OCDBT database over one data file per rank
-(:mod:`tsckpt.storage.packed`), or ``"plain"``, one file (or object) per chunk, which any Zarr v3 reader opens.
-A save calls :meth:`KvLayout.sink` on every rank, then :meth:`KvLayout.write_nodes` once on the coordinator
-before the root document; a reader :meth:`KvLayout.locator` once per process.
+"""Storage layouts: where a checkpoint's Zarr keys live under its location (arrays, grids and codecs are the
+same in every layout). ``"packed"`` (the default): one OCDBT database over one data file per rank
+(:mod:`tsckpt.storage.packed`); ``"plain"``: one file (or object) per chunk, which any Zarr v3 reader opens.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Where a checkpoint is stored: a location, parsed into a TensorStore kvstore spec and context resources.
 
-A location names a directory-like prefix: a path or ``file://`` URL, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-``memory://name``, a kvstore spec dict, a dict ``{"url": ..., **spec_members}`` (``endpoint``, ``aws_region``...),
-or either dict as JSON text (as the command line takes one). A ``"context"`` member holds TensorStore context
-resources, which go into the one context a rank shares across all its arrays, so that a concurrency limit bounds
-the whole save. ``s3://`` URLs honour the usual AWS environment variables for endpoint and region; credentials
-never come from the location.
+A path or ``file://`` URL, ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``memory://name``, a kvstore spec dict,
+a dict ``{"url": ..., **spec_members}``, or either dict as JSON text. A ``"context"`` member holds context
+resources, which go into the one context a rank shares across its arrays (a concurrency limit bounds the whole
+save). ``s3://`` URLs honour the AWS environment variables for endpoint and region; credentials never come from
+the location.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Where a committed checkpoint's values are: what a layout's locator answers (:meth:`KvLayout.locator
-<tsckpt.storage.layouts.KvLayout.locator>`): :meth:`Locator.prefetch` with every key a read needs, then
-:meth:`Locator.locate` for each.
+"""Where a committed checkpoint's values are: what a layout's locator answers, :meth:`Locator.prefetch` with every
+key a read needs, then :meth:`Locator.locate` for each.
 
-A packed checkpoint's chunks and blobs are found in the chunk tables of the ranks that wrote them
-(:class:`RankTables`, :mod:`tsckpt.format.chunk_table`): a chunk's writer is in its tensor's ``writers`` (a blob's
-in its object's ``writer``), so a reader reads only the blocks holding the chunks it reads, never anything that
-grows with ranks x tensors. The B+tree (:mod:`tsckpt.storage.packed`) answers the other keys (array and group
-documents), and ``verify`` reads all of it.
+A packed checkpoint's chunks and blobs are found in the chunk tables of the ranks that wrote them (the writers
+its metadata records), so a reader reads only the table blocks holding the chunks it reads, never anything that
+grows with ranks x tensors; the B+tree (:mod:`tsckpt.storage.packed`) answers the other keys (documents).
 """
 
 from __future__ import annotations

@@ -35,18 +35,14 @@ NODE_CACHE_BYTES = 64 << 20
 NODE_BYTES = 16 << 10
 
 
-def _prefix(path: str) -> str:
-    path = path.strip("/")
-    return f"{path}/" if path else ""
-
-
 def read_kvstore(base: Mapping[str, Any], path: str) -> dict[str, Any]:
     """Where TensorStore finds the array (or group) at ``path`` of a packed checkpoint: the OCDBT database
     over ``base`` (an absolute base path stays absolute), its decoded nodes cached in :data:`NODE_CACHE`."""
-    root = str(base.get("path", ""))
+    root, path = str(base.get("path", "")), path.strip("/")
     if root and not root.endswith("/"):
         root += "/"
-    return {"driver": "ocdbt", "base": {**base, "path": root}, "cache_pool": NODE_CACHE, "path": _prefix(path)}
+    return {"driver": "ocdbt", "base": {**base, "path": root}, "cache_pool": NODE_CACHE,
+            "path": f"{path}/" if path else ""}
 
 
 def reader_context(parent: ts.Context) -> ts.Context:

@@ -1,9 +1,8 @@
 """A box of a tensor once its reads are planned: one step per stored chunk, each placing its own bytes.
 
-A :class:`PlannedBox` runs its steps in the box's order. A reader with many boxes in one batch may instead run
-every box's steps in the order their bytes arrive (:func:`by_arrival`): a box's chunks may lie far apart in the
-files (a column block of a banded save spans a whole run of each file), and run box by box, one such box holds
-back every step behind it until the last of its bytes is in.
+A reader with many boxes in one batch may run every box's steps in the order their bytes arrive
+(:func:`by_arrival`): a box's chunks may lie far apart in the files (a column block of a banded save), and run box
+by box, one such box holds back every step behind it until the last of its bytes is in.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Where one rank's encoded values go in a save: one writer, over local files or an object store.
-
-The rank encodes each outer chunk (or value blob) as a :class:`~tsckpt.storage.byte_writes.Value` and hands it to
-its :class:`Sink` with its Zarr key. Packed: every value back to back in the rank's data file, then its chunk
-table, where each landed reported for the index (on object stores the file is cut into parts of at most
-``part_bytes``, each one object: TensorStore has no multipart upload). Plain: each value a file or object of its
-own, the chunk table one more. :meth:`Sink.put` runs on the rank's thread; :meth:`Sink.finish` once, after the
-last put, returns when everything is durable; :meth:`Sink.abandon` after a failure.
+"""Where one rank's encoded values go in a save (docs/format.md): back to back in its data file, then its chunk
+table (packed; on object stores cut into parts, each one object: TensorStore has no multipart upload), or each a
+file or object of its own (plain). :meth:`Sink.put` runs on the rank's thread, :meth:`Sink.finish` once after the
+last put and returns when everything is durable, :meth:`Sink.abandon` after a failure.
 """
 
 from __future__ import annotations
