@@ -19,8 +19,7 @@ from typing import Any
 
 from ..errors import LocationError
 
-#: Region used with a custom S3 endpoint when none is given: S3-compatible
-#: servers accept any region in the signature, AWS itself needs the real one.
+#: Region used with a custom S3 endpoint when none is given: S3-compatible servers accept any in the signature.
 DEFAULT_S3_REGION = "us-east-1"
 
 

@@ -24,8 +24,7 @@ from .packed import MANIFEST, NODE_BYTES, StoredValues
 
 #: Largest B+tree node a reader must accept (the manifest's ``max_decoded_node_bytes``).
 MAX_NODE_BYTES = 8 << 20
-#: Values up to this size are stored in the B+tree leaves (zarr.json documents); larger ones go
-#: into the node file as values of their own.
+#: Values up to this size are stored in the B+tree leaves (zarr.json documents); larger ones in the node file.
 MAX_INLINE_VALUE_BYTES = 64 << 10
 
 
