@@ -67,7 +67,6 @@ class BoxReader:
         return PlannedBox(out, tuple(self._planned(index, offsets, sizes, batch, out) for index in chunks))
 
     def keys(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[str]:
-        """The chunk keys a read of the box ``offsets``/``sizes`` needs."""
         if 0 in sizes:
             return []
         return [self._key(index) for index in

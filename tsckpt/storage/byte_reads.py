@@ -366,6 +366,5 @@ def _cut(key: str, run: list[Slot], limit: int) -> list[tuple[str, int, int, lis
 
 
 def split(total: int, pieces: int) -> list[tuple[int, int]]:
-    """``[0, total)`` cut into ``pieces`` nearly equal ``(start, stop)`` ranges."""
     step = math.ceil(total / max(pieces, 1))
     return [(a, min(a + step, total)) for a in range(0, total, step)] or [(0, 0)]

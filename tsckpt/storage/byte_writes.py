@@ -252,7 +252,6 @@ class Objects:
             self.send(path)
 
     def send(self, path: str) -> None:
-        """Upload object ``path``, gathered until now."""
         data = bytes(self._buffers.pop(path, b""))
         while self._inflight and self._inflight_bytes + len(data) > 2 * DEFAULT_PART_BYTES:
             self._settle()  # taken off only once done: an interrupted wait forgets no upload

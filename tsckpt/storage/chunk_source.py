@@ -60,7 +60,6 @@ class ChunkSource:
         return dict(enumerate(ranks.tolist()))
 
     def batch(self) -> RangeBatch:
-        """A new batch of reads, merged by the location's cost model."""
         return RangeBatch(self.fetcher, read_cost(self.store.location))
 
     def read_blob(self, name: str, path: str) -> bytes:

@@ -40,7 +40,6 @@ class LocalFiles(Fetcher):
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        """End the read threads once the reads started are done."""
         self._pool.shutdown(wait=False)
 
     def expect(self, key: str, size: int) -> None:

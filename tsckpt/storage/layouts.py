@@ -94,7 +94,6 @@ def default_layout() -> str:
 
 
 def layout_for(metadata: CheckpointMetadata) -> KvLayout:
-    """The layout a committed checkpoint was written with."""
     try:
         return LAYOUTS[metadata.layout]
     except KeyError:

@@ -92,7 +92,6 @@ class RankTables:
 
     @property
     def ranks_read(self) -> list[int]:
-        """The ranks whose tables were read (in part or whole)."""
         return sorted(self._readers)
 
     @property

@@ -29,7 +29,6 @@ def data_file(save_id: str, rank: int, part: int | None = None) -> str:
 
 
 def table_file(save_id: str, rank: int) -> str:
-    """Where the plain layout keeps a rank's chunk table."""
     return f"d/{save_id}-{rank}.table"
 
 
