@@ -168,8 +168,7 @@ def parse_location(location: LocationLike) -> Location:
             if "driver" in members:
                 raise LocationError(f"location {location!r}: give either 'url' or 'driver', not both")
             base = parse_location(url)
-            spec = {**base.spec, **members}
-            spec["path"] = base.spec["path"]
+            spec = {**base.spec, **members, "path": base.spec["path"]}
             return _checked(spec, {**base.context, **context}, str(url))
         if "driver" not in members:
             raise LocationError(f"kvstore spec {location!r} has neither 'driver' nor 'url'")
