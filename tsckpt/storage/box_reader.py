@@ -1,19 +1,8 @@
 """Reading a box of one tensor: byte ranges planned per file, every value checked before it is placed.
 
-The DCP reader, :func:`tsckpt.open` handles and whole-tensor reads for
-``convert`` and ``diff`` read through a :class:`BoxReader`. A box is read as
-the whole checksummed pieces it touches (inner chunks, or outer chunks
-without them): :meth:`BoxReader.plan` finds where each piece is stored (the
-layout's :class:`~tsckpt.storage.layouts.Locator`) and asks a
-:class:`~tsckpt.storage.byte_reads.RangeBatch` for its bytes, so the ranges
-of many boxes and tensors are merged per file and fetched together; the
-returned call checks every piece (the crc32c stored beside it) and only then
-copies what the box wants of it into place. Nothing of a piece that fails is
-ever placed.
-
-Uncompressed chunks (outer chunks in :class:`~tsckpt.format.shards.ShardFormat`)
-are read by the byte ranges of the pieces a box needs; compressed ones are
-fetched whole and decoded (:mod:`tsckpt.format.compressed`).
+A box is read as the whole checksummed pieces it touches (inner chunks, or outer chunks without them), its
+ranges merged per file with those of other boxes (:class:`~tsckpt.storage.byte_reads.RangeBatch`); each piece is
+checked against its stored crc32c before any of it is copied out. Compressed chunks are fetched whole and decoded.
 """
 
 from __future__ import annotations
@@ -38,9 +27,7 @@ class BoxReader:
     """Reads boxes of ``entry``'s array from ``source``; ``what`` names the tensor in errors."""
 
     def __init__(self, source: ChunkSource, entry: TensorEntry, what: str):
-        self.source = source
-        self.entry = entry
-        self.what = what
+        self.source, self.entry, self.what = source, entry, what
         self.dtype = dtypes.from_zarr(entry.dtype).numpy
         options = source.metadata.array_options
         #: Whole chunks decoded here (None: tsckpt's layout, read by byte ranges).
@@ -49,8 +36,7 @@ class BoxReader:
 
     def held_bytes(self, sizes: Sequence[int], out: bool) -> int:
         """About how many bytes of host memory a read of ``sizes`` holds until its result is taken."""
-        nbytes = math.prod(sizes) * self.dtype.itemsize
-        return nbytes * (1 if out else 2)
+        return math.prod(sizes) * self.dtype.itemsize * (1 if out else 2)
 
     def read(self, offsets: Sequence[int], sizes: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
         """The box ``offsets``/``sizes`` (into ``out``, its shape and the stored dtype, when given), checked."""
@@ -69,8 +55,8 @@ class BoxReader:
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], batch: RangeBatch,
              out: np.ndarray | None = None) -> PlannedBox:
-        """Ask ``batch`` for what the box needs; after ``batch.run()``, the returned call checks and places it
-        (or its steps, one per chunk, in the order their bytes arrive: :mod:`~tsckpt.storage.planned_box`)."""
+        """Ask ``batch`` for what the box needs; after ``batch.run()``, the returned call (or its steps, one per
+        chunk: :mod:`~tsckpt.storage.planned_box`) checks and places it."""
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
         if out is None:
             out = np.empty(sizes, dtype=self.dtype)
@@ -81,19 +67,20 @@ class BoxReader:
         return PlannedBox(out, tuple(self._planned(index, offsets, sizes, batch, out) for index in chunks))
 
     def keys(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[str]:
-        """The chunk keys a read of the box ``offsets``/``sizes`` needs."""
         if 0 in sizes:
             return []
         return [self._key(index) for index in
                 self.entry.grid.chunks_overlapping([slice(int(o), int(o) + int(n)) for o, n in zip(offsets, sizes)])]
-
-    # --- chunks stored by tsckpt ----------------------------------------------------
 
     def _key(self, index: Sequence[int]) -> str:
         return f"{self.entry.path}/{zarr_json.chunk_key(index)}"
 
     def _where(self, index: Sequence[int]) -> str:
         return f"{self.source.store.url}/{self._key(index)}"
+
+    def _missing(self, index: Sequence[int]) -> ValueError:
+        return ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} "
+                          "is missing")
 
     def _in_file(self, index: Sequence[int]) -> str:
         """' in FILE' where chunk ``index`` is a range of a data file (packed), '' where it is a file of its own."""
@@ -106,8 +93,7 @@ class BoxReader:
 
     def _planned(self, index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], batch: RangeBatch,
                  out: np.ndarray) -> ChunkStep:
-        """:meth:`_plan_chunk`, a chunk found missing or damaged while planning failing when its step runs
-        (with the other chunks' reads, as a read of it would)."""
+        """:meth:`_plan_chunk`; a chunk found missing or damaged while planning fails when its step runs."""
         try:
             return self._plan_chunk(index, offsets, sizes, batch, out)
         except ValueError as e:
@@ -127,8 +113,7 @@ class BoxReader:
         except TsckptError as e:  # a damaged chunk table or index: which tensor's and chunk's read met it
             raise type(e)(f"{self.what}: chunk {key}: {e}") from None
         if found is None:
-            raise ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at {self._where(index)} "
-                             f"is missing")
+            raise self._missing(index)
         start = tuple(i * c for i, c in zip(index, self.entry.grid.chunk_shape))
         if self.compression is not None:
             if found.length is None:  # a plain layout's file: its size is known only to the store
@@ -198,15 +183,14 @@ class BoxReader:
         return ChunkStep(tuple(slots) if tail is None else (*slots, tail), step)
 
     def _gathered(self, index: tuple[int, ...], data: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """A whole stored outer chunk whose index is not the one tsckpt writes, as (its inner chunks' bytes one
-        after the other in tsckpt's order, their storage positions)."""
+        """A whole stored outer chunk whose index is not tsckpt's: its inner chunks' bytes gathered into tsckpt's
+        order, and their storage positions."""
         fmt = self.fmt
         assert data is not None
         data = np.asarray(data).reshape(-1)
         tail = data[fmt.nbytes - fmt.index_bytes:]
         positions = np.arange(fmt.pieces)
         where = self._where(index)
-        # Gather the inner chunks where the index says, into tsckpt's order.
         try:
             table = fmt.parse_index(tail, where)
         except ValueError as e:
@@ -217,15 +201,14 @@ class BoxReader:
         return np.concatenate([data[a:a + fmt.piece_bytes] for a in starts.tolist()]), positions
 
     def _check(self, index: tuple[int, ...], positions: np.ndarray, stored: np.ndarray, pieces: np.ndarray) -> None:
-        """Check inner chunks against the crc32c stored after each (``pieces``) before any of them is placed."""
+        """Check inner chunks against the crc32c stored after each (in ``pieces``)."""
         if self.source.metadata.codec_checksums:
             raw = stored.shape[1]
             found = np.fromiter(map(_crc32c.crc32c, stored), dtype="<u4", count=len(stored))
             self._compare(index, positions, found, pieces[:, raw:raw + 4])
 
     def _compare(self, index: tuple[int, ...], positions: np.ndarray, found: np.ndarray, stored: np.ndarray) -> None:
-        """Refuse the inner chunks at storage ``positions`` unless their crc32c ``found`` are the ``stored`` ones
-        (4 bytes each, little-endian)."""
+        """Refuse the inner chunks at storage ``positions`` unless their crc32c ``found`` are the ``stored`` ones."""
         bad = np.flatnonzero(found != np.ascontiguousarray(stored).view("<u4").reshape(-1))
         if len(bad):
             at = self.fmt.coords(positions[bad[:1]])[0].tolist()
@@ -237,8 +220,8 @@ class BoxReader:
     def _place_block(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...],
                      last: tuple[int, ...], positions: np.ndarray, span: np.ndarray, offsets: tuple[int, ...],
                      sizes: tuple[int, ...], out: np.ndarray) -> None:
-        """Check the inner chunks ``[first, last)`` of outer chunk ``index`` (at storage ``positions``, within
-        the stored bytes ``span``), then copy what the box ``offsets``/``sizes`` wants of them to ``out``."""
+        """Check the inner chunks ``[first, last)`` of outer chunk ``index`` (at storage ``positions`` within
+        ``span``), then copy what the box wants of them to ``out``."""
         fmt = self.fmt
         raw = math.prod(fmt.inner) * fmt.itemsize
         pieces = untiling.stored_block(span, fmt.grid, fmt.order, fmt.piece_bytes, first, last)
@@ -252,9 +235,8 @@ class BoxReader:
 
     def _place_whole(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray, inside: bool,
                      offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
-        """Check all of outer chunk ``index`` (stored as ``data``, its index included), then copy what the box
-        ``offsets``/``sizes`` wants of it to ``out``. ``inside``: the chunk lies in the box, and the chunks
-        carry their crc32c (as :meth:`_plan_chunk` found)."""
+        """Check all of outer chunk ``index`` (``data``, its index included), then copy what the box wants of it
+        to ``out``. ``inside``: the chunk lies in the box, and the chunks carry their crc32c."""
         fmt = self.fmt
         end = [s + c for s, c in zip(start, fmt.chunk)]
         # Rows one after the other (a band's) are checked by one crc32c call per inner chunk and copied in one
@@ -278,13 +260,9 @@ class BoxReader:
     def _place(self, index: tuple[int, ...], start: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...],
                read: tuple[np.ndarray, np.ndarray, int], offsets: tuple[int, ...], sizes: tuple[int, ...],
                out: np.ndarray) -> None:
-        """Check a run of the inner chunks ``[first, last)`` of outer chunk ``index``, then copy what the box
-        ``offsets``/``sizes`` wants of them to ``out``.
-
-        ``read``: the run's stored bytes one after the other, their storage
-        positions (consecutive), and where the run starts in the storage order
-        of the block ``[first, last)``.
-        """
+        """Check a run of the inner chunks ``[first, last)`` of outer chunk ``index``, then copy what the box wants
+        of them to ``out``. ``read``: the run's stored bytes, their (consecutive) storage positions, and where the
+        run starts in the storage order of the block."""
         fmt = self.fmt
         data, positions, at = read
         count = len(positions)
@@ -302,8 +280,8 @@ class BoxReader:
 
     def _untile(self, stored: np.ndarray, start: tuple[int, ...], corner: tuple[int, ...], offsets: tuple[int, ...],
                 sizes: tuple[int, ...], out: np.ndarray) -> None:
-        """Copy what the box ``offsets``/``sizes`` wants of checked inner chunks ``stored`` (``(*block, *inner)``,
-        the block in storage order, from grid coordinates ``corner`` of the outer chunk at ``start``) to ``out``."""
+        """Copy what the box wants of checked inner chunks ``stored`` (``(*block, *inner)``, the block in storage
+        order, from grid coordinates ``corner`` of the outer chunk at ``start``) to ``out``."""
         fmt = self.fmt
         ndim = len(fmt.inner)
         values = stored.transpose(*[fmt.order.index(d) for d in range(ndim)], *range(ndim, 2 * ndim))
@@ -313,8 +291,6 @@ class BoxReader:
                   zip(origin, values.shape[:ndim], fmt.inner, offsets, sizes, self.entry.shape))
         untiling.untile_into(values, fmt.inner, origin, a, b, out, offsets)
 
-    # --- compressed chunks ------------------------------------------------------------
-
     def _place_compressed(self, index: tuple[int, ...], start: tuple[int, ...], data: np.ndarray | None,
                           offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray) -> None:
         assert data is not None and self.compression is not None
@@ -323,14 +299,13 @@ class BoxReader:
 
     def _compressed_file(self, key: str, index: tuple[int, ...], start: tuple[int, ...], offsets: tuple[int, ...],
                          sizes: tuple[int, ...], out: np.ndarray) -> Callable[[], None]:
-        """A compressed chunk stored as a key of its own (plain layout): read whole when placed."""
+        """A compressed chunk stored as a key of its own (plain layout), read whole."""
         future = self.source.locator.kvstore.read(key)
 
         def step() -> None:
             result = future.result()
             if result.state != "value":
-                raise ValueError(f"NOT_FOUND: chunk {{{', '.join(map(str, index))}}} stored at "
-                                 f"{self._where(index)} is missing")
+                raise self._missing(index)
             self._place_compressed(index, start, np.frombuffer(result.value, np.uint8), offsets, sizes, out)
 
         return step

@@ -1,17 +1,8 @@
 """Byte ranges of a checkpoint's files, planned by cost: merged where a request costs more than the gap.
 
-Every read of tensor data ends here. A reader asks a :class:`RangeBatch` for
-the byte ranges it needs (:meth:`RangeBatch.want`), from any number of files,
-then runs the batch once: per file, the ranges are sorted and two neighbours
-are fetched by one request when the bytes between them cost less to fetch than
-a request does (:class:`ReadCost`: latency x bandwidth), large requests are
-split so several are in flight, and requests run concurrently, a bounded
-number of bytes of them at once, in the order the reader uses them. Each range
-then gives its bytes as a view into the request's buffer, which is reused
-once every range in it has been used.
-
-How files are fetched is a :class:`~tsckpt.storage.fetchers.Fetcher`
-(:mod:`tsckpt.storage.fetchers`).
+Every read of tensor data ends here. Per file, neighbouring ranges are fetched by one request when the bytes
+between cost less than a request (:class:`ReadCost`); requests run concurrently, a bounded number of bytes at once,
+in the order the reader uses them, into buffers reused once their ranges are used (:class:`ReadBuffers`).
 """
 
 from __future__ import annotations
@@ -27,30 +18,25 @@ import numpy as np
 from ..errors import OptionError
 from .fetchers import Fetcher, LocalFiles
 from .location import Location
-from .pools import ReadBuffers
 
 
 @dataclass(frozen=True)
 class ReadCost:
     """What one request costs a rank, as seconds of waiting and bytes it could have fetched meanwhile.
 
-    A gap between two wanted ranges of one file is read through (one request)
-    when fetching it takes less time than a request's latency:
-    ``gap <= latency_s * bandwidth``. ``max_request``: longer requests are cut
-    into pieces about this long, fetched concurrently (a slow link is filled by
-    several requests at once). ``max_arriving``: bytes of requests on their way
-    at once (started, not yet arrived).
+    A gap between two wanted ranges of one file is read through when ``gap <= latency_s * bandwidth``.
+    ``max_request``: longer requests are cut into pieces about this long, fetched concurrently (a slow link is
+    filled by several requests at once).
     """
 
     latency_s: float
     bandwidth: float  # bytes per second
     max_request: int
-    #: Bytes of requests in flight at once: enough to keep the link busy, few enough that read buffers
-    #: are reused rather than made anew (fresh memory costs the kernel a page fault every 4 KiB).
+    #: Bytes of requests unreleased at once: enough to keep the link busy, few enough that read buffers are
+    #: reused rather than made anew (fresh memory costs a page fault every 4 KiB).
     max_inflight: int
-    #: A link shared by every request in flight delivers each of them late, all together at the end; a few
-    #: at a time, enough to cover a request's latency, arrive in the order the reader uses them, so it
-    #: checks and places (or sends to replicas) one while the next is on its way. None: no bound of its own.
+    #: Bytes of requests on their way at once (None: no bound of its own). A link shared by every request
+    #: delivers them all late, together; a few at a time arrive in the order the reader uses them.
     max_arriving: int | None = None
 
     @property
@@ -67,18 +53,17 @@ class ReadCost:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
                    for m, v in values.items() if v is not None or m != "max_arriving"):
             raise OptionError(f"read_cost: every member is a number >= 0, not {dict(d)!r}")
+        arriving = values["max_arriving"]
         return cls(float(values["latency_s"]), float(values["bandwidth"]), max(int(values["max_request"]), 1),
-                   max(int(values["max_inflight"]), 1),
-                   None if values["max_arriving"] is None else max(int(values["max_arriving"]), 1))
+                   max(int(values["max_inflight"]), 1), None if arriving is None else max(int(arriving), 1))
 
 
 #: Defaults: a local disk's page cache or NVMe answers in tens of microseconds at GB/s, an object store
 #: in tens of milliseconds at 25-200 MB/s per node.
 LOCAL_COST = ReadCost(latency_s=50e-6, bandwidth=2e9, max_request=8 << 20, max_inflight=64 << 20)
-#: An object store's requests are cut at 8 MiB (as AWS's CRT client cuts its parts), three on their way at once.
-#: On the benchmark's 60 MB/s, 10 ms links (``benchmarks/bench_s3_peers.py --phases reshard_fewer --reps 3``) a
-#: column reshard into 2 ranks took 3.04 s so, as with 4 MiB requests, against 3.12 s with 16 MiB requests all on
-#: their way together; a same-topology load, which reads whole files, then makes half the requests.
+#: An object store's requests are cut at 8 MiB (as AWS's CRT client cuts its parts), three on their way at once:
+#: on 60 MB/s, 10 ms links a column reshard took 3.04 s so (as with 4 MiB), 3.12 s with 16 MiB all on their way
+#: together (``benchmarks/bench_s3_peers.py --phases reshard_fewer``).
 OBJECT_STORE_COST = ReadCost(latency_s=0.02, bandwidth=100e6, max_request=8 << 20, max_inflight=256 << 20,
                              max_arriving=24 << 20)
 MEMORY_COST = ReadCost(latency_s=0.0, bandwidth=1e10, max_request=1 << 30, max_inflight=1 << 30)
@@ -94,10 +79,56 @@ def read_cost(location: Location) -> ReadCost:
     return ReadCost.from_dict(given, default) if isinstance(given, Mapping) else default
 
 
-#: Requests this large or larger read into reused buffers (:class:`~tsckpt.storage.pools.ReadBuffers`).
+class ReadBuffers:
+    """Read buffers of local files, kept for the next batch of this process, load after load.
+
+    A buffer's pages are faulted in the first time a read fills them: with buffers of each load's own, a repeated
+    load of 64 MiB from the page cache took 0.09-0.14 s, not 0.06-0.07 s. Sizes are powers of two up to
+    ``max_request``, so a request takes one at most twice its length (with one size only, a column reshard held
+    about 100 at once, under a tenth of each used). At most ``max_inflight`` bytes, plus two of the largest
+    buffers, are kept; the buffers kept longest go first.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._kept: list[int] = []  # the size of each kept buffer, oldest first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size_for(nbytes: int, cost: Any) -> int:
+        """The size of buffer a read of ``nbytes`` (at most ``cost.max_request``) takes."""
+        return min(1 << max(nbytes - 1, 0).bit_length(), max(cost.max_request, nbytes))
+
+    def take(self, nbytes: int, cost: Any) -> np.ndarray:
+        """A buffer of :meth:`size_for` ``nbytes`` bytes (``cost``: a :class:`~tsckpt.storage.byte_reads.ReadCost`),
+        a kept one if any."""
+        size = self.size_for(nbytes, cost)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._kept.remove(size)
+                self._bytes -= size
+                return free.pop()
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray, cost: Any) -> None:
+        """Keep ``buffer`` for a later :meth:`take`, dropping the oldest kept ones beyond the bound."""
+        limit = cost.max_inflight + 2 * cost.max_request
+        with self._lock:
+            if buffer.size > limit:
+                return
+            self._free.setdefault(buffer.size, []).insert(0, buffer)
+            self._kept.append(buffer.size)
+            self._bytes += buffer.size
+            while self._bytes > limit:
+                size = self._kept.pop(0)
+                self._free[size].pop()
+                self._bytes -= size
+
+
+#: Requests this large or larger read into reused buffers (:class:`ReadBuffers`).
 _POOLED = 256 << 10
-
-
 _BUFFERS = ReadBuffers()
 
 
@@ -118,32 +149,28 @@ class _Request:
         self._begun = threading.Event()
 
     def begin(self, buffer: np.ndarray | None) -> None:
-        """Start fetching, into ``buffer`` (a reused one) if given, in pieces of at most ``max_request``."""
         try:
-            self._begin(buffer)
+            size, limit = self.stop - self.start, self.batch.cost.max_request
+            pieces = -(-size // limit)
+            if buffer is None and pieces > 1:
+                buffer = np.empty(size, dtype=np.uint8)
+            self.buffer = buffer
+            fetch = self.batch.fetcher.fetch
+            if buffer is None:
+                self.futures = [fetch(self.key, self.start, self.stop)]
+            else:
+                self.futures = [fetch(self.key, self.start + a, self.start + b, buffer[a:b])
+                                for a, b in split(size, pieces)]
+            self.batch.requests += len(self.futures)
+            self.pieces_left = len(self.futures)
+            for future in list(self.futures):
+                future.add_done_callback(self._piece_arrived)
         except BaseException as e:
             if self.futures is None:
                 self._error, self.futures = e, []
             raise
         finally:
             self._begun.set()
-
-    def _begin(self, buffer: np.ndarray | None) -> None:
-        size, limit = self.stop - self.start, self.batch.cost.max_request
-        pieces = -(-size // limit)
-        if buffer is None and pieces > 1:
-            buffer = np.empty(size, dtype=np.uint8)
-        self.buffer = buffer
-        fetch = self.batch.fetcher.fetch
-        if buffer is None:
-            self.futures = [fetch(self.key, self.start, self.stop)]
-        else:
-            self.futures = [fetch(self.key, self.start + a, self.start + b, buffer[a:b])
-                            for a, b in split(size, pieces)]
-        self.batch.requests += len(self.futures)
-        self.pieces_left = len(self.futures)
-        for future in list(self.futures):
-            future.add_done_callback(self._piece_arrived)
 
     def _piece_arrived(self, _: Any) -> None:
         with self.batch._lock:
@@ -154,7 +181,7 @@ class _Request:
 
     def data(self) -> np.ndarray:
         if self.futures is None:
-            self.batch._begin_up_to(self)
+            self.batch._pump(self)
             self._begun.wait()
         if self._data is None and self._error is None:
             assert self.futures is not None
@@ -172,8 +199,8 @@ class _Request:
 
 @dataclass
 class Slot:
-    """One wanted range; once its batch runs, :attr:`bytes` waits for its request and gives them (or raises
-    why they could not be read). :meth:`release` says they are no longer needed (their buffer is reused)."""
+    """One wanted range: once its batch runs, :attr:`bytes` waits for its request and gives them (or raises why
+    not); :meth:`release` lets their buffer be reused."""
 
     key: str
     start: int
@@ -201,11 +228,8 @@ class Slot:
 class RangeBatch:
     """Byte ranges read together: wanted first, then fetched in turn, merged by :class:`ReadCost`.
 
-    Requests start in the order their ranges were wanted (the order a reader
-    uses them), with at most ``cost.max_inflight`` bytes of them unreleased and
-    ``cost.max_arriving`` on their way;
-    a range used before its request started starts it at once. Buffers of
-    released requests (local files) are reused for the next ones.
+    Requests start in the order their ranges were wanted, with at most ``cost.max_inflight`` bytes of them
+    unreleased and ``cost.max_arriving`` on their way; a range used before its request started starts it at once.
     """
 
     fetcher: Fetcher
@@ -218,9 +242,7 @@ class RangeBatch:
 
     def __post_init__(self) -> None:
         self._queue: list[_Request | None] = []
-        self._next = 0
-        self._held = 0
-        self._arriving = 0
+        self._next = self._held = self._arriving = 0
         self._stalled = False  # the pump stopped at max_arriving: the next arrival restarts it
         self._lock = threading.Lock()
 
@@ -246,9 +268,8 @@ class RangeBatch:
         return requests
 
     def run(self) -> None:
-        """Start fetching the wanted ranges and return: each range's :attr:`Slot.bytes` waits for its own
-        request, so what arrives first is used first. A request that failed raises its failure to each of
-        its ranges, so each reader reports its own."""
+        """Start fetching the wanted ranges and return: each range's :attr:`Slot.bytes` waits for its own request
+        (and raises its failure, so each reader reports its own)."""
         requests = self.plan()
         for key, start, stop, group in requests:
             request = _Request(self, key, start, stop, len(group))
@@ -295,12 +316,9 @@ class RangeBatch:
         if stalled:
             self._pump()
 
-    def _begin_up_to(self, request: _Request) -> None:
-        self._pump(request)
-
     def _buffer(self, size: int) -> np.ndarray | None:
-        """A reused buffer for a request of ``size`` bytes into local files (None: the fetcher makes its own:
-        object stores hand over bytes of their own, and small requests are cheap to allocate)."""
+        """A reused buffer for a request of ``size`` bytes into local files (None: the fetcher makes its own; object
+        stores hand over bytes of their own, and small requests are cheap to allocate)."""
         if not isinstance(self.fetcher, LocalFiles) or not _POOLED <= size <= self.cost.max_request:
             return None
         return _BUFFERS.take(size, self.cost)[:size]
@@ -318,7 +336,6 @@ class RangeBatch:
 
 
 def _runs(slots: list[Slot], gap: int) -> list[list[Slot]]:
-    """Sorted ``slots`` in runs whose neighbours are at most ``gap`` bytes apart (or overlap)."""
     runs, stop = [[slots[0]]], slots[0].stop
     for slot in slots[1:]:
         if slot.start - stop <= gap:
@@ -330,9 +347,8 @@ def _runs(slots: list[Slot], gap: int) -> list[list[Slot]]:
 
 
 def _cut(key: str, run: list[Slot], limit: int) -> list[tuple[str, int, int, list[Slot]]]:
-    """One run of ranges as requests of at most ``limit`` bytes (a longer range alone), all about as long: a run
-    a little over a multiple of ``limit`` is not left a short last request, which would cost a request's
-    latency for a few bytes (a same-topology load reads whole files: a request per ``limit`` bytes, no more)."""
+    """One run of ranges as requests of at most ``limit`` bytes (a longer range alone), all about as long: a short
+    last request would cost a request's latency for a few bytes."""
     stop = max(s.stop for s in run)
     pieces = max(1, -(-(stop - run[0].start) // limit))  # an empty value is still one request
     target = -(-(stop - run[0].start) // pieces)
@@ -350,6 +366,5 @@ def _cut(key: str, run: list[Slot], limit: int) -> list[tuple[str, int, int, lis
 
 
 def split(total: int, pieces: int) -> list[tuple[int, int]]:
-    """``[0, total)`` cut into ``pieces`` nearly equal ``(start, stop)`` ranges."""
     step = math.ceil(total / max(pieces, 1))
     return [(a, min(a + step, total)) for a in range(0, total, step)] or [(0, 0)]

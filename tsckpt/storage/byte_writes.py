@@ -1,11 +1,8 @@
 """How a save's bytes reach storage: values that emit their bytes in order, written to local files or objects.
 
-A value (:class:`Value`) knows its stored size before it is written and
-emits its bytes in small parts through a reused scratch buffer
-(:func:`scratch`), never whole. :class:`Files` writes values into files on
-a local disk, :class:`Objects` gathers them into objects of an object store
-(or memory); both take the same calls, and :class:`~tsckpt.storage.sinks.Sink`
-decides which value goes where.
+A :class:`Value` knows its stored size before it is written and emits its bytes in small parts through a reused
+scratch buffer, never whole. :class:`Files` writes values into files on a local disk, :class:`Objects` gathers
+them into objects of an object store (or memory); :class:`~tsckpt.storage.sinks.Sink` decides what goes where.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import localfs
-from .pools import ThreadPool
+from .context import ThreadPool
 
 #: A writer's scratch buffers: ``get(n)`` returns ``n`` reusable bytes.
 Scratch = Callable[[int], np.ndarray]
@@ -50,10 +47,7 @@ _DEFER_SYNC = localfs.has_syncfs()
 
 @contextlib.contextmanager
 def scratch() -> Iterator[Scratch]:
-    """A reusable buffer for one thread's work: ``get(n)`` returns ``n`` bytes of it (grown as needed).
-
-    Values are encoded in small parts into a few reused buffers, not each whole into a fresh copy.
-    """
+    """A reusable buffer for one thread's work: ``get(n)`` returns ``n`` bytes of it (grown as needed)."""
     with _scratch_lock:
         held = [_free_scratch.pop() if _free_scratch else np.empty(0, dtype=np.uint8)]
 
@@ -105,33 +99,25 @@ class Blob(Value):
 
 
 def settle(futures: list[Any]) -> None:
-    """After a failure: wait for every write in ``futures``, ignoring their errors (the failure that got here is
-    the one reported), so that none outlives its source."""
+    """After a failure: wait for every write in ``futures`` so that none outlives its source, ignoring their
+    errors (the failure that got here is the one reported)."""
     for f in futures:
-        try:
+        with contextlib.suppress(Exception):
             f.result()
-        except Exception:  # noqa: BLE001 - see above
-            pass
 
 
 class Files:
     """A local disk: each file created new, its values written with ``pwrite`` where they go.
 
-    A file that exists already is replaced, never written into: in an
-    incremental save it may be a hard link to a base checkpoint's chunk.
-    Values of :data:`INLINE_BYTES` or more, and those whose source waits for
-    a device copy (``background``), are written on ``threads`` threads of the
-    writer's own, ended by :meth:`finish` or :meth:`close`; the rest on the
-    caller's thread.
+    A file that exists already is replaced, never written into: in an incremental save it may be a hard link to
+    a base checkpoint's chunk. Values of :data:`INLINE_BYTES` or more, and those whose source waits for a device
+    copy (``background``), are written on ``threads`` threads of the writer's own; the rest on the caller's.
 
-    Durability (with ``sync``): a file kept open across values (a data file)
-    has its writeback started every :data:`WRITEBACK_BYTES` and is fsynced
-    when sent. A file written in one go has its writeback started and is made
-    durable with the rest by one ``syncfs`` in :meth:`finish`: each fsync is
-    a journal commit of its own. On a 2-core VM, 4 processes writing 116
-    files of 2 MiB each took 0.74 s so, against 0.92 s with an fsync per file
-    (medians of 6, ``python benchmarks/bench_fsync.py --ranks 4 --files 116
-    --mb 2 --reps 6``). Where the kernel has no ``syncfs``, each is fsynced.
+    Durability (with ``sync``): a file kept open across values (a data file) has its writeback started every
+    :data:`WRITEBACK_BYTES` and is fsynced when sent. A file written in one go is made durable with the rest by
+    one ``syncfs`` in :meth:`finish`, each fsync being a journal commit of its own: 4 processes writing 116 files
+    of 2 MiB took 0.74 s so, 0.92 s with an fsync per file (``benchmarks/bench_fsync.py``). Without ``syncfs``,
+    each is fsynced.
     """
 
     generations: dict[str, str] = {}  # files have none
@@ -147,9 +133,9 @@ class Files:
     def write(self, path: str, value: Value, emit: Callable[[Emit], None] | None = None, *, at: int = 0,
               keep_open: bool = False, key: str = "", background: bool = False,
               hold: Any = None) -> Future[None] | None:
-        """Write ``value`` at offset ``at`` of file ``path`` (relative to the root) through ``emit(write)``
-        (default: its bytes as they are), keeping the file open for more (``keep_open``) or closing it. A
-        future where it is written on a thread (``hold`` stays referenced until then), else None."""
+        """Write ``value`` at offset ``at`` of file ``path`` through ``emit(write)`` (default: its bytes as they
+        are), keeping the file open for more (``keep_open``). A future where it is written on a thread (``hold``
+        stays referenced until then), else None."""
         args = (path, value.nbytes, emit or functools.partial(emit_value, value), at, keep_open, key or path, hold)
         if background or value.nbytes >= INLINE_BYTES:
             return self._pool.submit(self._write, *args)
@@ -217,7 +203,7 @@ class Files:
             os.close(fd)
 
     def finish(self) -> None:
-        """Once every file is written and sent: make them durable (with ``sync``)."""
+        """Once every file is written and sent: make them durable."""
         self.close()
         if self._deferred:
             self._deferred = False
@@ -236,8 +222,8 @@ def emit_value(value: Value, write: Emit) -> None:
 
 
 def _pwrite(fd: int, at: list[int], view: memoryview) -> None:
-    """Write ``view`` at offset ``at[0]`` of ``fd`` (advanced past it): positional, so values written by
-    several threads into one file cannot interleave."""
+    """Write ``view`` at offset ``at[0]`` of ``fd`` (advanced past it): positional, so that threads writing
+    into one file cannot interleave."""
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], at[0] + done)
@@ -266,7 +252,6 @@ class Objects:
             self.send(path)
 
     def send(self, path: str) -> None:
-        """Upload object ``path``, gathered until now."""
         data = bytes(self._buffers.pop(path, b""))
         while self._inflight and self._inflight_bytes + len(data) > 2 * DEFAULT_PART_BYTES:
             self._settle()  # taken off only once done: an interrupted wait forgets no upload

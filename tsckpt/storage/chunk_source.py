@@ -1,10 +1,7 @@
 """Where a committed checkpoint's stored values are, and how this process fetches their bytes.
 
-One :class:`ChunkSource` per open checkpoint (a load, a ``tsckpt.open``
-handle, a conversion): the layout's locator (which file and byte range holds
-each Zarr key), the fetcher (local files or a kvstore), and the ranks'
-chunk tables, read as far as lookups need. :mod:`tsckpt.storage.box_reader` plans
-every tensor read against it.
+One :class:`ChunkSource` per open checkpoint (a load, a ``tsckpt.open`` handle, a conversion): the layout's
+locator, the fetcher (local files or a kvstore) and the ranks' chunk tables, read as far as lookups need.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from ..format import zarr_json
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from .byte_reads import RangeBatch, ReadCost, read_cost
 from .fetchers import Fetcher, KvFiles, LocalFiles
-from .layouts import Locator
-from .rank_tables import RankTables
+from .locator import Locator, RankTables
 from .store import Store, read_error
 
 
@@ -34,7 +30,6 @@ class ChunkSource:
     metadata: CheckpointMetadata
     locator: Locator
     fetcher: Fetcher
-    #: Every rank's chunk table, read as far as lookups need.
     tables: RankTables = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,8 +50,7 @@ class ChunkSource:
         return cls(store, metadata, locator, fetcher)
 
     def digests(self, entry: TensorEntry) -> dict[int, bytes]:
-        """The content hash the writing rank recorded for each outer chunk of ``entry``, by flat index (none where
-        the save recorded none)."""
+        """The content hash the writing rank recorded for each outer chunk of ``entry``, by flat index."""
         rows = self.tables.rows(entry, self.metadata.world_size) if self.metadata.content_hash else {}
         return {flat: row["digest"].tobytes() for flat, row in rows.items()}
 
@@ -65,17 +59,7 @@ class ChunkSource:
         ranks = entry.writer_ranks(self.metadata.world_size, f"tensor {entry.path!r} in {self.store.url}")
         return dict(enumerate(ranks.tolist()))
 
-    def read_range(self, key: str, offset: int, length: int) -> np.ndarray:
-        """``length`` bytes at ``offset`` of file ``key``, read at once."""
-        [data] = self.read_ranges([(key, offset, length)])
-        return data
-
-    def read_ranges(self, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:
-        """The bytes of every ``(file, offset, length)`` of ``spans``, fetched together, merged by the cost model."""
-        return fetch_spans(self.fetcher, read_cost(self.store.location), spans)
-
     def batch(self) -> RangeBatch:
-        """A new batch of reads, merged by the location's cost model."""
         return RangeBatch(self.fetcher, read_cost(self.store.location))
 
     def read_blob(self, name: str, path: str) -> bytes:
@@ -104,7 +88,8 @@ class ChunkSource:
             if result.state != "value":
                 raise ValueError(f"NOT_FOUND: {what} is missing ({key})")
             return np.frombuffer(result.value, dtype=np.uint8)
-        return self.read_range(found.file, found.offset, found.length)
+        [data] = fetch_spans(self.fetcher, read_cost(self.store.location), [(found.file, found.offset, found.length)])
+        return data
 
 
 def fetch_spans(fetcher: Fetcher, cost: ReadCost, spans: Sequence[tuple[str, int, int]]) -> list[np.ndarray]:

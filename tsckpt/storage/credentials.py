@@ -1,32 +1,8 @@
 """Which AWS credentials an ``s3://`` location is opened with: one source, named to TensorStore.
 
-Left to itself, TensorStore's S3 driver asks the AWS SDK's default chain,
-whose every source that has nothing (absent ``~/.aws`` files, an instance
-metadata service that does not answer) logs an error line through absl,
-straight to the process's stderr: 9 lines per store opened on a machine
-without credentials. TensorStore's ``aws_credentials`` context resource names
-one source instead, which then is the only one asked. :func:`resolve` finds
-the source the default chain would settle on, in the chain's order, from the
-environment and local files alone (nothing is asked over the network):
-
-1. ``AWS_ACCESS_KEY_ID`` in the environment: ``environment``;
-2. a profile (``AWS_PROFILE``, else ``default``) that holds keys, in the
-   shared credentials or config file: ``profile``, naming the profile and both
-   files (TensorStore 0.1.86 does not find the default ones itself);
-   a profile that gets its keys another way (``role_arn``,
-   ``credential_process``, SSO), or a web identity token
-   (``AWS_WEB_IDENTITY_TOKEN_FILE``): the default chain, told the profile;
-3. a container credentials endpoint (``AWS_CONTAINER_CREDENTIALS_RELATIVE_URI``
-   or ``..._FULL_URI``: ECS, EKS Pod Identity): ``ecs``;
-4. on an EC2 instance (its firmware says so, in ``/sys``), unless
-   ``AWS_EC2_METADATA_DISABLED=true``: ``imds``, the instance's role;
-5. otherwise ``anonymous``, where the default chain ends up after every
-   other source came back empty: unsigned requests, which a public bucket
-   answers and a private one refuses.
-
-A location's own ``aws_credentials`` context resource wins over all of this
-(``{"url": ..., "context": {"aws_credentials": {"type": "default"}}}`` asks
-the SDK's whole chain). Torch-free.
+Left to itself, TensorStore's S3 driver asks the AWS SDK's default chain, whose every empty source logs an error
+line to stderr (9 per store opened on a machine without credentials). :func:`resolve` finds the source that chain
+would settle on, in its order (docs/object-storage.md), from the environment and local files alone.
 """
 
 from __future__ import annotations
@@ -37,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: Where Linux shows the machine's firmware: an EC2 instance's names Amazon.
-SYSFS = "/sys"
+SYSFS = "/sys"  # where Linux shows the machine's firmware: an EC2 instance's names Amazon
 
 
 @dataclass(frozen=True)
@@ -46,8 +21,7 @@ class Credentials:
     """The ``aws_credentials`` context resource to open S3 with, and where it takes keys from, in words."""
 
     spec: dict[str, Any]
-    #: For messages: "AWS_ACCESS_KEY_ID from the environment", "profile 'train' of ~/.aws/credentials"...;
-    #: None where no credentials were found (anonymous requests).
+    #: For messages ("AWS_ACCESS_KEY_ID from the environment"...); None where none were found (anonymous requests).
     source: str | None
 
 
@@ -63,7 +37,7 @@ def resolve(environ: Mapping[str, str] = os.environ, sysfs: str = SYSFS) -> Cred
     if found is not None or named or existing:
         where = f"profile {profile!r} (AWS_PROFILE)" if named else \
             f"the default profile of {found[2] if found is not None else existing[0]}"
-        if found is not None:
+        if found is not None:  # both files named: TensorStore 0.1.86 does not find the default ones itself
             return Credentials({"type": "profile", "profile": profile, "credentials_file": found[0],
                                 "config_file": found[1]}, where)
         # Keys from a role, a process or SSO: the SDK's chain knows how to get them.
@@ -89,11 +63,9 @@ def _shared_files(environ: Mapping[str, str]) -> tuple[str, str]:
 
 
 def _profile_keys(profile: str, credentials: str, config: str) -> tuple[str, str, str] | None:
-    """(credentials file, config file, the file that holds the keys) when ``profile`` has its keys written out.
-
-    A file that is not there is named as ``os.devnull``: TensorStore's profile
-    source fails on a path it cannot open, and reads an empty file as no profiles.
-    """
+    """(credentials file, config file, the file that holds the keys) when ``profile`` has its keys written out;
+    a file that is not there is named as ``os.devnull`` (TensorStore's profile source fails on a path it cannot
+    open, and reads an empty file as no profiles)."""
     in_config = ["default", "profile default"] if profile == "default" else [f"profile {profile}"]
     for path, sections in ((credentials, [profile]), (config, in_config)):
         parser = configparser.RawConfigParser()

@@ -1,10 +1,8 @@
 """How a checkpoint's files are fetched, one byte range at a time: :class:`Fetcher`.
 
-Plain file calls on a local disk (:class:`LocalFiles`: ``preadv`` into one
-buffer per request, on a few threads, the GIL released; each file's size
-checked once against what was written), or TensorStore ranged reads of a
-kvstore (:class:`KvFiles`: object stores, memory). Which ranges to fetch,
-merged how, is :mod:`tsckpt.storage.byte_reads`.
+:class:`LocalFiles` (``preadv`` on a few threads, each file's size checked once against what was written) or
+:class:`KvFiles` (TensorStore ranged reads: object stores, memory). Which ranges to fetch, merged how, is
+:mod:`tsckpt.storage.byte_reads`.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .context import DEFAULT_IO_CONCURRENCY
-from .pools import ThreadPool
+from .context import DEFAULT_IO_CONCURRENCY, ThreadPool
 
 
 class Fetcher(ABC):
@@ -33,23 +30,16 @@ class Fetcher(ABC):
 
 
 class LocalFiles(Fetcher):
-    """Files under a local directory, read with ``preadv``; ``sizes`` (key -> bytes written) are checked
-    once per file, so a file cut short or grown fails every read of it, partial reads included.
+    """Files under a local directory, read with ``preadv`` on ``threads`` threads of its own; ``sizes`` (key ->
+    bytes written) are checked once per file, so a file cut short or grown fails every read of it."""
 
-    Reads run on ``threads`` threads of its own (the ``io_concurrency`` of the store it reads, DCP's
-    ``thread_count``), made as reads come and ended by :meth:`close` or when it is freed.
-    """
-
-    def __init__(self, root: str, sizes: Mapping[str, int] | None = None, *,
-                 threads: int = DEFAULT_IO_CONCURRENCY):
-        self.root = root
-        self.sizes = dict(sizes or {})
+    def __init__(self, root: str, sizes: Mapping[str, int] | None = None, *, threads: int = DEFAULT_IO_CONCURRENCY):
+        self.root, self.sizes = root, dict(sizes or {})
         self._pool = ThreadPool(threads, thread_name_prefix="tsckpt-read")
         self._checked: dict[str, str | None] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        """End the read threads once the reads started are done."""
         self._pool.shutdown(wait=False)
 
     def expect(self, key: str, size: int) -> None:
@@ -98,14 +88,12 @@ class LocalFiles(Fetcher):
 class KvFiles(Fetcher):
     """Keys of a TensorStore kvstore, read by byte range (object stores, memory, older OCDBT databases).
 
-    ``generations`` (key -> the generation the store gave the object when it was written, its ETag on S3):
-    every read of such a key, partial reads included, must come from that generation, so an object
-    truncated or rewritten since is refused without a request of its own.
+    ``generations`` (key -> the generation the store gave the object when written, its ETag on S3): every read of
+    such a key must come from that generation, so an object truncated or rewritten since is refused.
     """
 
     def __init__(self, kv: ts.KvStore, generations: Mapping[str, bytes] | None = None):
-        self.kv = kv
-        self.generations = dict(generations or {})
+        self.kv, self.generations = kv, dict(generations or {})
 
     def fetch(self, key: str, start: int, stop: int, into: np.ndarray | None = None) -> Any:
         promise, out = ts.Promise.new()

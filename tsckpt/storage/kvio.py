@@ -1,13 +1,6 @@
-"""Reading a location's kvstore: JSON documents, key listings, and failures as one-line errors.
-
-TensorStore reports a failed request with its status, the driver's words and
-bracketed annotations (request ids, whole HTTP response bodies). A user needs
-one line that says what failed, where, and what to change: a missing bucket,
-an endpoint that never answered within the retries, a path through a file.
-For an object store, :func:`hint` names the setting to look at: an ``s3://``
-location without an endpoint goes to AWS, which on a machine without AWS
-access fails to resolve or connect; a refusal comes from credentials that
-are missing or wrong, and the hint says where tsckpt found them, if anywhere.
+"""Reading a location's kvstore: JSON documents, key listings, and failures as one-line errors that say what
+failed, where, and (:func:`hint`, for an object store) which setting to look at, rather than TensorStore's status
+with its annotations (request ids, whole HTTP response bodies).
 """
 
 from __future__ import annotations
@@ -49,20 +42,15 @@ _RETRIES = re.compile(r"All (\d+) retry attempts failed: ")
 
 
 def problem(e: Exception | str) -> str:
-    """What went wrong in a TensorStore I/O error, in a few words.
-
-    "no space left on device" for an operating-system error (the file it names
-    is a chunk of a save's staging area, which tells a user nothing the tensor's
-    name does not); "gave up after 6 retries (SlowDown: ...)" for a request
-    that kept failing; else the error's first line without annotations.
-    """
-    if isinstance(e, OSError) and e.errno is not None:  # tsckpt's own file calls (byte_writes)
-        reason = os.strerror(e.errno)
-        return reason[:1].lower() + reason[1:]
+    """What went wrong in a TensorStore I/O error, in a few words: "no space left on device" for an operating-system
+    error (the file it names tells a user nothing the tensor's name does not); "gave up after 6 retries
+    (SlowDown: ...)" for a request that kept failing; else the error's first line without annotations."""
     text = str(e)
     code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
-    if code:
-        reason = os.strerror(int(code.group(1)))
+    # tsckpt's own file calls (byte_writes) raise OSError; TensorStore's name the error code.
+    number = e.errno if isinstance(e, OSError) and e.errno is not None else int(code.group(1)) if code else None
+    if number is not None:
+        reason = os.strerror(number)
         return reason[:1].lower() + reason[1:]
     retries = _RETRIES.search(text)
     if retries:
@@ -82,13 +70,10 @@ def one_line(e: Exception | str) -> str:
 
 
 def read_json(kv: ts.KvStore, key: str, *, where: str | None = None, max_bytes: int | None = None) -> Any | None:
-    """The parsed JSON at ``key``, or None when the key does not exist.
+    """The parsed JSON at ``key``, or None when the key does not exist; ``where`` names the location in messages.
 
-    ``where`` names the location in messages. With ``max_bytes``, a larger
-    value is refused (:class:`~tsckpt.errors.MetadataError`) before it is read.
-    A storage failure (missing bucket, refused credentials, unreachable
-    endpoint) raises :class:`~tsckpt.errors.StorageError`; bytes that are not
-    strict JSON (NaN and Infinity included) raise ``ValueError``.
+    With ``max_bytes``, a larger value is refused (:class:`~tsckpt.errors.MetadataError`) before it is read. A
+    storage failure raises :class:`~tsckpt.errors.StorageError`; bytes that are not strict JSON raise ValueError.
     """
     where = where if where is not None else kv_name(kv)
     try:
@@ -161,18 +146,13 @@ _NO_CREDENTIALS = re.compile(r"Failed to (get credentials from|create credential
 _S3_RESPONSE = re.compile(r"x-amzn?-", re.IGNORECASE)
 
 
-def credentials_source(environ: Mapping[str, str] = os.environ) -> str | None:
-    """Where S3 requests take AWS credentials from here, in words; None when nowhere (unsigned requests)."""
-    return credentials.resolve(environ).source
-
-
 def hint(text: str, environ: Mapping[str, str] = os.environ) -> str | None:
     """What to check, for a failed object-store request whose error text is ``text``; None if nothing specific."""
     host = re.search(r"Could not resolve host: ([^\s;:()\]]+)", text)
     if host:
         where = host.group(1)
         if where.endswith("amazonaws.com"):
-            missing = "" if credentials_source(environ) else (
+            missing = "" if credentials.resolve(environ).source else (
                 "; no AWS credentials were found either (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                 "or AWS_PROFILE)")
             return (f"cannot resolve {where}: without an endpoint, s3:// goes to AWS; to reach another S3 "
@@ -182,12 +162,12 @@ def hint(text: str, environ: Mapping[str, str] = os.environ) -> str | None:
     if refused:
         return f"nothing answers at {refused.group(1)}:{refused.group(2)}: check the endpoint ({ENDPOINT_SETTINGS})"
     if _NO_CREDENTIALS.search(text):
-        source = credentials_source(environ) or "the source named in the location's context"
+        source = credentials.resolve(environ).source or "the source named in the location's context"
         return (f"no AWS credentials from {source}: check them, or name another source as the location's "
                 f"context resource aws_credentials")
     denied = _DENIED.search(text) is not None and _OS_ERROR.search(text) is None
     if _REFUSED.search(text) or (denied and _S3_RESPONSE.search(text)):
-        source = credentials_source(environ)
+        source = credentials.resolve(environ).source
         found = f"using {source}" if source else ("none found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                                                   "or AWS_PROFILE")
         return f"the store refused the request: check the credentials ({found}) and the endpoint"

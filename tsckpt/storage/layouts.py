@@ -1,49 +1,26 @@
-"""Storage layouts: where a checkpoint's Zarr keys live under its location, registered by name.
-
-A layout decides only where each array's ``zarr.json`` and chunk keys are
-stored; the arrays, their chunk grids and codecs are the same in every layout,
-and every TensorStore spec is still built by :mod:`tsckpt.storage.store`.
-
-* ``"packed"`` (the default): every key in one OCDBT database whose values
-  are one data file per rank (:mod:`tsckpt.storage.packed`). Zarr readers
-  open it through :func:`tsckpt.zarr_store`, TensorStore through its
-  ``ocdbt`` kvstore.
-* ``"plain"``: each array under its own path below the location, one file (or
-  object) per chunk. Any Zarr v3 reader opens it directly.
-
-A layout subclasses :class:`KvLayout` and is decorated with
-:func:`register_layout`; a checkpoint's metadata names its layout and
-:func:`layout_for` selects it.
-
-Which method runs where, in a save: :meth:`KvLayout.sink` on every rank while
-it writes; :meth:`KvLayout.write_nodes` once, on the coordinator, after every
-rank's data is durable and before the root document is written. When reading,
-:meth:`KvLayout.locator` once per process, :meth:`Locator.prefetch` with the keys a read needs, then
-:meth:`Locator.locate` per chunk.
+"""Storage layouts: where a checkpoint's Zarr keys live under its location (arrays, grids and codecs are the
+same in every layout). ``"packed"`` (the default): one OCDBT database over one data file per rank
+(:mod:`tsckpt.storage.packed`); ``"plain"``: one file (or object) per chunk, which any Zarr v3 reader opens.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 import tensorstore as ts
 
 from ..errors import MetadataError, OptionError
-from ..format import ocdbt
 from ..format.data_files import Span
 from ..format.metadata import CheckpointMetadata
-from . import packed, sinks
+from . import packed, packed_index, sinks
 from .context import OpenedLocation
 from .kvio import storage_error
 from .localfs import unsynced_nodes
-from .locator import Located, Locator
-from .packed_locator import PackedLocator
 from .location import Location
+from .locator import Located, Locator, PackedLocator
 
 PLAIN = "plain"
 PACKED = "packed"
@@ -64,9 +41,10 @@ class KvLayout(ABC):
         """The context every array of a location is opened with (a layout may add resources)."""
         return parent
 
-    @abstractmethod
     def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
         """Where rank ``rank`` stores its values in save ``save_id`` (``hashed``: taking their content hashes)."""
+        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=self.name == PACKED,
+                               sync=sync, hashed=hashed, threads=store.io_concurrency)
 
     def bands(self, location: Location) -> bool:
         """Whether saves to ``location`` cut sharded tensors into bands stored band by band across tensors
@@ -86,11 +64,9 @@ class KvLayout(ABC):
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         """Coordinator: store every array's and group's ``zarr.json`` (``docs``, by key) and, for layouts that
-        index them, where every value is (``values``, sorted by key). Returns the index written (if any)
-        and a call that makes it all durable, run before the root document is written.
-
-        ``fence`` (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`) must return before any key that
-        another save could also write is written; keys of this save's own may be on their way meanwhile."""
+        index them, where every value is. Returns the index written (if any) and a call that makes it all durable,
+        run before the root document is written. ``fence`` (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`)
+        must return before any key that another save could also write is written."""
 
     @abstractmethod
     def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
@@ -101,30 +77,16 @@ class KvLayout(ABC):
         return store.kvstore
 
 
-LAYOUTS: dict[str, KvLayout] = {}
-
-
-def register_layout(cls: type[KvLayout]) -> type[KvLayout]:
-    """Class decorator: make a layout available by its ``name``."""
-    LAYOUTS[cls.name] = cls()
-    return cls
-
-
 def get_layout(name: str) -> KvLayout:
     try:
-        layout = LAYOUTS[name]
+        return LAYOUTS[name]
     except KeyError:
         raise OptionError(f"unknown storage layout {name!r}; expected one of {sorted(LAYOUTS)}") from None
-    return layout
 
 
 def default_layout() -> str:
-    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"packed"``.
-
-    A cluster-wide choice belongs in the job's environment rather than in every
-    training script. In a multi-rank save only the coordinator's choice counts:
-    it is sent to every rank with the plan.
-    """
+    """The layout a save uses when it names none: ``$TSCKPT_LAYOUT``, else ``"packed"`` (in a multi-rank save the
+    coordinator's, sent to every rank with the plan)."""
     name = os.environ.get(LAYOUT_ENV, "").strip() or PACKED
     if name not in LAYOUTS:
         raise OptionError(f"{LAYOUT_ENV}={name!r}: unknown storage layout; expected one of {sorted(LAYOUTS)}")
@@ -132,7 +94,6 @@ def default_layout() -> str:
 
 
 def layout_for(metadata: CheckpointMetadata) -> KvLayout:
-    """The layout a committed checkpoint was written with."""
     try:
         return LAYOUTS[metadata.layout]
     except KeyError:
@@ -152,7 +113,6 @@ class _KeysAsFiles(Locator):
         return Located(key)
 
 
-@register_layout
 class PlainLayout(KvLayout):
     """Each array under its own path below the location: the Zarr hierarchy as files or objects."""
 
@@ -161,10 +121,6 @@ class PlainLayout(KvLayout):
     def array_kvstore(self, location: Location, path: str) -> dict[str, Any]:
         return location.child(path)
 
-    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=False, sync=sync,
-                               hashed=hashed, threads=store.io_concurrency)
-
     def rank_prefixes(self, paths: list[str], save_id: str) -> tuple[str, ...]:
         return (*(f"{p}/" for p in paths), f"d/{save_id}")
 
@@ -172,7 +128,6 @@ class PlainLayout(KvLayout):
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         fence()  # every document here is a key another save writes too
-        # On local Linux paths, skip a per-file fsync and flush the filesystem once instead.
         fast = unsynced_nodes(store.location)
         kv, flush = fast if fast is not None else (store.kvstore, None)
         try:
@@ -186,7 +141,6 @@ class PlainLayout(KvLayout):
         return _KeysAsFiles(store.kvstore)
 
 
-@register_layout
 class PackedLayout(KvLayout):
     """Every key in one OCDBT database over one data file per rank (:mod:`tsckpt.storage.packed`)."""
 
@@ -197,10 +151,6 @@ class PackedLayout(KvLayout):
 
     def context(self, parent: ts.Context) -> ts.Context:
         return packed.reader_context(parent)
-
-    def sink(self, store: OpenedLocation, rank: int, save_id: str, *, sync: bool, hashed: bool) -> sinks.Sink:
-        return sinks.Sink.open(store.kvstore, _local_root(store.location), save_id, rank, packed=True, sync=sync,
-                               hashed=hashed, threads=store.io_concurrency)
 
     def bands(self, location: Location) -> bool:
         # Bands turn a column-resharded load's ranges into one per data file, which pays where a request
@@ -218,20 +168,19 @@ class PackedLayout(KvLayout):
                     values: packed.StoredValues | None,
                     fence: Callable[[], None]) -> tuple[Span | None, Callable[[], None] | None]:
         assert values is not None, "a packed checkpoint indexes its values"
-        entries = packed.merged_entries(docs, values)
-        return packed.write_index(store.kvstore, save_id, entries, store.url, fence,
-                                  local_root=_local_root(store.location), sync=store.sync), None
+        entries = packed_index.merged_entries(docs, values)
+        return packed_index.write_index(store.kvstore, save_id, entries, store.url, fence,
+                                        local_root=_local_root(store.location), sync=store.sync), None
 
     def locator(self, store: OpenedLocation, metadata: CheckpointMetadata) -> Locator:
         return PackedLocator(store, metadata)
 
     def hierarchy(self, store: OpenedLocation) -> ts.KvStore:
-        return _open(packed.read_kvstore(dict(store.location.spec), ""), store)
+        try:
+            return ts.KvStore.open(packed.read_kvstore(dict(store.location.spec), ""), context=store.context).result()
+        except ValueError as e:
+            raise storage_error(e, f"cannot open the packed database of {store.url}") from None
 
 
-def _open(spec: dict[str, Any], store: OpenedLocation) -> ts.KvStore:
-    try:
-        return ts.KvStore.open(spec, context=store.context).result()
-    except ValueError as e:
-        raise storage_error(e, f"cannot open the packed database of {store.url}") from None
+LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (PlainLayout(), PackedLayout())}
 

@@ -1,7 +1,6 @@
 """Local-filesystem primitives the commit needs and TensorStore does not give: syncfs, exchange, locks.
 
-Linux only where a call says so (``syncfs``, ``renameat2``); elsewhere each
-reports that it cannot, and callers fall back. Torch-free.
+Linux only where a call says so (``syncfs``, ``renameat2``); elsewhere each reports that it cannot.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import StorageError
-from .context import process_context, context_spec, open_kvstore
+from .context import context_spec, open_kvstore, process_context
 from .location import Location
 
 _AT_FDCWD = -100
@@ -31,12 +30,8 @@ UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errn
 def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None]] | None:
     """A kvstore that skips per-file fsync, and the one call that makes its writes durable.
 
-    Only for local paths on Linux, where ``syncfs`` flushes the whole filesystem
-    in one journal commit: writing hundreds of small ``zarr.json`` files with an
-    fsync each costs more than the commit's data. None elsewhere (object stores
-    are durable per PUT; other systems keep per-file fsync). A save that makes
-    nothing durable (``sync_files=False``) does not call the flush
-    (:func:`tsckpt.commit.protocol.commit`).
+    Only for local paths on Linux, where ``syncfs`` flushes the whole filesystem in one journal commit: hundreds
+    of small ``zarr.json`` files with an fsync each cost more than the commit's data. None elsewhere.
     """
     if location.driver != "file" or not has_syncfs():
         return None
@@ -54,14 +49,11 @@ def unsynced_nodes(location: Location) -> tuple[ts.KvStore, Callable[[], None]] 
 
 @functools.cache
 def libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    return ctypes.CDLL(None, use_errno=True)
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 @functools.cache
 def _libc_call(name: str, *argtypes: Any) -> Any:
-    """libc's ``name`` (its argument types set once, where given), or None where there is none."""
     fn = getattr(libc(), name, None)
     if fn is not None and argtypes:
         fn.argtypes = list(argtypes)
@@ -73,8 +65,7 @@ def has_syncfs() -> bool:
     return _libc_call("syncfs") is not None
 
 
-#: ``sync_file_range`` flag: start writing the range's dirty pages back, without waiting.
-_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages back, without waiting
 
 
 def start_writeback(fd: int) -> bool:
@@ -128,10 +119,8 @@ class DirLock:
 
     @classmethod
     def try_acquire(cls, path: str) -> DirLock | bool | None:
-        """The lock; False if another process holds it; None if this filesystem has no locks.
-
-        Raises FileNotFoundError if ``path`` is gone.
-        """
+        """The lock; False if another process holds it; None if this filesystem has no locks (FileNotFoundError if
+        ``path`` is gone)."""
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -152,14 +141,10 @@ class DirLock:
         self._finalizer()
 
 
-
 class Turn:
-    """An exclusive ``flock`` on a target directory, waited for: publications into it take turns.
-
-    False (retry) when the target went or was replaced while waiting; True
-    without a lock where the filesystem has none, or the target is not a
-    directory (the classification then refuses it).
-    """
+    """An exclusive ``flock`` on a target directory, waited for: publications into it take turns. False (retry)
+    when the target went or was replaced while waiting; True without a lock where the filesystem has none, or the
+    target is not a directory (the classification then refuses it)."""
 
     def __init__(self, path: str):
         self.path, self.fd = path, -1

@@ -1,29 +1,10 @@
-"""Where a checkpoint is stored: locations, TensorStore kvstore specs and contexts.
+"""Where a checkpoint is stored: a location, parsed into a TensorStore kvstore spec and context resources.
 
-A location always names a directory-like prefix. It can be given as
-
-* a plain path or ``file://`` URL (local or network filesystem),
-* ``s3://bucket/prefix`` (Amazon S3 or any S3-compatible server),
-* ``gs://bucket/prefix`` (Google Cloud Storage),
-* ``memory://name`` (TensorStore's in-process memory store, for tests),
-* a full TensorStore kvstore spec dict (``{"driver": "s3", "bucket": ...}``),
-* a dict ``{"url": "s3://bucket/prefix", **spec_members}`` that adds spec
-  members such as ``endpoint`` or ``aws_region`` to a URL,
-* either dict as JSON text (how the command line takes one).
-
-A ``"context"`` member of a spec dict holds TensorStore context resources
-(``s3_request_concurrency``, ``aws_credentials``...). They are taken out of
-the spec and put into the one context a rank shares across all its arrays, so
-a concurrency limit bounds the whole save, not each array separately.
-
-For ``s3://`` URLs without an explicit endpoint or region, the usual AWS
-environment variables are honoured (``AWS_ENDPOINT_URL_S3``,
-``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``), so ranks
-spawned with that environment need no extra arguments. Credentials come from
-the environment or the AWS credentials chain, never from the location.
-
-The TensorStore context a location is opened with is built in :mod:`tsckpt.storage.context`,
-array specs in :mod:`tsckpt.storage.store`. Torch-free.
+A path or ``file://`` URL, ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``memory://name``, a kvstore spec dict,
+a dict ``{"url": ..., **spec_members}``, or either dict as JSON text. A ``"context"`` member holds context
+resources, which go into the one context a rank shares across its arrays (a concurrency limit bounds the whole
+save). ``s3://`` URLs honour the AWS environment variables for endpoint and region; credentials never come from
+the location.
 """
 
 from __future__ import annotations
@@ -36,15 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from ..errors import LocationError
 
-#: Region used with a custom S3 endpoint when none is given: S3-compatible
-#: servers accept any region in the signature, AWS itself needs the real one.
+#: Region used with a custom S3 endpoint when none is given: S3-compatible servers accept any in the signature.
 DEFAULT_S3_REGION = "us-east-1"
 
-
-# --- bucket name rules ------------------------------------------------------
 
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _GCS_BUCKET_PART = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")
@@ -83,9 +60,6 @@ def _is_ip_address(name: str) -> bool:
     return True
 
 
-# --- scheme registry --------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Scheme:
     """How one URL scheme maps onto a TensorStore kvstore driver."""
@@ -103,27 +77,19 @@ class Scheme:
 
 
 def _s3_env_defaults() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if endpoint:
-        out["endpoint"] = endpoint
-    if region:
-        out["aws_region"] = region
-    return out
+    found = {"endpoint": os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+             "aws_region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")}
+    return {k: v for k, v in found.items() if v}
 
 
-SCHEMES: dict[str, Scheme] = {
-    s.name: s
-    for s in (
-        Scheme("file", "file", has_bucket=False, concurrency_resource="file_io_concurrency"),
-        Scheme("s3", "s3", has_bucket=True, bucket_problem=s3_bucket_problem,
-               concurrency_resource="s3_request_concurrency", env_defaults=_s3_env_defaults),
-        Scheme("gs", "gcs", has_bucket=True, bucket_problem=gcs_bucket_problem,
-               concurrency_resource="gcs_request_concurrency"),
-        Scheme("memory", "memory", has_bucket=False),
-    )
-}
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("file", "file", has_bucket=False, concurrency_resource="file_io_concurrency"),
+    Scheme("s3", "s3", has_bucket=True, bucket_problem=s3_bucket_problem, concurrency_resource="s3_request_concurrency",
+           env_defaults=_s3_env_defaults),
+    Scheme("gs", "gcs", has_bucket=True, bucket_problem=gcs_bucket_problem,
+           concurrency_resource="gcs_request_concurrency"),
+    Scheme("memory", "memory", has_bucket=False),
+)}
 _BY_DRIVER = {s.driver: s for s in SCHEMES.values()}
 
 
@@ -132,18 +98,10 @@ def scheme_for_driver(driver: str) -> Scheme | None:
     return _BY_DRIVER.get(driver)
 
 
-# --- locations --------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Location:
-    """The root of a checkpoint: a TensorStore kvstore spec plus context resources.
-
-    ``spec`` never holds a ``"context"`` member; those resources live in
-    ``context`` and are given to :func:`~tsckpt.storage.context.make_context`. Nor tsckpt's own
-    members (:data:`TSCKPT_MEMBERS`, such as ``read_cost``, the cost model of
-    :mod:`tsckpt.storage.byte_reads`), which live in ``options``.
-    """
+    """The root of a checkpoint: a TensorStore kvstore spec, its context resources (given to
+    :func:`~tsckpt.storage.context.make_context`), and tsckpt's own members (:data:`TSCKPT_MEMBERS`)."""
 
     spec: Mapping[str, Any]
     context: Mapping[str, Any] = field(default_factory=dict)
@@ -176,7 +134,7 @@ class Location:
         return {**self.spec, "path": f"{self.spec.get('path', '')}{relpath.strip('/')}/"}
 
     def to_dict(self) -> dict[str, Any]:
-        """The full kvstore spec, context resources and tsckpt's members included (accepted by :func:`parse_location`)."""
+        """The full kvstore spec, context and tsckpt's members included (what :func:`parse_location` takes)."""
         out = {**self.spec, **self.options}
         return {**out, "context": dict(self.context)} if self.context else out
 
@@ -192,11 +150,8 @@ TSCKPT_MEMBERS = ("read_cost",)
 
 
 def parse_location(location: LocationLike) -> Location:
-    """Turn a path, URL, kvstore spec or ``{"url": ..., **members}`` dict into a :class:`Location`.
-
-    Raises :class:`~tsckpt.errors.TsckptError` for an unknown scheme, a
-    missing or invalid bucket name, or an empty location.
-    """
+    """Turn a path, URL, kvstore spec or ``{"url": ..., **members}`` dict into a :class:`Location`; raises
+    :class:`~tsckpt.errors.LocationError` for an unknown scheme, a missing or invalid bucket name, or none."""
     if isinstance(location, Location):
         return location
     if isinstance(location, Mapping):
@@ -213,8 +168,7 @@ def parse_location(location: LocationLike) -> Location:
             if "driver" in members:
                 raise LocationError(f"location {location!r}: give either 'url' or 'driver', not both")
             base = parse_location(url)
-            spec = {**base.spec, **members}
-            spec["path"] = base.spec["path"]
+            spec = {**base.spec, **members, "path": base.spec["path"]}
             return _checked(spec, {**base.context, **context}, str(url))
         if "driver" not in members:
             raise LocationError(f"kvstore spec {location!r} has neither 'driver' nor 'url'")
@@ -242,10 +196,8 @@ def parse_location(location: LocationLike) -> Location:
         return Location({"driver": "file", "path": _as_prefix(os.path.abspath(text))})
     scheme = SCHEMES.get(name.lower())
     if scheme is None:
-        raise LocationError(
-            f"unsupported checkpoint location {text!r}: scheme {name!r} is not one of "
-            + ", ".join(f"{s}://" for s in SCHEMES) + " (or pass a TensorStore kvstore spec dict)"
-        )
+        raise LocationError(f"unsupported checkpoint location {text!r}: scheme {name!r} is not one of "
+                            + ", ".join(f"{s}://" for s in SCHEMES) + " (or pass a TensorStore kvstore spec dict)")
     if scheme.driver == "file":
         if not rest:
             raise LocationError(f"checkpoint location {text!r} has no path")

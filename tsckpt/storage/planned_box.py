@@ -1,15 +1,8 @@
 """A box of a tensor once its reads are planned: one step per stored chunk, each placing its own bytes.
 
-:meth:`BoxReader.plan <tsckpt.storage.box_reader.BoxReader.plan>` asks a
-:class:`~tsckpt.storage.byte_reads.RangeBatch` for the bytes of every chunk a
-box touches and returns a :class:`PlannedBox`. Calling it runs its steps in
-the box's order. A reader with many boxes in one batch may instead run every
-box's steps in the order their bytes arrive (:func:`by_arrival`): requests
-start in the order ranges were wanted, a few at a time, and arrive in turn,
-while a box's chunks may lie far apart in the files (a column block of a
-banded save spans a whole run of each file). Run box by box, one such box holds
-back every step behind it until the last of its bytes is in; run by arrival,
-each chunk is checked and placed while the next request is on its way.
+A reader with many boxes in one batch may run every box's steps in the order their bytes arrive
+(:func:`by_arrival`): a box's chunks may lie far apart in the files (a column block of a banded save), and run box
+by box, one such box holds back every step behind it until the last of its bytes is in.
 """
 
 from __future__ import annotations

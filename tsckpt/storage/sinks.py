@@ -1,26 +1,7 @@
-"""Where one rank's encoded values go in a save: one writer, over local files or an object store.
-
-Every save writes through one path: the rank encodes each outer chunk (or
-value blob) as a :class:`Value`, which knows its stored size and emits its
-bytes in order, and hands it to its :class:`Sink` with the Zarr key it is
-stored under. The layout decides where each value goes:
-
-* packed: every value back to back in the rank's data file
-  ``d/<save id>-<rank>``, then its chunk table (:mod:`tsckpt.format.chunk_table`);
-  where each value landed is reported for the index. On object stores the
-  file is cut into parts ``d/<save id>-<rank>.<part>`` of at most
-  ``part_bytes``, each one object written in one request (TensorStore has no
-  multipart upload);
-* plain: each value a file or object of its own under its key; the chunk
-  table, if any, is one more, ``d/<save id>-<rank>.table``.
-
-The backend decides how the bytes get there (:mod:`tsckpt.storage.byte_writes`):
-:class:`~tsckpt.storage.byte_writes.Files` on a local disk,
-:class:`~tsckpt.storage.byte_writes.Objects` on object stores and in memory.
-
-Which method runs where: :meth:`Sink.put` on the rank's thread, in any order;
-:meth:`Sink.finish` once, after the last put, returns when everything is
-durable; :meth:`Sink.abandon` after a failure.
+"""Where one rank's encoded values go in a save (docs/format.md): back to back in its data file, then its chunk
+table (packed; on object stores cut into parts, each one object: TensorStore has no multipart upload), or each a
+file or object of its own (plain). :meth:`Sink.put` runs on the rank's thread, :meth:`Sink.finish` once after the
+last put and returns when everything is durable, :meth:`Sink.abandon` after a failure.
 """
 
 from __future__ import annotations
@@ -48,19 +29,12 @@ def data_file(save_id: str, rank: int, part: int | None = None) -> str:
 
 
 def table_file(save_id: str, rank: int) -> str:
-    """Where the plain layout keeps a rank's chunk table."""
     return f"d/{save_id}-{rank}.table"
 
 
 class Sink:
-    """One rank's destination for the values of one save; see the module docstring.
-
-    ``packed``: values go back to back into the rank's data file, cut into
-    parts of at most ``part_bytes`` (None: never cut); otherwise each is a
-    file or object of its own. With ``hashed`` every value's content hash
-    (:func:`~tsckpt.format.content_hashes.hasher`, over the bytes stored) is
-    taken while it is written, from the same buffers: :attr:`digests`.
-    """
+    """One rank's destination for the values of one save (``packed``: cut into parts of at most ``part_bytes``,
+    None: never). With ``hashed`` every value's content hash is taken while it is written: :attr:`digests`."""
 
     def __init__(self, backend: Files | Objects, save_id: str, rank: int, *, packed: bool, hashed: bool,
                  part_bytes: int | None = None):
@@ -91,11 +65,8 @@ class Sink:
 
     def put(self, key: str, value: Value, hold: Any = None, background: bool = False) -> Future[None] | None:
         """Store ``value`` under Zarr key ``key``; ``hold`` (its source) stays referenced until it is written.
-
-        ``background``: the caller has other work meanwhile (a device copy to
-        make), so the write may go to a thread of the sink's. Returns a future
-        done once the value's source is no longer needed (None: it already is).
-        """
+        ``background``: the caller has other work meanwhile (a device copy), so the write may go to a thread.
+        Returns a future done once the value's source is no longer needed (None: it already is)."""
         self.digests.append(b"")
         emit = functools.partial(self._emit, value, slot=len(self.digests) - 1)
         if not self.packed:
@@ -136,8 +107,8 @@ class Sink:
         return self._refs if self.packed else None
 
     def finish(self, table: Callable[[], bytes | None]) -> RankFiles:
-        """Once every value is written, store the chunk table ``table()`` gives (if any), make everything
-        durable, and say what was written: a data file's table follows its values, even in an empty one."""
+        """Once every value is written, store the chunk table ``table()`` gives (if any, after a data file's
+        values), make everything durable, and say what was written."""
         try:
             for f in self._pending:
                 f.result()

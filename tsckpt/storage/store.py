@@ -1,44 +1,29 @@
 """An opened checkpoint location (:class:`Store`), and the TensorStore specs of the arrays it reads.
 
-tsckpt writes chunks through its own sinks (:mod:`tsckpt.storage.sinks`) and
-reads tensors by byte range (:mod:`tsckpt.storage.box_reader`); TensorStore
-opens value blobs for ``verify``, with the options every tsckpt array has:
-
-* ``store_data_equal_to_fill_value``: every chunk is stored, even all-zero ones,
-  so a missing chunk file always means damage;
-* ``fill_missing_data_reads: false``: a missing chunk is an error naming the
-  chunk, never zeros;
-* reads state the data type and codecs tsckpt writes, so an array whose
-  ``zarr.json`` disagrees (a crafted one declaring huge chunks or a
-  decompression bomb) fails to open before any chunk is read;
-* one TensorStore context made from the location's own resources.
-
-Where an array's keys live is the store's :class:`~tsckpt.storage.layouts.KvLayout`
-(one file per chunk, or a packed OCDBT database): the layout gives the kvstore
-spec, this module everything around it.
+tsckpt writes and reads chunks itself (:mod:`tsckpt.storage.sinks`, :mod:`tsckpt.storage.box_reader`);
+TensorStore opens value blobs for ``verify``, with the options every tsckpt array has (:data:`ALWAYS`: a missing
+chunk is an error, never zeros) and the data type and codecs tsckpt writes stated, so an array whose ``zarr.json``
+disagrees (a crafted one declaring huge chunks) fails to open before any chunk is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import tensorstore as ts
 
 from ..errors import StorageError, TsckptError
-from .context import DEFAULT_IO_CONCURRENCY, OpenedLocation, make_context, open_kvstore
-from .location import LocationLike, parse_location
 from ..format import zarr_json
-from .layouts import PACKED, KvLayout, get_layout, layout_for
-from .kvio import problem, storage_error
 from ..format.metadata import CheckpointMetadata
+from .context import DEFAULT_IO_CONCURRENCY, OpenedLocation, make_context, open_kvstore
+from .kvio import problem, storage_error
+from .layouts import PACKED, KvLayout, get_layout, layout_for
+from .location import LocationLike, parse_location
 
-#: Options every tsckpt array is opened with.
+#: Options every tsckpt array is opened with: every chunk is stored, even all-zero ones, so a missing one is damage.
 ALWAYS: Mapping[str, Any] = {"store_data_equal_to_fill_value": True, "fill_missing_data_reads": False}
-
-
-# --- specs --------------------------------------------------------------------
 
 
 def blob_read_spec(kvstore: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,26 +33,30 @@ def blob_read_spec(kvstore: Mapping[str, Any]) -> dict[str, Any]:
             "metadata": {"data_type": "uint8", "codecs": [dict(c) for c in zarr_json.BLOB_CODECS]}}
 
 
-def check_blob(array: ts.TensorStore) -> ts.Future:
-    """A future of ``array`` once its single chunk is known to hold all the bytes ``zarr.json`` declares.
-
-    Blob codecs are pinned to raw bytes plus a 4-byte crc32c, so the stored
-    chunk is exactly ``n + 4`` bytes: probing one byte stops a crafted
-    ``zarr.json`` that declares a huge length from making the reader allocate it.
-    """
-    n = array.shape[0]
-    if array.chunk_layout.write_chunk.shape != (max(n, 1),):
-        raise ValueError(f"a value blob is one chunk of its whole length {n}, "
-                         f"not chunks of {list(array.chunk_layout.write_chunk.shape)}")
+def check_blob(opening: ts.Future) -> ts.Future:
+    """A future of the array ``opening`` opens, once its single chunk is known to hold all the bytes ``zarr.json``
+    declares: the chunk is exactly ``n + 4`` bytes, and probing one byte stops a crafted ``zarr.json`` that
+    declares a huge length from making the reader allocate it."""
     promise, out = ts.Promise.new()
-    if n == 0:
-        promise.set_result(array)
-        return out
-    meta = array.spec().to_json().get("metadata", {})
-    key = zarr_json.chunk_key((0,), zarr_json.chunk_key_separator(meta))
-    last = n + zarr_json.BLOB_CHECKSUM_BYTES - 1
 
-    def probed(f: ts.Future) -> None:
+    def opened(f: ts.Future) -> None:
+        try:
+            array = f.result()
+            n = array.shape[0]
+            if array.chunk_layout.write_chunk.shape != (max(n, 1),):
+                raise ValueError(f"a value blob is one chunk of its whole length {n}, "
+                                 f"not chunks of {list(array.chunk_layout.write_chunk.shape)}")
+            if n == 0:
+                promise.set_result(array)
+                return
+            key = zarr_json.chunk_key((0,), zarr_json.chunk_key_separator(array.spec().to_json().get("metadata", {})))
+            last = n + zarr_json.BLOB_CHECKSUM_BYTES - 1
+            array.kvstore.read(key, byte_range=slice(last, last + 1)).add_done_callback(
+                lambda g: probed(g, array, key, n))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            promise.set_exception(e)
+
+    def probed(f: ts.Future, array: ts.TensorStore, key: str, n: int) -> None:
         try:
             f.result()
         except ValueError as e:
@@ -78,41 +67,14 @@ def check_blob(array: ts.TensorStore) -> ts.Future:
             return
         promise.set_result(array)  # a missing chunk is reported by the read itself
 
-    array.kvstore.read(key, byte_range=slice(last, last + 1)).add_done_callback(probed)
+    opening.add_done_callback(opened)
     return out
-
-
-def then(first: ts.Future, step: Callable[[Any], Any]) -> ts.Future:
-    """A future of ``step(first.result())``; when ``step`` returns a future, of that future's result."""
-    promise, out = ts.Promise.new()
-
-    def settle(f: ts.Future, step: Callable[[Any], Any] | None) -> None:
-        try:
-            value = f.result()
-            if step is not None:
-                value = step(value)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            promise.set_exception(e)
-            return
-        if isinstance(value, ts.Future):
-            value.add_done_callback(lambda g: settle(g, None))
-        else:
-            promise.set_result(value)
-
-    first.add_done_callback(lambda f: settle(f, step))
-    return out
-
-
-# --- an opened location -----------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Store(OpenedLocation):
-    """A checkpoint location opened in this process: one context, its root kvstore, its layout.
-
-    Make one with :meth:`open`; after reading the metadata, :meth:`for_checkpoint`
-    switches to the layout the checkpoint was written with.
-    """
+    """A checkpoint location opened in this process: one context, its root kvstore, its layout (after reading the
+    metadata, :meth:`for_checkpoint` switches to the layout the checkpoint was written with)."""
 
     layout: KvLayout = dataclasses.field(default_factory=lambda: get_layout(PACKED))
 
@@ -134,8 +96,7 @@ class Store(OpenedLocation):
 
     def open_blob(self, path: str) -> ts.Future:
         """Open a value blob for reading, checked to hold as many bytes as it declares."""
-        return then(ts.open(blob_read_spec(self.array_kvstore(path)), context=self.context, open=True, read=True),
-                    check_blob)
+        return check_blob(ts.open(blob_read_spec(self.array_kvstore(path)), context=self.context, open=True, read=True))
 
     def node_kvstore(self, path: str) -> ts.KvStore:
         """The kvstore holding the node (array or group) at ``path``: its ``zarr.json`` and chunk keys."""
