@@ -1,10 +1,8 @@
 """A read-only zarr-python ``Store`` over a tsckpt checkpoint, served by TensorStore's kvstore.
 
-``zarr.open_group(tsckpt.zarr_store(path))`` reads any committed checkpoint, plain or packed, on any
-location tsckpt writes to, with zarr-python, dask and xarray, without fsspec. In a packed checkpoint
-every key but the root ``zarr.json`` lives in the OCDBT database; the store routes each key, so zarr sees
-one ordinary Zarr v3 hierarchy. What it reads is checked against the chunks' crc32c here, so damage
-raises an error naming the tensor, chunk and file."""
+``zarr.open_group(tsckpt.zarr_store(path))`` reads any committed checkpoint, plain or packed, without fsspec.
+In a packed checkpoint every key but the root ``zarr.json`` lives in the OCDBT database: the store routes each
+key, so zarr sees one Zarr v3 hierarchy. What it reads is checked here, so damage names tensor, chunk and file."""
 
 from __future__ import annotations
 
@@ -18,9 +16,9 @@ import tensorstore as ts
 from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from ..errors import ChecksumError, StorageError, TsckptError
 from ..commit import protocol as commit
 from ..commit.states import ROOT
+from ..errors import ChecksumError, StorageError, TsckptError
 from ..format.metadata import CheckpointMetadata, TensorEntry
 from ..storage import kvio, packed
 from ..storage.chunk_source import ChunkSource
@@ -54,8 +52,7 @@ def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
         metadata = commit.read_metadata(kv, loc.url)
         return TensorStoreZarrStore(loc, layout=layout_for(metadata).name, io_concurrency=io_concurrency,
                                     metadata=metadata)
-    layout = PACKED if packed.is_packed(kv) else PLAIN
-    return TensorStoreZarrStore(loc, layout=layout, io_concurrency=io_concurrency)
+    return TensorStoreZarrStore(loc, layout=PACKED if packed.is_packed(kv) else PLAIN, io_concurrency=io_concurrency)
 
 
 class TensorStoreZarrStore(Store):
@@ -70,9 +67,7 @@ class TensorStoreZarrStore(Store):
                  io_concurrency: int = DEFAULT_IO_CONCURRENCY, metadata: CheckpointMetadata | None = None):
         super().__init__(read_only=read_only)
         get_layout(layout)  # refuses an unknown one
-        self.location = location
-        self.layout = layout
-        self.io_concurrency = io_concurrency
+        self.location, self.layout, self.io_concurrency = location, layout, io_concurrency
         #: The committed checkpoint's metadata (None: a location opened as found, committed or not).
         self.metadata = metadata
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
@@ -119,12 +114,9 @@ class TensorStoreZarrStore(Store):
         """Release the TensorStore objects (context, kvstores, node cache); a later read opens them again. The
         read-only copies zarr reads through (``zarr.open_array(store, mode="r")``) are closed with it."""
         self._copies = [ref for ref in self._copies if ref() is not None]
-        for ref in self._copies:
-            copy = ref()
-            if copy is not None:
-                copy.close()
-        self._stores = None
-        self._source = None
+        for copy in [c for ref in self._copies if (c := ref()) is not None]:
+            copy.close()
+        self._stores = self._source = None
         super().close()
 
     def with_read_only(self, read_only: bool = False) -> TensorStoreZarrStore:
@@ -170,8 +162,7 @@ class TensorStoreZarrStore(Store):
     def _checked(self, key: str, prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
                  byte_range: ByteRequest | None, clip: bool = False) -> Buffer | None:
         """The value read (None for a missing key; ``clip``: a whole value, cut to ``byte_range``), its crc32c
-        checked here where it covers whole checksummed pieces, so that damage raises an error naming the
-        tensor, chunk and file, not zarr's codec error naming none."""
+        checked here where it covers whole pieces, so that damage names tensor, chunk and file (zarr's names none)."""
         if result.state != "value":
             return None
         found = self._array_of(key) if self.metadata is not None and self.metadata.codec_checksums else None
