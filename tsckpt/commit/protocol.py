@@ -210,8 +210,7 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     except MetadataError as e:
         raise type(e)(f"{url}/{ROOT}: {e}") from None
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
-        # from_dict validates field by field; a hostile document reaching a case it did not foresee must still
-        # be a clean refusal.
+        # A hostile document reaching a case from_dict's checks did not foresee must still be a clean refusal.
         raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
 
 

@@ -1,16 +1,9 @@
-"""``tsckpt://``: checkpoints by URL for zarr-python, xarray and dask, whatever the layout.
+"""``tsckpt://``: checkpoints by URL for zarr-python, xarray and dask, whatever the layout (``docs/reading.md``).
 
-fsspec finds ``tsckpt`` through the ``fsspec.specs`` entry point this package declares, so with tsckpt
-installed (never imported) these work::
-
-    zarr.open_group("tsckpt://ckpt/step_1000", mode="r")
-    xr.open_zarr("tsckpt://ckpt/step_1000/model", consolidated=False)
-    dask.array.from_zarr("tsckpt://ckpt/step_1000", component="model/layers.0.attn.wq.weight")
-    zarr.open_group("tsckpt://s3://bucket/run/step_1000", mode="r")
-
-After ``tsckpt://`` comes a checkpoint location as :func:`tsckpt.open` takes one, optionally followed by a
-group or array inside it. The filesystem serves the checkpoint's Zarr keys and nothing else, read through
-:func:`tsckpt.zarr_store`. Loading this module imports tsckpt, which registers its data types with zarr-python."""
+fsspec finds ``tsckpt`` through this package's ``fsspec.specs`` entry point: ``tsckpt://ckpt/step_1000`` opens
+with tsckpt installed, never imported. After ``tsckpt://`` comes a location as :func:`tsckpt.open` takes one,
+optionally followed by a group or array inside it; its Zarr keys are read through :func:`tsckpt.zarr_store`.
+Loading this module imports tsckpt, which registers its data types with zarr-python."""
 
 from __future__ import annotations
 
