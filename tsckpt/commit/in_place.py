@@ -182,7 +182,8 @@ class InPlaceTarget(SaveTarget):
         if self._claim_generation is None:
             return None  # no claim was written: nothing was
         try:
-            holds = self._holds_claim()
+            claim = read_key(self.kv, CLAIM, self.url)
+            holds = claim.state == "value" and claim.stamp.generation == self._claim_generation
             if not holds and not self._own_keys_only():
                 self.check_current()  # raises: says which save holds the location now
             raw, _ = read_root(self.kv, self.url)
@@ -208,10 +209,6 @@ class InPlaceTarget(SaveTarget):
 
     def _written_keys(self) -> list[str]:
         return [k for k in list_keys(self.kv, self.url) if k.startswith(self.written) and is_own_key(k)]
-
-    def _holds_claim(self) -> bool:
-        claim = read_key(self.kv, CLAIM, self.url)
-        return claim.state == "value" and claim.stamp.generation == self._claim_generation
 
     def _release_quietly(self) -> None:
         try:

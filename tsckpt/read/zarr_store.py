@@ -89,10 +89,6 @@ class TensorStoreZarrStore(Store):
             self._opened_at = time.time()
         return self._stores
 
-    def _route(self, key: str) -> ts.KvStore:
-        plain, keys = self._kvstores()
-        return plain if key == ROOT else keys
-
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle (dask may pickle the store); reopen lazily.
         return {**self.__dict__, "_stores": None, "_source": None, "_copies": [], "_pieces": {}}
@@ -126,8 +122,10 @@ class TensorStoreZarrStore(Store):
         return copy
 
     def _read(self, key: str, byte_range: ByteRequest | None) -> ts.Future:
+        plain, keys = self._kvstores()
         # A committed checkpoint never changes: TensorStore need not revalidate cached index nodes on every read.
-        return self._route(key).read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
+        kv = plain if key == ROOT else keys
+        return kv.read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
 
     def _only_out_of_range(self, key: str, error: ValueError) -> None:
         """Let a range past the end through (zarr returns what exists; TensorStore refuses); raise the rest."""
