@@ -1,11 +1,7 @@
 """Saves into object stores and memory: written in place, fenced by a claim, committed by a conditional write.
 
-The claim is written only if the generation seen a moment before still
-holds, so of two saves starting together one gets it and the other fails
-before writing anything. Overwriting deletes the old root before the new
-data is written: not crash-safe on these stores. It takes over another
-save's claim only where that save can never write into the new checkpoint
-(see :meth:`InPlaceTarget._refuse_claim`).
+Of two saves starting together one gets the claim and the other fails before writing anything. Overwriting
+deletes the old root before the new data is written: not crash-safe on these stores (``docs/publication.md``).
 """
 
 from __future__ import annotations
@@ -22,25 +18,8 @@ from ..errors import ConcurrentSaveError, TsckptError
 from ..storage.context import make_context, open_kvstore
 from ..storage.kvio import problem, storage_error
 from ..storage.location import Location
-from .states import (
-    ABSENT,
-    CLAIM,
-    COMMITTED,
-    INCOMPLETE,
-    ROOT,
-    Found,
-    Survey,
-    checkpoint_keys,
-    claim_fields,
-    classify,
-    delete_own_keys,
-    is_own_key,
-    describe_root,
-    list_keys,
-    read_key,
-    read_root,
-    refuse,
-)
+from .states import (ABSENT, CLAIM, COMMITTED, INCOMPLETE, ROOT, Found, Survey, checkpoint_keys, claim_fields, classify,
+                     delete_own_keys, describe_root, is_own_key, list_keys, read_key, read_root, refuse)
 from .target import Leftover, SaveTarget
 
 #: A claim's ``keys`` when every key its save's ranks write carries its save id (the packed layout).
@@ -48,8 +27,8 @@ OWN_KEYS_ONLY = "own"
 
 
 class InPlaceTarget(SaveTarget):
-    """Write in place; fence with a claim object; commit with a conditional write of the root (see the module
-    docstring). The commit first turns the claim into a committing one, again only if it is still this save's."""
+    """Write in place; fence with a claim object; commit with a conditional write of the root, after turning the
+    claim into a committing one, again only if it is still this save's."""
 
     def __init__(self, location: Location, save_id: str, overwrite: bool):
         super().__init__(location, save_id, overwrite)
@@ -95,15 +74,9 @@ class InPlaceTarget(SaveTarget):
             raise storage_error(e, f"cannot prepare {self.url} for save {self.save_id}") from None
 
     def _refuse_claim(self, raw: bytes) -> None:
-        """Raise unless ``overwrite`` may take over the claim ``raw``: only where the save holding it can
-        never write into this one's checkpoint.
-
-        Its ranks may still be writing: every key they write must carry its
-        save id (the packed layout), since an object store cannot stop a
-        write that is already on its way. Its commit is fenced by the claim:
-        it commits only after turning the claim it holds into a committing
-        one, which a takeover never touches.
-        """
+        """Raise unless ``overwrite`` may take over the claim ``raw``: only where the save holding it can never
+        write into this one's checkpoint. An object store cannot stop a write on its way, so every key its ranks
+        write must carry its save id (packed), and it must not be committing."""
         holder, fields = describe_claim(raw), claim_fields(raw)
         command = f"`tsckpt clean --force {self.url}`"
         if fields.get("committing"):
@@ -132,16 +105,14 @@ class InPlaceTarget(SaveTarget):
                            "started": self._started, **given}).encode()
 
     def record_writes(self, prefixes: tuple[str, ...]) -> None:
-        """Also say in the claim when every key this save's ranks write carries its save id: only then may
-        a save with ``overwrite`` take the location over while this one runs. The claim already says so
-        when the prefixes given at the start (the packed layout's) were all of them."""
+        """Also say in the claim when every key this save's ranks write carries its save id: only then may a save
+        with ``overwrite`` take the location over while this one runs."""
         said = self._own_keys_only()
         super().record_writes(prefixes)
         if self._claim_generation is not None and self._own_keys_only() != said:
             self._rewrite_claim()
 
     def _own_keys_only(self) -> bool:
-        """Whether every key this save's ranks write is known to carry its save id."""
         return bool(self.written) and all(p.startswith(f"d/{self.save_id}") for p in self.written)
 
     def _rewrite_claim(self, **fields: Any) -> None:
@@ -189,11 +160,8 @@ class InPlaceTarget(SaveTarget):
         self._release_quietly()  # committed all the same
 
     def _own_generation(self, kv: ts.KvStore, key: str) -> bytes | None:
-        """After a conditional write of ``key`` reported "not written": its generation if it is this save's anyway.
-
-        An object store's answer can be lost after the write took effect; the
-        retried request then fails its condition against the write's own result.
-        """
+        """After a conditional write of ``key`` reported "not written": its generation if it is this save's anyway
+        (an answer lost after the write took effect makes the retry fail its condition against the write)."""
         found = read_key(kv, key, self.url)
         if found.state != "value":
             return None
@@ -203,12 +171,8 @@ class InPlaceTarget(SaveTarget):
     def abort(self) -> str | None:
         """Delete the data this save wrote in place, then its claim; returns None once nothing of it is left.
 
-        Deleted only while this save's claim fences the location, or, after
-        another save took the location over, where every key this save wrote
-        carries its save id (no other save writes those). Nothing is deleted
-        when the root document commits this save after all (the write that
-        seemed to fail took effect). What is left is listed, not assumed
-        gone: the claim then stays, marking it as this save's to remove.
+        Deleted only while this save's claim fences the location, or where every key it wrote carries its save
+        id; nothing when the root commits this save after all. What is left is listed, and the claim stays.
         """
         if self._aborted is None:
             self._aborted = (self._abort(),)
@@ -218,7 +182,8 @@ class InPlaceTarget(SaveTarget):
         if self._claim_generation is None:
             return None  # no claim was written: nothing was
         try:
-            holds = self._holds_claim()
+            claim = read_key(self.kv, CLAIM, self.url)
+            holds = claim.state == "value" and claim.stamp.generation == self._claim_generation
             if not holds and not self._own_keys_only():
                 self.check_current()  # raises: says which save holds the location now
             raw, _ = read_root(self.kv, self.url)
@@ -234,8 +199,7 @@ class InPlaceTarget(SaveTarget):
                     delete_own_keys(self.kv, [k for k in list_keys(self.kv, self.url) if k != CLAIM], self.url)
                 left = [k for k in list_keys(self.kv, self.url) if k != CLAIM and is_own_key(k)]
         except (ValueError, TsckptError) as e:
-            return (f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` "
-                    f"removes it")
+            return f"{problem(e)}; once no save is running there, `tsckpt clean --force {self.url}` removes it"
         if left:
             return (f"{len(left)} key(s) it wrote are still there, e.g. {left[0]!r}; once no save is running "
                     f"there, `tsckpt clean --force {self.url}` removes them")
@@ -244,12 +208,7 @@ class InPlaceTarget(SaveTarget):
         return None
 
     def _written_keys(self) -> list[str]:
-        """The keys under the prefixes this save's ranks write that a save may have written."""
         return [k for k in list_keys(self.kv, self.url) if k.startswith(self.written) and is_own_key(k)]
-
-    def _holds_claim(self) -> bool:
-        claim = read_key(self.kv, CLAIM, self.url)
-        return claim.state == "value" and claim.stamp.generation == self._claim_generation
 
     def _release_quietly(self) -> None:
         try:

@@ -1,16 +1,7 @@
 """Publishing a staged save into a local directory that holds other files: beside them, never over them.
 
-When the target holds other files (a run directory's configs and logs), the
-directory itself is never moved: the save puts a claim, ``.tsckpt-claim.json``,
-into it, moves the checkpoint it replaces (its root document first, then the
-files that checkpoint names) into ``.<name>.tsckpt-<save_id>.old``, moves its
-own files in (whole directories where the target has none of that name),
-renames its root document in last, and removes the claim. Between the first
-and the last rename no checkpoint loads there; if the save dies,
-:func:`finish_merge` (run by the next save and by ``tsckpt clean``) goes on
-from where it stopped. Nothing of the other files is moved, replaced or
-deleted; a file standing where the save's files go refuses the publication
-before anything moves.
+Under a claim in the target, the replaced checkpoint goes aside (its root first), the new files go in, the new
+root last; :func:`finish_merge` goes on after a crash (``docs/publication.md``, step 5).
 """
 
 from __future__ import annotations
@@ -29,8 +20,7 @@ from .states import CLAIM, ROOT, claim_fields, describe_root
 
 def merge(staging: str, target: str, save_id: str, old_own: Callable[[str], bool] | None, url: str) -> list[str]:
     """Publish the committed ``staging`` directory into ``target`` beside its other files; ``old_own`` names the
-    files of the checkpoint it replaces (None: none). Returns the trees left to delete: the replaced checkpoint's
-    files, moved aside, and the emptied staging directory."""
+    files of the checkpoint it replaces (None: none). Returns the trees left to delete."""
     in_the_way = _in_the_way(staging, target, old_own)
     if in_the_way:
         raise FileInTheWayError(
@@ -44,7 +34,6 @@ def merge(staging: str, target: str, save_id: str, old_own: Callable[[str], bool
 
 
 def _files(path: str) -> list[str]:
-    """Every file under ``path``, relative to it, with "/" between names."""
     out = []
     for top, _, names in os.walk(path):
         rel = os.path.relpath(top, path).replace(os.sep, "/")
@@ -53,8 +42,8 @@ def _files(path: str) -> list[str]:
 
 
 def _in_the_way(staging: str, target: str, old_own: Callable[[str], bool] | None, rel: str = "") -> list[str]:
-    """What in ``target`` stands where a file or directory of ``staging`` goes (the replaced checkpoint's own
-    files, which go aside first, do not). Only directories both hold are looked into."""
+    """What in ``target`` stands where a file or directory of ``staging`` goes (not the replaced checkpoint's own
+    files, which go aside first)."""
     found = []
     for name in sorted(os.listdir(os.path.join(staging, rel) if rel else staging)):
         key = f"{rel}{name}"
@@ -156,12 +145,8 @@ def merging(target: str) -> str | None:
 
 
 def finish_merge(target: str) -> str | None:
-    """Finish a publication beside other files that died after its claim went down; the save id published.
-
-    Its checkpoint was complete in its staging directory before the claim:
-    the replaced checkpoint's files still in the target go aside, the rest of
-    the new one goes in, and its root last. A running one is left alone.
-    """
+    """Finish a publication beside other files that died after its claim went down (its checkpoint was complete
+    in its staging directory before the claim); returns the save id published. A running one is left alone."""
     claim = _claim(target)
     save_id = claim.get("save_id")
     if not isinstance(save_id, str):

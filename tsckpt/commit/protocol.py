@@ -1,25 +1,9 @@
 """The commit protocol: how a save begins and becomes a visible checkpoint, and how loads check it.
 
-:func:`begin_save` runs once per save, on its coordinator, before any data is
-written: it chooses the save's :class:`~tsckpt.commit.target.SaveTarget`
-(staged where the location can rename, in place elsewhere), which refuses a
-committed checkpoint (unless overwriting) and content tsckpt did not write,
-and removes leftovers of dead saves. :func:`commit_checkpoint` assembles the
-metadata document and commits it, for the DCP writer and
-:class:`~tsckpt.conversion.builder.CheckpointBuilder` alike.
-
-Ranks write only chunk values (a data file each, or files under array paths
-that hold no ``zarr.json`` yet), so while a save runs nothing it wrote is a
-Zarr node. When every rank's data is durable, the coordinator writes each
-array's and each intermediate group's ``zarr.json`` (as files, or into the
-packed layout's index, with where every value is), and last the root
-``zarr.json`` whose ``attributes["tsckpt"]`` is the metadata document. That
-single write is the commit: a directory without it is an incomplete
-checkpoint and is refused.
-Where the save writes, and how the committed root becomes visible at the
-checkpoint's location (a rename of a staging directory, or a conditional
-write), is the target's; it re-checks the refusals, since another save may
-have committed meanwhile.
+:func:`begin_save` (coordinator, before any data) chooses the save's target, which refuses what it must and
+removes dead saves' leftovers; :func:`commit_checkpoint`, once every rank's data is durable, writes the array
+and group nodes and last the root ``zarr.json`` holding the metadata document: that single write is the commit
+(``docs/publication.md``).
 """
 
 from __future__ import annotations
@@ -33,18 +17,12 @@ from typing import Any
 import tensorstore as ts
 
 from .. import __version__
-from ..errors import (
-    ChecksumError,
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
-    MetadataError,
-    NotACheckpointError,
-)
+from ..errors import (ChecksumError, CheckpointNotFoundError, IncompleteCheckpointError, MetadataError,
+                      NotACheckpointError)
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.kvio import encode_json, list_keys, read_json
-from ..format import checksums, dtypes, object_values, zarr_json
-from ..format import ocdbt
+from ..format import checksums, dtypes, object_values, ocdbt, zarr_json
 from ..format.data_files import DataFiles, RankFiles, Span
 from ..format.metadata import MAX_DOCUMENT_BYTES, ArrayOptions, CheckpointMetadata, Mesh, ObjectEntry, TensorEntry
 from ..format.names import parent_groups
@@ -59,20 +37,6 @@ from .target import Leftover, SaveTarget
 CHECKSUM_ATTRIBUTE = "tsckpt_crc32c"
 
 
-def tensor_attributes(key: str, entry: TensorEntry) -> dict[str, Any]:
-    """What each array says about itself in torch terms, for zarr-python users (readers use the root document)."""
-    return {ATTRIBUTE: {
-        "kind": "tensor",
-        "key": key,
-        "torch_dtype": f"torch.{dtypes.from_zarr(entry.dtype).torch}",
-        "placement": entry.placement.to_dict() if entry.placement else None,
-    }}
-
-
-def blob_attributes(key: str) -> dict[str, Any]:
-    return {ATTRIBUTE: {"kind": "object", "key": key, "encoding": object_values.TORCH}}
-
-
 def target_kind(location: Location) -> type[SaveTarget]:
     """The kind of target for a location: staged where renames exist (local files), in place elsewhere."""
     return StagedTarget if location.driver == "file" else InPlaceTarget
@@ -80,11 +44,8 @@ def target_kind(location: Location) -> type[SaveTarget]:
 
 def begin_save(location: LocationLike, *, save_id: str, overwrite: bool,
                writes: tuple[str, ...] = ()) -> SaveTarget:
-    """Start a save into ``location``: checks, fencing and leftover removal; returns its target.
-
-    ``writes``: the key prefixes its ranks will write, where known before
-    planning (:meth:`~tsckpt.commit.target.SaveTarget.record_writes`).
-    """
+    """Start a save into ``location``: checks, fencing and leftover removal; returns its target. ``writes``: the
+    key prefixes its ranks will write, where known before planning (:meth:`.SaveTarget.record_writes`)."""
     loc = parse_location(location)
     target = target_kind(loc)(loc, save_id, overwrite)
     target.written = tuple(writes)
@@ -101,75 +62,53 @@ def leftovers(location: LocationLike) -> list[Leftover]:
 def clean(location: LocationLike, *, force: bool = False) -> list[Leftover]:
     """Remove leftovers of dead saves into ``location``; returns what was removed.
 
-    Without ``force`` only what is known to be dead goes: staging directories
-    whose save's lock is free (local filesystems), after finishing a
-    publication that died half-way. ``force`` also removes what cannot be told
-    apart from a running save: claims on object stores (and, when no checkpoint
-    is committed there, the dead save's data), and staging directories on
+    Without ``force`` only what is known to be dead goes (staging directories whose save's lock is free, after
+    finishing a publication that died half-way). ``force`` also removes what cannot be told from a running save:
+    claims on object stores (with a dead save's data where nothing is committed), and staging directories on
     filesystems without locks. A committed checkpoint is never touched.
     """
     loc = parse_location(location)
     return target_kind(loc).clean(loc, force=force)
 
 
-def commit_checkpoint(
-    store: Store,
-    *,
-    save_id: str,
-    world_size: int,
-    tensors: Mapping[str, TensorEntry],
-    objects: Mapping[str, ObjectEntry],
-    blob_sizes: Mapping[str, int],
-    ranks: Sequence[RankFiles],
-    stored: ocdbt.Entries | None = None,
-    meshes: Sequence[Mesh] = (),
-    extra: Mapping[str, Any] | None = None,
-    options: ArrayOptions = ArrayOptions(),
-    target: SaveTarget | None = None,
-    content_hash: str | None = None,
-    reuse: Reuse | None = None,
-) -> CheckpointMetadata:
+def commit_checkpoint(store: Store, *, save_id: str, world_size: int, tensors: Mapping[str, TensorEntry],
+                      objects: Mapping[str, ObjectEntry], blob_sizes: Mapping[str, int], ranks: Sequence[RankFiles],
+                      stored: ocdbt.Entries | None = None, meshes: Sequence[Mesh] = (),
+                      extra: Mapping[str, Any] | None = None, options: ArrayOptions = ArrayOptions(),
+                      target: SaveTarget | None = None, content_hash: str | None = None,
+                      reuse: Reuse | None = None) -> CheckpointMetadata:
     """Validate the entries, write every node, assemble the metadata document and commit it; call once all
     data is durable.
 
-    ``blob_sizes`` gives the byte count of every ``torch``-encoded value's blob;
-    ``options`` are the codecs the tensor chunks were written with; ``ranks``
-    what each rank stored besides chunk keys (its data files, its digest
-    table); ``stored`` where every chunk and blob value is, sorted by key, for
-    layouts that index them (packed). ``target`` (from
-    :func:`begin_save`) writes and publishes the root
-    document; without one it is written to ``store`` directly. If the commit
-    fails, the target drops the save's staged data. ``content_hash`` names the
-    algorithm of the ranks' digest tables; ``reuse`` says what an incremental
-    save took from its base (:mod:`tsckpt.base_chunks`).
+    ``blob_sizes``: the byte count of every ``torch``-encoded value's blob; ``options``: the codecs the chunks
+    were written with; ``ranks``: what each rank stored besides chunk keys (its data files, its digest table);
+    ``stored``: where every chunk and blob value is, sorted by key, for layouts that index them (packed).
+    ``target`` (from :func:`begin_save`) writes and publishes the root document, and drops the save's data if
+    the commit fails; without one the root is written to ``store`` directly. ``content_hash``: the algorithm
+    of the ranks' digest tables; ``reuse``: what an incremental save took from its base.
     """
     import torch  # only for its version string; every caller has it loaded already
 
     docs: dict[str, dict[str, Any]] = {}
     for fqn, entry in tensors.items():
         entry.validate(f"tensor {fqn!r}")
-        docs[entry.path] = entry.zarr_json(options, tensor_attributes(fqn, entry))
+        # What each array says about itself in torch terms, for zarr-python users (readers use the root).
+        docs[entry.path] = entry.zarr_json(options, {ATTRIBUTE: {
+            "kind": "tensor", "key": fqn, "torch_dtype": f"torch.{dtypes.from_zarr(entry.dtype).torch}",
+            "placement": entry.placement.to_dict() if entry.placement else None}})
     for fqn, size in blob_sizes.items():
         path = objects[fqn].path
         assert path is not None
-        docs[path] = zarr_json.blob_metadata(size, blob_attributes(fqn))
-    packed = store.layout.name == "packed"
+        docs[path] = zarr_json.blob_metadata(size, {ATTRIBUTE: {"kind": "object", "key": fqn,
+                                                                "encoding": object_values.TORCH}})
     md = CheckpointMetadata(
-        world_size=world_size,
-        tensors=dict(tensors),
-        objects=dict(objects),
-        meshes=tuple(meshes),
-        torch_version=torch.__version__,
-        tsckpt_version=__version__,
+        world_size=world_size, tensors=dict(tensors), objects=dict(objects), meshes=tuple(meshes),
+        torch_version=torch.__version__, tsckpt_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        extra=dict(extra or {}),
-        array_options=options,
-        layout=store.layout.name,
-        content_hash=content_hash,
+        extra=dict(extra or {}), array_options=options, layout=store.layout.name, content_hash=content_hash,
         reuse=reuse,
         # Where the index will be is known once it is written: a stand-in of the same shape until then.
-        data_files=DataFiles(Span("", 0, 0) if packed else None, tuple(ranks)),
-    )
+        data_files=DataFiles(Span("", 0, 0) if store.layout.name == "packed" else None, tuple(ranks)))
     try:
         commit(store, save_id, md, docs, stored, target=target)
     except BaseException:
@@ -181,15 +120,10 @@ def commit_checkpoint(
 
 def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[str, dict[str, Any]],
            stored: ocdbt.Entries | None, target: SaveTarget | None = None) -> CheckpointMetadata:
-    """Write array and group nodes (and the layout's index), then the root document (the commit point).
-
-    ``target`` fences the location before a node another save could write is
-    written (:meth:`~tsckpt.commit.target.SaveTarget.begin_commit`), and writes
-    the root and publishes it; without one the root is written to ``store``
-    directly. The nodes are made durable before the root
-    is written, unless the store does not sync (``sync_files=False``).
-    Returns the metadata as committed.
-    """
+    """Write array and group nodes (and the layout's index), made durable unless the store does not sync, then
+    the root document (the commit point); returns the metadata as committed. ``target`` fences the location
+    before a node another save could write is written (:meth:`.SaveTarget.begin_commit`), and writes the root
+    and publishes it; without one the root is written to ``store`` directly."""
     document = md.to_dict()
     _check_size(document, md, target)
     groups = [g for g in parent_groups(list(array_docs)) if g]
@@ -202,17 +136,12 @@ def commit(store: Store, save_id: str, md: CheckpointMetadata, array_docs: dict[
     if md.data_files is not None:
         md = dataclasses.replace(md, data_files=dataclasses.replace(md.data_files, index=index))
         document["data_files"] = md.data_files.to_dict()
-    root = _root_bytes(document)
+    root = encode_json(zarr_json.group_metadata({ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
     if target is None:
         store.kvstore.write(ROOT, root).result()
     else:
         target.commit_root(store.kvstore, root)
     return md
-
-
-def _root_bytes(document: dict[str, Any]) -> bytes:
-    return encode_json(zarr_json.group_metadata(
-        {ATTRIBUTE: document, CHECKSUM_ATTRIBUTE: document_checksum(document)}))
 
 
 #: What the root adds to its document, with room to spare: the group node around it, the checksum, and the
@@ -231,22 +160,10 @@ def _check_size(document: dict[str, Any], md: CheckpointMetadata, target: SaveTa
 
 
 def document_checksum(document: Mapping[str, Any]) -> int:
-    """crc32c of the metadata document's canonical JSON (sorted keys, no spaces).
-
-    Stored beside the document, so a damaged root that still parses (a flipped
-    digit in a shape) is refused instead of being trusted.
-    """
+    """crc32c of the metadata document's canonical JSON (sorted keys, no spaces): stored beside the document, so
+    a damaged root that still parses (a flipped digit in a shape) is refused instead of trusted."""
     canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return checksums.crc32c(canonical.encode("utf-8"))
-
-
-def _read_root(kv: ts.KvStore, url: str) -> Any:
-    try:
-        return read_json(kv, ROOT, where=url, max_bytes=MAX_DOCUMENT_BYTES)
-    except (ValueError, RecursionError) as e:
-        # ValueError covers bad JSON and bytes that are not UTF-8; absurd nesting
-        # exhausts the parser's recursion instead.
-        raise MetadataError(f"{url}/{ROOT} is not valid JSON: {e}") from None
 
 
 #: What a DCP ``FileSystemWriter`` checkpoint holds: a pickled ``.metadata`` and ``*.distcp`` files.
@@ -255,7 +172,11 @@ DCP_METADATA, DCP_SUFFIX = b".metadata", b".distcp"
 
 def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     """The committed metadata, or a clear error saying why there is none."""
-    doc = _read_root(kv, url)
+    try:
+        doc = read_json(kv, ROOT, where=url, max_bytes=MAX_DOCUMENT_BYTES)
+    except (ValueError, RecursionError) as e:
+        # ValueError covers bad JSON and bytes that are not UTF-8; absurd nesting exhausts the recursion instead.
+        raise MetadataError(f"{url}/{ROOT} is not valid JSON: {e}") from None
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
     if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
         keys = list_keys(kv, url) if doc is None else [ROOT.encode()]
@@ -271,10 +192,8 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
             # Not a save that died, but something else (or a directory of them).
             raise NotACheckpointError(f"no checkpoint at {url}: it holds {found.what}, and no committed "
                                       f"metadata in {ROOT}")
-        raise IncompleteCheckpointError(
-            f"{url} is an incomplete checkpoint: the save did not finish "
-            f"(no committed metadata in {ROOT}); it cannot be loaded"
-        )
+        raise IncompleteCheckpointError(f"{url} is an incomplete checkpoint: the save did not finish "
+                                        f"(no committed metadata in {ROOT}); it cannot be loaded")
     document = attrs[ATTRIBUTE]
     stored = attrs.get(CHECKSUM_ATTRIBUTE)
     version = document.get("version") if isinstance(document, dict) else None
@@ -291,14 +210,13 @@ def read_metadata(kv: ts.KvStore, url: str) -> CheckpointMetadata:
     except MetadataError as e:
         raise type(e)(f"{url}/{ROOT}: {e}") from None
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
-        # from_dict validates field by field; this only guards against a hostile
-        # document reaching a case it did not foresee, which must still be a clean refusal.
+        # A hostile document reaching a case from_dict's checks did not foresee must still be a clean refusal.
         raise MetadataError(f"{url}/{ROOT}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
 
 
 def _written_by_tsckpt(kv: ts.KvStore, keys: list[bytes]) -> bool:
-    """Whether an array document among ``keys`` says tsckpt wrote it (groups' say nothing; a few are read):
-    evidence enough to call the location an incomplete checkpoint when loading, never to delete anything."""
+    """Whether an array document among ``keys`` says tsckpt wrote it (a few are read): evidence enough to call the
+    location an incomplete checkpoint when loading, never to delete anything."""
     if any(is_data_file(k.decode("utf-8", "replace")) for k in keys):
         return True  # a save's data files (format version 4) are named after it
     nodes = [k for k in keys if k.endswith(b"/" + ROOT.encode())]

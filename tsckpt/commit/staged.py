@@ -1,29 +1,9 @@
 """Publishing a save staged in a hidden directory on a local filesystem: renames, locks, leftovers.
 
-Every save into ``<parent>/<name>`` writes into ``<parent>/.<name>.tsckpt-<save_id>``
-and commits there. The coordinator holds an exclusive ``flock`` on that
-directory for the whole save, so any process can tell a running save's
-staging directory from a dead one's. Publication is one atomic step:
-
-* ``rename(staging, target)`` when the target is absent or an empty directory
-  (it fails, atomically, if another save published first);
-* ``renameat2(RENAME_EXCHANGE)`` when replacing a committed checkpoint: both
-  trees swap in one step, so readers see the old checkpoint until the new one
-  is complete; the old tree, now under the staging name, is deleted after;
-* where the exchange is not supported (not Linux, or a filesystem without it),
-  the target is first renamed aside to ``.<name>.tsckpt-<save_id>.old``, then
-  the staging directory into place. Between the two renames the target is
-  absent; if the save dies there, :func:`recover` (run by the next save into the
-  target and by ``tsckpt clean``) publishes the new checkpoint, which was
-  complete before the first rename.
-* when the target holds other files (a run directory's configs and logs), the
-  directory itself is never moved: the save publishes beside them
-  (:mod:`tsckpt.commit.merge`).
-
-Publications into one target take turns (an exclusive ``flock`` on it). The
-parent directory is fsynced after each publication. Saves that did not finish
-leave their directories beside the target: :func:`recover` finishes a
-publication that died half-way, :func:`remove_leftovers` removes dead ones.
+The coordinator holds an exclusive ``flock`` on the staging directory for the whole save, so a running save's
+directory is told from a dead one's. Publication is one rename, an exchange with the checkpoint it replaces, two
+renames where the exchange is unsupported (:func:`recover` finishes one that died between them), or a merge
+beside other files (:mod:`tsckpt.commit.merge`); see ``docs/publication.md``, step 5.
 """
 
 from __future__ import annotations
@@ -50,8 +30,8 @@ from .target import Leftover, SaveTarget, warn_committed
 class StagedTarget(SaveTarget):
     """A save into a local directory: staged beside it, published by rename or exchange."""
 
-    #: Whether to publish over a checkpoint with ``RENAME_EXCHANGE``; where it is
-    #: unsupported, or this is False, the two-rename sequence is used instead.
+    #: Whether to publish over a checkpoint with ``RENAME_EXCHANGE``; where it is unsupported, or this is False,
+    #: the two-rename sequence is used instead.
     use_exchange = True
 
     def __init__(self, location: Location, save_id: str, overwrite: bool):
@@ -117,8 +97,7 @@ class StagedTarget(SaveTarget):
         try:
             fsync_dir(parent)
         except OSError as e:
-            problems.append(f"its publication may not survive a power loss (fsync of {parent} failed: "
-                            f"{e.strerror})")
+            problems.append(f"its publication may not survive a power loss (fsync of {parent} failed: {e.strerror})")
         self.release()
         for old in replaced:
             why = ""
@@ -166,7 +145,7 @@ class StagedTarget(SaveTarget):
                     continue
                 replaced.append(aside)
         raise ConcurrentSaveError(f"{self.url} kept changing while save {self.save_id} was being published; "
-                          f"it was not published")
+                                  f"it was not published")
 
     def release(self) -> None:
         if self._lock is not None:
@@ -174,30 +153,21 @@ class StagedTarget(SaveTarget):
             self._lock = None
 
     def abort(self) -> str | None:
-        """Remove the staging directory while this save's lock still marks it as this save's own.
-
-        Returns None when it is gone, else where it is, its size and the
-        command that removes it (a filesystem without locks, or files that
-        are not a save's).
-        """
+        """Remove the staging directory while this save's lock still marks it as its own; None when it is gone,
+        else where it is, its size and the command that removes it."""
         if merging(self.path) == self.save_id:
             # Its publication beside other files had begun: the replaced checkpoint may be aside and the
             # new one half moved in. Only going forward restores a checkpoint there (finish_merge).
             self.release()
-            return (f"its publication into {self.path} did not finish: `tsckpt clean {self.url}` "
-                    f"finishes it")
+            return f"its publication into {self.path} did not finish: `tsckpt clean {self.url}` finishes it"
         if os.path.isdir(self.staging) and self._lock is not None:
             remove_tree(self.staging)
         self.release()
         return self._left()
 
     def abort_interrupted(self) -> str | None:
-        """:meth:`abort` after Ctrl-C: first wait for the writes still landing in the staging directory.
-
-        Interrupted ranks do not wait for the writes they started; what those
-        write after the removal is removed once more (the directory carries
-        this save's id: no other save writes there). Returns as :meth:`abort`.
-        """
+        """:meth:`abort` after Ctrl-C: first wait for the writes interrupted ranks left landing in the staging
+        directory, and remove what they write after the removal once more (no other save writes there)."""
         if merging(self.path) == self.save_id:  # its publication had begun: only going forward helps
             return self.abort()
         settle(self.staging)
@@ -223,8 +193,7 @@ class StagedTarget(SaveTarget):
 
 
 def recover(target: str) -> str | None:
-    """Finish a publication that died between its two renames, or beside other files (:func:`~tsckpt.commit.merge.finish_merge`);
-    returns the save id published, if any."""
+    """Finish a publication that died between its two renames, or beside other files; the save id published."""
     if os.path.isdir(target):
         with Turn(target) as turn:
             return finish_merge(target) if turn else None
@@ -266,10 +235,8 @@ def find_leftovers(loc: Location) -> list[Leftover]:
 
 def remove_leftovers(loc: Location, *, force: bool = False, older_than: float | None = None) -> list[Leftover]:
     """Finish an interrupted publication, then remove dead saves' directories (``force``: unknown ones too).
-
-    ``older_than`` (a ``time.time()``) spares directories modified since: a save
-    starting at this moment has created its directory but may not hold its lock yet.
-    """
+    ``older_than`` (a ``time.time()``) spares directories modified since: a starting save may not hold its lock
+    yet."""
     recover(target_path(loc))
     removed = []
     for item in find_leftovers(loc):

@@ -1,9 +1,5 @@
-"""A save's staging directory beside its local target: its name, finding it, reading its root, deleting it.
-
-Every save into ``<parent>/<name>`` writes into ``<parent>/.<name>.tsckpt-<save_id>``;
-a checkpoint it replaces may be moved aside to the same name with ``.old``
-after it (:mod:`tsckpt.commit.staged`).
-"""
+"""A save's staging directory beside its local target, ``.<name>.tsckpt-<save_id>`` (``.old`` after it: a
+checkpoint it replaces, moved aside): its name, finding it, reading its root, deleting it."""
 
 from __future__ import annotations
 
@@ -40,12 +36,8 @@ def staging_dirs(target: str) -> list[StagingDir]:
         entries = os.listdir(parent)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    out = []
-    for entry in sorted(entries):
-        m = STAGING_NAME.match(entry)
-        if m and m["name"] == name:
-            out.append(StagingDir(os.path.join(parent, entry), m["save_id"], bool(m["old"])))
-    return out
+    found = [(e, m) for e in sorted(entries) if (m := STAGING_NAME.match(e)) and m["name"] == name]
+    return [StagingDir(os.path.join(parent, e), m["save_id"], bool(m["old"])) for e, m in found]
 
 
 def read_root(path: str) -> bytes | None:
@@ -60,9 +52,7 @@ def read_root(path: str) -> bytes | None:
 def root_keys(path: str) -> Callable[[str], bool] | None:
     """Which files belong to the checkpoint whose root document is in ``path`` (None: no root)."""
     raw = read_root(path)
-    if raw is None:
-        return None
-    return checkpoint_keys(raw) or is_own_key
+    return None if raw is None else checkpoint_keys(raw) or is_own_key
 
 
 def committed(path: str) -> Found | None:
@@ -78,20 +68,15 @@ def committed(path: str) -> Found | None:
 def remove_tree(path: str, own: Callable[[str], bool] | None = None) -> None:
     """Delete a staged or replaced checkpoint: its root document first, so no half-deleted tree is committed.
 
-    Only files a tsckpt save may have written go: those the committed root
-    document names (:func:`~tsckpt.commit.states.checkpoint_keys`), or ``own``,
-    or by their names (:func:`~tsckpt.commit.states.is_own_key`) in a tree
-    that never committed. Anything else, and the directories holding it,
-    stay where they are.
+    Only files a tsckpt save may have written go (those its root names, or ``own``, or by their names in a
+    tree that never committed); anything else, and the directories holding it, stay.
     """
     if own is None:
         with contextlib.suppress(OSError):
             own = root_keys(path)
     own = own or is_own_key
-    try:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.unlink(os.path.join(path, ROOT))
-    except (FileNotFoundError, NotADirectoryError):
-        pass
     for top, dirs, files in os.walk(path, topdown=False):
         for name in files:
             full = os.path.join(top, name)
@@ -120,12 +105,8 @@ def tree_bytes(path: str) -> int:
 
 
 def settle(path: str, *, quiet: float = 0.25, limit: float = 10.0) -> None:
-    """Wait until nothing under ``path`` has changed for ``quiet`` seconds, or ``limit`` seconds have passed.
-
-    A rank stopped by Ctrl-C leaves the writes it had started running in the
-    background (write threads, TensorStore's own): a staging directory removed
-    before they end would be made again by the files they create after it.
-    """
+    """Wait until nothing under ``path`` has changed for ``quiet`` seconds, or ``limit`` seconds have passed: a
+    rank stopped by Ctrl-C leaves its writes running, and files they create after a removal would remake it."""
     deadline = time.monotonic() + limit
     last, calm_since = tree_state(path), time.monotonic()
     while time.monotonic() < deadline:

@@ -1,15 +1,7 @@
-"""What a location holds, as a save or a prune sees it: checkpoint states, own keys, refusals.
+"""What a location holds, as a save, ``clean`` or the step scan sees it: checkpoint states, own keys, refusals.
 
-One vocabulary for every caller that must tell a committed checkpoint from a
-dead save's leftovers, from Zarr data tsckpt did not write, or from other
-files a save writes beside (:func:`is_zarr_key`): a save's set-up and its
-publication, ``clean``, and the step scan behind ``latest`` and ``prune``. Deciding only: nothing here writes, except :func:`delete_own_keys`,
-which deletes, one key at a time, only the keys a tsckpt save writes. Its
-callers (a save replacing a checkpoint in place, ``clean`` and ``prune``)
-also delete the root document and the claim by name; an in-place save that
-failed deletes its own keys by the prefixes it recorded, which carry its save
-id or name its own arrays (:mod:`tsckpt.commit.in_place`); local directories
-are removed by :func:`tsckpt.commit.staging_dirs.remove_tree`.
+Deciding only: the one thing here that writes, :func:`delete_own_keys`, deletes one key at a time and only
+keys a tsckpt save writes (``docs/publication.md``, "What a save may replace").
 """
 
 from __future__ import annotations
@@ -29,30 +21,25 @@ from ..storage.kvio import storage_error
 
 ROOT = "zarr.json"
 ATTRIBUTE = "tsckpt"
-#: The object that fences a running save on stores without rename; a name no
-#: array path can take (escaped node names never start with ".").
+#: The object that fences a running save on stores without rename; a name no array path can take (escaped
+#: node names never start with ".").
 CLAIM = ".tsckpt-claim.json"
 
-#: The states a location (or a step entry under a root) can be in. DAMAGED is a root
-#: document that is not JSON: the step scan reports it, a save treats it as committed.
+#: The states a location (or a step entry under a root) can be in. DAMAGED is a root document that is not
+#: JSON: the step scan reports it, a save treats it as committed.
 ABSENT, INCOMPLETE, COMMITTED, FOREIGN, FILE, DAMAGED = "absent", "incomplete", "committed", "foreign", "file", "damaged"
 
 #: A save's own files (format version 4): ranks' data files and their parts, chunk tables, the packed index.
-_DATA_FILE = r"^d/[0-9a-f]{32}(?:\.index|-\d+(?:\.\d+|\.table)?)$"
+_DATA_FILE_KEY = re.compile(r"^d/[0-9a-f]{32}(?:\.index|-\d+(?:\.\d+|\.table)?)$")
+#: A node document or chunk key (either separator), relative to its array.
+_NODE_OR_CHUNK = re.compile(r"(?:zarr\.json|c|c(?:\.\d+)+|c(?:/\d+)+)$")
+#: The packed layout's OCDBT manifests and data files, and a save's own files.
+_LAYOUT_KEY = re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$|" + _DATA_FILE_KEY.pattern)
 
-_DATA_FILE_KEY = re.compile(_DATA_FILE)
-
-#: Keys a tsckpt save writes: node documents and chunk keys of either separator,
-#: the packed layout's OCDBT manifests and data files, and the claim. A location
+#: Keys a tsckpt save writes: node documents and chunk keys, its layout's files, and the claim. A location
 #: holding only these and no root is a dead save's leftovers.
-OWN_KEYS: list[re.Pattern[str]] = [
-    re.compile(r"(?:^|/)(?:zarr\.json|c|c(?:\.\d+)+)$"),
-    re.compile(r"(?:^|/)c(?:/\d+)+$"),
-    re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$"),
-    re.compile(_DATA_FILE),
-    re.compile(re.escape(CLAIM) + "$"),
-]
-
+OWN_KEYS: list[re.Pattern[str]] = [re.compile(r"(?:^|/)" + _NODE_OR_CHUNK.pattern), _LAYOUT_KEY,
+                                   re.compile(re.escape(CLAIM) + "$")]
 
 #: TensorStore's file driver writes ``<key>.__lock`` beside a key while it replaces it.
 LOCK_SUFFIX = ".__lock"
@@ -74,9 +61,8 @@ _ZARR_V2 = re.compile(r"(?:^|/)\.z(?:group|array|attrs|metadata)$")
 
 
 def is_zarr_key(key: str) -> bool:
-    """Whether ``key`` is named as Zarr data (node documents, chunk keys, version 2 metadata) or as a save's
-    own files are: keys a save never writes beside unless they are a checkpoint's or a save's leftovers.
-    Every other key is a file a save writes its own beside and never touches."""
+    """Whether ``key`` is named as Zarr data (node documents, chunk keys, version 2 metadata) or a save's own
+    file; every other key is a file a save writes beside and never touches."""
     return is_own_key(key) or _ZARR_V2.search(key.removesuffix(LOCK_SUFFIX)) is not None
 
 
@@ -89,8 +75,7 @@ class Found:
     what: str = ""
     #: For a committed checkpoint, the save that wrote it (from ``extra.save_id``).
     save_id: str | None = None
-    #: How many files beside it are neither Zarr data nor tsckpt's (a run directory's configs and logs):
-    #: a save writes its own files beside them and never touches them.
+    #: How many files beside it are neither Zarr data nor tsckpt's (a run directory's configs and logs).
     others: int = 0
 
 
@@ -100,8 +85,7 @@ def claim_fields(raw: bytes) -> dict[str, Any]:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
         return {}
-    valid = isinstance(doc, dict) and isinstance(doc.get("save_id"), str)
-    return doc if valid else {}
+    return doc if isinstance(doc, dict) and isinstance(doc.get("save_id"), str) else {}
 
 
 def read_key(kv: ts.KvStore, key: str, url: str) -> ts.KvStore.ReadResult:
@@ -130,44 +114,27 @@ def describe_root(raw: bytes) -> Found:
                      save_id=save_id if isinstance(save_id, str) else None)
     if isinstance(doc, dict) and doc.get("zarr_format") in (2, 3):
         node = doc.get("node_type", "node")
-        return Found(FOREIGN, f"a Zarr {node} that tsckpt did not write (its {ROOT} has no "
-                              f"'{ATTRIBUTE}' attributes)")
+        return Found(FOREIGN, f"a Zarr {node} that tsckpt did not write (its {ROOT} has no '{ATTRIBUTE}' attributes)")
     return Found(FOREIGN, f"a {ROOT} that is not a Zarr document")
 
 
 def list_keys(kv: ts.KvStore, url: str) -> list[str]:
-    """Every key under the kvstore, relative to it, as text."""
     return [k.decode("utf-8", "replace") for k in kvio.list_keys(kv, url)]
 
 
 def without_root(keys: list[str]) -> Found:
-    """Classify a location whose root document is missing, by its keys (relative to it).
-
-    Names alone cannot tell a dead save's data from Zarr data someone else
-    wrote: both are ``zarr.json`` and chunk keys. Without a committed root,
-    keys are a save's leftovers only under that save's claim, which every
-    save writing in place (object stores, memory) puts down before its first
-    key and removes after its last; local saves write only in their own
-    staging directories, never at the location itself.
-    """
+    """Classify a location whose root document is missing by its keys (relative to it); keys named as a save's
+    are its leftovers only under its claim (see :func:`beside_others`)."""
     foreign = sorted(k for k in keys if not is_own_key(k))
     if foreign:
         return Found(FOREIGN, f"{len(foreign)} file(s) tsckpt did not write, e.g. {foreign[0]!r}")
     return beside_others(keys)  # every key is named as a save's own: none is beside
 
 
-_NODE_OR_CHUNK = re.compile(r"^(?:zarr\.json|c|c(?:\.\d+)+|c(?:/\d+)+)$")
-_LAYOUT_KEY = re.compile(r"^(?:ocdbt\.process_\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$|" + _DATA_FILE)
-
-
 def checkpoint_keys(raw: bytes) -> Callable[[str], bool] | None:
-    """For a committed root document: which keys belong to that checkpoint (None if it names no arrays).
-
-    A key is the checkpoint's when it is a node document or chunk key of an
-    array or group its metadata names, or a key of its layout (OCDBT files,
-    the claim). An array someone added inside a checkpoint is not, though its
-    names look like any array's.
-    """
+    """For a committed root document: which keys belong to that checkpoint (None if it names no arrays): node
+    documents and chunk keys of the arrays and groups its metadata names, its layout's keys and the claim (an
+    array someone added inside a checkpoint is not)."""
     try:
         md = json.loads(raw)["attributes"][ATTRIBUTE]
         paths = {e["path"] for table in ("tensors", "objects") for e in md[table].values()
@@ -195,10 +162,10 @@ def checkpoint_keys(raw: bytes) -> Callable[[str], bool] | None:
 def beside_others(keys: list[str]) -> Found:
     """Classify a location whose root document is missing, as a save into it sees its keys (relative to it).
 
-    Files that are neither Zarr data nor a save's (:func:`is_zarr_key`) do not
-    count: a save writes beside them. Zarr data is a dead save's leftovers
-    only under that save's claim (see :func:`without_root`); otherwise it is
-    another tool's, and the save is refused.
+    Files that are not Zarr data (:func:`is_zarr_key`) do not count: a save writes beside them. Zarr data is a
+    dead save's leftovers only under that save's claim, which every save writing in place puts down before its
+    first key and removes after its last (local saves write only in their staging directories); otherwise it
+    is another tool's, and the save is refused.
     """
     zarr = sorted(k for k in keys if is_zarr_key(k))
     others = len(keys) - len(zarr)
@@ -212,12 +179,9 @@ def beside_others(keys: list[str]) -> Found:
 
 
 class Survey:
-    """A location's root document and key listing (and, for a save, its claim), requested at once.
-
-    Over an object store each is a round trip of tens of milliseconds, and a
-    save's start needs all of them: asked together they cost one. ``listing``
-    False lists only when :meth:`keys` is first asked.
-    """
+    """A location's root document and key listing (and, for a save, its claim), requested at once: over an
+    object store each is a round trip, and asked together they cost one. ``listing`` False lists only when
+    :meth:`keys` is first asked."""
 
     def __init__(self, kv: ts.KvStore, url: str, *, claim: bool = False, listing: bool = True):
         self.kv, self.url = kv, url
@@ -235,7 +199,6 @@ class Survey:
         return (result.value if result.state == "value" else None), result.stamp.generation
 
     def keys(self) -> list[str]:
-        """As :func:`list_keys`."""
         if self._keys is None:
             self._keys = self.kv.list()
         return [k.decode("utf-8", "replace") for k in _result(self._keys, f"cannot list {self.url}")]
@@ -249,14 +212,11 @@ def _result(future: Any, what: str) -> Any:
 
 
 def classify(kv: ts.KvStore, url: str, *, inside: bool = False, survey: Survey | None = None) -> Found:
-    """What a save into the kvstore at ``url`` finds there: nothing, a committed checkpoint, a dead save's
-    leftovers, or Zarr data tsckpt did not write; and how many other files it writes beside (``others``).
+    """What a save into the kvstore at ``url`` finds there, and how many other files it writes beside.
 
-    ``inside``: also list a committed checkpoint's keys, so that one holding
-    Zarr data it does not name (an array someone added inside) counts as
-    foreign, and its other files are counted (a save about to replace it must
-    know; everyone else needs only the root document). ``survey``: the
-    location's reads, already started.
+    ``inside``: also list a committed checkpoint's keys, so that one holding Zarr data it does not name counts
+    as foreign and its other files are counted (for a save about to replace it). ``survey``: the location's
+    reads, already started.
     """
     survey = survey or Survey(kv, url, listing=False)
     raw, _ = survey.root()
@@ -286,14 +246,8 @@ def delete_own_keys(kv: ts.KvStore, keys: list[str], url: str, prefix: str = "",
 
 
 def refuse(found: Found, url: str, *, overwrite: bool, save_id: str, at_commit: bool = False) -> None:
-    """Raise unless saving over ``found`` is allowed.
-
-    A committed tsckpt checkpoint may be replaced with ``overwrite``. Other
-    files (a run directory's configs and logs, a bucket's other objects) are
-    no reason to refuse: the save writes beside them and never touches them.
-    Zarr data tsckpt did not write is, whatever ``overwrite`` says: the save's
-    own documents would mix with it or go over it.
-    """
+    """Raise unless saving over ``found`` is allowed: a committed checkpoint only with ``overwrite``, Zarr data
+    tsckpt did not write (or a file in the way) never, since the save's documents would mix with it."""
     if found.state == FILE:
         raise FileInTheWayError(f"{url} is a file, not a checkpoint directory; refusing to save there "
                                 f"(tsckpt never replaces what it did not write): choose another location")

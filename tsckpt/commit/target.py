@@ -1,16 +1,7 @@
 """One save's target: where its data goes and how its root document becomes visible; leftovers of dead saves.
 
-A save never writes where readers look until it is complete and committed:
-
-* **Local filesystems** (driver ``file``): every save writes into its own hidden
-  staging directory beside the target, ``.<name>.tsckpt-<save_id>``, commits
-  there, and is published by one atomic rename, or by an atomic exchange with
-  the checkpoint it replaces (:mod:`tsckpt.commit.staged`).
-* **Object stores and memory** (no rename): the save writes in place. A claim
-  object written with a conditional write fences off other saves, and the root
-  document is committed with a conditional write (:mod:`tsckpt.commit.in_place`).
-
-Which kind a location gets, and the calls on it, are in :mod:`tsckpt.commit.protocol`.
+Local filesystems stage and rename (:mod:`tsckpt.commit.staged`); object stores and memory write in place
+under a claim (:mod:`tsckpt.commit.in_place`). The protocol is ``docs/publication.md``.
 """
 
 from __future__ import annotations
@@ -55,9 +46,7 @@ class SaveTarget(ABC):
     """One save's view of its target: where its data goes, and how its root document becomes visible."""
 
     def __init__(self, location: Location, save_id: str, overwrite: bool):
-        self.location = location
-        self.save_id = save_id
-        self.overwrite = overwrite
+        self.location, self.save_id, self.overwrite = location, save_id, overwrite
 
     @property
     def url(self) -> str:
@@ -77,11 +66,7 @@ class SaveTarget(ABC):
         """Write the root document through ``kv`` (a kvstore at :attr:`data_location`) and publish it."""
 
     def check_current(self) -> None:
-        """Coordinator, before the commit writes anything shared: raise if this save can no longer commit.
-
-        A save that another one has overtaken must not write node documents
-        or an index into what the other save committed.
-        """
+        """Coordinator, before the commit writes anything shared: raise if another save has overtaken this one."""
 
     def begin_commit(self) -> None:
         """Coordinator, once every rank's data is durable and before any node is written: raise if this save
@@ -96,10 +81,7 @@ class SaveTarget(ABC):
         self.written = tuple(prefixes)
 
     def abort(self) -> str | None:
-        """Best effort, after a failure this process knows of: drop what only this save used.
-
-        Returns None when what the save wrote is gone, else what is left and why.
-        """
+        """Best effort, after a failure: drop what only this save used; None when it is gone, else what is left."""
         return None
 
     @classmethod

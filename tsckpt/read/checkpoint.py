@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..commit import protocol as commit
 from ..errors import IncompleteCheckpointError, NotACheckpointError, OptionError, TsckptError
 from ..format import dtypes, object_values
-from ..commit import protocol as commit
-from ..storage.box_reader import BoxReader
-from ..storage.planned_box import PendingBox
-from ..storage.chunk_source import ChunkSource
 from ..format.grid import ChunkGrid
 from ..format.metadata import (CheckpointMetadata, DTensorPlacement, Mesh, ObjectEntry, Placement,
                                ReplicatedPlacement, ShardedTensorPlacement, TensorEntry)
 from ..format.names import nest
-from ..storage.store import Store, read_error
+from ..storage.box_reader import BoxReader
+from ..storage.chunk_source import ChunkSource
 from ..storage.context import DEFAULT_IO_CONCURRENCY
 from ..storage.location import LocationLike
+from ..storage.planned_box import PendingBox
+from ..storage.store import Store, read_error
 from .index import Index, bounding_box, normalize_index
 
 if TYPE_CHECKING:
@@ -42,14 +42,9 @@ class KeyNotFoundError(TsckptError, KeyError):
 
 
 def _placement_text(p: Mapping[str, Any]) -> str:
-    kind = p.get("type")
-    if kind == "shard":
-        return f"Shard({p.get('dim')})"
-    if kind == "strided_shard":
-        return f"StridedShard({p.get('dim')}, sf={p.get('split_factor')})"
-    if kind == "partial":
-        return f"Partial({p.get('reduce_op', 'sum')})"
-    return "Replicate()" if kind == "replicate" else str(kind)
+    texts = {"shard": f"Shard({p.get('dim')})", "partial": f"Partial({p.get('reduce_op', 'sum')})",
+             "strided_shard": f"StridedShard({p.get('dim')}, sf={p.get('split_factor')})", "replicate": "Replicate()"}
+    return texts.get(p.get("type"), str(p.get("type")))
 
 
 @dataclass(frozen=True)
@@ -64,9 +59,7 @@ class TensorHandle:
     """One stored tensor. Metadata is free; data is read on indexing, chunk by chunk."""
 
     def __init__(self, checkpoint: Checkpoint, key: str, entry: TensorEntry):
-        self._ck = checkpoint
-        self.key = key
-        self.entry = entry
+        self._ck, self.key, self.entry = checkpoint, key, entry
         self._box_reader: BoxReader | None = None
         self._lock = threading.Lock()
 
@@ -131,8 +124,7 @@ class TensorHandle:
         return self.entry.grid
 
     def writers(self) -> dict[tuple[int, ...], int]:
-        """Which rank saved each outer chunk, from the ranks' digest tables (read once per checkpoint); empty
-        when the save did not record it."""
+        """Which rank saved each outer chunk, from the ranks' digest tables; empty when the save did not record it."""
         saved = self._ck.source.writers(self.entry)
         return {index: saved[flat] for flat, index in enumerate(self.chunks.indices()) if flat in saved}
 
@@ -198,9 +190,7 @@ class Checkpoint(Mapping[str, Any]):
     def __init__(self, store: Store, metadata: CheckpointMetadata, *, allow_pickle: bool = False):
         self._store: Store | None = store
         self._source: ChunkSource | None = None
-        self.location = store.location
-        self.metadata = metadata
-        self.allow_pickle = allow_pickle
+        self.location, self.metadata, self.allow_pickle = store.location, metadata, allow_pickle
         self._handles = {k: TensorHandle(self, k, e) for k, e in metadata.tensors.items()}
 
     @property
@@ -309,7 +299,6 @@ class Checkpoint(Mapping[str, Any]):
 
 def _suggest(key: str, keys: list[str]) -> str:
     import difflib
-
     close = difflib.get_close_matches(key, keys, n=3)
     return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
 

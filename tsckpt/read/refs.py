@@ -1,10 +1,8 @@
 """Reference files: a packed checkpoint as byte ranges of its data files, for zarr-python without tsckpt.
 
-A kerchunk reference file (version 1) maps each Zarr key to ``[url, offset, length]`` or to its content;
-fsspec's ``reference://`` filesystem reads it, so zarr-python opens the packed hierarchy (usage:
-``docs/reading.md``). Documents are inline, chunks are ranges of the data files (zarr's ``crc32c`` codec
-still checks them). Keys are under one top-level name, as zarr-python 3.1 lists no groups at the root of
-a reference filesystem; data files are named through the template ``u``, the checkpoint's location."""
+A kerchunk reference file (version 1), read by fsspec's ``reference://`` filesystem (``docs/reading.md``):
+documents inline, chunks as ranges of the data files, named through the template ``u``. Keys are under one
+top-level name, as zarr-python 3.1 lists no groups at the root of a reference filesystem."""
 
 from __future__ import annotations
 

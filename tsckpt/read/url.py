@@ -1,18 +1,9 @@
-"""``tsckpt://``: checkpoints by URL for zarr-python, xarray and dask, whatever the layout.
+"""``tsckpt://``: checkpoints by URL for zarr-python, xarray and dask, whatever the layout (``docs/reading.md``).
 
-fsspec finds ``tsckpt`` through the ``fsspec.specs`` entry point this package declares, so with tsckpt
-installed (never imported) these work::
-
-    zarr.open_group("tsckpt://ckpt/step_1000", mode="r")
-    xr.open_zarr("tsckpt://ckpt/step_1000/model", consolidated=False)
-    dask.array.from_zarr("tsckpt://ckpt/step_1000", component="model/layers.0.attn.wq.weight")
-    zarr.open_group("tsckpt://s3://bucket/run/step_1000", mode="r")
-
-After ``tsckpt://`` comes a checkpoint location as :func:`tsckpt.open` takes one, optionally followed by
-a group or array inside it. The filesystem serves the checkpoint's Zarr keys and nothing else, read
-through :func:`tsckpt.zarr_store`: every chunk reaches zarr with its crc32c, and a slice reads only the
-byte ranges it needs. Loading this module imports tsckpt, which registers the bfloat16 and float8 data
-types with zarr-python."""
+fsspec finds ``tsckpt`` through this package's ``fsspec.specs`` entry point: ``tsckpt://ckpt/step_1000`` opens
+with tsckpt installed, never imported. After ``tsckpt://`` comes a location as :func:`tsckpt.open` takes one,
+optionally followed by a group or array inside it; its Zarr keys are read through :func:`tsckpt.zarr_store`.
+Loading this module imports tsckpt, which registers its data types with zarr-python."""
 
 from __future__ import annotations
 
@@ -46,8 +37,7 @@ def url(location: LocationLike) -> str:
 
 def open_line(location: LocationLike) -> str:
     """The line of Python that opens ``location`` with zarr-python by URL, to paste into a notebook. Spec
-    members given with the location (an ``endpoint`` in a JSON location) go into ``storage_options``; the
-    environment's (``AWS_ENDPOINT_URL``...) need not, as the notebook has them too."""
+    members given with the location (an ``endpoint`` in a JSON location) go into ``storage_options``."""
     given: Any = location
     if isinstance(location, str) and location.lstrip().startswith("{"):
         given = json.loads(location)
@@ -61,7 +51,6 @@ def open_line(location: LocationLike) -> str:
 @dataclass
 class _Open:
     """A checkpoint found under some path: its store, and its root document as it was when opened."""
-
     store: TensorStoreZarrStore
     root: bytes
 
@@ -85,8 +74,7 @@ class TsckptFileSystem(AsyncFileSystem):
     def __init__(self, *args: Any, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
                  spec: Mapping[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.io_concurrency = io_concurrency
-        self.spec = dict(spec or {})
+        self.io_concurrency, self.spec = io_concurrency, dict(spec or {})
         self._checkpoints: dict[str, _Open] = {}
         self._lock = threading.Lock()
 
@@ -113,8 +101,8 @@ class TsckptFileSystem(AsyncFileSystem):
         return {"url": root, **self.spec} if self.spec and "://" in root else root
 
     def _root_document(self, candidate: str) -> bytes | None:
-        """The ``zarr.json`` right under ``candidate`` if it is a checkpoint's root document, else None. One that
-        is not JSON counts: opening it says what is wrong, where skipping it would say "not found"."""
+        """The ``zarr.json`` right under ``candidate`` if it is a checkpoint's root document, else None (one that
+        is not JSON counts: opening it says what is wrong, where skipping it would say "not found")."""
         try:
             loc = parse_location(self._location(candidate))
             result = open_kvstore(loc, make_context(self.io_concurrency, loc)).read(ROOT).result()
@@ -166,8 +154,7 @@ class TsckptFileSystem(AsyncFileSystem):
                 self._checkpoints[root] = _Open(store, current)
         return current
 
-    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
-                        **kwargs: Any) -> bytes:
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         root, found, key = await self._split(path)
         if not key:
             raise IsADirectoryError(path)
@@ -226,8 +213,7 @@ class TsckptFileSystem(AsyncFileSystem):
         entries = [(_directory if is_dir else _file)(f"{path}/{name}") for name, is_dir in sorted(children.items())]
         return entries if detail else [e["name"] for e in entries]
 
-    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False,
-                    **kwargs: Any) -> Any:
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
         detail = kwargs.pop("detail", False)
         try:

@@ -1,9 +1,8 @@
 """Check a checkpoint end to end without loading it: ``tsckpt.verify``.
 
-For every tensor and stored value: its ``zarr.json`` exists and agrees with the metadata, and every chunk
-of its grid exists (never fill values), decodes, and matches the crc32c stored beside each piece and the
-content hash its rank recorded. Then the files beside the arrays (data files, chunk tables, the packed
-index) are checked whole. Problems are collected per entry, not stopped at. Torch-free.
+For every tensor and stored value: its ``zarr.json`` agrees with the metadata, and every chunk exists, decodes
+and matches its crc32c and recorded content hash; then the files beside the arrays are checked whole. Problems
+are collected per entry, not stopped at. Torch-free.
 """
 
 from __future__ import annotations
@@ -18,18 +17,18 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from ..commit import protocol as commit
 from ..errors import ChecksumError, MetadataError, TsckptError
 from ..format import compressed, content_hashes, dtypes, shards, zarr_json
-from ..format.ocdbt import MANIFEST_KEY, Manifest
-from ..commit import protocol as commit
-from ..storage.chunk_source import ChunkSource
-from ..storage.fetchers import LocalFiles
 from ..format.grid import ChunkGrid
 from ..format.metadata import TensorEntry
-from ..storage.context import DEFAULT_IO_CONCURRENCY
-from ..storage.location import LocationLike
-from ..storage.kvio import read_json
+from ..format.ocdbt import MANIFEST_KEY, Manifest
 from ..progress import PROGRESS_BYTES, progress_bar, wanted
+from ..storage.chunk_source import ChunkSource
+from ..storage.context import DEFAULT_IO_CONCURRENCY
+from ..storage.fetchers import LocalFiles
+from ..storage.kvio import read_json
+from ..storage.location import LocationLike
 from .verify_report import EntryReport, VerifyReport
 
 #: Bytes of chunk reads kept in flight at once.
@@ -42,7 +41,6 @@ __all__ = ["EntryReport", "PROGRESS_BYTES", "VerifyReport", "verify"]
 @dataclass(frozen=True)
 class _Target:
     """One array to check: a tensor, or the uint8 blob of a stored value."""
-
     key: str
     path: str
     entry: TensorEntry | None  # None for a blob
@@ -50,9 +48,7 @@ class _Target:
 
 class _Checker:
     def __init__(self, source: ChunkSource, advance: Callable[[int], None]):
-        self.source = source
-        self.store = source.store
-        self.advance = advance
+        self.source, self.store, self.advance = source, source.store, advance
 
     def run(self, target: _Target) -> EntryReport:
         try:
@@ -121,9 +117,9 @@ class _Checker:
 
     def _read_stored(self, target: _Target, indices: list[tuple[int, ...]], nbytes: int,
                      sep: str, stored_in: set[str]) -> tuple[list[tuple[str, str | None]], int]:
-        """Every chunk read as stored, whole, and checked as stored: its size and index, the crc32c beside each
-        inner chunk (or, compressed, each decoded), and the content hash its rank recorded (a chunk replaced
-        whole by another intact one has every crc32c right)."""
+        """Every chunk read whole and checked as stored: its size and index, the crc32c of each inner chunk (or,
+        compressed, each decoded), and the content hash its rank recorded (a chunk replaced whole by another
+        intact one has every crc32c right)."""
         entry = target.entry
         assert entry is not None
         source, md = self.source, self.source.metadata
@@ -171,8 +167,8 @@ class _Checker:
 
     def _start_read(self, target: _Target, name: str, fmt: shards.ShardFormat, batch: Any,
                     stored_in: set[str]) -> tuple[Any, str | None]:
-        """Chunk ``name`` of ``target``, added to ``batch``: (its read, where the tables say it is (a file read whole),
-        or why it cannot be read; the file a problem with it is about)."""
+        """Chunk ``name`` of ``target``, added to ``batch``: (its read, where the tables say it is (a file read
+        whole) or why it cannot be read; the file a problem with it is about)."""
         key = f"{target.path}/{name}"
         try:
             found = self.source.locator.locate(key)
@@ -191,8 +187,7 @@ class _Checker:
         length = found.length if found.length is not None else fmt.nbytes
         return batch.want(found.file, found.offset, found.offset + length), found.file
 
-    def _read_blob(self, target: _Target, nbytes: int, sep: str,
-                   stored_in: set[str]) -> list[tuple[str, str | None]]:
+    def _read_blob(self, target: _Target, nbytes: int, sep: str, stored_in: set[str]) -> list[tuple[str, str | None]]:
         """A value blob, read whole through TensorStore, whose crc32c codec checks it."""
         name = zarr_json.chunk_key((0,), sep)
         try:
@@ -200,8 +195,7 @@ class _Checker:
             file = found.file if found is not None and found.file else self._writer_file(target, name)
         except TsckptError:
             file = self._writer_file(target, name)
-        if file is not None:
-            stored_in.add(file)
+        stored_in.update(f for f in (file,) if f is not None)
         try:
             blob = self.store.open_blob(target.path).result()
         except Exception as e:  # TensorStore reports every failure as ValueError or its own types

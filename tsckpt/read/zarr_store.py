@@ -1,10 +1,8 @@
 """A read-only zarr-python ``Store`` over a tsckpt checkpoint, served by TensorStore's kvstore.
 
-``zarr.open_group(tsckpt.zarr_store(path))`` reads any committed checkpoint, plain or packed, on any
-location tsckpt writes to, with zarr-python, dask and xarray, without fsspec. In a packed checkpoint
-every key but the root ``zarr.json`` lives in the OCDBT database; the store routes each key, so zarr sees
-one ordinary Zarr v3 hierarchy. What it reads is checked against the chunks' crc32c here, so damage
-raises an error naming the tensor, chunk and file."""
+``zarr.open_group(tsckpt.zarr_store(path))`` reads any committed checkpoint, plain or packed, without fsspec.
+In a packed checkpoint every key but the root ``zarr.json`` lives in the OCDBT database: the store routes each
+key, so zarr sees one Zarr v3 hierarchy. What it reads is checked here, so damage names tensor, chunk and file."""
 
 from __future__ import annotations
 
@@ -14,14 +12,16 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import numpy as np
 import tensorstore as ts
-from zarr.abc.store import ByteRequest, RangeByteRequest, Store
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from ..errors import ChecksumError, StorageError, TsckptError
 from ..commit import protocol as commit
 from ..commit.states import ROOT
-from ..format.metadata import CheckpointMetadata, TensorEntry
+from ..errors import ChecksumError, StorageError, TsckptError
+from ..format import checksums, compressed, dtypes, shards
+from ..format.metadata import ArrayOptions, CheckpointMetadata, TensorEntry
 from ..storage import kvio, packed
 from ..storage.chunk_source import ChunkSource
 from ..storage.context import DEFAULT_IO_CONCURRENCY, make_context, open_kvstore
@@ -29,7 +29,6 @@ from ..storage.kvio import problem
 from ..storage.layouts import PACKED, PLAIN, get_layout, layout_for
 from ..storage.location import Location, LocationLike, parse_location
 from ..storage.store import Store as SpecStore
-from .chunk_checks import as_slice, check_read
 
 
 def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
@@ -54,25 +53,21 @@ def zarr_store(location: LocationLike, *, allow_incomplete: bool = False,
         metadata = commit.read_metadata(kv, loc.url)
         return TensorStoreZarrStore(loc, layout=layout_for(metadata).name, io_concurrency=io_concurrency,
                                     metadata=metadata)
-    layout = PACKED if packed.is_packed(kv) else PLAIN
-    return TensorStoreZarrStore(loc, layout=layout, io_concurrency=io_concurrency)
+    return TensorStoreZarrStore(loc, layout=PACKED if packed.is_packed(kv) else PLAIN, io_concurrency=io_concurrency)
 
 
 class TensorStoreZarrStore(Store):
     """zarr-python's view of one checkpoint location; see :func:`zarr_store`. ``read_only`` is False by default
     only so that ``zarr.open_group(store)`` (default mode ``"a"``) works: every write and delete is refused."""
 
-    supports_writes = False
-    supports_deletes = False
+    supports_writes = supports_deletes = False
     supports_listing = True
 
     def __init__(self, location: Location, *, layout: str = PLAIN, read_only: bool = False,
                  io_concurrency: int = DEFAULT_IO_CONCURRENCY, metadata: CheckpointMetadata | None = None):
         super().__init__(read_only=read_only)
         get_layout(layout)  # refuses an unknown one
-        self.location = location
-        self.layout = layout
-        self.io_concurrency = io_concurrency
+        self.location, self.layout, self.io_concurrency = location, layout, io_concurrency
         #: The committed checkpoint's metadata (None: a location opened as found, committed or not).
         self.metadata = metadata
         self._stores: tuple[ts.KvStore, ts.KvStore] | None = None
@@ -93,10 +88,6 @@ class TensorStoreZarrStore(Store):
             self._stores = (store.kvstore, store.layout.hierarchy(store))
             self._opened_at = time.time()
         return self._stores
-
-    def _route(self, key: str) -> ts.KvStore:
-        plain, keys = self._kvstores()
-        return plain if key == ROOT else keys
 
     def __getstate__(self) -> dict[str, Any]:
         # TensorStore handles do not pickle (dask may pickle the store); reopen lazily.
@@ -119,12 +110,9 @@ class TensorStoreZarrStore(Store):
         """Release the TensorStore objects (context, kvstores, node cache); a later read opens them again. The
         read-only copies zarr reads through (``zarr.open_array(store, mode="r")``) are closed with it."""
         self._copies = [ref for ref in self._copies if ref() is not None]
-        for ref in self._copies:
-            copy = ref()
-            if copy is not None:
-                copy.close()
-        self._stores = None
-        self._source = None
+        for copy in [c for ref in self._copies if (c := ref()) is not None]:
+            copy.close()
+        self._stores = self._source = None
         super().close()
 
     def with_read_only(self, read_only: bool = False) -> TensorStoreZarrStore:
@@ -134,8 +122,10 @@ class TensorStoreZarrStore(Store):
         return copy
 
     def _read(self, key: str, byte_range: ByteRequest | None) -> ts.Future:
+        plain, keys = self._kvstores()
         # A committed checkpoint never changes: TensorStore need not revalidate cached index nodes on every read.
-        return self._route(key).read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
+        kv = plain if key == ROOT else keys
+        return kv.read(key, byte_range=as_slice(byte_range), staleness_bound=self._opened_at)
 
     def _only_out_of_range(self, key: str, error: ValueError) -> None:
         """Let a range past the end through (zarr returns what exists; TensorStore refuses); raise the rest."""
@@ -170,8 +160,7 @@ class TensorStoreZarrStore(Store):
     def _checked(self, key: str, prototype: BufferPrototype | None, result: ts.KvStore.ReadResult,
                  byte_range: ByteRequest | None, clip: bool = False) -> Buffer | None:
         """The value read (None for a missing key; ``clip``: a whole value, cut to ``byte_range``), its crc32c
-        checked here where it covers whole checksummed pieces, so that damage raises an error naming the
-        tensor, chunk and file, not zarr's codec error naming none."""
+        checked here where it covers whole pieces, so that damage names tensor, chunk and file (zarr's names none)."""
         if result.state != "value":
             return None
         found = self._array_of(key) if self.metadata is not None and self.metadata.codec_checksums else None
@@ -277,3 +266,72 @@ class TensorStoreZarrStore(Store):
             past = "it lies past the end of the file, which was cut short: " if "OUT_OF_RANGE" in str(e) else ""
             return self._damage(key, kind, f"{past}reading it failed: {problem(e)}")
         return StorageError(f"reading {key!r} from {self.location.url} failed: {problem(e)}")
+
+
+# The crc32c checks of what zarr-python reads of a chunk: a whole chunk as stored (compressed: decoded), of a
+# part what covers whole checksummed pieces (the shard index, an inner chunk). Damage is returned as a problem.
+
+_CHANGED = "does not match its stored crc32c (the data changed after it was written)"
+
+
+def check_read(key: str, value: bytes, byte_range: ByteRequest | None, entry: TensorEntry | None,
+               index: tuple[int, ...], options: ArrayOptions, pieces: dict[str, set[tuple[int, int]]]) -> str | None:
+    """What is wrong with ``value``, read by ``byte_range`` from chunk ``index`` (key ``key``) of tensor ``entry``
+    (None: a value blob), if anything. ``pieces`` keeps, per key, the inner chunks a compressed chunk's index
+    gave, for the reads of them that follow."""
+    if entry is None:  # a value blob: one piece, read whole
+        return f"its blob {_CHANGED}" if byte_range is None and not checksums.intact(value) else None
+    fmt = shards.value_format(entry, options)
+    data = np.frombuffer(value, dtype=np.uint8)
+    if options.compression is not None:
+        return _check_compressed(key, entry, options, fmt, data, byte_range, pieces)
+    start, end, _ = (as_slice(byte_range) or slice(None)).indices(fmt.nbytes)
+    if (start, end) == (0, fmt.nbytes):
+        try:
+            shards.check_stored_codec(fmt, index, data, "")
+        except ChecksumError as e:
+            return str(e).removeprefix(": ")
+    elif fmt.indexed and (start, end) == (fmt.nbytes - fmt.index_bytes, fmt.nbytes):
+        if not checksums.intact(data):
+            return "its shard index does not match its stored crc32c"
+    elif end <= fmt.pieces * fmt.piece_bytes and start % fmt.piece_bytes == 0 and data.size % fmt.piece_bytes == 0:
+        for at in range(0, data.size, fmt.piece_bytes):
+            if not checksums.intact(data[at:at + fmt.piece_bytes]):
+                return f"the inner chunk at bytes [{start + at}, {start + at + fmt.piece_bytes}) {_CHANGED}"
+    return None
+
+
+def _check_compressed(key: str, entry: TensorEntry, options: ArrayOptions, fmt: shards.ShardFormat,
+                      data: np.ndarray, byte_range: ByteRequest | None,
+                      pieces: dict[str, set[tuple[int, int]]]) -> str | None:
+    """Compressed chunks: a whole one decoded and checked; its index, and then each inner chunk zarr reads by
+    the ranges the index gives, by the crc32c each ends with."""
+    assert options.compression is not None
+    if byte_range is None:
+        try:
+            compressed.decode(fmt, options.compression, data, dtypes.from_zarr(entry.dtype).numpy, "")
+        except ChecksumError as e:
+            return str(e).removeprefix(": ")
+        return None
+    if fmt.indexed and isinstance(byte_range, SuffixByteRequest) and byte_range.suffix == fmt.index_bytes:
+        if not checksums.intact(data):
+            return "its shard index does not match its stored crc32c"
+        pairs = np.frombuffer(data[:16 * fmt.pieces].tobytes(), dtype="<u8").reshape(-1, 2)
+        pieces[key] = {(int(o), int(o + n)) for o, n in pairs.tolist() if o != shards.MISSING}
+    elif isinstance(byte_range, RangeByteRequest) and (byte_range.start, byte_range.end) in pieces.get(key, ()):
+        if not checksums.intact(data):
+            return f"the inner chunk at bytes [{byte_range.start}, {byte_range.end}) {_CHANGED}"
+    return None
+
+
+def as_slice(byte_range: ByteRequest | None) -> slice | None:
+    """zarr-python's byte request as the slice TensorStore reads (None: the whole value)."""
+    if byte_range is None:
+        return None
+    if isinstance(byte_range, RangeByteRequest):
+        return slice(byte_range.start, byte_range.end)
+    if isinstance(byte_range, OffsetByteRequest):
+        return slice(byte_range.offset, None)
+    if isinstance(byte_range, SuffixByteRequest):
+        return slice(-byte_range.suffix, None) if byte_range.suffix else slice(0, 0)
+    raise TypeError(f"unexpected byte range {byte_range!r}")
